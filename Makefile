@@ -1,0 +1,53 @@
+# lmcal: `make help` lists the targets. Every target sets up .venv first (torch pinned, then the package).
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+# The torch requirement installed before the package; override for another build, e.g.
+#   make install TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu126"
+TORCH ?= torch==2.13.0
+PROFILE ?= auto
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.DEFAULT_GOAL := help
+.PHONY: help install test test-all lint bench smoke reproduce clean
+
+help: ## list the targets
+	@awk 'BEGIN{FS=":.*## "} /^[a-zA-Z_-]+:.*## /{printf "  make %-10s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
+	@echo "  variables: TORCH='$(TORCH)' PROFILE=$(PROFILE) (auto|paper|cpu|smoke) LMCAL_DATA_ROOT=<folder holding ptb/>"
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet $(TORCH)
+	$(PY) -m pip install --quiet -e ".[dev]"
+	@touch $(STAMP)
+
+install: $(STAMP) ## create .venv: pinned torch first, then lmcal with its dependencies
+
+test: $(STAMP) ## run the test suite (real PTB through LMCAL_DATA_ROOT if set; slow tests excluded)
+	$(PY) -m pytest -m "not slow"
+
+test-all: $(STAMP) ## run every test, the slow ones too
+	$(PY) -m pytest
+
+lint: $(STAMP) ## ruff
+	$(VENV)/bin/ruff check src tests bench
+
+bench: $(STAMP) ## training throughput and FLOP utilisation (prints a Markdown table)
+	$(PY) bench/train_throughput.py
+
+smoke: $(STAMP) ## a tiny training run (under a minute) that writes metrics.json
+	$(PY) -m lmcal.train experiment=smoke
+
+reproduce: $(STAMP) ## train the base model for PROFILE (auto: paper on a GPU, else cpu)
+	@profile=$(PROFILE); \
+	if [ "$$profile" = auto ]; then \
+	  if $(PY) -c 'import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)'; then profile=paper; else profile=cpu; fi; \
+	  echo "PROFILE=auto: running the '$$profile' profile (choose with make reproduce PROFILE=paper|cpu|smoke)"; \
+	fi; \
+	case "$$profile" in paper) exp=paper;; cpu) exp=ptb_small;; smoke) exp=smoke;; \
+	  *) echo "unknown PROFILE=$$profile: use auto, paper, cpu or smoke" >&2; exit 2;; esac; \
+	$(PY) -m lmcal.train experiment=$$exp hydra.run.dir=outputs/reproduce/$$profile/base
+
+clean: ## remove .venv (outputs/ is kept)
+	rm -rf $(VENV)

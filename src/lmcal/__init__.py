@@ -1,0 +1,3 @@
+"""lmcal: calibration, entropy rates and memory in language models (Braverman et al., ICML 2020)."""
+
+__version__ = "0.1.0"

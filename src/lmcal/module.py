@@ -1,0 +1,264 @@
+"""Lightning layer: the data module and the training module (AWD recipe with NT-ASGD).
+
+All numerics live in `model.py` and `data.py`; this file wires them into Lightning.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytorch_lightning as pl
+import torch
+import torch.nn.functional as F
+from hydra.utils import instantiate
+from torch.utils.data import DataLoader, Dataset
+
+from lmcal import data as D
+from lmcal.model import ar_tar, repackage
+
+log = logging.getLogger("lmcal")
+
+
+class SpanDataset(Dataset):
+    """Map-style view of (start, seq_len) windows over a batchified stream [S, B]."""
+
+    def __init__(self, source: torch.Tensor, spans: list[tuple[int, int]]):
+        self.source, self.spans = source, spans
+
+    def __len__(self):
+        return len(self.spans)
+
+    def __getitem__(self, i):
+        return D.get_batch(self.source, *self.spans[i])
+
+
+def load_corpus(name: str = "ptb", root: str | None = None, download: bool = False, **kwargs) -> D.Corpus:
+    if name == "ptb":
+        return D.load_ptb(root, download=download)
+    if name == "synthetic":
+        return D.synthetic_corpus(**kwargs)
+    raise D.DataError(f"Unknown corpus {name!r}: choose data=ptb (or name=synthetic in tests).")
+
+
+class LMDataModule(pl.LightningDataModule):
+    """Batchified streams; a fresh variable-length BPTT schedule per epoch.
+
+    The schedule is a function of (seed, epoch) only, so a run resumed at an epoch
+    boundary sees the same batches as an uninterrupted one. It needs the trainer to
+    rebuild the train loader each epoch (trainer.reload_dataloaders_every_n_epochs=1).
+    """
+
+    def __init__(self, name: str = "ptb", root: str | None = None, download: bool = False, batch_size: int = 20,
+                 eval_batch_size: int = 10, test_batch_size: int = 1, bptt: int = 70, seed: int = 141,
+                 max_train_tokens: int | None = None, max_eval_tokens: int | None = None,
+                 corpus_kwargs: dict | None = None):
+        super().__init__()
+        self.name, self.root, self.download = name, root, download
+        self.batch_size, self.eval_batch_size, self.test_batch_size = batch_size, eval_batch_size, test_batch_size
+        self.bptt, self.seed = bptt, seed
+        self.max_train_tokens, self.max_eval_tokens = max_train_tokens, max_eval_tokens
+        self.corpus_kwargs = dict(corpus_kwargs or {})
+        self.corpus: D.Corpus | None = None
+
+    def prepare(self) -> D.Corpus:
+        if self.corpus is None:
+            self.corpus = load_corpus(self.name, self.root, self.download, **self.corpus_kwargs)
+        return self.corpus
+
+    def setup(self, stage=None):
+        self.prepare()
+
+    @property
+    def vocab_size(self) -> int:
+        return self.prepare().vocab_size
+
+    def tokens(self, split: str) -> torch.Tensor:
+        t = self.prepare().split(split)
+        limit = self.max_train_tokens if split == "train" else self.max_eval_tokens
+        return t[:limit] if limit else t
+
+    def train_dataloader(self):
+        source = D.batchify(self.tokens("train"), self.batch_size)
+        epoch = self.trainer.current_epoch if self.trainer is not None else 0
+        spans = list(D.bptt_spans(source.size(0), self.bptt, D.epoch_generator(self.seed, epoch)))
+        return DataLoader(SpanDataset(source, spans), batch_size=None, shuffle=False)
+
+    def val_dataloader(self):
+        source = D.batchify(self.tokens("valid"), self.eval_batch_size)
+        return DataLoader(SpanDataset(source, list(D.bptt_spans(source.size(0), self.bptt))), batch_size=None)
+
+
+def nt_asgd_should_switch(history: list[float], val_loss: float, nonmono: int) -> bool:
+    """NT-ASGD trigger: the current validation loss is worse than the best of all earlier
+    epochs except the last `nonmono` ones (`history` holds the earlier epochs' losses)."""
+    return len(history) > nonmono and val_loss > min(history[:-nonmono])
+
+
+class LMModule(pl.LightningModule):
+    """AWD-LSTM training: variable-length BPTT with the lr scaled by seq_len/bptt, AR/TAR,
+    gradient clipping, SGD switching to averaged SGD (NT-ASGD); validation on the averaged
+    weights after the switch. Checkpoints hold the averaged weights in `state_dict` and the
+    raw ones in `raw_state_dict`, so every consumer of a checkpoint gets the model that was
+    validated, and resuming still continues from the raw iterate."""
+
+    def __init__(self, net: dict, vocab_size: int, lr: float = 30.0, weight_decay: float = 1.2e-6,
+                 clip: float = 0.25, alpha: float = 2.0, beta: float = 1.0, bptt: int = 70, nonmono: int = 5,
+                 optimizer: str = "sgd", asgd: bool = True):
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = instantiate(net, vocab_size=vocab_size)
+        self.automatic_optimization = False
+        self.val_history: list[float] = []
+        self.asgd_epoch: int | None = None  # epoch at which averaging started
+        self.avg: dict[str, torch.Tensor] | None = None
+        self.n_avg = 0
+        self.train_seconds, self.train_tokens = 0.0, 0
+        self._hidden = None
+
+    # -- optimisation ---------------------------------------------------------------------------
+    def configure_optimizers(self):
+        hp = self.hparams
+        if hp.optimizer == "sgd":
+            return torch.optim.SGD(self.net.parameters(), lr=hp.lr, weight_decay=hp.weight_decay)
+        if hp.optimizer == "adam":
+            return torch.optim.Adam(self.net.parameters(), lr=hp.lr, weight_decay=hp.weight_decay)
+        raise ValueError(f"optim.optimizer must be 'sgd' or 'adam', got {hp.optimizer!r}")
+
+    def on_train_epoch_start(self):
+        self._hidden = None  # a new pass over the streams starts from a zero state
+
+    def on_train_batch_start(self, batch, batch_idx):
+        self._t0 = time.perf_counter()
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch  # [T, B] each
+        hp = self.hparams
+        opt = self.optimizers()
+        for g in opt.param_groups:  # longer windows take proportionally larger steps
+            g["lr"] = hp.lr * x.size(0) / hp.bptt
+        if self._hidden is None:
+            self._hidden = self.net.init_hidden(x.size(1))
+        output, raw, self._hidden = self.net(x, repackage(self._hidden))
+        ce = F.cross_entropy(self.net.logits(output).flatten(0, 1), y.flatten())
+        loss = ce + ar_tar(output, raw, hp.alpha, hp.beta)
+        opt.zero_grad()
+        self.manual_backward(loss)
+        if hp.clip:
+            torch.nn.utils.clip_grad_norm_(self.net.parameters(), hp.clip)
+        opt.step()
+        if self.avg is not None:
+            self._update_average()
+        self.log_dict({"train/loss": ce, "train/ppl": ce.exp()}, prog_bar=True, on_step=True, on_epoch=False)
+        return loss
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self.train_seconds += time.perf_counter() - self._t0
+        self.train_tokens += batch[1].numel()
+
+    # -- averaged SGD -----------------------------------------------------------------------------
+    @torch.no_grad()
+    def _update_average(self):
+        self.n_avg += 1
+        for name, p in self.net.named_parameters():
+            self.avg[name].add_(p.detach() - self.avg[name], alpha=1.0 / self.n_avg)
+
+    def start_averaging(self):
+        self.avg = {n: p.detach().clone() for n, p in self.net.named_parameters()}
+        self.n_avg = 1
+        self.asgd_epoch = self.current_epoch
+
+    @contextmanager
+    def averaged_weights(self):
+        """Temporarily put the averaged iterate into the network (no-op before the switch)."""
+        if self.avg is None:
+            yield
+            return
+        saved = {n: p.detach().clone() for n, p in self.net.named_parameters()}
+        with torch.no_grad():
+            for n, p in self.net.named_parameters():
+                p.copy_(self.avg[n])
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for n, p in self.net.named_parameters():
+                    p.copy_(saved[n])
+
+    # -- validation -----------------------------------------------------------------------------
+    def on_validation_epoch_start(self):
+        self._val = [0.0, 0]
+        self._val_hidden = None
+        self._avg_ctx = self.averaged_weights()
+        self._avg_ctx.__enter__()
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        if self._val_hidden is None:
+            self._val_hidden = self.net.init_hidden(x.size(1))
+        output, _, self._val_hidden = self.net(x, self._val_hidden)
+        nll = F.cross_entropy(self.net.logits(output).flatten(0, 1), y.flatten(), reduction="sum")
+        self._val[0] += nll.item()
+        self._val[1] += y.numel()
+
+    def on_validation_epoch_end(self):
+        self._avg_ctx.__exit__(None, None, None)
+        val_loss = self._val[0] / max(self._val[1], 1)
+        self.log_dict({"val/loss": val_loss, "val/ppl": math.exp(val_loss)}, prog_bar=True)
+        self.log("val_loss", val_loss, prog_bar=False, logger=False)
+        if self.trainer.sanity_checking:
+            return
+        tps = self.train_tokens / self.train_seconds if self.train_seconds else float("nan")
+        log.info(f"epoch {self.current_epoch}: val loss {val_loss:.4f}, val ppl {math.exp(val_loss):.2f}, "
+                 f"{self.train_tokens:,} training tokens at {tps:,.0f} tokens/s")
+        if self.record_validation(val_loss):
+            log.info(f"NT-ASGD: validation loss {val_loss:.4f} is worse than the best before the last "
+                  f"{self.hparams.nonmono} epochs; averaging the weights from epoch {self.current_epoch} on.")
+        self.log("asgd", float(self.avg is not None))
+
+    def record_validation(self, val_loss: float) -> bool:
+        """NT-ASGD bookkeeping after one validation; True when averaging starts now."""
+        if self.avg is not None:
+            return False
+        if self.hparams.asgd and nt_asgd_should_switch(self.val_history, val_loss, self.hparams.nonmono):
+            self.start_averaging()
+            return True
+        self.val_history.append(val_loss)
+        return False
+
+    # -- checkpoints ----------------------------------------------------------------------------------
+    def on_save_checkpoint(self, checkpoint):
+        checkpoint["lmcal"] = {
+            "val_history": list(self.val_history), "asgd_epoch": self.asgd_epoch, "n_avg": self.n_avg,
+            "train_seconds": self.train_seconds, "train_tokens": self.train_tokens,
+        }
+        if self.avg is not None:
+            checkpoint["raw_state_dict"] = checkpoint["state_dict"]
+            with self.averaged_weights():
+                checkpoint["state_dict"] = {k: v.clone() for k, v in self.state_dict().items()}
+
+    def on_load_checkpoint(self, checkpoint):
+        state = checkpoint.get("lmcal", {})
+        self.val_history = list(state.get("val_history", []))
+        self.asgd_epoch = state.get("asgd_epoch")
+        self.n_avg = state.get("n_avg", 0)
+        self.train_seconds = state.get("train_seconds", 0.0)
+        self.train_tokens = state.get("train_tokens", 0)
+        if "raw_state_dict" in checkpoint:  # resume: average from state_dict, iterate from raw_state_dict
+            prefix = "net."
+            averaged = checkpoint["state_dict"]
+            self.avg = {n: averaged[prefix + n].clone() for n, _ in self.net.named_parameters()}
+            checkpoint["state_dict"] = checkpoint["raw_state_dict"]
+
+
+def load_net(ckpt_path: str | Path, map_location="cpu"):
+    """The network of a training checkpoint, with the weights that were validated
+    (the averaged ones after an NT-ASGD switch), in eval mode. No Lightning needed."""
+    ckpt = torch.load(ckpt_path, map_location=map_location, weights_only=False)
+    hp = ckpt["hyper_parameters"]
+    net = instantiate(hp["net"], vocab_size=hp["vocab_size"])
+    net.load_state_dict({k[len("net."):]: v for k, v in ckpt["state_dict"].items() if k.startswith("net.")})
+    return net.eval(), ckpt

@@ -1,0 +1,23 @@
+"""Shared fixtures. Tests that need the real corpus find it through $LMCAL_DATA_ROOT;
+without it they fall back to a small synthetic corpus."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from lmcal.data import PTB_SHA256
+
+DATA_ROOT = os.environ.get("LMCAL_DATA_ROOT")
+HAVE_PTB = bool(DATA_ROOT) and all((Path(DATA_ROOT) / "ptb" / f).is_file() for f in PTB_SHA256)
+needs_ptb = pytest.mark.skipif(not HAVE_PTB, reason="real PTB not found: set LMCAL_DATA_ROOT to a folder holding ptb/")
+
+
+@pytest.fixture
+def data_overrides() -> list[str]:
+    """Hydra overrides for a corpus that is always there: real PTB when found, else synthetic."""
+    if HAVE_PTB:
+        return [f"data.root={DATA_ROOT}"]
+    return ["data.name=synthetic", "+data.corpus_kwargs={vocab_size: 60, n_train: 20000, n_valid: 3000, n_test: 3000}"]

@@ -1,0 +1,121 @@
+import pytest
+import pytorch_lightning as pl
+import torch
+
+from lmcal.module import LMDataModule, LMModule, load_net, nt_asgd_should_switch
+
+NET = {"_target_": "lmcal.model.AWDLSTM", "emb_size": 8, "hidden_size": 16, "num_layers": 2}
+
+
+def test_nt_asgd_rule():
+    # fewer than nonmono+1 earlier epochs: never switch
+    assert not nt_asgd_should_switch([5.0, 4.0, 3.0], 9.0, nonmono=5)
+    hist = [5.0, 4.0, 3.0, 3.1, 3.2, 3.3, 3.4, 3.5]
+    # best outside the last 5 epochs is 4.0 (epochs 0..2 -> min 3.0)
+    assert nt_asgd_should_switch(hist, 3.05, nonmono=5)
+    assert not nt_asgd_should_switch(hist, 2.99, nonmono=5)
+    # only the epochs before the last `nonmono` count: a recent best does not trigger
+    assert not nt_asgd_should_switch([5.0, 4.0, 3.9, 1.0, 1.0, 1.0, 1.0], 3.95, nonmono=5)
+
+
+class Recorder(pl.Callback):
+    def __init__(self):
+        self.rows = []
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        self.rows.append({"epoch": trainer.current_epoch, "idx": batch_idx, "len": batch[0].size(0),
+                          "fresh_state": module._hidden is None})
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        self.rows[-1]["lr"] = trainer.optimizers[0].param_groups[0]["lr"]
+
+
+def fit(tmp_path, epochs=2, **kw):
+    dm = LMDataModule(name="synthetic", batch_size=4, eval_batch_size=2, bptt=12, seed=3,
+                      corpus_kwargs={"vocab_size": 20, "n_train": 3000, "n_valid": 400, "n_test": 400})
+    module = LMModule(net=NET, vocab_size=dm.vocab_size, lr=5.0, bptt=12, **kw)
+    rec = Recorder()
+    trainer = pl.Trainer(max_epochs=epochs, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         reload_dataloaders_every_n_epochs=1, num_sanity_val_steps=0, default_root_dir=tmp_path,
+                         callbacks=[rec])
+    trainer.fit(module, datamodule=dm)
+    return module, rec.rows, trainer
+
+
+def test_lr_scaled_per_step_state_carried_and_reset_each_epoch(tmp_path):
+    _, rows, _ = fit(tmp_path)
+    assert len({r["len"] for r in rows}) > 3  # variable lengths
+    for r in rows:
+        assert r["lr"] == pytest.approx(5.0 * r["len"] / 12)
+        assert r["fresh_state"] == (r["idx"] == 0)
+    # a new schedule each epoch (seeded by epoch)
+    e0 = [r["len"] for r in rows if r["epoch"] == 0]
+    e1 = [r["len"] for r in rows if r["epoch"] == 1]
+    assert e0 != e1
+
+
+def test_averaging_is_the_mean_of_the_iterates():
+    module = LMModule(net=NET, vocab_size=20)
+    module.start_averaging()
+    iterates = [{n: p.detach().clone() for n, p in module.net.named_parameters()}]
+    for _ in range(3):
+        with torch.no_grad():
+            for p in module.net.parameters():
+                p.add_(torch.randn_like(p))
+        module._update_average()
+        iterates.append({n: p.detach().clone() for n, p in module.net.named_parameters()})
+    for n, _ in module.net.named_parameters():
+        torch.testing.assert_close(module.avg[n], torch.stack([it[n] for it in iterates]).mean(0))
+    before = {n: p.detach().clone() for n, p in module.net.named_parameters()}
+    with module.averaged_weights():
+        for n, p in module.net.named_parameters():
+            torch.testing.assert_close(p, module.avg[n])
+    for n, p in module.net.named_parameters():  # restored afterwards
+        assert torch.equal(p, before[n])
+
+
+def test_checkpoint_holds_averaged_weights_and_resume_restores_raw(tmp_path):
+    module = LMModule(net=NET, vocab_size=20)
+    module.start_averaging()
+    with torch.no_grad():
+        for p in module.net.parameters():
+            p.add_(1.0)  # the raw iterate moves away from the average
+    ckpt = {"state_dict": module.state_dict(), "hyper_parameters": dict(module.hparams)}
+    module.on_save_checkpoint(ckpt)
+    path = tmp_path / "x.ckpt"
+    torch.save(ckpt, path)
+    net, _ = load_net(path)
+    for n, p in net.named_parameters():
+        torch.testing.assert_close(p, module.avg[n])
+    # resuming: the average comes back from state_dict, the iterate from raw_state_dict
+    fresh = LMModule(net=NET, vocab_size=20)
+    loaded = torch.load(path, weights_only=False)
+    fresh.on_load_checkpoint(loaded)
+    fresh.load_state_dict(loaded["state_dict"])
+    for n, p in fresh.net.named_parameters():
+        torch.testing.assert_close(fresh.avg[n], module.avg[n])
+        torch.testing.assert_close(p, dict(module.net.named_parameters())[n])
+
+
+def test_nt_asgd_switch_starts_averaging_once():
+    module = LMModule(net=NET, vocab_size=20, nonmono=5)
+    losses = [5.0, 4.0, 3.0, 3.1, 3.2, 3.3, 3.4, 3.5]
+    assert [module.record_validation(v) for v in losses] == [False] * 8
+    assert module.avg is None and module.val_history == losses
+    assert module.record_validation(3.05)  # worse than 3.0, the best before the last 5
+    assert module.avg is not None and module.n_avg == 1 and module.asgd_epoch == 0
+    assert not module.record_validation(9.0)  # switched for good; no second start
+    assert module.n_avg == 1
+    off = LMModule(net=NET, vocab_size=20, nonmono=5, asgd=False)
+    assert not any(off.record_validation(v) for v in losses + [9.0])
+    assert off.avg is None
+
+
+def test_validation_uses_averaged_weights_after_switch(tmp_path):
+    module, _, trainer = fit(tmp_path, epochs=1)
+    module.start_averaging()
+    with torch.no_grad():
+        for avg in module.avg.values():
+            avg.zero_()  # an all-zero average predicts uniformly: CE = log V
+    trainer.validate(module, datamodule=trainer.datamodule, verbose=False)
+    assert trainer.callback_metrics["val_loss"].item() == pytest.approx(torch.log(torch.tensor(20.0)).item(), abs=1e-5)

@@ -1,0 +1,77 @@
+"""End to end through Hydra: the smoke experiment via the compose API, resume, and the CLI's errors."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import open_dict
+
+from lmcal.train import CONF_DIR, train
+
+
+def smoke_cfg(tmp_path, overrides):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=["experiment=smoke", *overrides])
+    with open_dict(cfg):
+        cfg.paths.output_dir = str(tmp_path)
+    return cfg
+
+
+def test_smoke_run_through_hydra_writes_metrics_and_checkpoints(tmp_path, data_overrides):
+    cfg = smoke_cfg(tmp_path, data_overrides)  # default logger: W&B, offline
+    m = train(cfg)
+    on_disk = json.loads((tmp_path / "metrics.json").read_text())
+    assert on_disk == m
+    for key in ("val_ppl", "test_ppl", "test_ce_nats", "params", "epochs", "tokens_per_s"):
+        assert key in m
+    assert m["epochs"] == 2 and m["tokens_per_s"] > 0 and m["params"] > 0
+    assert 1 < m["test_ppl"] < 1.5 * cfg_vocab(m, tmp_path)  # it learned something: below ~uniform
+    assert (tmp_path / "checkpoints" / "last.ckpt").is_file() and (tmp_path / "checkpoints" / "best.ckpt").is_file()
+    assert list((tmp_path / "wandb").glob("offline-run-*")), "offline W&B run not written"
+    import wandb
+
+    assert wandb.run is None  # the run was finished
+
+
+def cfg_vocab(m, tmp_path):
+    import torch
+
+    return torch.load(m["best_ckpt"], weights_only=False)["hyper_parameters"]["vocab_size"]
+
+
+def test_rerun_in_same_directory_resumes_from_last(tmp_path, data_overrides):
+    base = [*data_overrides, "logger=csv"]
+    first = train(smoke_cfg(tmp_path, [*base, "trainer.max_epochs=1"]))
+    assert first["epochs"] == 1 and first["resumed_from"] is None
+    second = train(smoke_cfg(tmp_path, [*base, "trainer.max_epochs=2"]))
+    assert second["resumed_from"].endswith("last.ckpt")
+    assert second["epochs"] == 2
+    # the resumed run trained only the second epoch: its token count is twice the first's
+    assert second["train_tokens"] == pytest.approx(2 * first["train_tokens"], rel=0.1)
+
+
+def _cli(args, tmp_path, env_extra=None):
+    env = {**os.environ, "WANDB_MODE": "offline", **(env_extra or {})}
+    return subprocess.run([sys.executable, "-m", "lmcal.train", *args], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_missing_data_is_one_clear_message(tmp_path):
+    r = _cli(["experiment=smoke", f"data.root={tmp_path / 'nowhere'}", "data.download=false", "logger=none",
+              f"hydra.run.dir={tmp_path / 'run'}"], tmp_path)
+    assert r.returncode == 2
+    assert "Traceback" not in r.stderr
+    assert str(tmp_path / "nowhere" / "ptb" / "ptb.train.txt") in r.stderr
+    assert "fcea919f6cf83f35d4d00c6cbf08040d13d4155226340912e2fef9c9c4102cbf" in r.stderr
+    assert not (tmp_path / "run" / "metrics.json").exists()
+
+
+def test_cli_smoke_writes_metrics_json(tmp_path, data_overrides):
+    r = _cli(["experiment=smoke", "logger=csv", f"hydra.run.dir={tmp_path / 'run'}", *data_overrides], tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    m = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert m["epochs"] == 2
+    assert (tmp_path / "run" / "checkpoints" / "best.ckpt").is_file()
