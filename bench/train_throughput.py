@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
-from lmcal.model import AWDLSTM, ar_tar, embedding_dropout, locked_dropout, matmul_params, repackage
+from lmcal.model import AWDLSTM, ar_tar, embedding_dropout, forward_chunked, locked_dropout, matmul_params, repackage
 from lmcal.train import CONF_DIR
 
 
@@ -70,7 +70,8 @@ def cell_forward(net: AWDLSTM, x: torch.Tensor, hidden):
     return inp, raw, new_hidden
 
 
-def throughput(net: AWDLSTM, steps: int, batch: int, bptt: int, device: str, baseline: bool) -> float:
+def throughput(net: AWDLSTM, steps: int, batch: int, bptt: int, device: str, baseline: bool = False,
+               tau: int | None = None) -> float:
     net.to(device).train()
     opt = torch.optim.SGD(net.parameters(), lr=1.0, weight_decay=1.2e-6)
     hidden = net.init_hidden(batch)
@@ -82,6 +83,8 @@ def throughput(net: AWDLSTM, steps: int, batch: int, bptt: int, device: str, bas
             t = time.perf_counter()
         if baseline:
             output, raw, hidden = cell_forward(net, x, repackage(hidden))
+        elif tau:
+            output, raw = forward_chunked(net, x, tau)
         else:
             output, raw, hidden = net(x, repackage(hidden))
         loss = F.cross_entropy(net.logits(output).flatten(0, 1), y.flatten()) + ar_tar(output, raw, 2.0, 1.0)
@@ -101,21 +104,28 @@ def main():
     ap.add_argument("--batch", type=int, default=20)
     ap.add_argument("--bptt", type=int, default=70)
     ap.add_argument("--vocab", type=int, default=10_000)
+    ap.add_argument("--taus", type=int, nargs="*", default=[5, 30],
+                    help="also time limited-memory training at these tau (window bptt rounded to a multiple)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args()
     torch.manual_seed(0)
     peak = matmul_flops(args.device)
     print(f"device {args.device}, {torch.get_num_threads()} threads, torch {torch.__version__}")
     print(f"float32 matmul (2048^3): {peak / 1e9:.1f} GFLOP/s")
-    print("| model | params | matmul params | impl | tokens/s | GFLOP/s | MFU | speed-up |")
+    print("| model | params | matmul params | implementation | tokens/s | GFLOP/s | MFU | vs per-step loop |")
     print("|---|---|---|---|---|---|---|---|")
     for name in args.models:
         net = build(name, args.vocab)
         n_mm = matmul_params(net)
         n_all = sum(p.numel() for p in net.parameters())
-        ours = throughput(net, args.steps, args.batch, args.bptt, args.device, baseline=False)
+        ours = throughput(net, args.steps, args.batch, args.bptt, args.device)
         base = throughput(net, args.baseline_steps, args.batch, args.bptt, args.device, baseline=True)
-        for impl, tps in (("fused (ours)", ours), ("per-step loop", base)):
+        rows = [("fused (ours)", ours), ("per-step loop", base)]
+        for tau in args.taus:
+            window = max(tau, round(args.bptt / tau) * tau)
+            rows.append((f"fused, memory_tau={tau}", throughput(net, args.steps, args.batch, window, args.device,
+                                                                tau=tau)))
+        for impl, tps in rows:
             flops = 6 * n_mm * tps
             print(f"| {name} | {n_all / 1e6:.2f}M | {n_mm / 1e6:.2f}M | {impl} | {tps:,.0f} | {flops / 1e9:.1f} | "
                   f"{flops / peak:.1%} | {tps / base:.2f}x |")

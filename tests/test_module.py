@@ -54,6 +54,16 @@ def test_lr_scaled_per_step_state_carried_and_reset_each_epoch(tmp_path):
     assert e0 != e1
 
 
+def test_cosine_schedule_decays_to_zero_over_the_run(tmp_path):
+    _, rows, trainer = fit(tmp_path, epochs=2, schedule="cosine")
+    factors = [r["lr"] / (5.0 * r["len"] / 12) for r in rows]
+    assert factors[0] == pytest.approx(1.0)
+    assert all(a >= b for a, b in zip(factors, factors[1:]))  # monotone decay
+    assert factors[-1] < 0.01
+    mid = [f for r, f in zip(rows, factors) if r["epoch"] == 1 and r["idx"] == 0][0]
+    assert mid == pytest.approx(0.5)  # half-way through the run: cos(pi/2)
+
+
 def test_averaging_is_the_mean_of_the_iterates():
     module = LMModule(net=NET, vocab_size=20)
     module.start_averaging()

@@ -2,19 +2,24 @@
 
 A corpus is three 1-D LongTensors of token ids (train/valid/test) and a vocabulary.
 Batching is time-major: `batchify` gives [S, B], B contiguous streams.
+Corpora: the Penn Treebank, WikiText-2 (word level), and a random order-k Markov source
+whose entropy rate and limited-memory conditionals are known exactly.
 """
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import os
 import shutil
 import tarfile
 import tempfile
 import urllib.request
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from lmcal.errors import LmcalError
@@ -209,16 +214,24 @@ def sample_seq_len(bptt: int, generator: torch.Generator, min_len: int = 5) -> i
     return max(min_len, seq_len)
 
 
-def bptt_spans(n_steps: int, bptt: int, generator: torch.Generator | None = None):
+def bptt_spans(n_steps: int, bptt: int, generator: torch.Generator | None = None, multiple_of: int | None = None):
     """(start, seq_len) windows covering time steps 0..n_steps-2 of a batchified stream.
 
     With a generator the lengths follow `sample_seq_len` (training); without, they are
     fixed at bptt (evaluation). Each window predicts tokens start+1..start+seq_len.
+    `multiple_of=tau` (limited-memory models) rounds every length to a multiple of tau, so
+    windows start on tau boundaries of the stream; a last remainder shorter than tau is dropped.
     """
     i = 0
     while i < n_steps - 1:
         seq_len = bptt if generator is None else sample_seq_len(bptt, generator)
+        if multiple_of:
+            seq_len = max(multiple_of, round(seq_len / multiple_of) * multiple_of)
         seq_len = min(seq_len, n_steps - 1 - i)
+        if multiple_of:
+            seq_len -= seq_len % multiple_of
+            if seq_len == 0:
+                return
         yield i, seq_len
         i += seq_len
 
@@ -231,3 +244,266 @@ def get_batch(source: torch.Tensor, start: int, seq_len: int) -> tuple[torch.Ten
 def epoch_generator(seed: int, epoch: int) -> torch.Generator:
     """The sampler's RNG for one epoch: a function of (seed, epoch) only, so resumed runs repeat."""
     return torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# WikiText-2 (word level)
+# ---------------------------------------------------------------------------------------------------------------------
+
+WIKITEXT2_URL = "https://wikitext.smerity.com/wikitext-2-v1.zip"
+# MD5 of wikitext-2-v1.zip as torchtext records it (torchtext's WikiText2 dataset, for the original
+# research.metamind.io release that this mirror serves unchanged). The release publishes no per-file sums, so the
+# archive's MD5 plus the token counts below are the integrity checks.
+WIKITEXT2_ZIP_MD5 = "542ccefacc6c27f945fb54453812b3cd"
+WIKITEXT2_FILES = {
+    "train": "wiki.train.tokens",
+    "valid": "wiki.valid.tokens",
+    "test": "wiki.test.tokens",
+}
+# With one <eos> per line, empty lines included: the convention of PyTorch's word_language_model and the AWD code.
+WIKITEXT2_TOKENS = {"train": 2_088_628, "valid": 217_646, "test": 245_569}
+WIKITEXT2_VOCAB = 33_278
+
+
+def md5(path: Path) -> str:
+    h = hashlib.md5()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _how_to_supply_wikitext2(folder: Path) -> str:
+    return (f"Supply the files by putting wiki.train.tokens, wiki.valid.tokens and wiki.test.tokens (the "
+            f"wikitext-2/ folder of wikitext-2-v1.zip, the tokenised release, not -raw-) in {folder}, by pointing "
+            f"data.root= (or $LMCAL_DATA_ROOT) at a folder that holds wikitext-2/, or by running with "
+            f"data.download=true on a machine with a network ({WIKITEXT2_URL}).")
+
+
+def verify_wikitext2(folder: Path) -> None:
+    """Every file present; else one DataError that says how to fix it (the counts are checked after reading)."""
+    for fname in WIKITEXT2_FILES.values():
+        path = folder / fname
+        if not path.is_file():
+            raise DataError(f"WikiText-2 file not found: {path}. " + _how_to_supply_wikitext2(folder))
+
+
+def download_wikitext2(folder: Path, url: str | None = None) -> None:
+    """Fetch wikitext-2-v1.zip, check its MD5, and move the three token files into `folder` atomically.
+
+    Nothing is left in `folder` unless the archive had the expected MD5 and all three files.
+    """
+    url = url or WIKITEXT2_URL  # read at call time, so tests can point it at a local archive
+    folder.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=folder, prefix=".download-") as tmp:
+        archive = Path(tmp) / "wikitext-2-v1.zip"
+        try:
+            with urllib.request.urlopen(url, timeout=60) as r, open(archive, "wb") as f:
+                shutil.copyfileobj(r, f)
+        except OSError as e:
+            raise DataError(f"Could not download WikiText-2 from {url}: {e}. "
+                            + _how_to_supply_wikitext2(folder)) from None
+        got = md5(archive)
+        if got != WIKITEXT2_ZIP_MD5:
+            raise DataError(f"The archive from {url} has MD5 {got}, expected {WIKITEXT2_ZIP_MD5}; nothing was "
+                            "written. " + _how_to_supply_wikitext2(folder))
+        wanted = set(WIKITEXT2_FILES.values())
+        try:
+            with zipfile.ZipFile(archive) as zf:
+                # only the three named members, written under names we choose (no paths from the archive)
+                members = {Path(n).name: n for n in zf.namelist()
+                           if Path(n).name in wanted and Path(n).parent.name == "wikitext-2"}
+                missing = sorted(wanted - set(members))
+                if missing:
+                    raise DataError(f"The archive from {url} lacks wikitext-2/{', wikitext-2/'.join(missing)}; "
+                                    "nothing was written. " + _how_to_supply_wikitext2(folder))
+                for name, member in members.items():
+                    with zf.open(member) as src, open(Path(tmp) / name, "wb") as f:
+                        shutil.copyfileobj(src, f)
+        except zipfile.BadZipFile as e:
+            raise DataError(f"The archive from {url} is not a readable zip ({e}); nothing was written. "
+                            + _how_to_supply_wikitext2(folder)) from None
+        for name in WIKITEXT2_FILES.values():
+            os.replace(Path(tmp) / name, folder / name)
+
+
+def load_wikitext2(root: str | Path | None = None, download: bool = False, check_counts: bool = True) -> Corpus:
+    """WikiText-2 from `root/wikitext-2/`, tokenised exactly like PTB (downloaded there first if asked and missing).
+
+    The files already mark out-of-vocabulary words as <unk>; the vocabulary is the training split's types.
+    """
+    folder = Path(root if root is not None else default_root()).expanduser() / "wikitext-2"
+    if download and not all((folder / f).is_file() for f in WIKITEXT2_FILES.values()):
+        download_wikitext2(folder)
+    verify_wikitext2(folder)
+    lines = {split: tokenize_lines(folder / fname) for split, fname in WIKITEXT2_FILES.items()}
+    itos = build_vocab(lines["train"])
+    stoi = {w: i for i, w in enumerate(itos)}
+    ids = {split: encode(lines[split], stoi, folder / WIKITEXT2_FILES[split]) for split in WIKITEXT2_FILES}
+    if check_counts:
+        counts = {s: t.numel() for s, t in ids.items()}
+        if counts != WIKITEXT2_TOKENS or len(itos) != WIKITEXT2_VOCAB:
+            raise DataError(f"WikiText-2 in {folder} has token counts {counts} and {len(itos)} types; "
+                            f"expected {WIKITEXT2_TOKENS} and {WIKITEXT2_VOCAB} (the tokenised wikitext-2-v1 "
+                            "release, not wikitext-2-raw-v1).")
+    return Corpus("wikitext2", itos, ids["train"], ids["valid"], ids["test"], info={"path": str(folder)})
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# A random order-k Markov source whose truth is known exactly
+# ---------------------------------------------------------------------------------------------------------------------
+# A context is the last k tokens encoded base V with the most recent token last (least significant):
+#     ctx = sum_j w[t-k+j] * V**(k-1-j),  j = 0..k-1.
+# Emitting w moves the context to (ctx mod V**(k-1)) * V + w, so the k-gram process is a first-order chain on
+# V**k states, and reshaping a [V**k, V] table to [V**(k-tau), V**tau, V] splits each context into its older
+# k-tau tokens (axis 0) and its most recent tau tokens (axis 1).
+
+
+@dataclass(eq=False)
+class MarkovChain:
+    probs: np.ndarray  # [V**order, V] float64: P(w | ctx)
+    vocab_size: int
+    order: int
+    support: int
+    smoothing: float
+    seed: int
+
+
+def make_markov_chain(vocab_size: int = 16, order: int = 2, support: int = 3, smoothing: float = 0.01,
+                      seed: int = 0) -> MarkovChain:
+    """A random sparse, peaked order-`order` chain, a function of its arguments only.
+
+    Each row puts 1 - smoothing of its mass on `support` distinct random tokens with Dirichlet(1, ..., 1) weights
+    and spreads `smoothing` uniformly over all tokens, so every transition has positive probability: the k-gram
+    chain is irreducible and aperiodic, its stationary law is unique and positive.
+    """
+    if order < 1 or not 1 <= support <= vocab_size or not 0 < smoothing <= 1:
+        raise ValueError(f"need order >= 1, 1 <= support <= vocab_size and 0 < smoothing <= 1; got order={order}, "
+                         f"support={support}, vocab_size={vocab_size}, smoothing={smoothing}")
+    rng = np.random.default_rng(seed)
+    n_ctx = vocab_size ** order
+    # `support` distinct tokens per row: the first columns of a random permutation of each row
+    tokens = np.argsort(rng.random((n_ctx, vocab_size)), axis=1)[:, :support]  # [n_ctx, support]
+    weights = rng.exponential(size=(n_ctx, support))  # normalised i.i.d. exponentials are Dirichlet(1, ..., 1)
+    weights /= weights.sum(axis=1, keepdims=True)
+    probs = np.full((n_ctx, vocab_size), smoothing / vocab_size)
+    probs[np.arange(n_ctx)[:, None], tokens] += (1 - smoothing) * weights
+    return MarkovChain(probs, vocab_size, order, support, smoothing, seed)
+
+
+def markov_stationary(probs: np.ndarray, vocab_size: int, order: int, tol: float = 1e-13,
+                      max_iter: int = 1_000_000) -> np.ndarray:
+    """The stationary law over contexts [V**order], by power iteration on the k-gram chain (float64).
+
+    Stops when one step changes pi by less than `tol` in L1. The chain must be irreducible and aperiodic
+    (any positive smoothing makes it so), else the iteration need not converge.
+    """
+    n_ctx = vocab_size ** order
+    pi = np.full(n_ctx, 1.0 / n_ctx)
+    for _ in range(max_iter):
+        # mass pi[ctx] * P(w | ctx) flows to (ctx mod V**(k-1)) * V + w: sum out the oldest token (axis 0);
+        # (newer k-1 tokens, w) flattened is exactly the new context's index
+        new = (pi[:, None] * probs).reshape(vocab_size, n_ctx // vocab_size, vocab_size).sum(axis=0).reshape(-1)
+        new /= new.sum()  # no drift of the total mass from rounding
+        if np.abs(new - pi).sum() < tol:
+            return new
+        pi = new
+    raise DataError(f"The stationary distribution did not converge in {max_iter} power-iteration steps "
+                    f"(L1 step {np.abs(new - pi).sum():.3g} > {tol:g}); is the chain irreducible and aperiodic?")
+
+
+def _entropy(p: np.ndarray) -> np.ndarray:
+    """Entropy in nats of each row of p [..., V] (0 log 0 = 0)."""
+    return -(p * np.log(p, where=p > 0, out=np.zeros_like(p))).sum(axis=-1)
+
+
+def markov_entropy_rate(probs: np.ndarray, vocab_size: int, order: int, pi: np.ndarray | None = None) -> float:
+    """sum_ctx pi(ctx) H(P(. | ctx)) in nats: the entropy rate of the stationary chain."""
+    pi = markov_stationary(probs, vocab_size, order) if pi is None else pi
+    return float(pi @ _entropy(probs))
+
+
+def _markov_joint(probs: np.ndarray, vocab_size: int, order: int, tau: int, pi: np.ndarray | None) -> np.ndarray:
+    """P(last tau tokens = c, next token = w) under the stationary law: [V**tau, V], for 0 <= tau <= order."""
+    if not 0 <= tau <= order:
+        raise ValueError(f"tau must be in 0..order={order}, got {tau}")
+    pi = markov_stationary(probs, vocab_size, order) if pi is None else pi
+    # sum out the k - tau oldest tokens of each context
+    return (pi[:, None] * probs).reshape(vocab_size ** (order - tau), vocab_size ** tau, vocab_size).sum(axis=0)
+
+
+def markov_conditional(probs: np.ndarray, vocab_size: int, order: int, tau: int,
+                       pi: np.ndarray | None = None) -> np.ndarray:
+    """The exact order-tau conditional P(w | last tau tokens) of the stationary chain, [V**tau, V].
+
+    For tau < order this is the best predictor that sees only the last tau tokens (the oracle for limited-memory
+    models); contexts are encoded as above with tau digits. For tau >= order it is `probs` re-indexed: the older
+    tau - order tokens do not matter.
+    """
+    if tau >= order:
+        return probs[np.arange(vocab_size ** tau) % vocab_size ** order]
+    joint = _markov_joint(probs, vocab_size, order, tau, pi)
+    marg = joint.sum(axis=1, keepdims=True)  # P(last tau tokens), positive when the chain is smoothed
+    uniform = np.full_like(joint, 1.0 / vocab_size)  # for contexts the stationary chain never visits
+    return np.divide(joint, marg, out=uniform, where=marg > 0)
+
+
+def markov_conditional_entropy(probs: np.ndarray, vocab_size: int, order: int, tau: int,
+                               pi: np.ndarray | None = None) -> float:
+    """H(W_t | last tau tokens) in nats under the stationary law; equals the entropy rate for tau >= order."""
+    tau = min(tau, order)
+    joint = _markov_joint(probs, vocab_size, order, tau, pi)
+    marg = joint.sum(axis=1)
+    return float(_entropy(joint).sum() - _entropy(marg))  # H(C, W) - H(C)
+
+
+def sample_markov(probs: np.ndarray, vocab_size: int, order: int, n: int, generator_or_seed,
+                  pi: np.ndarray | None = None) -> np.ndarray:
+    """n tokens [n] int64 of the stationary chain: the first `order` are a context drawn from pi.
+
+    Deterministic from the seed (or a numpy Generator, which it advances). Inverse-CDF draws with pre-drawn
+    uniforms; a Python loop over plain lists with bisect is ~0.5 us a token.
+    """
+    rng = np.random.default_rng(generator_or_seed)  # a Generator is used as is
+    pi = markov_stationary(probs, vocab_size, order) if pi is None else pi
+    # each CDF rescaled to end at exactly 1.0, so a uniform in [0, 1) never falls past the last token
+    start_cdf = np.cumsum(pi)
+    start_cdf /= start_cdf[-1]
+    ctx = int(np.searchsorted(start_cdf, rng.random(), side="right"))
+    out = [(ctx // vocab_size ** (order - 1 - j)) % vocab_size for j in range(order)][:n]
+    cdf = np.cumsum(probs, axis=1)
+    cdf /= cdf[:, -1:]
+    cdf_rows = cdf.tolist()
+    keep = vocab_size ** (order - 1)
+    for u in rng.random(max(n - order, 0)).tolist():
+        w = bisect.bisect_right(cdf_rows[ctx], u)  # first token whose cumulative mass exceeds u
+        out.append(w)
+        ctx = (ctx % keep) * vocab_size + w
+    return np.array(out, dtype=np.int64)
+
+
+def markov_chain_from_info(info: dict) -> MarkovChain:
+    """Rebuild a Markov corpus's chain from its `info` (the table is too big to store there)."""
+    return make_markov_chain(info["vocab_size"], info["order"], info["support"], info["smoothing"], info["seed"])
+
+
+def markov_corpus(vocab_size: int = 16, order: int = 2, support: int = 3, smoothing: float = 0.01,
+                  n_train: int = 200_000, n_valid: int = 20_000, n_test: int = 20_000, seed: int = 0) -> Corpus:
+    """Three independent stationary samples of `make_markov_chain(...)`, with the exact entropy rate in `info`.
+
+    The splits use seeds [seed, 1], [seed, 2], [seed, 3]; the chain uses `seed`. Refuses a chain whose conditional
+    does not really depend on the token `order` steps back (then it would be a chain of lower order).
+    """
+    chain = make_markov_chain(vocab_size, order, support, smoothing, seed)
+    probs = chain.probs
+    pi = markov_stationary(probs, vocab_size, order)
+    h = markov_entropy_rate(probs, vocab_size, order, pi)
+    h_short = markov_conditional_entropy(probs, vocab_size, order, order - 1, pi)
+    if not h_short > h + 1e-9:
+        raise DataError(f"The Markov chain from seed {seed} hardly depends on its oldest context token "
+                        f"(H(W | last {order - 1}) = {h_short:.12f} vs entropy rate {h:.12f} nats); use another seed.")
+    splits = [torch.from_numpy(sample_markov(probs, vocab_size, order, n, np.random.default_rng([seed, i]), pi))
+              for i, n in enumerate((n_train, n_valid, n_test), 1)]
+    info = {"order": order, "vocab_size": vocab_size, "support": support, "smoothing": smoothing, "seed": seed,
+            "entropy_rate_nats": h, "entropy_rate_order_minus_1_nats": h_short, "depends_on_last": order}
+    return Corpus("markov", [f"s{i}" for i in range(vocab_size)], *splits, info=info)

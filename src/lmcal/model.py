@@ -169,3 +169,59 @@ def evaluate_ce(net: AWDLSTM, tokens: torch.Tensor, batch_size: int, bptt: int =
         count += y.numel()
     net.train(was_training)
     return total / count, count
+
+
+def forward_chunked(net: AWDLSTM, tokens: torch.Tensor, tau: int):
+    """Run a window whose length is a multiple of tau as independent tau-chunks, each from a
+    zero state: the limited-memory model's training (and chunked validation) forward.
+
+    tokens [T, B] with T = k*tau -> the chunks become k*B parallel streams of length tau, so the
+    fused kernel does all of them at once. Returns (output, raw) as [T, B, H] in the original order.
+    """
+    T, B = tokens.shape
+    if T % tau:
+        raise ValueError(f"window length {T} is not a multiple of memory_tau={tau}")
+    k = T // tau
+    chunks = tokens.view(k, tau, B).permute(1, 0, 2).reshape(tau, k * B)  # [tau, k*B]
+    output, raw, _ = net(chunks, net.init_hidden(k * B))
+
+    def unchunk(h):  # [tau, k*B, H] -> [T, B, H]
+        return h.view(tau, k, B, -1).permute(1, 0, 2, 3).reshape(T, B, -1)
+
+    return unchunk(output), unchunk(raw)
+
+
+@torch.no_grad()
+def limited_context_log_probs(net: AWDLSTM, tokens: torch.Tensor, tau: int, windows_per_batch: int = 512):
+    """Exact limited-context predictions along a 1-D stream.
+
+    Yields (log_probs [n, V], targets [n]) chunks, in order, for every position t = 1..N-1:
+    log P(. | tokens[max(0, t-tau):t]), each from a zero state fed exactly those (at most tau)
+    tokens. Positions t <= tau share one pass over the first tau tokens; every later position is
+    a sliding window of exactly tau tokens, many windows per forward, only the last step decoded.
+    """
+    was_training = net.training
+    net.eval()
+    device = net.decoder.weight.device
+    tokens = tokens.to(device)
+    n = tokens.numel()
+    head = tokens[: min(tau, n - 1)].view(-1, 1)  # [h, 1]: context lengths 1..h
+    output, _, _ = net(head, net.init_hidden(1))
+    yield net.logits(output[:, 0]).log_softmax(-1), tokens[1: head.size(0) + 1]
+    # windows tokens[s:s+tau] predict t = s+tau, for s = 1..n-1-tau
+    starts = torch.arange(1, max(1, n - tau), device=device)
+    for i in range(0, starts.numel(), windows_per_batch):
+        s = starts[i:i + windows_per_batch]
+        x = tokens[s[None, :] + torch.arange(tau, device=device)[:, None]]  # [tau, w]
+        output, _, _ = net(x, net.init_hidden(s.numel()))
+        yield net.logits(output[-1]).log_softmax(-1), tokens[s + tau]
+    net.train(was_training)
+
+
+def limited_context_ce(net: AWDLSTM, tokens: torch.Tensor, tau: int, windows_per_batch: int = 512):
+    """Mean cross-entropy (nats) of the exact tau-context predictions; returns (ce, count)."""
+    total, count = 0.0, 0
+    for lp, y in limited_context_log_probs(net, tokens, tau, windows_per_batch):
+        total -= lp.gather(1, y[:, None]).sum().item()
+        count += y.numel()
+    return total / count, count

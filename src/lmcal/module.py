@@ -18,7 +18,7 @@ from hydra.utils import instantiate
 from torch.utils.data import DataLoader, Dataset
 
 from lmcal import data as D
-from lmcal.model import ar_tar, repackage
+from lmcal.model import ar_tar, forward_chunked, repackage
 
 log = logging.getLogger("lmcal")
 
@@ -37,11 +37,17 @@ class SpanDataset(Dataset):
 
 
 def load_corpus(name: str = "ptb", root: str | None = None, download: bool = False, **kwargs) -> D.Corpus:
+    """The corpus `name`; `kwargs` (data.corpus_kwargs) configure the generated ones (markov, synthetic)."""
     if name == "ptb":
         return D.load_ptb(root, download=download)
+    if name == "wikitext2":
+        return D.load_wikitext2(root, download=download)
+    if name == "markov":
+        return D.markov_corpus(**kwargs)
     if name == "synthetic":
         return D.synthetic_corpus(**kwargs)
-    raise D.DataError(f"Unknown corpus {name!r}: choose data=ptb (or name=synthetic in tests).")
+    raise D.DataError(f"Unknown corpus {name!r}: choose data=ptb, data=wikitext2 or data=markov "
+                      "(or name=synthetic in tests).")
 
 
 class LMDataModule(pl.LightningDataModule):
@@ -55,13 +61,14 @@ class LMDataModule(pl.LightningDataModule):
     def __init__(self, name: str = "ptb", root: str | None = None, download: bool = False, batch_size: int = 20,
                  eval_batch_size: int = 10, test_batch_size: int = 1, bptt: int = 70, seed: int = 141,
                  max_train_tokens: int | None = None, max_eval_tokens: int | None = None,
-                 corpus_kwargs: dict | None = None):
+                 corpus_kwargs: dict | None = None, memory_tau: int | None = None):
         super().__init__()
         self.name, self.root, self.download = name, root, download
         self.batch_size, self.eval_batch_size, self.test_batch_size = batch_size, eval_batch_size, test_batch_size
         self.bptt, self.seed = bptt, seed
         self.max_train_tokens, self.max_eval_tokens = max_train_tokens, max_eval_tokens
         self.corpus_kwargs = dict(corpus_kwargs or {})
+        self.memory_tau = memory_tau  # windows start on tau boundaries for limited-memory models
         self.corpus: D.Corpus | None = None
 
     def prepare(self) -> D.Corpus:
@@ -84,12 +91,13 @@ class LMDataModule(pl.LightningDataModule):
     def train_dataloader(self):
         source = D.batchify(self.tokens("train"), self.batch_size)
         epoch = self.trainer.current_epoch if self.trainer is not None else 0
-        spans = list(D.bptt_spans(source.size(0), self.bptt, D.epoch_generator(self.seed, epoch)))
+        spans = list(D.bptt_spans(source.size(0), self.bptt, D.epoch_generator(self.seed, epoch), self.memory_tau))
         return DataLoader(SpanDataset(source, spans), batch_size=None, shuffle=False)
 
     def val_dataloader(self):
         source = D.batchify(self.tokens("valid"), self.eval_batch_size)
-        return DataLoader(SpanDataset(source, list(D.bptt_spans(source.size(0), self.bptt))), batch_size=None)
+        spans = list(D.bptt_spans(source.size(0), self.bptt, multiple_of=self.memory_tau))
+        return DataLoader(SpanDataset(source, spans), batch_size=None)
 
 
 def nt_asgd_should_switch(history: list[float], val_loss: float, nonmono: int) -> bool:
@@ -107,7 +115,7 @@ class LMModule(pl.LightningModule):
 
     def __init__(self, net: dict, vocab_size: int, lr: float = 30.0, weight_decay: float = 1.2e-6,
                  clip: float = 0.25, alpha: float = 2.0, beta: float = 1.0, bptt: int = 70, nonmono: int = 5,
-                 optimizer: str = "sgd", asgd: bool = True):
+                 optimizer: str = "sgd", asgd: bool = True, schedule: str | None = None):
         super().__init__()
         self.save_hyperparameters()
         self.net = instantiate(net, vocab_size=vocab_size)
@@ -139,10 +147,8 @@ class LMModule(pl.LightningModule):
         hp = self.hparams
         opt = self.optimizers()
         for g in opt.param_groups:  # longer windows take proportionally larger steps
-            g["lr"] = hp.lr * x.size(0) / hp.bptt
-        if self._hidden is None:
-            self._hidden = self.net.init_hidden(x.size(1))
-        output, raw, self._hidden = self.net(x, repackage(self._hidden))
+            g["lr"] = hp.lr * self.lr_factor(batch_idx) * x.size(0) / hp.bptt
+        output, raw = self.forward_window(x, "_hidden", detach=True)
         ce = F.cross_entropy(self.net.logits(output).flatten(0, 1), y.flatten())
         loss = ce + ar_tar(output, raw, hp.alpha, hp.beta)
         opt.zero_grad()
@@ -154,6 +160,31 @@ class LMModule(pl.LightningModule):
             self._update_average()
         self.log_dict({"train/loss": ce, "train/ppl": ce.exp()}, prog_bar=True, on_step=True, on_epoch=False)
         return loss
+
+    def lr_factor(self, batch_idx: int) -> float:
+        """The schedule's multiplier: 1 (the AWD recipe), or a cosine decay to 0 over max_epochs
+        (`optim.schedule=cosine`, for fixed short budgets)."""
+        sched = self.hparams.schedule
+        if sched is None:
+            return 1.0
+        if sched != "cosine":
+            raise ValueError(f"optim.schedule must be null or 'cosine', got {sched!r}")
+        trainer = self.trainer
+        progress = (self.current_epoch + batch_idx / max(1, trainer.num_training_batches)) / trainer.max_epochs
+        return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
+
+    def forward_window(self, x: torch.Tensor, state_attr: str, detach: bool):
+        """One window [T, B]: the state carried over from the previous window (kept in
+        `state_attr`), or, for a limited-memory model, independent tau-chunks from zero states."""
+        tau = self.net.memory_tau
+        if tau:
+            return forward_chunked(self.net, x, tau)
+        hidden = getattr(self, state_attr)
+        if hidden is None:
+            hidden = self.net.init_hidden(x.size(1))
+        output, raw, hidden = self.net(x, repackage(hidden) if detach else hidden)
+        setattr(self, state_attr, hidden)
+        return output, raw
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
         self.train_seconds += time.perf_counter() - self._t0
@@ -197,9 +228,7 @@ class LMModule(pl.LightningModule):
 
     def validation_step(self, batch, batch_idx):
         x, y = batch
-        if self._val_hidden is None:
-            self._val_hidden = self.net.init_hidden(x.size(1))
-        output, _, self._val_hidden = self.net(x, self._val_hidden)
+        output, _ = self.forward_window(x, "_val_hidden", detach=False)
         nll = F.cross_entropy(self.net.logits(output).flatten(0, 1), y.flatten(), reduction="sum")
         self._val[0] += nll.item()
         self._val[1] += y.numel()

@@ -10,17 +10,20 @@ import logging
 import math
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import hydra
 import pytorch_lightning as pl
 import torch
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from pytorch_lightning.callbacks import ModelCheckpoint
 
 from lmcal.errors import LmcalError
-from lmcal.model import evaluate_ce
+from lmcal.model import evaluate_ce, limited_context_ce
 from lmcal.module import LMModule, load_net
 from lmcal.utils import write_json_atomic
 
@@ -79,13 +82,23 @@ def train(cfg: DictConfig) -> dict:
         net, ckpt = load_net(best)
         device = module.device if module.device.type != "meta" else torch.device("cpu")
         net.to(device)
-        val_ce, _ = evaluate_ce(net, dm.tokens("valid"), dm.eval_batch_size, dm.bptt)
-        test_ce, n_test = evaluate_ce(net, dm.tokens("test"), dm.test_batch_size, dm.bptt)
+        tau = net.memory_tau
+        if tau:  # a limited-memory model is scored on exactly the tau previous tokens of every position
+            val_ce, _ = limited_context_ce(net, dm.tokens("valid"), tau)
+            test_ce, n_test = limited_context_ce(net, dm.tokens("test"), tau)
+            limited = {"ce_limited_nats": {"valid": val_ce, "test": test_ce},
+                       "val_ce_limited_nats": val_ce, "test_ce_limited_nats": test_ce}
+        else:
+            val_ce, _ = evaluate_ce(net, dm.tokens("valid"), dm.eval_batch_size, dm.bptt)
+            test_ce, n_test = evaluate_ce(net, dm.tokens("test"), dm.test_batch_size, dm.bptt)
+            limited = {}
         state = ckpt.get("lmcal", {})
         metrics = {
             "dataset": cfg.data.name,
             "model": cfg.model.get("_target_"),
-            "memory_tau": cfg.model.get("memory_tau"),
+            "memory_tau": tau,
+            **limited,
+            "true_entropy_rate_nats": dm.prepare().info.get("entropy_rate_nats"),
             "val_ce_nats": val_ce,
             "val_ppl": math.exp(val_ce),
             "test_ce_nats": test_ce,
@@ -116,11 +129,25 @@ def train(cfg: DictConfig) -> dict:
 
 @hydra.main(version_base="1.3", config_path="../../conf", config_name="train")
 def main(cfg: DictConfig) -> float | None:
+    """One run, or one job of a sweep. In a sweep a failing job records why in `failed.json`
+    in its own directory and returns, so the other jobs still run."""
+    hc = HydraConfig.get()
+    sweep = hc.mode == RunMode.MULTIRUN
     try:
         return train(cfg)["val_ce_nats"]
-    except LmcalError as e:
-        log.error(str(e))
-        print(f"\nlmcal: error: {e}", file=sys.stderr)
+    except Exception as e:
+        user_error = isinstance(e, LmcalError)
+        message = str(e) if user_error else f"{type(e).__name__}: {e}"
+        if sweep:
+            log.error(f"job {hc.job.num} ({hc.job.override_dirname}) failed: {message}", exc_info=not user_error)
+            write_json_atomic(Path(hc.runtime.output_dir) / "failed.json",
+                              {"error": message, "traceback": None if user_error else traceback.format_exc(),
+                               "overrides": list(hc.overrides.task)})
+            return None
+        if not user_error:
+            raise
+        log.error(message)
+        print(f"\nlmcal: error: {message}", file=sys.stderr)
         sys.exit(2)
 
 
