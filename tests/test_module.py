@@ -58,9 +58,9 @@ def test_cosine_schedule_decays_to_zero_over_the_run(tmp_path):
     _, rows, trainer = fit(tmp_path, epochs=2, schedule="cosine")
     factors = [r["lr"] / (5.0 * r["len"] / 12) for r in rows]
     assert factors[0] == pytest.approx(1.0)
-    assert all(a >= b for a, b in zip(factors, factors[1:]))  # monotone decay
+    assert all(a >= b for a, b in zip(factors[:-1], factors[1:], strict=True))  # monotone decay
     assert factors[-1] < 0.01
-    mid = [f for r, f in zip(rows, factors) if r["epoch"] == 1 and r["idx"] == 0][0]
+    mid = [f for r, f in zip(rows, factors, strict=True) if r["epoch"] == 1 and r["idx"] == 0][0]
     assert mid == pytest.approx(0.5)  # half-way through the run: cos(pi/2)
 
 

@@ -115,9 +115,10 @@ class LMModule(pl.LightningModule):
 
     def __init__(self, net: dict, vocab_size: int, lr: float = 30.0, weight_decay: float = 1.2e-6,
                  clip: float = 0.25, alpha: float = 2.0, beta: float = 1.0, bptt: int = 70, nonmono: int = 5,
-                 optimizer: str = "sgd", asgd: bool = True, schedule: str | None = None):
+                 optimizer: str = "sgd", asgd: bool = True, schedule: str | None = None,
+                 data_cfg: dict | None = None):
         super().__init__()
-        self.save_hyperparameters()
+        self.save_hyperparameters()  # data_cfg too: analysis of a checkpoint reloads the corpus it was trained on
         self.net = instantiate(net, vocab_size=vocab_size)
         self.automatic_optimization = False
         self.val_history: list[float] = []

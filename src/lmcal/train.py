@@ -7,7 +7,6 @@ the Hydra entry point around it, which turns `LmcalError`s into one-paragraph me
 from __future__ import annotations
 
 import logging
-import math
 import sys
 import time
 import traceback
@@ -15,16 +14,15 @@ from pathlib import Path
 
 import hydra
 import pytorch_lightning as pl
-import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from pytorch_lightning.callbacks import ModelCheckpoint
 
+from lmcal.callbacks import EntropyRateCallback, MetricsCallback
 from lmcal.errors import LmcalError
-from lmcal.model import evaluate_ce, limited_context_ce
-from lmcal.module import LMModule, load_net
+from lmcal.module import LMModule
 from lmcal.utils import write_json_atomic
 
 log = logging.getLogger("lmcal")
@@ -48,6 +46,13 @@ def finish_logger(logger) -> None:
         wandb.finish()
 
 
+def model_name(model_cfg) -> str:
+    if model_cfg.get("_target_", "").endswith("AWDLSTM"):
+        tau = f", tau={model_cfg.memory_tau}" if model_cfg.get("memory_tau") else ""
+        return f"AWD-LSTM {model_cfg.emb_size}/{model_cfg.hidden_size}/{model_cfg.num_layers}{tau}"
+    return str(model_cfg.get("_target_"))
+
+
 def train(cfg: DictConfig) -> dict:
     """Fit (or resume), evaluate the best checkpoint on valid and test, write metrics.json."""
     t_start = time.perf_counter()
@@ -59,6 +64,7 @@ def train(cfg: DictConfig) -> dict:
     dm.prepare()  # fail early, with the data's own message, before any logger starts
     net_cfg = OmegaConf.to_container(cfg.model, resolve=True)
     module = LMModule(net=net_cfg, vocab_size=dm.vocab_size, bptt=cfg.data.bptt,
+                      data_cfg=OmegaConf.to_container(cfg.data, resolve=True),
                       **OmegaConf.to_container(cfg.optim, resolve=True))
 
     ckpt_dir = out / "checkpoints"
@@ -68,60 +74,33 @@ def train(cfg: DictConfig) -> dict:
     if resume:
         log.info(f"Resuming from {resume}")
 
+    stages = list(cfg.analysis.get("stages") or [])
+    unknown = set(stages) - {"entropy_rate"}
+    if unknown:
+        raise LmcalError(f"Unknown analysis stage(s) {sorted(unknown)} in analysis.stages; known: entropy_rate.")
+    metrics_cb = MetricsCallback(out, extra={"dataset": cfg.data.name, "model": model_name(cfg.model),
+                                             "resumed_from": resume})
+    callbacks = [ckpt_cb, metrics_cb]  # in this order: metrics.json is written before any stage runs
+    er_cfg = dict(cfg.analysis.entropy_rate)
+    every = er_cfg.pop("every_n_epochs", None)
+    if ("entropy_rate" in stages or every) and not cfg.model.get("memory_tau"):
+        er_cb = EntropyRateCallback(out, every_n_epochs=every, at_fit_end="entropy_rate" in stages,
+                                    model_name=model_name(cfg.model), corpus=cfg.data.name, **er_cfg)
+        callbacks.append(er_cb)
+
     logger = make_logger(cfg)
     try:
         if logger:
             logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
-        trainer: pl.Trainer = instantiate(cfg.trainer, callbacks=[ckpt_cb], logger=logger,
-                                          default_root_dir=str(out))
+        trainer: pl.Trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=logger, default_root_dir=str(out))
         trainer.fit(module, datamodule=dm, ckpt_path=resume)
-
-        best = ckpt_cb.best_model_path or str(ckpt_dir / "last.ckpt")
-        if not Path(best).is_file():
-            raise LmcalError(f"Training ended without a checkpoint in {ckpt_dir}; did it run any epoch?")
-        net, ckpt = load_net(best)
-        device = module.device if module.device.type != "meta" else torch.device("cpu")
-        net.to(device)
-        tau = net.memory_tau
-        if tau:  # a limited-memory model is scored on exactly the tau previous tokens of every position
-            val_ce, _ = limited_context_ce(net, dm.tokens("valid"), tau)
-            test_ce, n_test = limited_context_ce(net, dm.tokens("test"), tau)
-            limited = {"ce_limited_nats": {"valid": val_ce, "test": test_ce},
-                       "val_ce_limited_nats": val_ce, "test_ce_limited_nats": test_ce}
-        else:
-            val_ce, _ = evaluate_ce(net, dm.tokens("valid"), dm.eval_batch_size, dm.bptt)
-            test_ce, n_test = evaluate_ce(net, dm.tokens("test"), dm.test_batch_size, dm.bptt)
-            limited = {}
-        state = ckpt.get("lmcal", {})
-        metrics = {
-            "dataset": cfg.data.name,
-            "model": cfg.model.get("_target_"),
-            "memory_tau": tau,
-            **limited,
-            "true_entropy_rate_nats": dm.prepare().info.get("entropy_rate_nats"),
-            "val_ce_nats": val_ce,
-            "val_ppl": math.exp(val_ce),
-            "test_ce_nats": test_ce,
-            "test_ppl": math.exp(test_ce),
-            "test_tokens": n_test,
-            "params": sum(p.numel() for p in net.parameters()),
-            "epochs": trainer.current_epoch,
-            "best_epoch": ckpt.get("epoch"),
-            "asgd_epoch": module.asgd_epoch,
-            "tokens_per_s": module.train_tokens / module.train_seconds if module.train_seconds else None,
-            "train_tokens": module.train_tokens,
-            "train_seconds": module.train_seconds,
-            "wall_seconds": time.perf_counter() - t_start,
-            "best_ckpt": str(Path(best).resolve()),
-            "device": str(device),
-            "resumed_from": resume,
-            "checkpoint_train_seconds": state.get("train_seconds"),
-        }
-        write_json_atomic(out / "metrics.json", metrics)
-        if logger:
-            logger.log_metrics({f"final/{k}": v for k, v in metrics.items() if isinstance(v, (int, float))})
-        log.info(f"val ppl {metrics['val_ppl']:.2f}, test ppl {metrics['test_ppl']:.2f}; "
-                 f"metrics in {out / 'metrics.json'}")
+        metrics = metrics_cb.metrics
+        if metrics is None:
+            raise LmcalError(f"Training stopped before it could be scored; see {out / 'train.log'}.")
+        if "entropy_rate" in stages and er_cb.result:
+            metrics["entrate_ppl"] = er_cb.result["entrate_ppl"]
+            metrics["wall_seconds"] = time.perf_counter() - t_start
+            write_json_atomic(out / "metrics.json", metrics)
         return metrics
     finally:
         finish_logger(logger)

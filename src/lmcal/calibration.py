@@ -1,0 +1,298 @@
+"""Local entropy-rate calibration with one-step lookahead (Braverman et al., ICML 2020, Algorithm 2).
+
+The calibrated model reweights each candidate next word w by the entropy of what the model would predict after it:
+
+    P_a(w | w_<t) = P(w | w_<t) * exp(a * H_next(w)) / Z_t(a),    H_next(w) = H(P(. | w_<t, w)),
+
+where P is the base model (optionally its eps-mixture with the uniform distribution, (1 - eps) P + eps / V; then the
+lookahead entropies are those of the mixture too). a* minimises the held-out cross-entropy
+
+    CE(a) = mean_t [ -log P(w_t) - a H_next,t(w_t) + log Z_t(a) ],
+
+which is convex in a (CE'' = mean_t Var_{P_a}[H_next] >= 0); at a* the mean of H_next under P_a equals its mean at the
+true next words. a < 0 steers generations away from words after which the model is unsure, which counters the upward
+drift of the entropy of long generations.
+
+Everything here runs on the StepLM interface (lmcal.lm): vocab_size, init_state(B), step(tokens [B], state) ->
+(log-probs [B, V], state), select(state, index). Shapes are batch-first per step: rows [B], candidates [K] or [V].
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The lookahead
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def mix_uniform(logp: torch.Tensor, epsilon: float) -> torch.Tensor:
+    """log((1 - eps) P + eps / V) of log-probs [..., V]; eps = 0 returns logp itself (bit for bit)."""
+    if epsilon == 0.0:
+        return logp
+    if not 0.0 < epsilon <= 1.0:
+        raise ValueError(f"epsilon must be in [0, 1], got {epsilon}")
+    V = logp.size(-1)
+    return torch.logaddexp(logp + math.log1p(-epsilon), torch.full_like(logp, math.log(epsilon / V)))
+
+
+def entropy(logp: torch.Tensor) -> torch.Tensor:
+    """Entropy in nats of each row of log-probs [..., V] -> [...] (0 log 0 = 0)."""
+    plogp = torch.where(torch.isneginf(logp), torch.zeros_like(logp), logp.exp() * logp)
+    return -plogp.sum(-1)
+
+
+def _candidate_entropies(lm, state, cand: torch.Tensor, epsilon: float, chunk: int) -> torch.Tensor:
+    """H of the (eps-mixed) next distribution after feeding candidate cand[b, k] to state row b. cand [B, K] -> [B, K].
+
+    All B*K (row, candidate) pairs are flattened and stepped `chunk` at a time from copies of their row's state.
+    """
+    B, K = cand.shape
+    rows = torch.arange(B, device=cand.device).repeat_interleave(K)  # [B*K]: row b repeated K times
+    toks = cand.reshape(-1)  # [B*K]
+    h = []
+    for i in range(0, B * K, chunk):
+        lp, _ = lm.step(toks[i:i + chunk], lm.select(state, rows[i:i + chunk]))  # [c, V]
+        h.append(entropy(mix_uniform(lp, epsilon)))  # [c]
+    return torch.cat(h).view(B, K)
+
+
+def _lookahead(lm, state, logq: torch.Tensor, topk: int | None, epsilon: float, chunk: int):
+    """The computed part of the lookahead: (cand [B, K], h [B, K], h_rest [B] or None).
+
+    logq [B, V] is the (eps-mixed) base distribution. Exact mode (topk None): cand is every token. Top-k mode: cand is
+    each row's k most likely tokens, and h_rest, the value shared by all other tokens, is the logq-weighted mean of h
+    over the k computed ones (None when k >= V: nothing is left over).
+    """
+    B, V = logq.shape
+    if topk is None:
+        cand = torch.arange(V, device=logq.device).expand(B, V)  # [B, V]
+    else:
+        if topk < 1:
+            raise ValueError(f"topk must be a positive integer or None, got {topk}")
+        cand = logq.topk(min(topk, V), dim=-1).indices  # [B, k]
+    h = _candidate_entropies(lm, state, cand, epsilon, chunk)  # [B, K]
+    if cand.size(1) == V:
+        return cand, h, None
+    w = logq.gather(1, cand).softmax(-1)  # [B, k]: the top-k mass, renormalised
+    return cand, h, (w * h).sum(-1)
+
+
+@torch.no_grad()
+def lookahead_entropies(lm, state, logp: torch.Tensor, topk: int | None = None, epsilon: float = 0.0,
+                        chunk: int = 8192) -> torch.Tensor:
+    """H_next(w) for every candidate w of every row: [B, V].
+
+    state: the lm state of B rows; logp [B, V]: the lm's next-token log-probs in that state (raw, eps is applied here).
+    Exact (topk None): every candidate is stepped, V forwards per row. Top-k: the k most likely candidates of each
+    row are stepped, every other candidate gets their P-weighted mean entropy. At most `chunk` rows per forward.
+    """
+    logq = mix_uniform(logp, epsilon)
+    cand, h, h_rest = _lookahead(lm, state, logq, topk, epsilon, chunk)
+    if h_rest is None:
+        return torch.empty_like(h).scatter_(1, cand, h)
+    return h_rest[:, None].expand_as(logq).clone().scatter_(1, cand, h)  # [B, V]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The objective and its fit
+# ---------------------------------------------------------------------------------------------------------------------
+# Per predicted position the objective needs the target's (log P(y), H_next(y)) and the distribution of H_next under
+# P, which we keep as K weighted "atoms" (log-weight, H_next): in exact mode the V candidates, in top-k mode the k
+# computed candidates plus one atom holding the rest of the mass at the shared value. Then for any a, exactly,
+#     log Z(a) = logsumexp_j(logw_j + a h_j),  CE' = E_{P_a}[h] - h(y),  CE'' = Var_{P_a}[h].
+
+
+def _terms(logw: torch.Tensor, h: torch.Tensor, logq_y: torch.Tensor, h_y: torch.Tensor, alpha: float):
+    """Per-position (ce [n], d1 [n], d2 [n], E_{P_a}[h] [n]) in float64 from atoms logw, h [n, K] and targets [n]."""
+    logw, h, logq_y, h_y = logw.double(), h.double(), logq_y.double(), h_y.double()
+    s = logw + alpha * h  # [n, K]
+    log_z = s.logsumexp(-1)  # [n]
+    pi = (s - log_z[:, None]).exp()  # [n, K]: P_a over the atoms
+    mean = (pi * h).sum(-1)  # [n]
+    var = (pi * (h - mean[:, None]) ** 2).sum(-1)  # [n], centred: no cancellation
+    return -logq_y - alpha * h_y + log_z, mean - h_y, var, mean
+
+
+def _objective(logw, h, logq_y, h_y, alpha: float, elements: int = 1 << 22, per_position: bool = False):
+    """Means of (ce, d1, d2, E_{P_a}[h]) over all positions, about `elements` atoms at a time (a few float64
+    temporaries of that size). With per_position, also the per-position d1 [n] (for the sandwich standard error)."""
+    rows = max(1, elements // logw.size(1))
+    sums, d1s = torch.zeros(4, dtype=torch.float64), []
+    for i in range(0, logw.size(0), rows):
+        t = _terms(logw[i:i + rows], h[i:i + rows], logq_y[i:i + rows], h_y[i:i + rows], alpha)
+        sums += torch.stack([x.sum() for x in t])
+        if per_position:
+            d1s.append(t[1])
+    means = (sums / logw.size(0)).tolist()
+    return (means, torch.cat(d1s)) if per_position else means
+
+
+def calibration_objective(logp_rows: torch.Tensor, hnext_rows: torch.Tensor, targets: torch.Tensor,
+                          alpha: float) -> tuple[float, float, float]:
+    """Exact (CE(a), CE'(a), CE''(a)) in nats from full rows: log P [N, V], H_next [N, V], next words [N]."""
+    y = targets.long()[:, None]
+    ce, d1, d2, _ = _objective(logp_rows, hnext_rows, logp_rows.gather(1, y)[:, 0], hnext_rows.gather(1, y)[:, 0],
+                               alpha)
+    return ce, d1, d2
+
+
+def newton_minimize(fun, alpha0: float = 0.0, bound: float = 100.0, tol: float = 1e-12, max_iter: int = 200) -> float:
+    """Minimise a convex 1-D function given fun(a) -> (f, f', f''), by Newton steps inside a shrinking bracket.
+
+    The bracket starts as [-bound, bound]; each evaluation moves one end to a (by the sign of f'), and a Newton step
+    that would leave the bracket (or a non-positive f'') is replaced by bisection, so it always converges. Raises if
+    the minimum is not inside the bound (e.g. a* = +-inf on degenerate data).
+    """
+    lo, hi, a = -bound, bound, alpha0
+    for _ in range(max_iter):
+        _, d1, d2 = fun(a)
+        if abs(d1) <= tol:
+            return a
+        lo, hi = (lo, a) if d1 > 0 else (a, hi)
+        new = a - d1 / d2 if d2 > 0 else math.nan
+        a = new if lo < new < hi else 0.5 * (lo + hi)
+        if hi - lo <= 1e-15 * max(1.0, abs(a)):
+            break
+    if bound - abs(a) < 1e-6:
+        raise RuntimeError(f"the minimum lies at or beyond |alpha| = {bound}")
+    return a
+
+
+@dataclass
+class CalibrationFit:
+    """The fitted a* with its held-out statistics, kept so CE(a) can be evaluated at any a without the model.
+
+    Atoms: logw, h [n, K] float32 on CPU (K = V exact, k + 1 top-k), targets' logq_y, h_y [n]; 8*n*K bytes in all.
+    """
+
+    alpha: float
+    ce_before: float  # CE at a = 0 (of the eps-mixture), nats
+    ce_after: float  # CE at a*
+    n_tokens: int
+    alpha_stderr: float  # sandwich standard error of a*, treating positions as independent
+    topk: int | None
+    epsilon: float
+    logw: torch.Tensor = field(repr=False)
+    h: torch.Tensor = field(repr=False)
+    logq_y: torch.Tensor = field(repr=False)
+    h_y: torch.Tensor = field(repr=False)
+
+    def ce_derivatives(self, alpha: float) -> tuple[float, float, float]:
+        """(CE(a), CE'(a), CE''(a)) in nats, exact on the stored statistics."""
+        return tuple(_objective(self.logw, self.h, self.logq_y, self.h_y, alpha)[:3])
+
+    def ce_at(self, alpha: float) -> float:
+        return self.ce_derivatives(alpha)[0]
+
+    def hnext_means(self, alpha: float) -> tuple[float, float]:
+        """(mean over positions of E_{P_a}[H_next], mean H_next at the true next words): equal at a* (moments)."""
+        return _objective(self.logw, self.h, self.logq_y, self.h_y, alpha)[3], self.h_y.double().mean().item()
+
+
+@torch.no_grad()
+def lookahead_statistics(lm, tokens: torch.Tensor, topk: int | None = None, epsilon: float = 0.0,
+                         chunk: int = 8192, progress: bool = False):
+    """One pass over time-major streams tokens [S, B] -> atoms (logw [n, K], h [n, K], logq_y [n], h_y [n]) on CPU,
+    n = (S-1)*B, in position order t = 1..S-1 (B streams each)."""
+    S, B = tokens.shape
+    V = lm.vocab_size
+    logw, h, logq_y, h_y = [], [], [], []
+    state = lm.init_state(B)
+    logp, state = lm.step(tokens[0], state)
+    steps = range(1, S)
+    if progress:
+        from tqdm.auto import tqdm
+        steps = tqdm(steps, desc="lookahead")
+    for t in steps:
+        y = tokens[t].to(logp.device)  # [B]
+        logq = mix_uniform(logp, epsilon)  # [B, V]
+        cand, hc, h_rest = _lookahead(lm, state, logq, topk, epsilon, chunk)  # [B, K], [B, K], [B] | None
+        if h_rest is None:
+            w_t, h_t = logq.gather(1, cand), hc  # every token is an atom
+            h_full = torch.empty_like(hc).scatter_(1, cand, hc)  # [B, V]
+        else:
+            rest = logq.scatter(1, cand, -math.inf).logsumexp(-1)  # [B]: log mass of the tokens not computed
+            w_t, h_t = torch.cat([logq.gather(1, cand), rest[:, None]], 1), torch.cat([hc, h_rest[:, None]], 1)
+            h_full = h_rest[:, None].expand(B, V).clone().scatter_(1, cand, hc)  # [B, V]
+        logw.append(w_t.float().cpu())
+        h.append(h_t.float().cpu())
+        logq_y.append(logq.gather(1, y[:, None])[:, 0].float().cpu())
+        h_y.append(h_full.gather(1, y[:, None])[:, 0].float().cpu())
+        if t < S - 1:
+            logp, state = lm.step(y, state)
+    return torch.cat(logw), torch.cat(h), torch.cat(logq_y), torch.cat(h_y)
+
+
+def fit_lookahead_calibration(lm, tokens: torch.Tensor, topk: int | None = None, epsilon: float = 0.0,
+                              chunk: int = 8192, bound: float = 100.0, progress: bool = False) -> CalibrationFit:
+    """Fit a* on held-out time-major streams tokens [S, B]: each stream starts from lm.init_state(B), its first
+    token is context only, so (S-1)*B next words are scored.
+
+    Cost: one model step per position plus the lookahead, V (exact) or k (top-k) steps per position; memory: the
+    atoms, 8*(S-1)*B*K bytes on CPU (K = V exact, k + 1 top-k). The fit itself is Newton's method on the stored
+    statistics, from a = 0, and never touches the model again.
+    """
+    if tokens.dim() != 2 or tokens.size(0) < 2:
+        raise ValueError(f"tokens must be time-major [S, B] with S >= 2, got shape {tuple(tokens.shape)}")
+    stats = lookahead_statistics(lm, tokens, topk, epsilon, chunk, progress)
+    fun = lambda a: _objective(*stats, a)[:3]
+    alpha = newton_minimize(fun, 0.0, bound)
+    ce_before = fun(0.0)[0]
+    (ce_after, _, d2, _), g = _objective(*stats, alpha, per_position=True)
+    n = g.numel()
+    stderr = math.sqrt(g.pow(2).mean().item() / n) / d2 if d2 > 0 else math.inf
+    return CalibrationFit(alpha, ce_before, ce_after, n, stderr, topk, epsilon, *stats)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The calibrated model, and scoring any StepLM
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+class CalibratedLM:
+    """P_a as a StepLM. Its state is the base state: step advances the base model with the fed tokens, then steps
+    every (or every top-k) candidate from the new state to get H_next, so each step costs 1 + V (or 1 + k) base
+    steps per row. a = 0 skips the lookahead and is the (eps-mixed) base model exactly."""
+
+    def __init__(self, lm, alpha: float, topk: int | None = None, epsilon: float = 0.0, chunk: int = 8192):
+        self.lm, self.alpha, self.topk, self.epsilon, self.chunk = lm, float(alpha), topk, float(epsilon), chunk
+        self.vocab_size = lm.vocab_size
+        self.device = getattr(lm, "device", None)
+
+    def init_state(self, batch_size: int):
+        return self.lm.init_state(batch_size)
+
+    @torch.no_grad()
+    def step(self, tokens: torch.Tensor, state):
+        logp, state = self.lm.step(tokens, state)  # [B, V]
+        logq = mix_uniform(logp, self.epsilon)
+        if self.alpha == 0.0:
+            return logq, state
+        h = lookahead_entropies(self.lm, state, logp, self.topk, self.epsilon, self.chunk)  # [B, V]
+        return (logq + self.alpha * h).log_softmax(-1), state
+
+    def select(self, state, index: torch.Tensor):
+        return self.lm.select(state, index)
+
+
+def calibrated(lm, alpha: float, topk: int | None = None, epsilon: float = 0.0, chunk: int = 8192) -> CalibratedLM:
+    """The lookahead-calibrated StepLM P_a of `lm` (see CalibratedLM)."""
+    return CalibratedLM(lm, alpha, topk, epsilon, chunk)
+
+
+@torch.no_grad()
+def score(lm, tokens: torch.Tensor) -> tuple[float, int]:
+    """Mean next-token cross-entropy (nats) of any StepLM on time-major streams tokens [S, B] (first token context
+    only); returns (ce, (S-1)*B)."""
+    S, B = tokens.shape
+    state = lm.init_state(B)
+    total = 0.0
+    for t in range(S - 1):
+        logp, state = lm.step(tokens[t], state)  # [B, V]
+        y = tokens[t + 1].to(logp.device)
+        total -= logp.gather(1, y[:, None]).double().sum().item()
+    return total / ((S - 1) * B), (S - 1) * B

@@ -1,0 +1,135 @@
+"""Entropy of a model's free-running generations, word by word (the paper's Figure 1 measurement).
+
+Start from a prefix of true text, let the model generate, and record the entropy of its next-word distribution
+before each generated word. A calibrated model keeps it flat at the entropy rate of the text; real LMs drift up.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from lmcal.lm import StepLM
+
+
+@dataclass
+class EntropyCurve:
+    mean: np.ndarray  # [horizon] float64, nats: mean[t-1] = E[entropy before generated word t]
+    stderr: np.ndarray  # [horizon] float64: standard error of `mean`, prefixes as clusters (see below)
+    num_generations: int
+    num_prefixes: int
+    samples_per_prefix: int
+    per_prefix: np.ndarray  # [N, horizon] float64: the mean over each prefix's generations
+
+
+def entrate_ppl(curve: EntropyCurve) -> float:
+    """exp of the entropy at the last generated step: the 'EntRate' perplexity of the paper's tables."""
+    return float(math.exp(curve.mean[-1]))
+
+
+def random_prefixes(tokens: torch.Tensor, num_prefixes: int, prefix_len: int, seed: int = 0) -> torch.Tensor:
+    """[N, L] windows of a 1-D token stream [S] at uniformly random start points (distinct when there are enough)."""
+    num_starts = tokens.numel() - prefix_len + 1
+    if prefix_len < 1 or num_starts < 1:
+        raise ValueError(f"cannot cut prefixes of length {prefix_len} from {tokens.numel()} tokens")
+    g = torch.Generator().manual_seed(seed)
+    if num_prefixes <= num_starts:
+        starts = torch.randperm(num_starts, generator=g)[:num_prefixes]  # without replacement
+    else:
+        starts = torch.randint(num_starts, (num_prefixes,), generator=g)
+    return tokens.cpu()[starts[:, None] + torch.arange(prefix_len)]  # [N, L]
+
+
+# Sampling uses uniforms hashed from (seed, generation index, step), not a stateful generator: each generation's
+# draws are then the same however the generations are chunked into batches, and on any device.
+
+_M32 = 0xFFFFFFFF
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """x * c mod 2**32 for int64 x in [0, 2**32), in 16-bit halves of c so no product overflows int64."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _M32
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """MurmurHash3's finaliser: a bijection of 32-bit integers in which every input bit flips half the output bits."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x85EBCA6B)
+    x = x ^ (x >> 13)
+    x = _mul32(x, 0xC2B2AE35)
+    return x ^ (x >> 16)
+
+
+def _absorb(h: torch.Tensor, k) -> torch.Tensor:
+    return _mix32(((h ^ (k & _M32)) + 0x9E3779B9) & _M32)  # + golden-ratio constant: no all-zero fixed point
+
+
+def _uniforms(seed: int, gen_ids: torch.Tensor, t: int) -> torch.Tensor:
+    """[B] float64 uniforms in [0, 1) with 53 random bits, a pure function of (seed, gen_ids [B], t)."""
+    h = _absorb(_absorb(torch.full_like(gen_ids, seed & _M32), 0), gen_ids)
+    hi, lo = _absorb(h, 2 * t), _absorb(h, 2 * t + 1)
+    return ((hi >> 5) * 2**26 + (lo >> 6)).double() * 2.0**-53  # like numpy's random doubles: 27 + 26 bits
+
+
+@torch.no_grad()
+def generation_entropy_curve(lm: StepLM, prefixes: torch.Tensor, horizon: int, samples_per_prefix: int,
+                             seed: int = 0, max_batch: int = 4096, progress: bool = False) -> EntropyCurve:
+    """Entropy (nats) of `lm`'s next-word distribution along its own generations from prefixes of true text.
+
+    prefixes [N, L], L >= 1. Every generation starts from lm.init_state, is fed its L prefix tokens, then word t is
+    sampled from lm's distribution after word t-1 (after the prefix for t = 1) and fed back. mean[t-1] averages the
+    entropy of the distribution word t is sampled from over all N * samples_per_prefix generations.
+
+    Each prefix is fed once and its state fanned out to its samples with lm.select; all generations advance together,
+    in chunks of whole prefixes of at most max_batch rows (one prefix per chunk if samples_per_prefix > max_batch).
+    Sampling is exact inverse-CDF in float64 on counter-based uniforms, so results depend on `seed` only, not on
+    max_batch (up to the model's own batch-size-dependent rounding).
+
+    stderr treats the generations of one prefix as a cluster (they share the prefix, so they are correlated): it is
+    std over prefixes of the per-prefix means / sqrt(N). With N = 1 it falls back to std over generations / sqrt(S).
+    """
+    N, L = prefixes.shape
+    S = samples_per_prefix
+    if L < 1 or horizon < 1 or S < 1 or N < 1:
+        raise ValueError(f"need a non-empty prefix, horizon and samples; got prefixes {tuple(prefixes.shape)}, "
+                         f"horizon={horizon}, samples_per_prefix={S}")
+    per_chunk = max(1, max_batch // S)  # prefixes per chunk
+    per_prefix = np.empty((N, horizon))
+    bar = tqdm(total=horizon * math.ceil(N / per_chunk), desc="generating", disable=not progress)
+    for lo in range(0, N, per_chunk):
+        chunk = prefixes[lo:lo + per_chunk]  # [n, L]
+        n = chunk.size(0)
+        state = lm.init_state(n)
+        for i in range(L):
+            logp, state = lm.step(chunk[:, i], state)  # [n, V]
+        rows = torch.arange(n, device=logp.device).repeat_interleave(S)  # [n*S]: prefix of each generation
+        logp, state = logp[rows], lm.select(state, rows)
+        gen_ids = lo * S + torch.arange(n * S, device=logp.device)  # global generation index: seeds its uniforms
+        ent = torch.empty(horizon, n * S, dtype=torch.float64, device=logp.device)
+        for t in range(horizon):
+            lp = logp.double()
+            p = lp.exp()  # [n*S, V]
+            ent[t] = -torch.where(p > 0, p * lp, 0.0).sum(-1)  # 0 log 0 = 0
+            bar.update()
+            if t == horizon - 1:
+                break  # the last word's entropy is all we need from it
+            cdf = p.cumsum(-1)  # [n*S, V]
+            u = _uniforms(seed, gen_ids, t) * cdf[:, -1]  # [n*S], scaled to the row's (rounded) total mass
+            # first token whose cumulative mass exceeds u: zero-probability tokens (flat cdf) are never chosen
+            tokens = torch.searchsorted(cdf, u[:, None], right=True)[:, 0].clamp_(max=cdf.size(1) - 1)
+            logp, state = lm.step(tokens, state)
+        ent = ent.view(horizon, n, S).cpu().numpy()
+        per_prefix[lo:lo + n] = ent.mean(axis=2).T
+    bar.close()
+
+    if N > 1:
+        stderr = per_prefix.std(axis=0, ddof=1) / math.sqrt(N)
+    elif S > 1:
+        stderr = ent[:, 0, :].std(axis=1, ddof=1) / math.sqrt(S)  # the one chunk's generations
+    else:
+        stderr = np.full(horizon, np.nan)
+    return EntropyCurve(per_prefix.mean(axis=0), stderr, N * S, N, S, per_prefix)

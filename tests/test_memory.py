@@ -1,0 +1,208 @@
+"""The calibration bound on I_tau (lmcal.memory): the exact objective, its fit, chunked input, and exact Markov
+oracles where the true conditional mutual information is known."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from lmcal.data import (
+    make_markov_chain,
+    markov_conditional,
+    markov_conditional_entropy,
+    markov_stationary,
+    sample_markov,
+)
+from lmcal.memory import calibrate_to_limited, calibration_objective, memory_upper_bound
+
+N, V = 300, 9
+
+
+def rows(seed=0, n=N, v=V):
+    """Random full rows, limited rows correlated with them, and targets drawn from the full model (float64)."""
+    g = torch.Generator().manual_seed(seed)
+    full = (torch.randn(n, v, generator=g, dtype=torch.float64) * 2).log_softmax(-1)  # [n, v]
+    limited = (0.5 * full + torch.randn(n, v, generator=g, dtype=torch.float64)).log_softmax(-1)  # [n, v]
+    y = torch.multinomial(full.exp(), 1, generator=g)[:, 0]  # [n]
+    return full, limited, y
+
+
+def entropy(lp):
+    return -(lp.exp() * lp).sum(-1)
+
+
+def direct_ce(full, limited, y, alpha):
+    return -calibrate_to_limited(full, limited, alpha).gather(1, y[:, None]).mean().item()
+
+
+def test_uniform_limited_gives_alpha_zero():
+    full, _, y = rows()
+    uniform = torch.full_like(full, -math.log(V))
+    ce, d1, d2 = calibration_objective(full, uniform, y, 0.7)
+    assert d1 == 0.0 and d2 == 0.0  # every alpha gives the same model
+    assert ce == pytest.approx(-full.gather(1, y[:, None]).mean().item(), abs=1e-12)
+    r = memory_upper_bound(full, uniform, y)
+    assert r.alpha == 0.0 and r.fitted and r.alpha_stderr == math.inf
+    assert r.ce_limited == pytest.approx(math.log(V), abs=1e-12)
+    assert r.mi_upper_bound == pytest.approx(math.log(V) - entropy(full).mean().item(), abs=1e-12)
+    assert r.ce_calibrated == pytest.approx(r.ce_full, abs=1e-12)
+
+
+def test_objective_matches_direct_computation_and_finite_differences():
+    full, limited, y = rows(1)
+    h = 1e-5
+    for alpha in (-0.8, 0.0, 0.3, 1.7):
+        ce, d1, d2 = calibration_objective(full, limited, y, alpha)
+        assert ce == pytest.approx(direct_ce(full, limited, y, alpha), abs=1e-12)
+        fd1 = (calibration_objective(full, limited, y, alpha + h)[0]
+               - calibration_objective(full, limited, y, alpha - h)[0]) / (2 * h)
+        fd2 = (calibration_objective(full, limited, y, alpha + h)[1]
+               - calibration_objective(full, limited, y, alpha - h)[1]) / (2 * h)
+        assert d1 == pytest.approx(fd1, rel=1e-6, abs=1e-8)
+        assert d2 == pytest.approx(fd2, rel=1e-6, abs=1e-8)
+        assert d2 > 0
+
+
+def test_calibrate_to_limited():
+    full, limited, _ = rows(2)
+    assert torch.allclose(calibrate_to_limited(full, limited, 0.0), full, atol=1e-14)
+    lp = calibrate_to_limited(full, limited, 0.4)
+    assert torch.allclose(lp.logsumexp(-1), torch.zeros(N, dtype=torch.float64), atol=1e-12)
+    assert torch.allclose(lp, (full + 0.4 * limited).log_softmax(-1), atol=1e-12)
+    assert calibrate_to_limited(full.float(), limited.float(), 0.4).dtype == torch.float32
+
+
+def test_fit_is_the_minimum_and_matches_moments():
+    full, limited, y = rows(3)
+    r = memory_upper_bound(full, limited, y)
+    assert r.fitted and r.n_tokens == N
+    ce, d1, d2 = calibration_objective(full, limited, y, r.alpha)
+    assert abs(d1) < 1e-10 and d2 > 0
+    assert r.ce_calibrated == pytest.approx(ce, abs=1e-12)
+    assert r.ce_calibrated <= min(r.ce_full, direct_ce(full, limited, y, r.alpha + 1e-3),
+                                  direct_ce(full, limited, y, r.alpha - 1e-3))
+    # moment matching: the mean of log P~ under P^_a* equals its mean at the true next words
+    lp = calibrate_to_limited(full, limited, r.alpha)
+    model_mean = (lp.exp() * limited).sum(-1).mean().item()
+    data_mean = limited.gather(1, y[:, None]).mean().item()
+    assert model_mean == pytest.approx(data_mean, rel=1e-6)
+    # the reported pieces
+    assert r.ce_limited == pytest.approx(-data_mean, abs=1e-12)
+    assert r.entropy_calibrated == pytest.approx(entropy(lp).mean().item(), abs=1e-12)
+    assert r.mi_upper_bound == pytest.approx(r.ce_limited - r.entropy_calibrated, abs=1e-15)
+    per_row = -limited.gather(1, y[:, None])[:, 0] - entropy(lp)
+    assert r.mi_stderr == pytest.approx(per_row.std().item() / math.sqrt(N), rel=1e-9)
+    g = (lp.exp() * limited).sum(-1) - limited.gather(1, y[:, None])[:, 0]  # per-row CE'(a*)
+    assert r.alpha_stderr == pytest.approx(g.pow(2).mean().sqrt().item() / (d2 * math.sqrt(N)), rel=1e-9)
+
+
+def test_given_alpha_only_evaluates():
+    full, limited, y = rows(4)
+    r = memory_upper_bound(full, limited, y, alpha=0.25)
+    assert r.alpha == 0.25 and not r.fitted and math.isnan(r.alpha_stderr)
+    assert r.ce_calibrated == pytest.approx(calibration_objective(full, limited, y, 0.25)[0], abs=1e-12)
+
+
+@pytest.mark.parametrize("alpha", [None, 0.3])
+def test_chunks_match_whole_tensors(alpha):
+    full, limited, y = rows(5)
+    whole = memory_upper_bound(full, limited, y, alpha=alpha, cluster_size=7)
+    bounds = [0, 17, 18, 120, N]
+
+    def chunks():  # a generator: consumed once
+        for i, j in zip(bounds[:-1], bounds[1:], strict=True):
+            yield full[i:j], limited[i:j], y[i:j]
+
+    for source in (chunks(), list(chunks())):
+        r = memory_upper_bound(source, alpha=alpha, cluster_size=7)
+        for k, v in vars(whole).items():
+            assert getattr(r, k) == pytest.approx(v, rel=1e-9, abs=1e-12, nan_ok=True), k
+    r32 = memory_upper_bound(chunks(), alpha=alpha, store_dtype=torch.float32, cluster_size=7)
+    assert r32.mi_upper_bound == pytest.approx(whole.mi_upper_bound, abs=1e-5)
+    with pytest.raises(TypeError):
+        memory_upper_bound(chunks(), limited)
+
+
+def test_cluster_size_batch_means():
+    full, limited, y = rows(6)
+    r1 = memory_upper_bound(full, limited, y)
+    assert memory_upper_bound(full, limited, y, cluster_size=1) == r1
+    r = memory_upper_bound(full, limited, y, cluster_size=30)  # 10 equal blocks
+    assert (r.alpha, r.mi_upper_bound) == (r1.alpha, r1.mi_upper_bound)  # only the standard errors change
+    lp = calibrate_to_limited(full, limited, r.alpha)
+    per_row = -limited.gather(1, y[:, None])[:, 0] - entropy(lp)
+    block_means = per_row.view(10, 30).mean(1)
+    assert r.mi_stderr == pytest.approx(block_means.std().item() / math.sqrt(10), rel=1e-9)
+
+
+def test_zero_probabilities():
+    full, limited, y = rows(7)
+    full = full.clone()
+    limited = limited.clone()
+    hole = torch.zeros_like(full, dtype=torch.bool)
+    hole[:, :3] = True
+    hole[torch.arange(N), y] = False  # P~ = 0 on some words, never on the true next word
+    limited[hole] = -math.inf
+    limited = limited.log_softmax(-1)
+    full[torch.arange(N), (y + 1) % V] = -math.inf  # P^ = 0 on a word that is not the next word
+    full = full.log_softmax(-1)
+    r = memory_upper_bound(full, limited, y)
+    assert r.alpha > 0  # a < 0 is undefined here, and P~'s zeros are informative
+    assert all(math.isfinite(v) for v in vars(r).values() if isinstance(v, float))
+    lp = calibrate_to_limited(full, limited, r.alpha)
+    assert not lp.isnan().any() and (lp[hole | full.isneginf()] == -math.inf).all()
+    assert torch.allclose(lp.logsumexp(-1), torch.zeros(N, dtype=torch.float64), atol=1e-12)
+    assert r.ce_calibrated == pytest.approx(-lp.gather(1, y[:, None]).mean().item(), abs=1e-12)
+    for alpha in (-0.5, 1.0):  # P^'s zeros alone do not stop a < 0
+        assert math.isfinite(memory_upper_bound(full, torch.log(limited.exp() + 0.1).log_softmax(-1), y, alpha=alpha)
+                             .mi_upper_bound)
+    with pytest.raises(ValueError, match="undefined"):
+        memory_upper_bound(full, limited, y, alpha=-0.1)
+    # P~ = 0 at a true next word: CE(P || P~) = inf, every a > 0 too; the fit stays at 0 without failing
+    limited[0] = -math.inf
+    limited[0, (y[0] + 2) % V] = 0.0
+    r = memory_upper_bound(full, limited, y)
+    assert r.alpha == 0.0 and r.ce_limited == math.inf and r.mi_upper_bound == math.inf
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Exact oracles on an order-2 Markov source
+# ---------------------------------------------------------------------------------------------------------------------
+
+MV, ORDER, TAU_MAX = 8, 2, 3
+
+
+@pytest.fixture(scope="module")
+def markov():
+    chain = make_markov_chain(vocab_size=MV, order=ORDER, support=3, smoothing=0.02, seed=0)
+    pi = markov_stationary(chain.probs, MV, ORDER)
+    # exact log P(w | last m tokens), m = 0..TAU_MAX: [MV**m, MV] each
+    tables = [torch.from_numpy(np.log(markov_conditional(chain.probs, MV, ORDER, m, pi))) for m in range(TAU_MAX + 1)]
+
+    def stream(seed, n=100_000):
+        """Rows at positions t = TAU_MAX..n-1 of a stationary sample: {m: log P(. | last m tokens) [n', MV]}, y."""
+        w = sample_markov(chain.probs, MV, ORDER, n, seed, pi)  # [n]
+        t = np.arange(TAU_MAX, n)
+        ctx = {m: sum(w[t - m + j] * MV ** (m - 1 - j) for j in range(m)) for m in range(1, TAU_MAX + 1)}  # [n']
+        return {m: tables[m][torch.from_numpy(ctx[m])] for m in ctx}, torch.from_numpy(w[t])
+
+    h = [markov_conditional_entropy(chain.probs, MV, ORDER, m, pi) for m in range(TAU_MAX + 1)]
+    return stream(1), stream(2), h
+
+
+@pytest.mark.parametrize("tau", [1, 2, 3])
+def test_markov_exact_oracles(markov, tau):
+    (valid, y_valid), (test, y_test), h = markov
+    mi = h[tau] - h[ORDER]  # the true I_tau of the exact model: H(W_t | last tau) - H(W_t | last k)
+    # rows along one chain are dependent: batch means over blocks of 100 positions for the standard errors
+    fit = memory_upper_bound(valid[ORDER], valid[tau], y_valid, cluster_size=100)
+    assert abs(fit.alpha) < 3 * fit.alpha_stderr  # P^ is the truth: nothing to calibrate
+    # the pipeline: fit a on validation rows, evaluate the bound on test rows with it
+    r = memory_upper_bound(test[ORDER], test[tau], y_test, alpha=fit.alpha, cluster_size=100)
+    for b in (fit, r):
+        if tau >= ORDER:  # P~ = P^: the distant past carries nothing
+            assert mi == 0.0 and abs(b.mi_upper_bound) < 3 * b.mi_stderr
+        else:
+            assert b.mi_upper_bound > 10 * b.mi_stderr
+            assert abs(b.mi_upper_bound - mi) < 3 * b.mi_stderr  # tight: P~ is the exact order-tau conditional
