@@ -1,0 +1,56 @@
+"""Generated tokens/s of `generation_entropy_curve`: all generations in one batch vs one sample at a time.
+
+    python bench/generation_speed.py [--models awd_lstm_small awd_lstm] [--generations 500] [--horizon 50]
+
+Same model, same prefixes, measured side by side in one run. Weights are random (speed does not depend on
+them). FLOP utilisation = 2 x (parameters in matrix multiplies) x generated tokens/s over the measured
+float32 matmul FLOP/s (forward only; the prefix feeding is included in the time, not in the token count).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from train_throughput import build, matmul_flops  # bench/ is on sys.path when run as a script
+
+from lmcal.entropy_rate import generation_entropy_curve
+from lmcal.lm import LSTMStepLM
+from lmcal.model import matmul_params
+
+
+def generated_per_s(lm, prefixes, horizon, samples, max_batch) -> float:
+    t = time.perf_counter()
+    generation_entropy_curve(lm, prefixes, horizon, samples, seed=0, max_batch=max_batch)
+    return prefixes.size(0) * samples * horizon / (time.perf_counter() - t)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", nargs="+", default=["awd_lstm_small", "awd_lstm"])
+    ap.add_argument("--generations", type=int, default=500, help="batched: 100 prefixes x this/100 samples")
+    ap.add_argument("--serial-generations", type=int, default=4, help="timed one at a time (batch 1)")
+    ap.add_argument("--horizon", type=int, default=50)
+    ap.add_argument("--prefix-len", type=int, default=20)
+    ap.add_argument("--vocab", type=int, default=10_000)
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    peak = matmul_flops("cpu")
+    print(f"{torch.get_num_threads()} threads, torch {torch.__version__}; float32 matmul {peak / 1e9:.1f} GFLOP/s")
+    print("| model | mode | generations | tokens/s | GFLOP/s | MFU | speed-up |")
+    print("|---|---|---|---|---|---|---|")
+    for name in args.models:
+        net = build(name, args.vocab).eval()
+        lm, n_mm = LSTMStepLM(net), matmul_params(net)
+        prefixes = torch.randint(0, args.vocab, (100, args.prefix_len))
+        samples = max(1, args.generations // 100)
+        batched = generated_per_s(lm, prefixes, args.horizon, samples, max_batch=100 * samples)
+        serial = generated_per_s(lm, prefixes[: args.serial_generations], args.horizon, 1, max_batch=1)
+        for mode, n, tps in (("one batch", 100 * samples, batched), ("one at a time", args.serial_generations, serial)):
+            print(f"| {name} | {mode} | {n} | {tps:,.0f} | {2 * n_mm * tps / 1e9:.1f} | {2 * n_mm * tps / peak:.1%} | "
+                  f"{tps / serial:.1f}x |")
+
+
+if __name__ == "__main__":
+    main()
