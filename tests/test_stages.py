@@ -43,3 +43,15 @@ def test_entropy_rate_after_training_and_on_the_checkpoint_agree(tmp_path, data_
 def test_table1_row_format():
     md = table1_markdown([{"model": "AWD-LSTM", "corpus": "ptb", "test_ppl": 58.3, "entrate_ppl": 93.1}])
     assert md.splitlines()[2] == "| AWD-LSTM | ptb | 58.3 | 93.1 |"
+
+
+def test_entropy_rate_every_n_epochs_during_training(tmp_path, data_overrides):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("train", overrides=["experiment=smoke", "logger=csv", "analysis.stages=[]",
+                                          "analysis.entropy_rate.every_n_epochs=1", *data_overrides])
+    with open_dict(cfg):
+        cfg.paths.output_dir = str(tmp_path)
+    m = train(cfg)
+    per_epoch = sorted(p.name for p in (tmp_path / "entropy_rate_epochs").glob("*.json"))
+    assert per_epoch == ["entropy_rate_epoch0.json", "entropy_rate_epoch1.json"]
+    assert not (tmp_path / "entropy_rate.json").exists() and "entrate_ppl" not in m  # not asked for at the end

@@ -36,8 +36,9 @@ def load_checkpoint_and_data(ckpt_path: str, data_root: str | None = None, devic
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     net.to(device)
     data_cfg = dict(ckpt["hyper_parameters"].get("data_cfg") or {})
-    if not data_cfg:
-        raise LmcalError(f"{path} does not record the corpus it was trained on (written by an older lmcal).")
+    if not data_cfg:  # checkpoints from before lmcal recorded their corpus: PTB with its default settings
+        log.warning(f"{path} does not record its corpus; assuming data=ptb with the default batch settings.")
+        data_cfg = {"name": "ptb"}
     data_cfg.pop("_target_", None)
     if data_root:
         data_cfg["root"] = data_root
