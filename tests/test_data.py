@@ -90,12 +90,18 @@ def _tgz_of(files: dict[str, bytes], path: Path) -> None:
             tar.addfile(info, io.BytesIO(content))
 
 
-def test_download_checks_sums_and_leaves_nothing_on_failure(tmp_path, monkeypatch):
+def _fake_release(tmp_path, monkeypatch) -> tuple[Path, dict[str, str], Path]:
+    """A simple-examples-like archive of fake PTB files, with the module's sums patched to match."""
     src = tmp_path / "src"
     sums = _fake_ptb(src)
     monkeypatch.setattr(D, "PTB_SHA256", sums)
     archive = tmp_path / "simple-examples.tgz"
     _tgz_of({n: (src / n).read_bytes() for n in sums}, archive)
+    return src, sums, archive
+
+
+def test_download_checks_sums_and_leaves_nothing_on_failure(tmp_path, monkeypatch):
+    src, sums, archive = _fake_release(tmp_path, monkeypatch)
     dest = tmp_path / "root" / "ptb"
     D.download_ptb(dest, url=archive.as_uri())
     assert all(D.sha256(dest / n) == s for n, s in sums.items())
@@ -115,11 +121,7 @@ def test_download_checks_sums_and_leaves_nothing_on_failure(tmp_path, monkeypatc
 
 
 def test_load_ptb_with_download_flag_fetches_then_reads(tmp_path, monkeypatch):
-    src = tmp_path / "src"
-    sums = _fake_ptb(src)
-    monkeypatch.setattr(D, "PTB_SHA256", sums)
-    archive = tmp_path / "a.tgz"
-    _tgz_of({n: (src / n).read_bytes() for n in sums}, archive)
+    _, _, archive = _fake_release(tmp_path, monkeypatch)
     monkeypatch.setattr(D, "PTB_URL", archive.as_uri())
     c = D.load_ptb(tmp_path / "root", download=True, check_counts=False)
     assert c.itos[:3] == ["the", "cat", "ptb.train.txt"] and "<eos>" in c.itos

@@ -168,16 +168,24 @@ def load_ptb(root: str | Path | None = None, download: bool = False, check_count
     if download and not all((folder / f).is_file() for f in PTB_SHA256):
         download_ptb(folder)
     verify_ptb(folder)
-    lines = {split: tokenize_lines(folder / fname) for split, fname in PTB_FILES.items()}
+    expected = (PTB_TOKENS, PTB_VOCAB) if check_counts else None
+    return read_word_corpus("ptb", "Penn Treebank", folder, PTB_FILES, expected)
+
+
+def read_word_corpus(name: str, title: str, folder: Path, files: dict[str, str],
+                     expected: tuple[dict[str, int], int] | None, note: str = "") -> Corpus:
+    """A word-level corpus of three text files: one `<eos>` per line, vocabulary from the training split,
+    token and type counts checked against `expected` = ({split: tokens}, types) when given."""
+    lines = {split: tokenize_lines(folder / fname) for split, fname in files.items()}
     itos = build_vocab(lines["train"])
     stoi = {w: i for i, w in enumerate(itos)}
-    ids = {split: encode(lines[split], stoi, folder / PTB_FILES[split]) for split in PTB_FILES}
-    if check_counts:
+    ids = {split: encode(lines[split], stoi, folder / files[split]) for split in files}
+    if expected is not None:
         counts = {s: t.numel() for s, t in ids.items()}
-        if counts != PTB_TOKENS or len(itos) != PTB_VOCAB:
-            raise DataError(f"Penn Treebank in {folder} has token counts {counts} and {len(itos)} types; "
-                            f"expected {PTB_TOKENS} and {PTB_VOCAB}.")
-    return Corpus("ptb", itos, ids["train"], ids["valid"], ids["test"], info={"path": str(folder)})
+        if counts != expected[0] or len(itos) != expected[1]:
+            raise DataError(f"{title} in {folder} has token counts {counts} and {len(itos)} types; "
+                            f"expected {expected[0]} and {expected[1]}{note}.")
+    return Corpus(name, itos, ids["train"], ids["valid"], ids["test"], info={"path": str(folder)})
 
 
 def synthetic_corpus(vocab_size: int = 50, n_train: int = 20_000, n_valid: int = 2_000, n_test: int = 2_000,
@@ -336,17 +344,9 @@ def load_wikitext2(root: str | Path | None = None, download: bool = False, check
     if download and not all((folder / f).is_file() for f in WIKITEXT2_FILES.values()):
         download_wikitext2(folder)
     verify_wikitext2(folder)
-    lines = {split: tokenize_lines(folder / fname) for split, fname in WIKITEXT2_FILES.items()}
-    itos = build_vocab(lines["train"])
-    stoi = {w: i for i, w in enumerate(itos)}
-    ids = {split: encode(lines[split], stoi, folder / WIKITEXT2_FILES[split]) for split in WIKITEXT2_FILES}
-    if check_counts:
-        counts = {s: t.numel() for s, t in ids.items()}
-        if counts != WIKITEXT2_TOKENS or len(itos) != WIKITEXT2_VOCAB:
-            raise DataError(f"WikiText-2 in {folder} has token counts {counts} and {len(itos)} types; "
-                            f"expected {WIKITEXT2_TOKENS} and {WIKITEXT2_VOCAB} (the tokenised wikitext-2-v1 "
-                            "release, not wikitext-2-raw-v1).")
-    return Corpus("wikitext2", itos, ids["train"], ids["valid"], ids["test"], info={"path": str(folder)})
+    expected = (WIKITEXT2_TOKENS, WIKITEXT2_VOCAB) if check_counts else None
+    return read_word_corpus("wikitext2", "WikiText-2", folder, WIKITEXT2_FILES, expected,
+                            note=" (the tokenised wikitext-2-v1 release, not wikitext-2-raw-v1)")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
