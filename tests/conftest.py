@@ -11,6 +11,7 @@ import pytest
 from lmcal.data import PTB_SHA256
 
 DATA_ROOT = os.environ.get("LMCAL_DATA_ROOT")
+DATA_ROOT = str(Path(DATA_ROOT).resolve()) if DATA_ROOT else None  # subprocesses run in other folders
 HAVE_PTB = bool(DATA_ROOT) and all((Path(DATA_ROOT) / "ptb" / f).is_file() for f in PTB_SHA256)
 needs_ptb = pytest.mark.skipif(not HAVE_PTB, reason="real PTB not found: set LMCAL_DATA_ROOT to a folder holding ptb/")
 

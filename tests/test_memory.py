@@ -206,3 +206,24 @@ def test_markov_exact_oracles(markov, tau):
         else:
             assert b.mi_upper_bound > 10 * b.mi_stderr
             assert abs(b.mi_upper_bound - mi) < 3 * b.mi_stderr  # tight: P~ is the exact order-tau conditional
+
+
+def test_full_context_rows_align_with_limited_rows_and_score_like_evaluate_ce():
+    from lmcal.model import AWDLSTM, evaluate_ce, full_context_log_probs, limited_context_log_probs, zip_rows
+
+    torch.manual_seed(0)
+    net = AWDLSTM(vocab_size=30, emb_size=8, hidden_size=12, num_layers=2).eval()
+    tokens = torch.randint(0, 30, (157,))
+    rows = list(zip_rows(full_context_log_probs(net, tokens, bptt=20),
+                         limited_context_log_probs(net, tokens, tau=3, windows_per_batch=16)))
+    full = torch.cat([r[0] for r in rows])
+    y = torch.cat([r[2] for r in rows])
+    assert torch.equal(y, tokens[1:])
+    ce = -full.gather(1, y[:, None]).mean().item()
+    assert ce == pytest.approx(evaluate_ce(net, tokens, batch_size=1, bptt=20)[0], rel=1e-5)
+    # tau larger than the text: the limited model is the full one
+    lim = torch.cat([r[1] for r in zip_rows(full_context_log_probs(net, tokens[:10]),
+                                            limited_context_log_probs(net, tokens[:10], tau=50))])
+    torch.testing.assert_close(lim, full[:9], rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="aligned"):
+        list(zip_rows(full_context_log_probs(net, tokens), full_context_log_probs(net, tokens.flip(0))))

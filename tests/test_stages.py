@@ -1,13 +1,20 @@
 """Analysis stages end to end: after training (callbacks) and on a checkpoint (`lmcal.evaluate`)."""
 
 import json
+import subprocess
+import sys
 
 import numpy as np
+import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import open_dict
 
 from lmcal.callbacks import table1_markdown
+from lmcal.errors import LmcalError
 from lmcal.evaluate import evaluate
+from lmcal.model import limited_context_ce
+from lmcal.module import load_net
+from lmcal.report import memory_report
 from lmcal.train import CONF_DIR, train
 
 
@@ -23,8 +30,14 @@ def test_entropy_rate_after_training_and_on_the_checkpoint_agree(tmp_path, data_
     assert len(er["curve_nats"]) == len(er["stderr_nats"]) == 20 and er["num_generations"] == 16
     assert er["entrate_ppl"] == np.exp(er["curve_nats"][-1]) == m["entrate_ppl"]
     assert er["test_ppl"] == m["test_ppl"]
-    # metrics.json was written with the stage's summary
+    # metrics.json was written with the stages' summaries
     assert json.loads((tmp_path / "run" / "metrics.json").read_text())["entrate_ppl"] == m["entrate_ppl"]
+    cal = json.loads((tmp_path / "run" / "calibration.json").read_text())
+    assert (tmp_path / "run" / "calibration.png").stat().st_size > 1000
+    assert cal["alpha"] == m["alpha"] and cal["topk"] == 8 and cal["fit_tokens"] == (400 // 4 - 1) * 4
+    assert cal["fit_ce_after_nats"] <= cal["fit_ce_before_nats"] + 1e-9  # the fit never raises held-out CE
+    assert len(cal["curve_nats"]) == len(cal["curve_nats_before"]) == 20
+    assert cal["curve_nats_before"] == er["curve_nats"]  # same prefixes and seeds as the entropy-rate stage
 
     # the same stage on the saved checkpoint, without training: the same numbers (same seed and settings)
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
@@ -55,3 +68,96 @@ def test_entropy_rate_every_n_epochs_during_training(tmp_path, data_overrides):
     per_epoch = sorted(p.name for p in (tmp_path / "entropy_rate_epochs").glob("*.json"))
     assert per_epoch == ["entropy_rate_epoch0.json", "entropy_rate_epoch1.json"]
     assert not (tmp_path / "entropy_rate.json").exists() and "entrate_ppl" not in m  # not asked for at the end
+
+
+def test_memory_stage_after_training_on_the_checkpoint_and_in_the_report(tmp_path, data_overrides):
+    """Base model, then a tau-model whose memory stage runs after training; the same stage through
+    `lmcal.evaluate` gives the same numbers, and `lmcal.report` collects them into the table and figure."""
+    def compose_train(*overrides):
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            return compose("train", overrides=["experiment=smoke", "logger=none", *data_overrides, *overrides])
+
+    base_cfg = compose_train("analysis.stages=[]")
+    with open_dict(base_cfg):
+        base_cfg.paths.output_dir = str(tmp_path / "base")
+    base = train(base_cfg)
+
+    with pytest.raises(LmcalError, match="memory.base_ckpt"):  # refused before training, not after
+        cfg = compose_train("model.memory_tau=5", "analysis.stages=[memory]", "memory.base_ckpt=/nonexistent.ckpt")
+        with open_dict(cfg):
+            cfg.paths.output_dir = str(tmp_path / "bad")
+        train(cfg)
+    assert not (tmp_path / "bad" / "checkpoints").exists()
+
+    cfg = compose_train("model.memory_tau=5", "analysis.stages=[memory]", f"memory.base_ckpt={base['best_ckpt']}",
+                        f"init_ckpt={base['best_ckpt']}")
+    with open_dict(cfg):
+        cfg.paths.output_dir = str(tmp_path / "sweep" / "tau5")
+    m = train(cfg)
+    mem = json.loads((tmp_path / "sweep" / "tau5" / "memory.json").read_text())
+    assert mem["tau"] == 5 and mem["test_tokens"] == 999 and mem["valid"]["tokens"] == 999
+    assert m["mi_upper_bound_nats"] == mem["mi_upper_bound_nats"]
+    assert mem["mi_upper_bound_nats"] == pytest.approx(mem["ce_limited_nats"] - mem["entropy_calibrated_nats"])
+    # P~ on the first 999 test positions is the tau-model's exact limited-context CE there
+    net, _ = load_net(m["best_ckpt"])
+    dm_tokens = _tokens(base_cfg, "test")[:1000]
+    assert mem["ce_limited_nats"] == pytest.approx(limited_context_ce(net, dm_tokens, 5)[0], rel=1e-6)
+    assert mem["valid"]["ce_calibrated_nats"] <= mem["valid"]["ce_full_nats"] + 1e-9  # the fit never raises CE
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        ecfg = compose("evaluate", overrides=[f"ckpt={m['best_ckpt']}", "stages=[memory]", "logger=none",
+                                              f"memory.base_ckpt={base['best_ckpt']}",
+                                              "analysis.memory.fit_tokens=1000", "analysis.memory.score_tokens=1000",
+                                              "analysis.memory.cluster_size=20"])
+    with open_dict(ecfg):
+        ecfg.paths.output_dir = str(tmp_path / "sweep" / "eval_tau5")
+    res = evaluate(ecfg)["memory"]
+    for k in ("alpha", "ce_limited_nats", "mi_upper_bound_nats"):
+        assert res[k] == pytest.approx(mem[k], rel=1e-6, abs=1e-9)
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        bad = compose("evaluate", overrides=[f"ckpt={base['best_ckpt']}", "stages=[memory]", "logger=none",
+                                             f"memory.base_ckpt={base['best_ckpt']}"])
+    with open_dict(bad):
+        bad.paths.output_dir = str(tmp_path / "bad_eval")
+    with pytest.raises(LmcalError, match="tau-model"):
+        evaluate(bad)
+
+    report = memory_report([tmp_path / "sweep"], tmp_path / "report", wandb_mode="disabled")
+    corpus = mem["corpus"]
+    assert [r["tau"] for r in report[corpus]["rows"]] == [5]  # two results for tau=5: the newer one is kept
+    assert (tmp_path / "report" / f"memory_{corpus}.png").stat().st_size > 1000
+    assert f"| 5 | {mem['ce_limited_nats']:.4f}" in (tmp_path / "report" / f"memory_{corpus}.md").read_text()
+
+
+def _tokens(cfg, split):
+    from hydra.utils import instantiate
+
+    dm = instantiate(cfg.data)
+    dm.prepare()
+    return dm.tokens(split)
+
+
+def test_report_table_has_the_papers_values_beside_ours(tmp_path):
+    for tau, mi in ((5, 0.9), (10, 0.5)):
+        (tmp_path / f"t{tau}").mkdir()
+        (tmp_path / f"t{tau}" / "memory.json").write_text(json.dumps({
+            "tau": tau, "corpus": "ptb", "model": "m", "ce_limited_nats": 5.0, "mi_upper_bound_nats": mi,
+            "mi_stderr_nats": 0.01, "alpha": 0.001, "alpha_stderr": 0.002, "entropy_calibrated_nats": 5.0 - mi,
+            "test_tokens": 100, "valid": {"tokens": 100}, "cluster_size": 10}))
+    report = memory_report([tmp_path], wandb_mode="disabled")
+    lines = (tmp_path / "memory_ptb.md").read_text().splitlines()
+    assert lines[4] == "| 5 | 5.0000 | 4.8144 | 0.9000 ± 0.0100 | 0.6180 | 0.00100 ± 0.00200 | 0.00351 |"
+    assert [r["tau"] for r in report["ptb"]["rows"]] == [5, 10]
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(LmcalError, match="No memory.json"):
+        memory_report([tmp_path / "empty"], wandb_mode="disabled")
+    with pytest.raises(LmcalError, match="not a folder"):
+        memory_report([tmp_path / "missing"], wandb_mode="disabled")
+
+
+def test_report_command_line_errors_are_one_paragraph(tmp_path):
+    (tmp_path / "empty").mkdir()
+    r = subprocess.run([sys.executable, "-m", "lmcal.report", str(tmp_path / "empty"), "--wandb", "disabled"],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and r.stderr.startswith("lmcal: error: No memory.json") and "Traceback" not in r.stderr

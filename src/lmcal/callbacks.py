@@ -14,10 +14,19 @@ from pathlib import Path
 import pytorch_lightning as pl
 import torch
 
+from lmcal.calibration import calibrated, fit_lookahead_calibration, score
+from lmcal.data import batchify
 from lmcal.entropy_rate import generation_entropy_curve, random_prefixes
 from lmcal.errors import LmcalError
 from lmcal.lm import LSTMStepLM
-from lmcal.model import evaluate_ce, limited_context_ce
+from lmcal.memory import memory_upper_bound
+from lmcal.model import (
+    evaluate_ce,
+    full_context_log_probs,
+    limited_context_ce,
+    limited_context_log_probs,
+    zip_rows,
+)
 from lmcal.module import load_net
 from lmcal.plots import entropy_curve_figure
 from lmcal.utils import write_json_atomic, write_text_atomic
@@ -78,6 +87,144 @@ def entropy_rate_stage(lm, valid_tokens: torch.Tensor, test_ce_nats: float, out_
     log.info(f"{name}: test ppl {result['test_ppl']:.1f}, EntRate {result['entrate_ppl']:.1f} at t={horizon} "
              f"({n_gen} generations, {seconds:.0f} s); {out / (name + '.json')}")
     return result
+
+
+def calibration_stage(lm, valid_tokens: torch.Tensor, test_tokens: torch.Tensor, out_dir: str | Path, *,
+                      fit_tokens: int = 20_000, fit_streams: int = 20, score_tokens: int | None = None,
+                      score_streams: int = 10, topk: int | None = 64, epsilon: float = 0.0,
+                      num_prefixes: int = 100, samples_per_prefix: int = 5, prefix_len: int = 100, horizon: int = 700,
+                      seed: int = 0, max_batch: int = 1024, model_name: str = "model", corpus: str = "ptb",
+                      logger=None, name: str = "calibration", **_ignored) -> dict:
+    """Lookahead calibration (Algorithm 2, Figure 3): fit alpha* on the first `fit_tokens` validation tokens
+    (as `fit_streams` parallel streams), score test CE before and after on the first `score_tokens` test tokens
+    (all when null), and the generation entropy curves of both models from the same prefixes and seeds."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    fit = fit_lookahead_calibration(lm, batchify(valid_tokens[:fit_tokens], fit_streams), topk=topk,
+                                    epsilon=epsilon, progress=True)
+    t_fit = time.perf_counter() - t0
+    cal = calibrated(lm, fit.alpha, topk=topk, epsilon=epsilon)
+    test = batchify(test_tokens[:score_tokens] if score_tokens else test_tokens, score_streams)
+    ce_before, n_scored = score(calibrated(lm, 0.0, epsilon=epsilon), test)
+    ce_after, _ = score(cal, test)
+    prefixes = random_prefixes(valid_tokens, num_prefixes, prefix_len, seed=seed)
+    curves = {}
+    for label, model in (("before", lm), ("after", cal)):
+        curves[label] = generation_entropy_curve(model, prefixes, horizon, samples_per_prefix, seed=seed,
+                                                 max_batch=max_batch, progress=True)
+    result = {
+        "model": model_name, "corpus": corpus, "alpha": fit.alpha, "alpha_stderr": fit.alpha_stderr,
+        "fit_ce_before_nats": fit.ce_before, "fit_ce_after_nats": fit.ce_after, "fit_tokens": fit.n_tokens,
+        "test_ce_before_nats": ce_before, "test_ce_after_nats": ce_after,
+        "test_ppl_before": math.exp(ce_before), "test_ppl_after": math.exp(ce_after), "test_tokens": n_scored,
+        "curve_nats_before": curves["before"].mean.tolist(), "stderr_nats_before": curves["before"].stderr.tolist(),
+        "curve_nats": curves["after"].mean.tolist(), "stderr_nats": curves["after"].stderr.tolist(),
+        "entrate_ppl_before": math.exp(curves["before"].mean[-1]),
+        "entrate_ppl_after": math.exp(curves["after"].mean[-1]),
+        "topk": topk, "epsilon": epsilon, "horizon": horizon, "num_prefixes": prefixes.size(0),
+        "samples_per_prefix": samples_per_prefix, "prefix_len": prefix_len, "seed": seed,
+        "fit_seconds": t_fit, "seconds": time.perf_counter() - t0,
+    }
+    png = entropy_curve_figure({f"{model_name}": (curves["before"].mean, curves["before"].stderr),
+                                f"calibrated, alpha={fit.alpha:.3g}": (curves["after"].mean, curves["after"].stderr)},
+                               out / f"{name}.png", reference_nats={"test cross-entropy": ce_before},
+                               title=f"{model_name} on {corpus}: EntRate {result['entrate_ppl_before']:.1f} -> "
+                                     f"{result['entrate_ppl_after']:.1f}, test ppl {result['test_ppl_before']:.1f} -> "
+                                     f"{result['test_ppl_after']:.1f}")
+    write_json_atomic(out / f"{name}.json", result)
+    wandb_log(logger, scalars={f"{name}/{k}": result[k] for k in ("alpha", "test_ppl_before", "test_ppl_after",
+                                                                   "entrate_ppl_before", "entrate_ppl_after")},
+              images={f"{name}/figure": png})
+    log.info(f"{name}: alpha* {fit.alpha:.4f} +- {fit.alpha_stderr:.4f}; test ppl {result['test_ppl_before']:.2f} -> "
+             f"{result['test_ppl_after']:.2f}; EntRate {result['entrate_ppl_before']:.1f} -> "
+             f"{result['entrate_ppl_after']:.1f} ({result['seconds']:.0f} s)")
+    return result
+
+
+PAPER_MEMORY_PTB = {  # the paper's Section 5 table for its PTB AWD-LSTM (nats): tau -> (CE(P||P~), I_tau bound, alpha*)
+    5: (4.8144, 0.6180, 0.003515), 10: (4.5258, 0.4226, -0.01041), 15: (4.4166, 0.2678, -0.00447),
+    20: (4.3347, 0.2485, -0.02268), 25: (4.2777, 0.2274, -0.01814), 30: (4.2408, 0.2143, -0.02323),
+}
+
+
+def _memory_rows(full_net, limited_net, tau: int, tokens: torch.Tensor, windows_per_batch: int, bptt: int,
+                 desc: str):
+    """(log P^ [n, V], log P~_tau [n, V], targets [n]) chunks along `tokens`, with a progress bar."""
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=max(0, tokens.numel() - 1), desc=desc, unit="tok", leave=False)
+    for f, q, y in zip_rows(full_context_log_probs(full_net, tokens, bptt),
+                            limited_context_log_probs(limited_net, tokens, tau, windows_per_batch)):
+        bar.update(y.numel())
+        yield f, q, y
+    bar.close()
+
+
+def memory_stage(full_net, limited_net, valid_tokens: torch.Tensor, test_tokens: torch.Tensor, out_dir: str | Path,
+                 *, tau: int | None = None, fit_tokens: int | None = None, score_tokens: int | None = None,
+                 cluster_size: int = 100, windows_per_batch: int = 512, bptt: int = 70,
+                 store_dtype: str = "float32", model_name: str = "model", corpus: str = "ptb",
+                 base_ckpt: str | None = None, ckpt: str | None = None, logger=None, name: str = "memory",
+                 **_ignored) -> dict:
+    """The memory bound for one tau (Section 5): fit alpha* of P^ * P~_tau^alpha on the first `fit_tokens`
+    validation tokens (all when null), then evaluate CE(P||P~_tau), H(P^_alpha*) and the I_tau bound on the first
+    `score_tokens` test tokens (all when null), each split read as one stream: P^ with its full past, P~_tau with
+    exactly the last tau tokens. Writes `<name>.json`."""
+    tau = tau or getattr(limited_net, "memory_tau", None)
+    if not tau:
+        raise LmcalError("The memory stage needs a tau-limited model (one trained with model.memory_tau=TAU); "
+                         "this checkpoint is an ordinary full-context model.")
+    if full_net.decoder.weight.size(0) != limited_net.decoder.weight.size(0):
+        raise LmcalError(f"The base model's vocabulary ({full_net.decoder.weight.size(0)} words) differs from the "
+                         f"tau-model's ({limited_net.decoder.weight.size(0)}): they were trained on different corpora.")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    valid = valid_tokens[:fit_tokens] if fit_tokens else valid_tokens
+    test = test_tokens[:score_tokens] if score_tokens else test_tokens
+    fit = memory_upper_bound(_memory_rows(full_net, limited_net, tau, valid, windows_per_batch, bptt, "memory fit"),
+                             cluster_size=cluster_size, store_dtype=getattr(torch, store_dtype))
+    t_fit = time.perf_counter() - t0
+    ev = memory_upper_bound(_memory_rows(full_net, limited_net, tau, test, windows_per_batch, bptt, "memory test"),
+                            alpha=fit.alpha, cluster_size=cluster_size)
+    paper = PAPER_MEMORY_PTB.get(tau) if corpus == "ptb" else None
+    result = {
+        "tau": tau, "model": model_name, "corpus": corpus, "alpha": fit.alpha, "alpha_stderr": fit.alpha_stderr,
+        "ce_limited_nats": ev.ce_limited, "mi_upper_bound_nats": ev.mi_upper_bound, "mi_stderr_nats": ev.mi_stderr,
+        "entropy_calibrated_nats": ev.entropy_calibrated, "ce_full_nats": ev.ce_full,
+        "ce_calibrated_nats": ev.ce_calibrated, "test_tokens": ev.n_tokens,
+        "valid": {"ce_limited_nats": fit.ce_limited, "mi_upper_bound_nats": fit.mi_upper_bound,
+                  "entropy_calibrated_nats": fit.entropy_calibrated, "ce_full_nats": fit.ce_full,
+                  "ce_calibrated_nats": fit.ce_calibrated, "tokens": fit.n_tokens},
+        "paper": dict(zip(("ce_limited_nats", "mi_upper_bound_nats", "alpha"), paper, strict=True)) if paper else None,
+        "cluster_size": cluster_size, "base_ckpt": base_ckpt, "ckpt": ckpt,
+        "fit_seconds": t_fit, "seconds": time.perf_counter() - t0,
+    }
+    write_json_atomic(out / f"{name}.json", result)
+    wandb_log(logger, scalars={f"{name}/{k}": result[k] for k in ("tau", "alpha", "ce_limited_nats",
+                                                                   "mi_upper_bound_nats", "entropy_calibrated_nats")})
+    log.info(f"{name} tau={tau}: alpha* {fit.alpha:.5f} +- {fit.alpha_stderr:.5f}; CE(P||P~) {ev.ce_limited:.4f}, "
+             f"H(cal) {ev.entropy_calibrated:.4f}, I_tau <= {ev.mi_upper_bound:.4f} +- {ev.mi_stderr:.4f} nats "
+             f"({result['seconds']:.0f} s)")
+    return result
+
+
+def load_base_net(path: str | Path | None, device, corpus: str | None = None):
+    """The full-context base model for the memory stage, with a clear error when it is missing or mismatched."""
+    if not path:
+        raise LmcalError("The memory stage needs the full-context base model: pass memory.base_ckpt=PATH (a "
+                         "checkpoint of the same corpus trained with model.memory_tau=null).")
+    if not Path(path).is_file():
+        raise LmcalError(f"memory.base_ckpt={path} does not exist; train the base model first "
+                         "(python -m lmcal.train with model.memory_tau=null) and point at its checkpoints/best.ckpt.")
+    net, ckpt = load_net(path, map_location="cpu")
+    if net.memory_tau:
+        raise LmcalError(f"memory.base_ckpt={path} is itself a tau={net.memory_tau} model; it must be full-context.")
+    base_corpus = (ckpt["hyper_parameters"].get("data_cfg") or {}).get("name")
+    if corpus and base_corpus and base_corpus != corpus:
+        raise LmcalError(f"memory.base_ckpt={path} was trained on {base_corpus}, this model on {corpus}.")
+    return net.to(device)
 
 
 def best_model_scores(trainer: pl.Trainer, datamodule) -> dict:
@@ -172,3 +319,34 @@ class EntropyRateCallback(pl.Callback):
         s = best_model_scores(trainer, trainer.datamodule)
         self.result = entropy_rate_stage(LSTMStepLM(s["net"]), trainer.datamodule.tokens("valid"), s["test_ce"],
                                          self.out_dir, logger=trainer.logger, **self.settings)
+
+
+class CalibrationCallback(pl.Callback):
+    """Runs `calibration_stage` on the best checkpoint when training ends."""
+
+    def __init__(self, out_dir: str | Path, **settings):
+        self.out_dir, self.settings = Path(out_dir), settings
+        self.result: dict | None = None
+
+    def on_fit_end(self, trainer, module):
+        s = best_model_scores(trainer, trainer.datamodule)
+        dm = trainer.datamodule
+        self.result = calibration_stage(LSTMStepLM(s["net"]), dm.tokens("valid"), dm.tokens("test"), self.out_dir,
+                                        logger=trainer.logger, **self.settings)
+
+
+class MemoryCallback(pl.Callback):
+    """Runs `memory_stage` for a tau run when training ends: the trained tau-model against the base model at
+    `base_ckpt`."""
+
+    def __init__(self, out_dir: str | Path, base_ckpt: str | None, **settings):
+        self.out_dir, self.base_ckpt, self.settings = Path(out_dir), base_ckpt, settings
+        self.result: dict | None = None
+
+    def on_fit_end(self, trainer, module):
+        s = best_model_scores(trainer, trainer.datamodule)
+        dm = trainer.datamodule
+        base = load_base_net(self.base_ckpt, module.device, dm.name)
+        self.result = memory_stage(base, s["net"], dm.tokens("valid"), dm.tokens("test"), self.out_dir,
+                                   logger=trainer.logger, base_ckpt=str(self.base_ckpt), ckpt=s["path"],
+                                   bptt=dm.bptt, **self.settings)

@@ -1,4 +1,5 @@
-"""Analysis stages on an existing checkpoint: `python -m lmcal.evaluate ckpt=PATH stages=[entropy_rate]`.
+"""Analysis stages on an existing checkpoint: `python -m lmcal.evaluate ckpt=PATH stages=[entropy_rate,calibration]`,
+or, for a tau-model, `python -m lmcal.evaluate ckpt=TAU_CKPT memory.base_ckpt=BASE_CKPT stages=[memory]`.
 
 `evaluate(cfg)` is a plain function; `main` is the Hydra entry point around it.
 """
@@ -14,16 +15,16 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from lmcal.callbacks import entropy_rate_stage
+from lmcal.callbacks import calibration_stage, entropy_rate_stage, load_base_net, memory_stage
 from lmcal.errors import LmcalError
 from lmcal.lm import LSTMStepLM
-from lmcal.model import evaluate_ce
+from lmcal.model import evaluate_ce, limited_context_ce
 from lmcal.module import LMDataModule, load_net
 from lmcal.train import finish_logger, make_logger, model_name
 from lmcal.utils import write_json_atomic
 
 log = logging.getLogger("lmcal")
-STAGES = ("entropy_rate",)
+STAGES = ("entropy_rate", "calibration", "memory")
 
 
 def load_checkpoint_and_data(ckpt_path: str, data_root: str | None = None, device: str | None = None):
@@ -56,7 +57,19 @@ def evaluate(cfg: DictConfig) -> dict:
     net, ckpt, dm = load_checkpoint_and_data(cfg.ckpt, cfg.get("data_root"), cfg.get("device"))
     net_cfg = OmegaConf.create(ckpt["hyper_parameters"]["net"])
     name = model_name(net_cfg)
-    test_ce, _ = evaluate_ce(net, dm.tokens("test"), dm.test_batch_size, dm.bptt)
+    tau = net.memory_tau
+    full_only = [s for s in cfg.stages if s != "memory"]
+    if tau and full_only:
+        raise LmcalError(f"{cfg.ckpt} is a tau={tau} limited-memory model; stages {full_only} analyse full-context "
+                         "models. Run them on the base model's checkpoint, and stages=[memory] on this one.")
+    if "memory" in cfg.stages:
+        base = load_base_net(cfg.get("memory", {}).get("base_ckpt"), net.decoder.weight.device, dm.name)
+        if not tau:
+            raise LmcalError(f"stages=[memory] needs ckpt= to be a tau-model (trained with model.memory_tau=TAU); "
+                             f"{cfg.ckpt} is full-context.")
+        test_ce, _ = limited_context_ce(net, dm.tokens("test"), tau)
+    else:
+        test_ce, _ = evaluate_ce(net, dm.tokens("test"), dm.test_batch_size, dm.bptt)
     log.info(f"{name} on {dm.name}: test ppl {math.exp(test_ce):.2f}")
     results = {"ckpt": str(Path(cfg.ckpt).resolve()), "model": name, "dataset": dm.name,
                "test_ce_nats": test_ce, "test_ppl": math.exp(test_ce)}
@@ -67,6 +80,15 @@ def evaluate(cfg: DictConfig) -> dict:
                 settings = {k: v for k, v in cfg.analysis.entropy_rate.items() if k != "every_n_epochs"}
                 results[stage] = entropy_rate_stage(LSTMStepLM(net), dm.tokens("valid"), test_ce, out, logger=logger,
                                                     model_name=name, corpus=dm.name, **settings)
+            elif stage == "calibration":
+                results[stage] = calibration_stage(LSTMStepLM(net), dm.tokens("valid"), dm.tokens("test"), out,
+                                                   logger=logger, model_name=name, corpus=dm.name,
+                                                   **cfg.analysis.calibration)
+            elif stage == "memory":
+                results[stage] = memory_stage(base, net, dm.tokens("valid"), dm.tokens("test"), out, logger=logger,
+                                              model_name=name, corpus=dm.name, bptt=dm.bptt,
+                                              base_ckpt=str(Path(cfg.memory.base_ckpt).resolve()),
+                                              ckpt=str(Path(cfg.ckpt).resolve()), **cfg.analysis.memory)
         write_json_atomic(out / "evaluation.json", results)
         return results
     finally:

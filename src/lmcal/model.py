@@ -225,3 +225,43 @@ def limited_context_ce(net: AWDLSTM, tokens: torch.Tensor, tau: int, windows_per
         total -= lp.gather(1, y[:, None]).sum().item()
         count += y.numel()
     return total / count, count
+
+
+@torch.no_grad()
+def full_context_log_probs(net: AWDLSTM, tokens: torch.Tensor, bptt: int = 70):
+    """Full-context predictions along a 1-D stream, aligned with `limited_context_log_probs`.
+
+    Yields (log_probs [n, V], targets [n]) chunks, in order, for every position t = 1..N-1:
+    log P(. | tokens[:t]), one stream from a zero state with the state carried across windows.
+    """
+    was_training = net.training
+    net.eval()
+    device = net.decoder.weight.device
+    tokens = tokens.to(device)
+    hidden = net.init_hidden(1)
+    for i in range(0, tokens.numel() - 1, bptt):
+        x = tokens[i:i + bptt + 1]
+        output, _, hidden = net(x[:-1, None], hidden)  # [t, 1, E]
+        yield net.logits(output[:, 0]).log_softmax(-1), x[1:]
+    net.train(was_training)
+
+
+def zip_rows(*streams):
+    """Zips streams of (rows [n, V], targets [n]) chunks whose chunk lengths differ, re-cut to common lengths.
+
+    Yields (rows_1, ..., rows_k, targets); the streams must cover the same targets in the same order.
+    """
+    its = [iter(s) for s in streams]
+    bufs = [None] * len(its)
+    while True:
+        bufs = [b if b is not None and b[1].numel() else next(it, None) for b, it in zip(bufs, its, strict=True)]
+        if any(b is None for b in bufs):
+            if not all(b is None for b in bufs):
+                raise ValueError("the streams cover different numbers of positions")
+            return
+        n = min(b[1].numel() for b in bufs)
+        y = bufs[0][1][:n]
+        if any(not torch.equal(b[1][:n], y) for b in bufs[1:]):
+            raise ValueError("the streams' targets differ: they are not aligned on the same text")
+        yield (*(b[0][:n] for b in bufs), y)
+        bufs = [(b[0][n:], b[1][n:]) for b in bufs]

@@ -20,9 +20,9 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from pytorch_lightning.callbacks import ModelCheckpoint
 
-from lmcal.callbacks import EntropyRateCallback, MetricsCallback
+from lmcal.callbacks import CalibrationCallback, EntropyRateCallback, MemoryCallback, MetricsCallback, load_base_net
 from lmcal.errors import LmcalError
-from lmcal.module import LMModule
+from lmcal.module import LMModule, load_net
 from lmcal.utils import write_json_atomic
 
 log = logging.getLogger("lmcal")
@@ -53,6 +53,23 @@ def model_name(model_cfg) -> str:
     return str(model_cfg.get("_target_"))
 
 
+STAGES = ("entropy_rate", "calibration", "memory")  # entropy_rate, calibration: full models; memory: tau-models
+
+
+def init_from(module: LMModule, path: str) -> None:
+    """Start from the network weights of another checkpoint (not its optimiser or schedule): warm-starts
+    tau-models from the base model in the CPU profile."""
+    if not Path(path).is_file():
+        raise LmcalError(f"init_ckpt={path} does not exist.")
+    net, _ = load_net(path)
+    try:
+        module.net.load_state_dict(net.state_dict())
+    except RuntimeError as e:
+        raise LmcalError(f"init_ckpt={path} does not fit this model (different sizes or vocabulary): "
+                         f"{str(e).splitlines()[0]}") from None
+    log.info(f"Initialised the network from {path}")
+
+
 def train(cfg: DictConfig) -> dict:
     """Fit (or resume), evaluate the best checkpoint on valid and test, write metrics.json."""
     t_start = time.perf_counter()
@@ -75,18 +92,33 @@ def train(cfg: DictConfig) -> dict:
         log.info(f"Resuming from {resume}")
 
     stages = list(cfg.analysis.get("stages") or [])
-    unknown = set(stages) - {"entropy_rate"}
+    unknown = set(stages) - set(STAGES)
     if unknown:
-        raise LmcalError(f"Unknown analysis stage(s) {sorted(unknown)} in analysis.stages; known: entropy_rate.")
+        raise LmcalError(f"Unknown analysis stage(s) {sorted(unknown)} in analysis.stages; known: {', '.join(STAGES)}.")
+    tau = cfg.model.get("memory_tau")
+    base_ckpt = cfg.get("memory", {}).get("base_ckpt")
+    if "memory" in stages and tau:
+        load_base_net(base_ckpt, "cpu", cfg.data.name)  # fail now, not after training
+    if cfg.get("init_ckpt") and not resume:
+        init_from(module, cfg.init_ckpt)
     metrics_cb = MetricsCallback(out, extra={"dataset": cfg.data.name, "model": model_name(cfg.model),
                                              "resumed_from": resume})
     callbacks = [ckpt_cb, metrics_cb]  # in this order: metrics.json is written before any stage runs
+    er_cb = cal_cb = mem_cb = None
     er_cfg = dict(cfg.analysis.entropy_rate)
     every = er_cfg.pop("every_n_epochs", None)
     if ("entropy_rate" in stages or every) and not cfg.model.get("memory_tau"):
         er_cb = EntropyRateCallback(out, every_n_epochs=every, at_fit_end="entropy_rate" in stages,
                                     model_name=model_name(cfg.model), corpus=cfg.data.name, **er_cfg)
         callbacks.append(er_cb)
+    if "calibration" in stages and not tau:
+        cal_cb = CalibrationCallback(out, model_name=model_name(cfg.model), corpus=cfg.data.name,
+                                     **cfg.analysis.calibration)
+        callbacks.append(cal_cb)
+    if "memory" in stages and tau:
+        mem_cb = MemoryCallback(out, base_ckpt, model_name=model_name(cfg.model), corpus=cfg.data.name,
+                                **cfg.analysis.memory)
+        callbacks.append(mem_cb)
 
     logger = make_logger(cfg)
     try:
@@ -97,8 +129,14 @@ def train(cfg: DictConfig) -> dict:
         metrics = metrics_cb.metrics
         if metrics is None:
             raise LmcalError(f"Training stopped before it could be scored; see {out / 'train.log'}.")
-        if "entropy_rate" in stages and er_cb.result:
+        if er_cb is not None and er_cb.result:
             metrics["entrate_ppl"] = er_cb.result["entrate_ppl"]
+        if cal_cb is not None and cal_cb.result:
+            metrics.update({k: cal_cb.result[k] for k in ("alpha", "test_ppl_before", "test_ppl_after",
+                                                           "entrate_ppl_before", "entrate_ppl_after")})
+        if mem_cb is not None and mem_cb.result:
+            metrics.update({k: mem_cb.result[k] for k in ("alpha", "mi_upper_bound_nats", "mi_stderr_nats")})
+        if stages:
             metrics["wall_seconds"] = time.perf_counter() - t_start
             write_json_atomic(out / "metrics.json", metrics)
         return metrics

@@ -1,0 +1,142 @@
+"""Aggregation of per-tau results into the paper's Section 5 table and Figure 4.
+
+    python -m lmcal.report outputs/ptb_tau/multiruns/2026-11-22_10-00-00 [more dirs] [--out DIR] [--wandb offline]
+
+Finds every `memory.json` under the given folders (written by the memory stage of each tau run, or by
+`python -m lmcal.evaluate stages=[memory]`), groups them by corpus, and writes into --out (default: the first folder)
+`memory_<corpus>.md` (ours beside the paper's), `memory_<corpus>.png` (the bound against tau) and
+`memory_report.json`, and logs the tables and figures to Weights & Biases (offline by default).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from lmcal.callbacks import PAPER_MEMORY_PTB
+from lmcal.errors import LmcalError
+from lmcal.plots import memory_figure
+from lmcal.utils import write_json_atomic, write_text_atomic
+
+log = logging.getLogger("lmcal")
+
+
+def collect_memory(dirs: list[str | Path]) -> dict[str, list[dict]]:
+    """corpus -> memory.json results sorted by tau; of two results for one (corpus, tau) the newest file wins."""
+    found: dict[tuple[str, int], tuple[float, dict]] = {}
+    for d in dirs:
+        d = Path(d)
+        if not d.is_dir():
+            raise LmcalError(f"{d} is not a folder; pass the sweep (or run) folders that hold memory.json files.")
+        for path in sorted(d.rglob("memory.json")):
+            try:
+                r = json.loads(path.read_text())
+                key = (r["corpus"], int(r["tau"]))
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise LmcalError(f"{path} is not a memory-stage result ({e}); delete it or rerun that stage.") from None
+            r["path"] = str(path)
+            mtime = path.stat().st_mtime
+            if key in found:
+                log.warning(f"two results for {key[0]} tau={key[1]}: keeping the newer of {found[key][1]['path']} "
+                            f"and {path}")
+            if key not in found or mtime >= found[key][0]:
+                found[key] = (mtime, r)
+    by_corpus: dict[str, list[dict]] = {}
+    for (corpus, _), (_, r) in sorted(found.items()):
+        by_corpus.setdefault(corpus, []).append(r)
+    return by_corpus
+
+
+def memory_table(rows: list[dict]) -> str:
+    """Markdown: per tau, CE(P||P~), the I_tau bound (± 1 se) and alpha*, ours beside the paper's (PTB only)."""
+    paper = rows[0]["corpus"] == "ptb"
+    head = "| tau | CE(P‖P̃) | I_tau upper bound | alpha* |"
+    sep = "|---|---|---|---|"
+    if paper:
+        head = "| tau | CE(P‖P̃) | paper | I_tau upper bound | paper | alpha* | paper |"
+        sep = "|---|---|---|---|---|---|---|"
+    lines = [head, sep]
+    for r in rows:
+        ours = [f"{r['ce_limited_nats']:.4f}", f"{r['mi_upper_bound_nats']:.4f} ± {r['mi_stderr_nats']:.4f}",
+                f"{r['alpha']:.5f} ± {r['alpha_stderr']:.5f}"]
+        if paper:
+            p = PAPER_MEMORY_PTB.get(int(r["tau"]))
+            theirs = [f"{v:.4f}" if i < 2 else f"{v:.5f}" for i, v in enumerate(p)] if p else ["–"] * 3
+            ours = [ours[0], theirs[0], ours[1], theirs[1], ours[2], theirs[2]]
+        lines.append(f"| {r['tau']} | " + " | ".join(ours) + " |")
+    r0 = rows[0]
+    lines.append("")
+    lines.append(f"Nats per token on {r0['test_tokens']:,} test tokens (alpha* fitted on {r0['valid']['tokens']:,} "
+                 f"validation tokens); ± is one standard error (batch means over {r0['cluster_size']} positions).")
+    return "\n".join(lines) + "\n"
+
+
+def memory_report(dirs: list[str | Path], out: str | Path | None = None, wandb_mode: str = "offline",
+                  project: str = "lmcal", group: str | None = None) -> dict:
+    """Collects the tau results under `dirs` and writes the tables, figures and `memory_report.json` into `out`."""
+    by_corpus = collect_memory(dirs)
+    if not by_corpus:
+        raise LmcalError(f"No memory.json under {', '.join(map(str, dirs))}: run the tau models with "
+                         "analysis.stages=[memory] memory.base_ckpt=PATH, or `python -m lmcal.evaluate "
+                         "stages=[memory]` on their checkpoints, first.")
+    out = Path(out or dirs[0])
+    out.mkdir(parents=True, exist_ok=True)
+    report = {}
+    for corpus, rows in by_corpus.items():
+        table = memory_table(rows)
+        series = {"ours": ([r["tau"] for r in rows], [r["mi_upper_bound_nats"] for r in rows],
+                           [r["mi_stderr_nats"] for r in rows])}
+        if corpus == "ptb":
+            taus = sorted(PAPER_MEMORY_PTB)
+            series["paper (AWD-LSTM, 500 epochs)"] = (taus, [PAPER_MEMORY_PTB[t][1] for t in taus], None)
+        png = memory_figure(series, out / f"memory_{corpus}.png",
+                            title=f"{rows[0]['model']} on {corpus}: information from beyond tau tokens back")
+        write_text_atomic(out / f"memory_{corpus}.md", f"# Memory bound on {corpus}\n\n{table}\n"
+                                                       f"![I_tau bound against tau](memory_{corpus}.png)\n")
+        report[corpus] = {"rows": [{k: r[k] for k in ("tau", "ce_limited_nats", "mi_upper_bound_nats",
+                                                      "mi_stderr_nats", "alpha", "alpha_stderr",
+                                                      "entropy_calibrated_nats", "path")} for r in rows],
+                          "table_md": str(out / f"memory_{corpus}.md"), "figure": str(png)}
+        print(f"{corpus}:\n{table}")
+    write_json_atomic(out / "memory_report.json", report)
+    if wandb_mode != "disabled":
+        _log_wandb(report, out, wandb_mode, project, group)
+    return report
+
+
+def _log_wandb(report: dict, out: Path, mode: str, project: str, group: str | None) -> None:
+    import wandb
+
+    run = wandb.init(project=project, group=group, job_type="report", name="memory_report", mode=mode, dir=str(out),
+                     reinit="finish_previous")
+    try:
+        for corpus, r in report.items():
+            cols = ["tau", "ce_limited_nats", "mi_upper_bound_nats", "mi_stderr_nats", "alpha"]
+            data = [[x[c] for c in cols] for x in r["rows"]]
+            run.log({f"memory/{corpus}/table": wandb.Table(columns=cols, data=data),
+                     f"memory/{corpus}/figure": wandb.Image(r["figure"])})
+    finally:
+        run.finish()
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m lmcal.report", description=__doc__.split("\n\n")[0])
+    ap.add_argument("dirs", nargs="+", help="sweep or run folders holding memory.json files (searched recursively)")
+    ap.add_argument("--out", help="where to write the tables and figures (default: the first folder)")
+    ap.add_argument("--wandb", default="offline", choices=["offline", "online", "disabled"])
+    ap.add_argument("--project", default="lmcal")
+    ap.add_argument("--group")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        memory_report(args.dirs, args.out, args.wandb, args.project, args.group)
+    except LmcalError as e:
+        print(f"lmcal: error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()
