@@ -15,6 +15,7 @@ STAMP := $(VENV)/.installed
 help: ## list the targets
 	@awk 'BEGIN{FS=":.*## "} /^[a-zA-Z_-]+:.*## /{printf "  make %-10s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
 	@echo "  variables: TORCH='$(TORCH)' PROFILE=$(PROFILE) (auto|paper|cpu|smoke) LMCAL_DATA_ROOT=<folder holding ptb/>"
+	@echo "             ARGS='out=DIR taus=[5,10] ...' (reproduce: overrides of conf/reproduce/<profile>.yaml)"
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -39,15 +40,8 @@ bench: $(STAMP) ## training throughput and FLOP utilisation (prints a Markdown t
 smoke: $(STAMP) ## a tiny training run (under a minute) that writes metrics.json
 	$(PY) -m lmcal.train experiment=smoke
 
-reproduce: $(STAMP) ## train the base model for PROFILE (auto: paper on a GPU, else cpu)
-	@profile=$(PROFILE); \
-	if [ "$$profile" = auto ]; then \
-	  if $(PY) -c 'import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)'; then profile=paper; else profile=cpu; fi; \
-	  echo "PROFILE=auto: running the '$$profile' profile (choose with make reproduce PROFILE=paper|cpu|smoke)"; \
-	fi; \
-	case "$$profile" in paper) exp=paper;; cpu) exp=ptb_small;; smoke) exp=smoke;; \
-	  *) echo "unknown PROFILE=$$profile: use auto, paper, cpu or smoke" >&2; exit 2;; esac; \
-	$(PY) -m lmcal.train experiment=$$exp hydra.run.dir=outputs/reproduce/$$profile/base
+reproduce: $(STAMP) ## every result of the paper for PROFILE (auto: paper on a GPU, else cpu); resumable
+	$(PY) -m lmcal.reproduce profile=$(PROFILE) $(ARGS)
 
 clean: ## remove .venv (outputs/ is kept)
 	rm -rf $(VENV)

@@ -227,3 +227,19 @@ def test_full_context_rows_align_with_limited_rows_and_score_like_evaluate_ce():
     torch.testing.assert_close(lim, full[:9], rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="aligned"):
         list(zip_rows(full_context_log_probs(net, tokens), full_context_log_probs(net, tokens.flip(0))))
+
+
+def test_markov_oracle_estimates_match_the_exact_answers():
+    """The pipeline's Markov check (`markov_oracle_memory`): entropy rate and I_tau from the exact oracles agree with
+    the closed forms within 3 standard errors, on the default corpus (order 2)."""
+    from lmcal.callbacks import markov_oracle_memory
+    from lmcal.data import markov_corpus
+
+    corpus = markov_corpus(n_train=1000, n_valid=50_000, n_test=50_000)
+    r = markov_oracle_memory(corpus.info, corpus.split("valid"), corpus.split("test"), [1, 2, 3])
+    h = corpus.info["entropy_rate_nats"]
+    assert abs(r["estimated_entropy_rate_nats"] - h) < 3 * r["estimated_entropy_rate_stderr_nats"]
+    assert [m["tau"] for m in r["memory"]] == [1, 2, 3]
+    for m in r["memory"]:
+        assert abs(m["mi_upper_bound_nats"] - m["exact_mi_nats"]) <= 3 * m["mi_stderr_nats"] + 1e-9
+    assert r["memory"][0]["exact_mi_nats"] > 1.0 and r["memory"][1]["exact_mi_nats"] == 0.0

@@ -75,3 +75,15 @@ def test_cli_smoke_writes_metrics_json(tmp_path, data_overrides):
     m = json.loads((tmp_path / "run" / "metrics.json").read_text())
     assert m["epochs"] == 2
     assert (tmp_path / "run" / "checkpoints" / "best.ckpt").is_file()
+
+
+def test_a_resumed_run_repeats_an_uninterrupted_one_exactly(tmp_path, data_overrides):
+    """Killed after epoch 1 and resumed: the same weights and scores as two epochs in one go (batches and dropout
+    masks depend on (seed, epoch) only)."""
+    base = [*data_overrides, "logger=none", "analysis.stages=[]"]
+    straight = train(smoke_cfg(tmp_path / "straight", [*base, "trainer.max_epochs=2"]))
+    train(smoke_cfg(tmp_path / "resumed", [*base, "trainer.max_epochs=1"]))
+    resumed = train(smoke_cfg(tmp_path / "resumed", [*base, "trainer.max_epochs=2"]))
+    assert resumed["resumed_from"] and resumed["epochs"] == straight["epochs"] == 2
+    for k in ("val_ce_nats", "test_ce_nats", "train_tokens"):
+        assert resumed[k] == straight[k], k

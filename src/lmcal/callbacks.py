@@ -165,12 +165,13 @@ def memory_stage(full_net, limited_net, valid_tokens: torch.Tensor, test_tokens:
                  *, tau: int | None = None, fit_tokens: int | None = None, score_tokens: int | None = None,
                  cluster_size: int = 100, windows_per_batch: int = 512, bptt: int = 70,
                  store_dtype: str = "float32", model_name: str = "model", corpus: str = "ptb",
-                 base_ckpt: str | None = None, ckpt: str | None = None, logger=None, name: str = "memory",
-                 **_ignored) -> dict:
+                 base_ckpt: str | None = None, ckpt: str | None = None, exact_mi_nats: float | None = None,
+                 logger=None, name: str = "memory", **_ignored) -> dict:
     """The memory bound for one tau (Section 5): fit alpha* of P^ * P~_tau^alpha on the first `fit_tokens`
     validation tokens (all when null), then evaluate CE(P||P~_tau), H(P^_alpha*) and the I_tau bound on the first
     `score_tokens` test tokens (all when null), each split read as one stream: P^ with its full past, P~_tau with
-    exactly the last tau tokens. Writes `<name>.json`."""
+    exactly the last tau tokens. `exact_mi_nats` (the source's true I_tau, on the Markov corpus) is stored beside.
+    Writes `<name>.json`."""
     tau = tau or getattr(limited_net, "memory_tau", None)
     if not tau:
         raise LmcalError("The memory stage needs a tau-limited model (one trained with model.memory_tau=TAU); "
@@ -193,7 +194,8 @@ def memory_stage(full_net, limited_net, valid_tokens: torch.Tensor, test_tokens:
         "tau": tau, "model": model_name, "corpus": corpus, "alpha": fit.alpha, "alpha_stderr": fit.alpha_stderr,
         "ce_limited_nats": ev.ce_limited, "mi_upper_bound_nats": ev.mi_upper_bound, "mi_stderr_nats": ev.mi_stderr,
         "entropy_calibrated_nats": ev.entropy_calibrated, "ce_full_nats": ev.ce_full,
-        "ce_calibrated_nats": ev.ce_calibrated, "test_tokens": ev.n_tokens,
+        "ce_calibrated_nats": ev.ce_calibrated, "ce_full_stderr_nats": ev.ce_full_stderr, "test_tokens": ev.n_tokens,
+        "exact_mi_nats": exact_mi_nats,
         "valid": {"ce_limited_nats": fit.ce_limited, "mi_upper_bound_nats": fit.mi_upper_bound,
                   "entropy_calibrated_nats": fit.entropy_calibrated, "ce_full_nats": fit.ce_full,
                   "ce_calibrated_nats": fit.ce_calibrated, "tokens": fit.n_tokens},
@@ -207,6 +209,52 @@ def memory_stage(full_net, limited_net, valid_tokens: torch.Tensor, test_tokens:
     log.info(f"{name} tau={tau}: alpha* {fit.alpha:.5f} +- {fit.alpha_stderr:.5f}; CE(P||P~) {ev.ce_limited:.4f}, "
              f"H(cal) {ev.entropy_calibrated:.4f}, I_tau <= {ev.mi_upper_bound:.4f} +- {ev.mi_stderr:.4f} nats "
              f"({result['seconds']:.0f} s)")
+    return result
+
+
+def markov_exact_mi(info: dict, tau: int) -> float:
+    """The Markov source's own I_tau = H(W_t | last tau tokens) - H(W_t | last k tokens), in nats (0 for tau >= k)."""
+    from lmcal.data import markov_chain_from_info, markov_conditional_entropy, markov_stationary
+
+    chain = markov_chain_from_info(info)
+    v, k = info["vocab_size"], info["order"]
+    pi = markov_stationary(chain.probs, v, k)
+    return markov_conditional_entropy(chain.probs, v, k, tau, pi) - markov_conditional_entropy(chain.probs, v, k, k, pi)
+
+
+@torch.no_grad()
+def markov_oracle_memory(info: dict, valid_tokens: torch.Tensor, test_tokens: torch.Tensor, taus: list[int],
+                         cluster_size: int = 100) -> dict:
+    """The estimators run on the Markov source's exact oracles, where every answer is known: P^ = the true order-k
+    conditional, P~_tau = the exact order-tau conditional of the stationary chain. Returns the entropy-rate estimate
+    (the oracle's test CE ± se) and, per tau, the I_tau bound (alpha* fitted on validation, evaluated on test) beside
+    the exact I_tau. Positions t >= max(taus, k), so every context is complete."""
+    from lmcal.data import markov_chain_from_info, markov_conditional, markov_stationary
+
+    chain = markov_chain_from_info(info)
+    v, k = info["vocab_size"], info["order"]
+    pi = markov_stationary(chain.probs, v, k)
+    start = max(*taus, k)
+
+    def rows(tokens: torch.Tensor, m: int) -> torch.Tensor:  # log P(. | last m tokens) at t = start..N-1: [n, V]
+        table = torch.from_numpy(markov_conditional(chain.probs, v, k, m, pi)).log()  # [v**m, v]
+        t = torch.arange(start, tokens.numel())
+        ctx = sum(tokens[t - m + j] * v ** (m - 1 - j) for j in range(m))  # [n]
+        return table[ctx]
+
+    out = {}
+    for name, tokens in (("valid", valid_tokens), ("test", test_tokens)):
+        tokens = tokens.long()
+        out[name] = ({m: rows(tokens, m) for m in {*taus, k}}, tokens[start:])
+    (fv, yv), (ft, yt) = out["valid"], out["test"]
+    full = memory_upper_bound(ft[k], ft[k], yt, alpha=0.0, cluster_size=cluster_size)  # just its CE and se
+    result = {"estimated_entropy_rate_nats": full.ce_full, "estimated_entropy_rate_stderr_nats": full.ce_full_stderr,
+              "test_tokens": int(yt.numel()), "memory": []}
+    for tau in taus:
+        fit = memory_upper_bound(fv[k], fv[tau], yv, cluster_size=cluster_size)
+        ev = memory_upper_bound(ft[k], ft[tau], yt, alpha=fit.alpha, cluster_size=cluster_size)
+        result["memory"].append({"tau": tau, "mi_upper_bound_nats": ev.mi_upper_bound, "mi_stderr_nats": ev.mi_stderr,
+                                 "alpha": fit.alpha, "exact_mi_nats": markov_exact_mi(info, tau)})
     return result
 
 
@@ -270,6 +318,7 @@ class MetricsCallback(pl.Callback):
             "memory_tau": tau,
             **limited,
             "true_entropy_rate_nats": trainer.datamodule.prepare().info.get("entropy_rate_nats"),
+            "markov_order": trainer.datamodule.prepare().info.get("order"),
             "val_ce_nats": s["val_ce"], "val_ppl": math.exp(s["val_ce"]),
             "test_ce_nats": s["test_ce"], "test_ppl": math.exp(s["test_ce"]), "test_tokens": s["test_tokens"],
             "params": sum(p.numel() for p in net.parameters()),
@@ -347,6 +396,8 @@ class MemoryCallback(pl.Callback):
         s = best_model_scores(trainer, trainer.datamodule)
         dm = trainer.datamodule
         base = load_base_net(self.base_ckpt, module.device, dm.name)
+        info = dm.prepare().info or {}
+        exact = markov_exact_mi(info, s["net"].memory_tau) if dm.name == "markov" else None
         self.result = memory_stage(base, s["net"], dm.tokens("valid"), dm.tokens("test"), self.out_dir,
                                    logger=trainer.logger, base_ckpt=str(self.base_ckpt), ckpt=s["path"],
-                                   bptt=dm.bptt, **self.settings)
+                                   bptt=dm.bptt, exact_mi_nats=exact, **self.settings)

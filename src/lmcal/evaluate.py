@@ -15,7 +15,7 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from lmcal.callbacks import calibration_stage, entropy_rate_stage, load_base_net, memory_stage
+from lmcal.callbacks import calibration_stage, entropy_rate_stage, load_base_net, markov_exact_mi, memory_stage
 from lmcal.errors import LmcalError
 from lmcal.lm import LSTMStepLM
 from lmcal.model import evaluate_ce, limited_context_ce
@@ -88,7 +88,9 @@ def evaluate(cfg: DictConfig) -> dict:
                 results[stage] = memory_stage(base, net, dm.tokens("valid"), dm.tokens("test"), out, logger=logger,
                                               model_name=name, corpus=dm.name, bptt=dm.bptt,
                                               base_ckpt=str(Path(cfg.memory.base_ckpt).resolve()),
-                                              ckpt=str(Path(cfg.ckpt).resolve()), **cfg.analysis.memory)
+                                              ckpt=str(Path(cfg.ckpt).resolve()),
+                                              exact_mi_nats=markov_exact_mi(dm.prepare().info, tau)
+                                              if dm.name == "markov" else None, **cfg.analysis.memory)
         write_json_atomic(out / "evaluation.json", results)
         return results
     finally:

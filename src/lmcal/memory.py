@@ -47,6 +47,7 @@ class MemoryBound:
     ce_calibrated: float  # mean -log P^_a(w_t)
     n_tokens: int
     mi_stderr: float  # standard error of mi_upper_bound, a held fixed (blocks of cluster_size rows independent)
+    ce_full_stderr: float  # standard error of ce_full, likewise
     alpha_stderr: float  # sandwich standard error of a* (inf when CE'' = 0, nan when a was given)
     fitted: bool
 
@@ -275,6 +276,7 @@ def memory_upper_bound(full_log_probs, limited_log_probs: torch.Tensor | None = 
         ce_calibrated=mean["ce_cal"],
         n_tokens=n,
         mi_stderr=_mean_stderr(rows["ce_limited"] - rows["entropy"], cluster_size),
+        ce_full_stderr=_mean_stderr(rows["ce_full"], cluster_size),
         alpha_stderr=alpha_stderr,
         fitted=fitted,
     )

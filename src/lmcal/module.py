@@ -116,7 +116,7 @@ class LMModule(pl.LightningModule):
     def __init__(self, net: dict, vocab_size: int, lr: float = 30.0, weight_decay: float = 1.2e-6,
                  clip: float = 0.25, alpha: float = 2.0, beta: float = 1.0, bptt: int = 70, nonmono: int = 5,
                  optimizer: str = "sgd", asgd: bool = True, schedule: str | None = None,
-                 data_cfg: dict | None = None):
+                 data_cfg: dict | None = None, seed: int = 141):
         super().__init__()
         self.save_hyperparameters()  # data_cfg too: analysis of a checkpoint reloads the corpus it was trained on
         self.net = instantiate(net, vocab_size=vocab_size)
@@ -142,6 +142,9 @@ class LMModule(pl.LightningModule):
 
     def on_train_batch_start(self, batch, batch_idx):
         self._t0 = time.perf_counter()
+        # dropout masks from (seed, epoch, batch) alone, not from whatever drew random numbers before (a new
+        # DataLoader iterator draws one): a run resumed at an epoch boundary repeats an uninterrupted one exactly
+        torch.manual_seed((self.hparams.seed * 1_000_003 + self.current_epoch) * 1_000_003 + batch_idx)
 
     def training_step(self, batch, batch_idx):
         x, y = batch  # [T, B] each

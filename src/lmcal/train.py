@@ -7,6 +7,7 @@ the Hydra entry point around it, which turns `LmcalError`s into one-paragraph me
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
 import traceback
@@ -19,6 +20,7 @@ from hydra.types import RunMode
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from pytorch_lightning.callbacks import ModelCheckpoint
+from pytorch_lightning.plugins.io import TorchCheckpointIO
 
 from lmcal.callbacks import CalibrationCallback, EntropyRateCallback, MemoryCallback, MetricsCallback, load_base_net
 from lmcal.errors import LmcalError
@@ -53,6 +55,17 @@ def model_name(model_cfg) -> str:
     return str(model_cfg.get("_target_"))
 
 
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Checkpoints written to a temporary file and renamed: a run killed while saving leaves the previous
+    checkpoint whole, so the rerun can resume from it."""
+
+    def save_checkpoint(self, checkpoint, path, storage_options=None):
+        path = Path(path)
+        tmp = path.with_name(f".{path.name}.tmp")
+        super().save_checkpoint(checkpoint, tmp, storage_options)
+        os.replace(tmp, path)
+
+
 STAGES = ("entropy_rate", "calibration", "memory")  # entropy_rate, calibration: full models; memory: tau-models
 
 
@@ -82,6 +95,7 @@ def train(cfg: DictConfig) -> dict:
     net_cfg = OmegaConf.to_container(cfg.model, resolve=True)
     module = LMModule(net=net_cfg, vocab_size=dm.vocab_size, bptt=cfg.data.bptt,
                       data_cfg=OmegaConf.to_container(cfg.data, resolve=True),
+                      seed=cfg.seed,
                       **OmegaConf.to_container(cfg.optim, resolve=True))
 
     ckpt_dir = out / "checkpoints"
@@ -124,7 +138,8 @@ def train(cfg: DictConfig) -> dict:
     try:
         if logger:
             logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
-        trainer: pl.Trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=logger, default_root_dir=str(out))
+        trainer: pl.Trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=logger, default_root_dir=str(out),
+                                          plugins=[AtomicCheckpointIO()])
         trainer.fit(module, datamodule=dm, ckpt_path=resume)
         metrics = metrics_cb.metrics
         if metrics is None:

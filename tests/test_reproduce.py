@@ -1,0 +1,109 @@
+"""`make reproduce PROFILE=smoke` end to end: every stage, the report, and resuming after a kill."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from lmcal.errors import LmcalError
+from lmcal.reproduce import load_profile, plan
+from tests.conftest import DATA_ROOT, HAVE_PTB
+
+pytestmark = pytest.mark.skipif(not HAVE_PTB, reason="the pipeline reproduces PTB results: set LMCAL_DATA_ROOT")
+
+
+def _cmd(out, *extra):
+    return [sys.executable, "-m", "lmcal.reproduce", "profile=smoke", f"out={out}", "logger=csv", *extra]
+
+
+def _env():
+    return {**os.environ, "LMCAL_DATA_ROOT": DATA_ROOT, "WANDB_MODE": "offline"}
+
+
+def _numbers(results: dict) -> dict:
+    """results.json without the wall times, which differ from run to run."""
+    return {k: v for k, v in results.items() if k != "stages"}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    out = tmp_path_factory.mktemp("reproduce") / "straight"
+    r = subprocess.run(_cmd(out), env=_env(), capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return out, json.loads((out / "results.json").read_text())
+
+
+def test_smoke_profile_writes_every_result(uninterrupted):
+    out, res = uninterrupted
+    assert res["profile"] == "smoke" and res["dataset"] == "ptb"
+    assert res["base"]["test_ppl"] > 1 and len(res["entropy_rate"]["curve_nats"]) == res["entropy_rate"]["horizon"]
+    cal = res["calibration"]
+    assert {"alpha", "test_ppl_before", "test_ppl_after", "entrate_ppl_before", "entrate_ppl_after"} <= set(cal)
+    assert [m["tau"] for m in res["memory"]] == [2, 4]
+    assert all({"ce_limited_nats", "mi_upper_bound_nats", "alpha"} <= set(m) for m in res["memory"])
+    mk = res["markov"]
+    assert mk["order"] == 2 and mk["true_entropy_rate_nats"] == pytest.approx(0.9192, abs=1e-4)
+    assert [m["tau"] for m in mk["memory"]] == [1, 2] and mk["memory"][1]["exact_mi_nats"] == 0.0
+    assert mk["memory"][0]["exact_mi_nats"] > 0.5  # tau = 1 < order: the source's own I_tau
+    orc = mk["oracle"]  # the estimators on the exact oracles: within their error bars of the exact answers
+    assert abs(orc["estimated_entropy_rate_nats"] - mk["true_entropy_rate_nats"]) < 4 * orc[
+        "estimated_entropy_rate_stderr_nats"]
+    assert [m["tau"] for m in orc["memory"]] == [1, 2]
+    assert list(res["stages"]) == [s["name"] for s in plan(load_profile(["profile=smoke", f"out={out}"]))]
+    assert all(s["status"] == "done" for s in res["stages"].values())
+    report = (out / "REPORT.md").read_text()
+    for fig in ("figure2_entropy_rate.png", "figure3_calibration.png", "memory_ptb.png", "memory_markov.png"):
+        assert f"({fig})" in report and (out / fig).stat().st_size > 1000
+    assert "| AWD-LSTM (paper) | ptb | 58.3 | 93.1 |" in report
+
+
+def test_rerun_skips_finished_stages(uninterrupted, tmp_path):
+    out, res = uninterrupted
+    r = subprocess.run(_cmd(out), env=_env(), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.count("done before, skipped") == len(res["stages"])
+
+
+def test_killed_and_rerun_gives_the_same_results(uninterrupted, tmp_path):
+    """Killed while a tau-model is training (after its first epoch's checkpoint), then rerun: the finished stages
+    are kept, the training resumes from its checkpoint, and results.json equals the uninterrupted run's."""
+    out = tmp_path / "killed"
+    p = subprocess.Popen(_cmd(out), env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                         start_new_session=True)
+    ckpt = out / "ptb" / "tau" / "tau_2" / "checkpoints" / "last.ckpt"
+    deadline = time.time() + 600
+    while not ckpt.is_file() and p.poll() is None and time.time() < deadline:
+        time.sleep(0.1)
+    os.killpg(p.pid, signal.SIGKILL)
+    p.wait()
+    assert ckpt.is_file() and not (out / "ptb" / "tau" / "tau_2" / "metrics.json").exists()
+    assert (out / "stages" / "base.json").is_file() and not (out / "stages" / "tau_models.json").exists()
+
+    r = subprocess.run(_cmd(out), env=_env(), capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "base: done before, skipped" in r.stdout
+    m = json.loads((out / "ptb" / "tau" / "tau_2" / "metrics.json").read_text())
+    assert m["resumed_from"] and m["resumed_from"].endswith("last.ckpt")
+    assert _numbers(json.loads((out / "results.json").read_text())) == _numbers(uninterrupted[1])
+
+
+def test_a_failing_stage_names_itself_its_log_and_the_command(tmp_path):
+    r = subprocess.run(_cmd(tmp_path / "bad", "base=[experiment=smoke,model.memory_tau=0]"), env=_env(),
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "Stage 'base' failed" in r.stderr and str(tmp_path / "bad" / "logs" / "base.log") in r.stderr
+    assert "python -m lmcal.train" in r.stderr and not (tmp_path / "bad" / "stages" / "base.json").exists()
+
+
+def test_profiles_share_one_wandb_group_and_auto_picks_by_device():
+    cfg = load_profile(["profile=cpu"])
+    assert cfg.profile == "cpu" and cfg.out == "outputs/reproduce/cpu"
+    cmds = [s["cmd"] for s in plan(cfg) if "cmd" in s]
+    assert cmds and all("logger.group=reproduce-cpu" in c and "logger.offline=true" in c for c in cmds)
+    auto = load_profile([])
+    assert auto.profile in ("paper", "cpu")
+    with pytest.raises(LmcalError, match="Unknown profile"):
+        load_profile(["profile=gpu"])
