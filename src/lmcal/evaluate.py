@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from lmcal.callbacks import calibration_stage, entropy_rate_stage, load_base_net, markov_exact_mi, memory_stage
 from lmcal.errors import LmcalError
 from lmcal.lm import LSTMStepLM
-from lmcal.model import evaluate_ce, limited_context_ce
+from lmcal.model import evaluate_ce
 from lmcal.module import LMDataModule, load_net
 from lmcal.train import finish_logger, make_logger, model_name
 from lmcal.utils import write_json_atomic
@@ -63,16 +63,18 @@ def evaluate(cfg: DictConfig) -> dict:
         raise LmcalError(f"{cfg.ckpt} is a tau={tau} limited-memory model; stages {full_only} analyse full-context "
                          "models. Run them on the base model's checkpoint, and stages=[memory] on this one.")
     if "memory" in cfg.stages:
-        base = load_base_net(cfg.get("memory", {}).get("base_ckpt"), net.decoder.weight.device, dm.name)
         if not tau:
             raise LmcalError(f"stages=[memory] needs ckpt= to be a tau-model (trained with model.memory_tau=TAU); "
                              f"{cfg.ckpt} is full-context.")
-        test_ce, _ = limited_context_ce(net, dm.tokens("test"), tau)
+        base = load_base_net(cfg.get("memory", {}).get("base_ckpt"), net.decoder.weight.device, dm.name)
+        # the splits as the base model has them: a tau-model may have been validated on a prefix only
+        _, _, dm = load_checkpoint_and_data(cfg.memory.base_ckpt, cfg.get("data_root"), cfg.get("device"))
+        results = {"ckpt": str(Path(cfg.ckpt).resolve()), "model": name, "dataset": dm.name}  # scores: the stage's
     else:
         test_ce, _ = evaluate_ce(net, dm.tokens("test"), dm.test_batch_size, dm.bptt)
-    log.info(f"{name} on {dm.name}: test ppl {math.exp(test_ce):.2f}")
-    results = {"ckpt": str(Path(cfg.ckpt).resolve()), "model": name, "dataset": dm.name,
-               "test_ce_nats": test_ce, "test_ppl": math.exp(test_ce)}
+        log.info(f"{name} on {dm.name}: test ppl {math.exp(test_ce):.2f}")
+        results = {"ckpt": str(Path(cfg.ckpt).resolve()), "model": name, "dataset": dm.name,
+                   "test_ce_nats": test_ce, "test_ppl": math.exp(test_ce)}
     logger = make_logger(cfg)
     try:
         for stage in cfg.stages:

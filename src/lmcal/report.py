@@ -93,7 +93,8 @@ def memory_report(dirs: list[str | Path], out: str | Path | None = None, wandb_m
             taus = sorted(PAPER_MEMORY_PTB)
             series["paper (AWD-LSTM, 500 epochs)"] = (taus, [PAPER_MEMORY_PTB[t][1] for t in taus], None)
         png = memory_figure(series, out / f"memory_{corpus}.png",
-                            title=f"{rows[0]['model']} on {corpus}: information from beyond tau tokens back")
+                            title=f"{rows[0]['model'].split(', tau=')[0]} on {corpus}: information from beyond "
+                                  "tau tokens back")
         write_text_atomic(out / f"memory_{corpus}.md", f"# Memory bound on {corpus}\n\n{table}\n"
                                                        f"![I_tau bound against tau](memory_{corpus}.png)\n")
         report[corpus] = {"rows": [{k: r[k] for k in ("tau", "ce_limited_nats", "mi_upper_bound_nats",
