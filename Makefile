@@ -20,7 +20,7 @@ help: ## list the targets
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet $(TORCH)
-	$(PY) -m pip install --quiet -e ".[dev]"
+	$(PY) -m pip install --quiet -e ".[dev,hf]"
 	@touch $(STAMP)
 
 install: $(STAMP) ## create .venv: pinned torch first, then lmcal with its dependencies

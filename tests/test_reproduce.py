@@ -43,6 +43,12 @@ def test_smoke_profile_writes_every_result(uninterrupted):
     assert res["base"]["test_ppl"] > 1 and len(res["entropy_rate"]["curve_nats"]) == res["entropy_rate"]["horizon"]
     cal = res["calibration"]
     assert {"alpha", "test_ppl_before", "test_ppl_after", "entrate_ppl_before", "entrate_ppl_after"} <= set(cal)
+    dec = res["decoders"]  # every decoder, then the fitted rows; calibration's is the calibration stage's own
+    assert [d["method"] for d in dec] == ["model", "temperature", "top_k", "top_p", "typical", "eta", "min_p",
+                                          "mirostat", "fitted_temperature", "calibration"]
+    assert all({"method", "params", "entrate_ppl", "test_ce_nats", "zero_prob_fraction"} <= set(d) for d in dec)
+    assert dec[-1]["entrate_ppl"] == cal["entrate_ppl_after"] and dec[0]["entrate_ppl"] == cal["entrate_ppl_before"]
+    assert dec[2]["test_ce_nats"] is None and dec[2]["zero_prob_fraction"] > 0  # top-k 50 cuts test words
     assert [m["tau"] for m in res["memory"]] == [2, 4]
     assert all({"ce_limited_nats", "mi_upper_bound_nats", "alpha"} <= set(m) for m in res["memory"])
     mk = res["markov"]
@@ -56,7 +62,8 @@ def test_smoke_profile_writes_every_result(uninterrupted):
     assert list(res["stages"]) == [s["name"] for s in plan(load_profile(["profile=smoke", f"out={out}"]))]
     assert all(s["status"] == "done" for s in res["stages"].values())
     report = (out / "REPORT.md").read_text()
-    for fig in ("figure2_entropy_rate.png", "figure3_calibration.png", "memory_ptb.png", "memory_markov.png"):
+    for fig in ("figure2_entropy_rate.png", "figure3_calibration.png", "figure_decoders.png", "memory_ptb.png",
+                "memory_markov.png"):
         assert f"({fig})" in report and (out / fig).stat().st_size > 1000
     assert "| AWD-LSTM (paper) | ptb | 58.3 | 93.1 |" in report
 

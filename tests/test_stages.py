@@ -16,6 +16,7 @@ from lmcal.model import limited_context_ce
 from lmcal.module import load_net
 from lmcal.report import memory_report
 from lmcal.train import CONF_DIR, train
+from tests.conftest import HAVE_PTB
 
 
 def test_entropy_rate_after_training_and_on_the_checkpoint_agree(tmp_path, data_overrides):
@@ -161,3 +162,47 @@ def test_report_command_line_errors_are_one_paragraph(tmp_path):
     r = subprocess.run([sys.executable, "-m", "lmcal.report", str(tmp_path / "empty"), "--wandb", "disabled"],
                        capture_output=True, text=True)
     assert r.returncode == 2 and r.stderr.startswith("lmcal: error: No memory.json") and "Traceback" not in r.stderr
+
+
+def test_decoders_after_training_in_a_sweep_and_in_the_report(tmp_path, data_overrides):
+    """The decoders stage as a callback (reusing the calibration stage's row), then a Hydra multirun over one
+    decoder's setting on the checkpoint, then `python -m lmcal.report` over the sweep."""
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("train", overrides=["experiment=smoke", "logger=csv", "analysis.stages=[calibration,decoders]",
+                                          "analysis.decoders.methods=[{name: min_p, min_p: 0.1}]", *data_overrides])
+    with open_dict(cfg):
+        cfg.paths.output_dir = str(tmp_path / "run")
+    m = train(cfg)
+    dec = json.loads((tmp_path / "run" / "decoders.json").read_text())
+    cal = json.loads((tmp_path / "run" / "calibration.json").read_text())
+    assert [r["method"] for r in dec["rows"]] == ["model", "min_p", "fitted_temperature", "calibration"]
+    assert dec["calibration_reused"] and dec["rows"][-1]["curve_nats"] == cal["curve_nats"]
+    assert dec["rows"][0]["curve_nats"] == cal["curve_nats_before"]  # same prefixes and seeds
+    rows = {r["method"]: r for r in dec["rows"]}
+    assert rows["min_p"]["test_ce_nats"] is None and rows["min_p"]["zero_prob_fraction"] > 0  # it cuts test words
+    assert rows["min_p"]["test_ce_mixed_nats"] > rows["model"]["test_ce_nats"]
+    assert rows["fitted_temperature"]["test_ce_nats"] <= rows["model"]["test_ce_nats"] + 1e-4  # fitted on valid
+    assert m["decoders"]["min_p"]["zero_prob_fraction"] == rows["min_p"]["zero_prob_fraction"]
+    assert (tmp_path / "run" / "decoders.png").stat().st_size > 1000
+    assert "| min_p | min_p=0.1 |" in (tmp_path / "run" / "decoders.md").read_text()
+
+    sweep = tmp_path / "sweep"
+    r = subprocess.run([sys.executable, "-m", "lmcal.evaluate", "-m", f"ckpt={m['best_ckpt']}", "stages=[decoders]",
+                        "decoder=top_p", "decoder.p=0.5,0.9", "analysis=smoke", "analysis.decoders.fitted=[]",
+                        "logger=none", f"hydra.sweep.dir={sweep}"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    jobs = sorted(sweep.glob("*/decoders.json"))
+    assert len(jobs) == 2 and all("decoder=top_p" in p.parent.name and "ckpt" not in p.parent.name for p in jobs)
+    assert "decoder.p=0.5" in jobs[0].parent.name and "decoder.p=0.9" in jobs[1].parent.name  # readable folders
+    a, b = (json.loads(p.read_text()) for p in jobs)
+    assert [x["method"] for x in a["rows"]] == ["model", "top_p"] and a["rows"][1]["params"] == {"p": 0.5}
+    assert a["rows"][0] == {**b["rows"][0], "seconds": a["rows"][0]["seconds"]}  # the same plain-model row
+    assert a["rows"][1]["entropy_last_nats"] < b["rows"][1]["entropy_last_nats"]  # a smaller nucleus
+
+    r = subprocess.run([sys.executable, "-m", "lmcal.report", str(sweep), str(tmp_path / "run"), "--out",
+                        str(tmp_path / "rep"), "--wandb", "disabled"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    md = (tmp_path / "rep" / "decoders_ptb.md").read_text() if HAVE_PTB else \
+        next((tmp_path / "rep").glob("decoders_*.md")).read_text()
+    assert md.count("| model |") == 1 and "| top_p | p=0.5 |" in md and "| top_p | p=0.9 |" in md
+    assert "| min_p | min_p=0.1 |" in md and "| calibration |" in md

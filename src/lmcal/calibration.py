@@ -19,10 +19,13 @@ Everything here runs on the StepLM interface (lmcal.lm): vocab_size, init_state(
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field
 
 import torch
+
+log = logging.getLogger("lmcal")
 
 # ---------------------------------------------------------------------------------------------------------------------
 # The lookahead
@@ -142,12 +145,14 @@ def calibration_objective(logp_rows: torch.Tensor, hnext_rows: torch.Tensor, tar
     return ce, d1, d2
 
 
-def newton_minimize(fun, alpha0: float = 0.0, bound: float = 100.0, tol: float = 1e-12, max_iter: int = 200) -> float:
+def newton_minimize(fun, alpha0: float = 0.0, bound: float = 100.0, tol: float = 1e-12, max_iter: int = 200,
+                    clamp: bool = False) -> float:
     """Minimise a convex 1-D function given fun(a) -> (f, f', f''), by Newton steps inside a shrinking bracket.
 
     The bracket starts as [-bound, bound]; each evaluation moves one end to a (by the sign of f'), and a Newton step
-    that would leave the bracket (or a non-positive f'') is replaced by bisection, so it always converges. Raises if
-    the minimum is not inside the bound (e.g. a* = +-inf on degenerate data).
+    that would leave the bracket (or a non-positive f'') is replaced by bisection, so it always converges. If the
+    minimum is not inside the bound (e.g. a* = +-inf on degenerate data, or a nearly flat objective), it raises, or
+    with clamp returns the bound itself: the minimum over [-bound, bound] of a convex function.
     """
     lo, hi, a = -bound, bound, alpha0
     for _ in range(max_iter):
@@ -160,8 +165,17 @@ def newton_minimize(fun, alpha0: float = 0.0, bound: float = 100.0, tol: float =
         if hi - lo <= 1e-15 * max(1.0, abs(a)):
             break
     if bound - abs(a) < 1e-6:
+        if clamp:
+            return math.copysign(bound, a)
         raise RuntimeError(f"the minimum lies at or beyond |alpha| = {bound}")
     return a
+
+
+def _fit_at_bound(what: str, alpha: float, bound: float, gain: float) -> None:
+    if abs(alpha) == bound:
+        log.warning(f"{what}: held-out CE keeps falling up to |alpha| = {bound} (the statistic barely varies between "
+                    f"candidates: CE falls by {gain:.2e} nats there); using alpha = {alpha:g}, the minimum over "
+                    "[-bound, bound]. Fit on more, or more varied, text for a finite alpha*.")
 
 
 @dataclass
@@ -242,8 +256,9 @@ def fit_lookahead_calibration(lm, tokens: torch.Tensor, topk: int | None = None,
         raise ValueError(f"tokens must be time-major [S, B] with S >= 2, got shape {tuple(tokens.shape)}")
     stats = lookahead_statistics(lm, tokens, topk, epsilon, chunk, progress)
     fun = lambda a: _objective(*stats, a)[:3]
-    alpha = newton_minimize(fun, 0.0, bound)
+    alpha = newton_minimize(fun, 0.0, bound, clamp=True)
     ce_before = fun(0.0)[0]
+    _fit_at_bound("lookahead calibration", alpha, bound, ce_before - fun(alpha)[0])
     (ce_after, _, d2, _), g = _objective(*stats, alpha, per_position=True)
     n = g.numel()
     stderr = math.sqrt(g.pow(2).mean().item() / n) / d2 if d2 > 0 else math.inf
@@ -287,14 +302,77 @@ def calibrated(lm, alpha: float, topk: int | None = None, epsilon: float = 0.0, 
 
 
 @torch.no_grad()
+def target_log_probs(lm, tokens: torch.Tensor) -> torch.Tensor:
+    """log q(next word) of any StepLM along time-major streams tokens [S, B] (first token context only):
+    float64 [(S-1)*B], in position order t = 1..S-1 (B streams each); -inf where q gives the word probability 0."""
+    S, B = tokens.shape
+    state = lm.init_state(B)
+    out = []
+    for t in range(S - 1):
+        logp, state = lm.step(tokens[t], state)  # [B, V]
+        out.append(logp.gather(1, tokens[t + 1].to(logp.device)[:, None])[:, 0].double().cpu())
+    return torch.cat(out)
+
+
 def score(lm, tokens: torch.Tensor) -> tuple[float, int]:
     """Mean next-token cross-entropy (nats) of any StepLM on time-major streams tokens [S, B] (first token context
     only); returns (ce, (S-1)*B)."""
+    logq = target_log_probs(lm, tokens)
+    return -logq.mean().item(), logq.numel()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Fitted temperature: the second one-parameter calibration
+# ---------------------------------------------------------------------------------------------------------------------
+# P_b ∝ P^b (b = 1/T) is P * exp((b - 1) log P): the lookahead family with log P itself as the statistic in place of
+# H_next. So the same atoms serve, (logw, h) = (log P, log P) over the vocabulary, and the same exact objective and
+# Newton fit give a = b - 1: CE(b) = mean_t [-b log P(w_t) + log sum_w P(w)^b], convex, CE'' = Var_{P_b}[log P].
+
+
+@dataclass
+class TemperatureFit:
+    temperature: float  # T* = 1 / b*
+    temperature_stderr: float  # delta method on the sandwich standard error of b*
+    ce_before: float  # CE at T = 1, nats
+    ce_after: float  # CE at T*
+    n_tokens: int
+
+
+@torch.no_grad()
+def next_token_rows(lm, tokens: torch.Tensor, progress: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """One pass over time-major streams tokens [S, B] -> (log P rows [n, V] float32 on CPU, next words [n]),
+    n = (S-1)*B, in position order t = 1..S-1 (B streams each)."""
     S, B = tokens.shape
     state = lm.init_state(B)
-    total = 0.0
-    for t in range(S - 1):
+    rows, ys = [], []
+    steps = range(S - 1)
+    if progress:
+        from tqdm.auto import tqdm
+        steps = tqdm(steps, desc="scoring")
+    for t in steps:
         logp, state = lm.step(tokens[t], state)  # [B, V]
-        y = tokens[t + 1].to(logp.device)
-        total -= logp.gather(1, y[:, None]).double().sum().item()
-    return total / ((S - 1) * B), (S - 1) * B
+        rows.append(logp.float().cpu())
+        ys.append(tokens[t + 1].cpu())
+    return torch.cat(rows), torch.cat(ys)
+
+
+def fit_temperature(lm, tokens: torch.Tensor, bound: float = 100.0, progress: bool = False) -> TemperatureFit:
+    """Fit T* of P^(1/T) by held-out cross-entropy on time-major streams tokens [S, B] (first token context only),
+    exactly as fit_lookahead_calibration fits a*: one pass collects the rows, Newton's method runs on them.
+    Memory: the rows, 4*(S-1)*B*V bytes."""
+    if tokens.dim() != 2 or tokens.size(0) < 2:
+        raise ValueError(f"tokens must be time-major [S, B] with S >= 2, got shape {tuple(tokens.shape)}")
+    rows, y = next_token_rows(lm, tokens, progress)
+    rows.clamp_(min=-1e4)  # a word of probability 0 (log -inf) would make 0 * -inf = nan at a = 0; e^-1e4 is 0 too
+    logp_y = rows.gather(1, y[:, None].long())[:, 0]  # [n]
+    stats = (rows, rows, logp_y, logp_y)
+    fun = lambda a: _objective(*stats, a)[:3]
+    a = newton_minimize(fun, 0.0, bound, clamp=True)
+    _fit_at_bound("temperature fit (alpha = 1/T - 1)", a, bound, fun(0.0)[0] - fun(a)[0])
+    b = 1.0 + a
+    if b <= 0:
+        raise RuntimeError(f"the fitted inverse temperature {b:.3g} is not positive: the model is worse than uniform")
+    (ce_after, _, d2, _), g = _objective(*stats, a, per_position=True)
+    n = g.numel()
+    se_b = math.sqrt(g.pow(2).mean().item() / n) / d2 if d2 > 0 else math.inf
+    return TemperatureFit(1.0 / b, se_b / b**2, fun(0.0)[0], ce_after, n)

@@ -11,11 +11,13 @@ import math
 import time
 from pathlib import Path
 
+import numpy as np
 import pytorch_lightning as pl
 import torch
 
-from lmcal.calibration import calibrated, fit_lookahead_calibration, score
+from lmcal.calibration import calibrated, fit_lookahead_calibration, fit_temperature
 from lmcal.data import batchify
+from lmcal.decoders import decoder_params, heldout_cost, make_decoder
 from lmcal.entropy_rate import generation_entropy_curve, random_prefixes
 from lmcal.errors import LmcalError
 from lmcal.lm import LSTMStepLM
@@ -56,8 +58,10 @@ def table1_markdown(rows: list[dict]) -> str:
 def entropy_rate_stage(lm, valid_tokens: torch.Tensor, test_ce_nats: float, out_dir: str | Path, *,
                        num_prefixes: int = 100, samples_per_prefix: int = 5, prefix_len: int = 100,
                        horizon: int = 700, seed: int = 0, max_batch: int = 1024, model_name: str = "model",
-                       corpus: str = "ptb", logger=None, name: str = "entropy_rate", **_ignored) -> dict:
-    """Entropy of the t-th generated word (Table 1 row, Figure 2): `name`.json, .png and .md in out_dir."""
+                       corpus: str = "ptb", logger=None, name: str = "entropy_rate", unit: str = "word",
+                       **_ignored) -> dict:
+    """Entropy of the t-th generated word (Table 1 row, Figure 2): `name`.json, .png and .md in out_dir.
+    unit: what a token is ("word"; "model token" for a Hugging Face model's own tokens), stated in the outputs."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     prefixes = random_prefixes(valid_tokens, num_prefixes, prefix_len, seed=seed)
@@ -73,13 +77,13 @@ def entropy_rate_stage(lm, valid_tokens: torch.Tensor, test_ce_nats: float, out_
         "curve_nats": curve.mean.tolist(), "stderr_nats": curve.stderr.tolist(),
         "horizon": horizon, "num_prefixes": prefixes.size(0), "samples_per_prefix": samples_per_prefix,
         "num_generations": n_gen, "prefix_len": prefix_len, "seed": seed,
-        "seconds": seconds, "generated_tokens_per_s": n_gen * horizon / seconds,
+        "seconds": seconds, "generated_tokens_per_s": n_gen * horizon / seconds, "unit": unit,
     }
     png = entropy_curve_figure({f"{model_name} generations": (curve.mean, curve.stderr)}, out / f"{name}.png",
                                reference_nats={"test cross-entropy": test_ce_nats},
                                title=f"{model_name} on {corpus}: test ppl {result['test_ppl']:.1f}, "
                                      f"EntRate {result['entrate_ppl']:.1f} (t={horizon})")
-    write_text_atomic(out / f"{name}.md", table1_markdown([result]))
+    write_text_atomic(out / f"{name}.md", table1_markdown([result]) + f"\nPerplexities and entropies per {unit}.\n")
     write_json_atomic(out / f"{name}.json", result)
     rows = [[t + 1, float(m), float(se)] for t, (m, se) in enumerate(zip(curve.mean, curve.stderr, strict=True))]
     wandb_log(logger, scalars={f"{name}/entrate_ppl": result["entrate_ppl"], f"{name}/test_ppl": result["test_ppl"]},
@@ -94,7 +98,7 @@ def calibration_stage(lm, valid_tokens: torch.Tensor, test_tokens: torch.Tensor,
                       score_streams: int = 10, topk: int | None = 64, epsilon: float = 0.0,
                       num_prefixes: int = 100, samples_per_prefix: int = 5, prefix_len: int = 100, horizon: int = 700,
                       seed: int = 0, max_batch: int = 1024, model_name: str = "model", corpus: str = "ptb",
-                      logger=None, name: str = "calibration", **_ignored) -> dict:
+                      logger=None, name: str = "calibration", unit: str = "word", **_ignored) -> dict:
     """Lookahead calibration (Algorithm 2, Figure 3): fit alpha* on the first `fit_tokens` validation tokens
     (as `fit_streams` parallel streams), score test CE before and after on the first `score_tokens` test tokens
     (all when null), and the generation entropy curves of both models from the same prefixes and seeds."""
@@ -106,8 +110,9 @@ def calibration_stage(lm, valid_tokens: torch.Tensor, test_tokens: torch.Tensor,
     t_fit = time.perf_counter() - t0
     cal = calibrated(lm, fit.alpha, topk=topk, epsilon=epsilon)
     test = batchify(test_tokens[:score_tokens] if score_tokens else test_tokens, score_streams)
-    ce_before, n_scored = score(calibrated(lm, 0.0, epsilon=epsilon), test)
-    ce_after, _ = score(cal, test)
+    cost_before = heldout_cost(calibrated(lm, 0.0, epsilon=epsilon), test)
+    cost_after = heldout_cost(cal, test)
+    ce_before, ce_after, n_scored = cost_before["test_ce_nats"], cost_after["test_ce_nats"], cost_after["test_tokens"]
     prefixes = random_prefixes(valid_tokens, num_prefixes, prefix_len, seed=seed)
     curves = {}
     for label, model in (("before", lm), ("after", cal)):
@@ -118,13 +123,16 @@ def calibration_stage(lm, valid_tokens: torch.Tensor, test_tokens: torch.Tensor,
         "fit_ce_before_nats": fit.ce_before, "fit_ce_after_nats": fit.ce_after, "fit_tokens": fit.n_tokens,
         "test_ce_before_nats": ce_before, "test_ce_after_nats": ce_after,
         "test_ppl_before": math.exp(ce_before), "test_ppl_after": math.exp(ce_after), "test_tokens": n_scored,
+        "test_ce_mixed_nats_before": cost_before["test_ce_mixed_nats"],
+        "test_ce_mixed_nats_after": cost_after["test_ce_mixed_nats"], "mix_epsilon": cost_after["mix_epsilon"],
+        "score_streams": score_streams,
         "curve_nats_before": curves["before"].mean.tolist(), "stderr_nats_before": curves["before"].stderr.tolist(),
         "curve_nats": curves["after"].mean.tolist(), "stderr_nats": curves["after"].stderr.tolist(),
         "entrate_ppl_before": math.exp(curves["before"].mean[-1]),
         "entrate_ppl_after": math.exp(curves["after"].mean[-1]),
         "topk": topk, "epsilon": epsilon, "horizon": horizon, "num_prefixes": prefixes.size(0),
         "samples_per_prefix": samples_per_prefix, "prefix_len": prefix_len, "seed": seed,
-        "fit_seconds": t_fit, "seconds": time.perf_counter() - t0,
+        "fit_seconds": t_fit, "seconds": time.perf_counter() - t0, "unit": unit,
     }
     png = entropy_curve_figure({f"{model_name}": (curves["before"].mean, curves["before"].stderr),
                                 f"calibrated, alpha={fit.alpha:.3g}": (curves["after"].mean, curves["after"].stderr)},
@@ -139,6 +147,128 @@ def calibration_stage(lm, valid_tokens: torch.Tensor, test_tokens: torch.Tensor,
     log.info(f"{name}: alpha* {fit.alpha:.4f} +- {fit.alpha_stderr:.4f}; test ppl {result['test_ppl_before']:.2f} -> "
              f"{result['test_ppl_after']:.2f}; EntRate {result['entrate_ppl_before']:.1f} -> "
              f"{result['entrate_ppl_after']:.1f} ({result['seconds']:.0f} s)")
+    return result
+
+
+GENERATION_KEYS = ("num_prefixes", "samples_per_prefix", "prefix_len", "horizon", "seed")
+
+
+def _fmt_params(params: dict) -> str:
+    return ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in params.items()) or "–"
+
+
+def decoders_table(rows: list[dict]) -> str:
+    """Markdown: one row per method, entropies of the t = 1 and last generated words, EntRate and held-out costs."""
+    lines = ["| method | parameters | entropy t=1 (nats) | entropy t=horizon (nats) | EntRate | test CE (nats) | "
+             "zero-prob. fraction | CE on kept words | CE, ε-mixed |", "|---|---|---|---|---|---|---|---|---|"]
+    f = lambda v: "∞" if v is None else f"{v:.4f}"
+    for r in rows:
+        lines.append(f"| {r['method']} | {_fmt_params(r['params'])} | {r['entropy_t1_nats']:.3f} | "
+                     f"{r['entropy_last_nats']:.3f} | {r['entrate_ppl']:.1f} | {f(r['test_ce_nats'])} | "
+                     f"{r['zero_prob_fraction']:.4f} | {f(r['test_ce_kept_nats'])} | {f(r['test_ce_mixed_nats'])} |")
+    return "\n".join(lines) + "\n"
+
+
+def decoders_stage(lm, valid_tokens: torch.Tensor, test_tokens: torch.Tensor, out_dir: str | Path, *,
+                   methods: list[dict] | None = None, fitted: list[str] = ("temperature", "calibration"),
+                   calibration: dict | None = None, fit_tokens: int = 20_000, fit_streams: int = 20,
+                   score_tokens: int | None = None, score_streams: int = 10, topk: int | None = 64,
+                   mix_epsilon: float = 1e-6, num_prefixes: int = 100, samples_per_prefix: int = 5,
+                   prefix_len: int = 100, horizon: int = 700, seed: int = 0, max_batch: int = 1024,
+                   model_name: str = "model", corpus: str = "ptb", logger=None, name: str = "decoders",
+                   unit: str = "word", **_ignored) -> dict:
+    """Every decoding method on one entropy-rate figure and one table, from the same prefixes and seeds: the plain
+    model, each of `methods` ({"name": ..., **params}, see lmcal.decoders), and the fitted ones: `temperature`
+    (P^(1/T), T* by validation CE) and `calibration` (lookahead, Algorithm 2; taken from the calibration stage's
+    result `calibration` when its settings match, else fitted here). Held-out cost on the first `score_tokens` test
+    tokens read as `score_streams` streams. Writes `<name>.json`, `.md` and `.png`."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    methods = [dict(m) for m in (methods or [])]
+    specs = []
+    for m in methods:
+        if "name" not in m:
+            raise LmcalError(f"A decoder needs a name, got {m}; e.g. {{name: top_p, p: 0.9}}.")
+        method = m.pop("name")
+        specs.append((method, decoder_params(method, **m)))  # checked before any work starts
+    unknown = set(fitted) - {"temperature", "calibration"}
+    if unknown:
+        raise LmcalError(f"Unknown fitted method(s) {sorted(unknown)}: choose from temperature, calibration.")
+    prefixes = random_prefixes(valid_tokens, num_prefixes, prefix_len, seed=seed)
+    test = batchify(test_tokens[:score_tokens] if score_tokens else test_tokens, score_streams)
+    settings = {"num_prefixes": prefixes.size(0), "samples_per_prefix": samples_per_prefix, "prefix_len": prefix_len,
+                "horizon": horizon, "seed": seed, "test_tokens": (test.size(0) - 1) * test.size(1),
+                "score_streams": score_streams}
+    reuse = calibration if calibration and all(calibration.get(k) == v for k, v in settings.items()) else None
+    if calibration and not reuse:
+        log.info(f"{name}: the calibration result has other generation or scoring settings; refitting here")
+
+    def measure(method: str, params: dict, model) -> dict:
+        t = time.perf_counter()
+        curve = generation_entropy_curve(model, prefixes, horizon, samples_per_prefix, seed=seed,
+                                         max_batch=max_batch, progress=True)
+        cost = heldout_cost(model, test, mix_epsilon)
+        return row(method, params, curve.mean.tolist(), curve.stderr.tolist(), cost, time.perf_counter() - t)
+
+    def row(method, params, curve, stderr, cost, seconds) -> dict:
+        r = {"method": method, "params": params, "entropy_t1_nats": curve[0], "entropy_last_nats": curve[-1],
+             "entrate_ppl": math.exp(curve[-1]), **{k: cost[k] for k in ("test_ce_nats", "zero_prob_fraction",
+                                                                          "test_ce_kept_nats", "test_ce_mixed_nats")},
+             "curve_nats": curve, "stderr_nats": stderr, "seconds": seconds}
+        log.info(f"{name}: {method} ({_fmt_params(params)}): EntRate {r['entrate_ppl']:.1f}, test CE "
+                 f"{'inf' if r['test_ce_nats'] is None else format(r['test_ce_nats'], '.4f')}, zero-prob "
+                 f"{r['zero_prob_fraction']:.4f}")
+        return r
+
+    rows = []
+    if reuse:  # the plain model's curve and cost from the calibration stage: same prefixes, seeds and test text
+        rows.append(row("model", {}, reuse["curve_nats_before"], reuse["stderr_nats_before"],
+                        {"test_ce_nats": reuse["test_ce_before_nats"], "zero_prob_fraction": 0.0,
+                         "test_ce_kept_nats": reuse["test_ce_before_nats"],
+                         "test_ce_mixed_nats": reuse.get("test_ce_mixed_nats_before")}, 0.0))
+    else:
+        rows.append(measure("model", {}, lm))
+    for method, params in specs:
+        rows.append(measure(method, params, make_decoder(method, lm, **params)))
+    fit_text = batchify(valid_tokens[:fit_tokens], fit_streams)
+    if "temperature" in fitted:
+        tf = fit_temperature(lm, fit_text, progress=True)
+        rows.append(measure("fitted_temperature", {"temperature": tf.temperature,
+                                                   "temperature_stderr": tf.temperature_stderr},
+                            make_decoder("temperature", lm, temperature=tf.temperature)))
+    if "calibration" in fitted:
+        if reuse:
+            rows.append(row("calibration", {"alpha": reuse["alpha"], "alpha_stderr": reuse["alpha_stderr"],
+                                            "topk": reuse["topk"]}, reuse["curve_nats"], reuse["stderr_nats"],
+                            {"test_ce_nats": reuse["test_ce_after_nats"], "zero_prob_fraction": 0.0,
+                             "test_ce_kept_nats": reuse["test_ce_after_nats"],
+                             "test_ce_mixed_nats": reuse.get("test_ce_mixed_nats_after")}, 0.0))
+        else:
+            fit = fit_lookahead_calibration(lm, fit_text, topk=topk, progress=True)
+            rows.append(measure("calibration", {"alpha": fit.alpha, "alpha_stderr": fit.alpha_stderr, "topk": topk},
+                                calibrated(lm, fit.alpha, topk=topk)))
+    ref = rows[0]["test_ce_nats"]
+    result = {"model": model_name, "corpus": corpus, "rows": rows, "reference_test_ce_nats": ref,
+              "mix_epsilon": mix_epsilon, "fit_tokens": fit_text.numel() - fit_text.size(1),
+              "calibration_reused": bool(reuse), **settings, "unit": unit, "seconds": time.perf_counter() - t0}
+    label = lambda r: r["method"] + (f" ({_fmt_params({k: v for k, v in r['params'].items() if 'stderr' not in k})})"
+                                     if r["params"] else "")
+    png = entropy_curve_figure({label(r): (np.asarray(r["curve_nats"]), np.asarray(r["stderr_nats"])) for r in rows},
+                               out / f"{name}.png", reference_nats={"test cross-entropy (true text)": ref},
+                               title=f"{model_name} on {corpus}: decoders and calibration", legend_outside=True)
+    write_text_atomic(out / f"{name}.md", decoders_table(rows) + f"\nEntropies and cross-entropies in nats per {unit}; "
+                      f"ε-mixed: (1 - ε) q + ε uniform, ε = {mix_epsilon:g}.\n")
+    write_json_atomic(out / f"{name}.json", result)
+    cols = ["method", "params", "entropy_t1_nats", "entropy_last_nats", "entrate_ppl", "test_ce_nats",
+            "zero_prob_fraction", "test_ce_kept_nats", "test_ce_mixed_nats"]
+    wandb_log(logger, scalars={f"{name}/{r['method']}/{k}": r[k] for r in rows for k in
+                               ("entrate_ppl", "zero_prob_fraction", "test_ce_mixed_nats") if r[k] is not None},
+              images={f"{name}/figure": png},
+              tables={f"{name}/table": (cols, [[_fmt_params(r[c]) if c == "params" else r[c] for c in cols]
+                                               for r in rows])})
+    log.info(f"{name}: {len(rows)} methods in {result['seconds']:.0f} s; {out / (name + '.json')}\n"
+             f"{decoders_table(rows)}")
     return result
 
 
@@ -382,6 +512,22 @@ class CalibrationCallback(pl.Callback):
         dm = trainer.datamodule
         self.result = calibration_stage(LSTMStepLM(s["net"]), dm.tokens("valid"), dm.tokens("test"), self.out_dir,
                                         logger=trainer.logger, **self.settings)
+
+
+class DecodersCallback(pl.Callback):
+    """Runs `decoders_stage` on the best checkpoint when training ends, taking the calibration row from a
+    CalibrationCallback that ran before it (same settings), if given."""
+
+    def __init__(self, out_dir: str | Path, calibration: CalibrationCallback | None = None, **settings):
+        self.out_dir, self.calibration, self.settings = Path(out_dir), calibration, settings
+        self.result: dict | None = None
+
+    def on_fit_end(self, trainer, module):
+        s = best_model_scores(trainer, trainer.datamodule)
+        dm = trainer.datamodule
+        cal = self.calibration.result if self.calibration is not None else None
+        self.result = decoders_stage(LSTMStepLM(s["net"]), dm.tokens("valid"), dm.tokens("test"), self.out_dir,
+                                     logger=trainer.logger, calibration=cal, **self.settings)
 
 
 class MemoryCallback(pl.Callback):

@@ -507,3 +507,49 @@ def markov_corpus(vocab_size: int = 16, order: int = 2, support: int = 3, smooth
     info = {"order": order, "vocab_size": vocab_size, "support": support, "smoothing": smoothing, "seed": seed,
             "entropy_rate_nats": h, "entropy_rate_order_minus_1_nats": h_short, "depends_on_last": order}
     return Corpus("markov", [f"s{i}" for i in range(vocab_size)], *splits, info=info)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Raw text for Hugging Face models (their own tokenizer, not our word vocabulary)
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def ptb_text_file(split: str = "valid", root: str | Path | None = None) -> Path:
+    """The path of ptb.<split>.txt under `root/ptb/` (root: $LMCAL_DATA_ROOT or data/), after checking its SHA-256."""
+    if split not in PTB_FILES:
+        raise DataError(f"Unknown Penn Treebank split {split!r}; use one of {', '.join(PTB_FILES)}.")
+    folder = Path(root if root is not None else default_root()).expanduser() / "ptb"
+    path = folder / PTB_FILES[split]
+    if not path.is_file():
+        raise DataError(f"Penn Treebank file not found: {path}. " + _how_to_supply(folder))
+    got, expected = sha256(path), PTB_SHA256[path.name]
+    if got != expected:
+        raise DataError(f"Penn Treebank file is corrupt or a different version: {path} has SHA-256 {got}, expected "
+                        f"{expected}. Replace it with the file of Mikolov's simple-examples release ({PTB_URL}).")
+    return path
+
+
+def hf_text_tokens(path: str | Path, tokenizer, max_tokens: int | None = None) -> torch.Tensor:
+    """A UTF-8 text file as one 1-D stream of `tokenizer`'s token ids, LongTensor [S] (S <= max_tokens if given).
+
+    Lines are joined as text before tokenising: each line is stripped of surrounding whitespace, empty lines are
+    dropped, and every remaining line is followed by one "\\n". For PTB (ptb_text_file) that makes one line per
+    sentence, the newline standing where our word-level corpus puts <eos>; the corpus's own "<unk>" placeholders
+    stay literal text (the model sees them as it sees any other characters). The whole text is tokenised in one
+    call without special tokens (no BOS/EOS), so prefixes cut anywhere in the stream (lmcal.entropy_rate.
+    random_prefixes) look like running text; max_tokens keeps the first max_tokens tokens.
+    """
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise DataError(f"Text file not found: {path}. Give the path of an existing UTF-8 text file, e.g. "
+                        f"ptb.valid.txt or ptb.test.txt of the Penn Treebank under <data root>/ptb/ (data root: "
+                        f"$LMCAL_DATA_ROOT, else data/ in the project).")
+    with open(path, encoding="utf-8") as f:
+        text = "".join(line.strip() + "\n" for line in f if line.strip())
+    # verbose=False: a whole corpus exceeds the model's context length, which is fine for a token stream
+    ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
+    if max_tokens is not None:
+        ids = ids[:max_tokens]
+    if not ids:
+        raise DataError(f"{path} gives no tokens (the file is empty or only whitespace).")
+    return torch.tensor(ids, dtype=torch.long)

@@ -84,6 +84,9 @@ def generation_entropy_curve(lm: StepLM, prefixes: torch.Tensor, horizon: int, s
     sampled from lm's distribution after word t-1 (after the prefix for t = 1) and fed back. mean[t-1] averages the
     entropy of the distribution word t is sampled from over all N * samples_per_prefix generations.
 
+    A StepLM may define start_generation(logp, state) -> (logp, state), called once after the prefix, before the first
+    word is drawn: samplers with a running state (lmcal.decoders.MirostatLM) start it there.
+
     Each prefix is fed once and its state fanned out to its samples with lm.select; all generations advance together,
     in chunks of whole prefixes of at most max_batch rows (one prefix per chunk if samples_per_prefix > max_batch).
     Sampling is exact inverse-CDF in float64 on counter-based uniforms, so results depend on `seed` only, not on
@@ -106,6 +109,8 @@ def generation_entropy_curve(lm: StepLM, prefixes: torch.Tensor, horizon: int, s
         state = lm.init_state(n)
         for i in range(L):
             logp, state = lm.step(chunk[:, i], state)  # [n, V]
+        if hasattr(lm, "start_generation"):  # samplers with a running state start it after the prompt (Mirostat)
+            logp, state = lm.start_generation(logp, state)
         rows = torch.arange(n, device=logp.device).repeat_interleave(S)  # [n*S]: prefix of each generation
         logp, state = logp[rows], lm.select(state, rows)
         gen_ids = lo * S + torch.arange(n * S, device=logp.device)  # global generation index: seeds its uniforms

@@ -9,15 +9,18 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.ticker  # noqa: E402
 import numpy as np  # noqa: E402
 
 
 def entropy_curve_figure(curves: dict[str, tuple[np.ndarray, np.ndarray]], path: str | Path,
-                         reference_nats: dict[str, float] | None = None, title: str = "") -> Path:
+                         reference_nats: dict[str, float] | None = None, title: str = "",
+                         legend_outside: bool = False) -> Path:
     """One line per curve (label -> (mean, stderr), nats, t = 1..horizon) with a ±1.96 se band,
-    and dotted horizontal reference lines (e.g. the model's test cross-entropy). Written atomically."""
+    and dotted horizontal reference lines (e.g. the model's test cross-entropy). Written atomically.
+    legend_outside: the legend to the right of the axes (for many curves)."""
     path = Path(path)
-    fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=120)
+    fig, ax = plt.subplots(figsize=(9.6 if legend_outside else 6.4, 4.0), dpi=120)
     for label, (mean, se) in curves.items():
         t = np.arange(1, len(mean) + 1)
         (line,) = ax.plot(t, mean, label=label, lw=1.4)
@@ -28,7 +31,10 @@ def entropy_curve_figure(curves: dict[str, tuple[np.ndarray, np.ndarray]], path:
     ax.set_ylabel("entropy of the t-th word's distribution (nats)")
     ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    if legend_outside:
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+    else:
+        ax.legend(fontsize=8)
     return _save(fig, path)
 
 
@@ -57,4 +63,34 @@ def memory_figure(series: dict[str, tuple[list, list, list | None]], path: str |
     ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def decoders_tradeoff_figure(rows: list[dict], path: str | Path, title: str = "") -> Path:
+    """Each decoder setting as a point: entropy of the last generated word (nats, ±1.96 se) against its held-out
+    cross-entropy after mixing in a little uniform mass (finite for truncating rules too). The plain model's entropy
+    is a dotted line; the fitted rows (temperature, calibration) are squares. Written atomically."""
+    path = Path(path)
+    fig, ax = plt.subplots(figsize=(7.2, 4.4), dpi=120)
+    for r in rows:
+        fitted = r["method"] in ("fitted_temperature", "calibration")
+        x, y, se = r["test_ce_mixed_nats"], r["entropy_last_nats"], r["stderr_nats"][-1]
+        if x is None:
+            continue
+        params = ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in r["params"].items()
+                           if "stderr" not in k and k != "topk")
+        ax.errorbar([x], [y], yerr=[1.96 * se], marker="s" if fitted else "o", capsize=2, ms=5, lw=1)
+        ax.annotate(f"{r['method']} {params}".strip(), (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
+        if r["method"] == "model":
+            ax.axhline(y, ls=":", color="k", lw=1, label="the model's own entropy at the horizon")
+    ax.set_xscale("log")
+    ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.ScalarFormatter())
+    ax.tick_params(axis="x", which="minor", labelsize=7)
+    ax.set_xlabel("test cross-entropy, ε-mixed (nats, log scale)")
+    ax.set_ylabel("entropy of the last generated word (nats)")
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7)
     return _save(fig, path)

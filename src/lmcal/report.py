@@ -1,4 +1,4 @@
-"""Aggregation of per-tau results into the paper's Section 5 table and Figure 4.
+"""Aggregation of per-run results: the paper's Section 5 table and Figure 4, and decoder sweeps.
 
     python -m lmcal.report outputs/ptb_tau/multiruns/2026-11-22_10-00-00 [more dirs] [--out DIR] [--wandb offline]
 
@@ -6,6 +6,10 @@ Finds every `memory.json` under the given folders (written by the memory stage o
 `python -m lmcal.evaluate stages=[memory]`), groups them by corpus, and writes into --out (default: the first folder)
 `memory_<corpus>.md` (ours beside the paper's), `memory_<corpus>.png` (the bound against tau) and
 `memory_report.json`, and logs the tables and figures to Weights & Biases (offline by default).
+
+Every `decoders.json` under them (a decoders stage, or each job of a sweep such as `python -m lmcal.evaluate -m
+stages=[decoders] decoder=top_p decoder.p=0.8,0.9,0.95`) goes into one table per corpus, `decoders_<corpus>.md`, and
+`decoders_<corpus>.png`: each setting's entropy at the horizon against its held-out cost, beside calibration's.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from pathlib import Path
 
 from lmcal.callbacks import PAPER_MEMORY_PTB
 from lmcal.errors import LmcalError
-from lmcal.plots import memory_figure
+from lmcal.plots import decoders_tradeoff_figure, memory_figure
 from lmcal.utils import write_json_atomic, write_text_atomic
 
 log = logging.getLogger("lmcal")
@@ -72,6 +76,52 @@ def memory_table(rows: list[dict]) -> str:
     lines.append(f"Nats per token on {r0['test_tokens']:,} test tokens (alpha* fitted on {r0['valid']['tokens']:,} "
                  f"validation tokens); ± is one standard error (batch means over {r0['cluster_size']} positions).")
     return "\n".join(lines) + "\n"
+
+
+def collect_decoders(dirs: list[str | Path]) -> dict[str, list[dict]]:
+    """corpus -> decoder rows of every decoders.json under `dirs`, one row per (method, settings): the plain model and
+    the fitted rows appear in many runs of a sweep, and are kept once (the newest)."""
+    found: dict[tuple, tuple[float, dict]] = {}
+    for d in dirs:
+        for path in sorted(Path(d).rglob("decoders.json")):
+            try:
+                res = json.loads(path.read_text())
+                rows, corpus = res["rows"], res["corpus"]
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise LmcalError(f"{path} is not a decoders-stage result ({e}); delete it or rerun that "
+                                 "stage.") from None
+            mtime = path.stat().st_mtime
+            for r in rows:
+                params = {k: v for k, v in r["params"].items() if "stderr" not in k}
+                fitted = r["method"] in ("fitted_temperature", "calibration")  # one per model, whatever its value
+                key = (corpus, res.get("model"), r["method"], json.dumps({} if fitted else params, sort_keys=True))
+                if key not in found or mtime >= found[key][0]:
+                    found[key] = (mtime, {**r, "path": str(path)})
+    by_corpus: dict[str, list[dict]] = {}
+    for (corpus, *_), (_, r) in sorted(found.items(), key=lambda kv: tuple(map(str, kv[0]))):
+        by_corpus.setdefault(corpus, []).append(r)
+    return by_corpus
+
+
+def decoders_report(dirs: list[str | Path], out: str | Path) -> dict:
+    """Writes decoders_<corpus>.md and .png for the decoder rows under `dirs` (see collect_decoders)."""
+    from lmcal.callbacks import decoders_table
+
+    out = Path(out)
+    report = {}
+    for corpus, rows in collect_decoders(dirs).items():
+        out.mkdir(parents=True, exist_ok=True)
+        table = decoders_table(rows)
+        png = decoders_tradeoff_figure(rows, out / f"decoders_{corpus}.png",
+                                       title=f"Decoders on {corpus}: flatness against held-out cost")
+        write_text_atomic(out / f"decoders_{corpus}.md", f"# Decoders on {corpus}\n\n{table}\n"
+                                                         f"![entropy at the horizon against test CE]"
+                                                         f"(decoders_{corpus}.png)\n")
+        report[corpus] = {"rows": [{k: r[k] for k in ("method", "params", "entrate_ppl", "test_ce_nats",
+                                                      "zero_prob_fraction", "test_ce_mixed_nats", "path")}
+                                   for r in rows], "table_md": str(out / f"decoders_{corpus}.md"), "figure": str(png)}
+        print(f"{corpus} decoders:\n{table}")
+    return report
 
 
 def memory_report(dirs: list[str | Path], out: str | Path | None = None, wandb_mode: str = "offline",
@@ -133,6 +183,16 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
+        for d in args.dirs:
+            if not Path(d).is_dir():
+                raise LmcalError(f"{d} is not a folder; pass the sweep (or run) folders that hold memory.json or "
+                                 "decoders.json files.")
+        out = Path(args.out or args.dirs[0])
+        decoders = decoders_report(args.dirs, out)
+        if decoders:
+            write_json_atomic(out / "decoders_report.json", decoders)
+        if decoders and not collect_memory(args.dirs):
+            return  # a decoder sweep: nothing else to aggregate
         memory_report(args.dirs, args.out, args.wandb, args.project, args.group)
     except LmcalError as e:
         print(f"lmcal: error: {e}", file=sys.stderr)

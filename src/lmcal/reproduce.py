@@ -9,6 +9,7 @@ stage; `key=value` pairs override the profile (OmegaConf dot-list, e.g. `taus=[5
     tau_models        train the tau-limited models (a Hydra multirun: hydra/launcher= spreads it)
     entropy_rate      Table 1 row and Figure 2 (python -m lmcal.evaluate stages=[entropy_rate])
     calibration       alpha*, test ppl before/after, Figure 3
+    decoders          temperature, top-k, top-p, typical, eta, min-p, Mirostat beside fitted temperature and calibration
     memory_tau<T>     the I_tau bound for each tau; then the same four on data=markov (markov_*)
     report            results.json, REPORT.md, memory tables and Figure 4
 
@@ -23,6 +24,7 @@ import json
 import math
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -104,9 +106,11 @@ def plan(cfg: DictConfig) -> list[dict]:
                                     "hydra.sweep.subdir=tau_${model.memory_tau}"]})
         ev = py + ["lmcal.evaluate", f"ckpt={base_ckpt}", *part.analysis, *lg]
         if not prefix:  # the generation stages on PTB; on the Markov source the memory bound is what is checked
-            for stage in ("entropy_rate", "calibration"):
+            for stage in ("entropy_rate", "calibration", "decoders"):
+                extra = ([f"analysis.decoders.calibration_json={root / 'calibration' / 'calibration.json'}"]
+                         if stage == "decoders" else [])  # its calibration row: the calibration stage's
                 stages.append({"name": stage, "dir": root / stage, "done": [root / stage / f"{stage}.json"],
-                               "cmd": ev + [f"stages=[{stage}]", f"task_name={stage}",
+                               "cmd": ev + [f"stages=[{stage}]", *extra, f"task_name={stage}",
                                             f"hydra.run.dir={root / stage}"]})
         for t, d in tau_dirs.items():
             mdir = root / "memory" / f"tau_{t}"
@@ -183,6 +187,7 @@ def collect_results(cfg: DictConfig, out: Path) -> dict:
     base = _read(ptb / "base" / "metrics.json")
     er = _read(ptb / "entropy_rate" / "entropy_rate.json")
     cal = _read(ptb / "calibration" / "calibration.json")
+    dec = _read(ptb / "decoders" / "decoders.json")
     mem = [_read(ptb / "memory" / f"tau_{t}" / "memory.json") for t in cfg.taus]
     mbase = _read(mk / "base" / "metrics.json")
     mmem = [_read(mk / "memory" / f"tau_{t}" / "memory.json") for t in cfg.markov.taus]
@@ -205,6 +210,10 @@ def collect_results(cfg: DictConfig, out: Path) -> dict:
                                             "test_tokens")}
         | {"entrate_tail_ppl_before": tail_ppl(cal["curve_nats_before"]),
            "entrate_tail_ppl_after": tail_ppl(cal["curve_nats"])},
+        "decoders": [{k: r[k] for k in ("method", "params", "entrate_ppl", "test_ce_nats", "zero_prob_fraction",
+                                        "test_ce_kept_nats", "test_ce_mixed_nats", "entropy_t1_nats",
+                                        "entropy_last_nats")} | {"entrate_tail_ppl": tail_ppl(r["curve_nats"])}
+                     for r in dec["rows"]],
         "memory": [{k: m[k] for k in ("tau", "ce_limited_nats", "mi_upper_bound_nats", "mi_stderr_nats", "alpha",
                                       "alpha_stderr", "entropy_calibrated_nats")} for m in mem],
         "markov": {"order": mbase["markov_order"],
@@ -255,11 +264,31 @@ def report(cfg: DictConfig, out: Path) -> None:
                          out / "figure3_calibration.png",
                          reference_nats={"test cross-entropy": math.log(cal["test_ppl_before"])},
                          title="Lookahead calibration (Algorithm 2)")
+    copy_atomic(out / cfg.dataset / "decoders" / "decoders.png", out / "figure_decoders.png")
     memory_report([out / cfg.dataset / "memory", out / "markov" / "memory"], out, wandb_mode="disabled")
     write_json_atomic(out / "results.json", results)
     write_text_atomic(out / "REPORT.md", report_markdown(cfg, results, out))
     if cfg.logger == "wandb":
         _log_report(cfg, results, out)
+
+
+def copy_atomic(src: Path, dst: Path) -> None:
+    tmp = dst.with_name(f".{dst.name}.tmp")
+    shutil.copyfile(src, tmp)
+    os.replace(tmp, dst)
+
+
+def decoders_markdown(rows: list[dict]) -> list[str]:
+    f = lambda v: "∞" if v is None else f"{v:.4f}"
+    params = lambda p: ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                                 for k, v in p.items() if "stderr" not in k) or "–"
+    lines = ["| method | parameters | exp(entropy) t=1 | EntRate (last step) | exp(mean entropy, last tenth) | "
+             "test CE (nats) | zero-prob. fraction | CE, ε-mixed |", "|---|---|---|---|---|---|---|---|"]
+    for d in rows:
+        lines.append(f"| {d['method']} | {params(d['params'])} | {math.exp(d['entropy_t1_nats']):.1f} | "
+                     f"{d['entrate_ppl']:.1f} | {d['entrate_tail_ppl']:.1f} | {f(d['test_ce_nats'])} | "
+                     f"{d['zero_prob_fraction']:.4f} | {f(d['test_ce_mixed_nats'])} |")
+    return lines
 
 
 def report_markdown(cfg: DictConfig, r: dict, out: Path) -> str:
@@ -286,6 +315,13 @@ def report_markdown(cfg: DictConfig, r: dict, out: Path) -> str:
         f"alpha* fitted on {cal['fit_tokens']:,} validation tokens with top-{cal['topk'] or 'V (exact)'} lookahead; "
         f"test perplexity on {cal['test_tokens']:,} test tokens. The paper: generations' perplexity falls by almost "
         "20 points, test perplexity unchanged. ![Figure 3](figure3_calibration.png)", "",
+        "## Decoders beside calibration", "",
+        "The decoding rules practitioners use, on the same model, prefixes and seeds as calibration. Test CE is ∞ "
+        "where a rule gives a test word probability 0; the ε-mixed CE mixes in ε = 1e-6 of the uniform "
+        "distribution, so it is finite for all. The fitted rows (temperature, calibration) are the only ones "
+        "chosen by held-out cross-entropy.", "",
+        *decoders_markdown(r["decoders"]), "",
+        "![decoders](figure_decoders.png)", "",
         "## Memory (Section 5, Figure 4)", "",
         (out / f"memory_{cfg.dataset}.md").read_text().split("\n", 2)[2],
         "## The exact check: an order-k Markov source", "",
@@ -329,6 +365,9 @@ def _log_report(cfg: DictConfig, results: dict, out: Path) -> None:
         run.log({p.stem: wandb.Image(str(p)) for p in sorted([*out.glob("figure*.png"), *out.glob("memory_*.png")])})
         cols = ["tau", "ce_limited_nats", "mi_upper_bound_nats", "mi_stderr_nats", "alpha"]
         run.log({"memory": wandb.Table(columns=cols, data=[[m[c] for c in cols] for m in results["memory"]])})
+        cols = ["method", "params", "entrate_ppl", "test_ce_nats", "zero_prob_fraction", "test_ce_mixed_nats"]
+        run.log({"decoders": wandb.Table(columns=cols, data=[[json.dumps(d[c]) if c == "params" else d[c]
+                                                              for c in cols] for d in results["decoders"]])})
     finally:
         run.finish()
 

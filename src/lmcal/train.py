@@ -22,7 +22,14 @@ from omegaconf import DictConfig, OmegaConf
 from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.plugins.io import TorchCheckpointIO
 
-from lmcal.callbacks import CalibrationCallback, EntropyRateCallback, MemoryCallback, MetricsCallback, load_base_net
+from lmcal.callbacks import (
+    CalibrationCallback,
+    DecodersCallback,
+    EntropyRateCallback,
+    MemoryCallback,
+    MetricsCallback,
+    load_base_net,
+)
 from lmcal.errors import LmcalError
 from lmcal.module import LMModule, load_net
 from lmcal.utils import write_json_atomic
@@ -66,7 +73,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         os.replace(tmp, path)
 
 
-STAGES = ("entropy_rate", "calibration", "memory")  # entropy_rate, calibration: full models; memory: tau-models
+STAGES = ("entropy_rate", "calibration", "decoders", "memory")  # memory: tau-models; the others: full models
 
 
 def init_from(module: LMModule, path: str) -> None:
@@ -86,6 +93,10 @@ def init_from(module: LMModule, path: str) -> None:
 def train(cfg: DictConfig) -> dict:
     """Fit (or resume), evaluate the best checkpoint on valid and test, write metrics.json."""
     t_start = time.perf_counter()
+    if not str(cfg.model.get("_target_") or "").endswith("AWDLSTM"):
+        raise LmcalError("python -m lmcal.train trains AWD-LSTMs (model=awd_lstm or awd_lstm_small); a Hugging Face "
+                         "model (model=hf) is analysed as it is: python -m lmcal.evaluate model=hf "
+                         "model.name_or_path=FOLDER stages=[entropy_rate,calibration,decoders].")
     out = Path(cfg.paths.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
@@ -118,7 +129,7 @@ def train(cfg: DictConfig) -> dict:
     metrics_cb = MetricsCallback(out, extra={"dataset": cfg.data.name, "model": model_name(cfg.model),
                                              "resumed_from": resume})
     callbacks = [ckpt_cb, metrics_cb]  # in this order: metrics.json is written before any stage runs
-    er_cb = cal_cb = mem_cb = None
+    er_cb = cal_cb = dec_cb = mem_cb = None
     er_cfg = dict(cfg.analysis.entropy_rate)
     every = er_cfg.pop("every_n_epochs", None)
     if ("entropy_rate" in stages or every) and not cfg.model.get("memory_tau"):
@@ -129,6 +140,12 @@ def train(cfg: DictConfig) -> dict:
         cal_cb = CalibrationCallback(out, model_name=model_name(cfg.model), corpus=cfg.data.name,
                                      **cfg.analysis.calibration)
         callbacks.append(cal_cb)
+    if "decoders" in stages and not tau:
+        settings = OmegaConf.to_container(cfg.analysis.decoders, resolve=True)
+        settings.pop("calibration_json", None)
+        dec_cb = DecodersCallback(out, calibration=cal_cb, model_name=model_name(cfg.model), corpus=cfg.data.name,
+                                  **settings)
+        callbacks.append(dec_cb)
     if "memory" in stages and tau:
         mem_cb = MemoryCallback(out, base_ckpt, model_name=model_name(cfg.model), corpus=cfg.data.name,
                                 **cfg.analysis.memory)
@@ -149,6 +166,9 @@ def train(cfg: DictConfig) -> dict:
         if cal_cb is not None and cal_cb.result:
             metrics.update({k: cal_cb.result[k] for k in ("alpha", "test_ppl_before", "test_ppl_after",
                                                            "entrate_ppl_before", "entrate_ppl_after")})
+        if dec_cb is not None and dec_cb.result:
+            metrics["decoders"] = {r["method"]: {k: r[k] for k in ("entrate_ppl", "test_ce_nats", "zero_prob_fraction")}
+                                   for r in dec_cb.result["rows"]}
         if mem_cb is not None and mem_cb.result:
             metrics.update({k: mem_cb.result[k] for k in ("alpha", "mi_upper_bound_nats", "mi_stderr_nats")})
         if stages:

@@ -1,0 +1,272 @@
+"""The decoding rules practitioners use against drifting generations, as StepLM wrappers.
+
+Each rule turns the model's next-word log-probabilities into the distribution actually sampled from: a rescaling
+(temperature) or a truncation (top-k, top-p, typical, eta, min-p, Mirostat) followed by renormalisation, with -inf
+where a word is cut. Wrapped as a `StepLM`, a decoder runs through `generation_entropy_curve` and `score` unchanged,
+so the entropy on its curve is that of the distribution it samples from, and its held-out cost is measured on the
+very same distribution.
+
+    make_decoder("top_p", lm, p=0.95)
+
+Truncations work on log-probs [B, V]; the kept set is decided in float64 on the normalised probabilities. Ties are
+kept together: where a rule needs "the smallest set" and the cut falls inside a group of words with the same score,
+the whole group is kept, so the result never depends on an arbitrary order of equal words (top-k does the same as
+the transformers library's warper). Every rule keeps at least the most likely word, and its neutral setting
+(T = 1, k >= V, p = 1, mass = 1, epsilon = 0, min_p = 0, Mirostat tau = inf) returns the model's own log-probs,
+bit for bit.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+
+from lmcal.calibration import target_log_probs
+from lmcal.errors import LmcalError
+
+LOG2 = math.log(2.0)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The rules, on log-probability rows [B, V]
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _probs(logp: torch.Tensor) -> torch.Tensor:
+    """Normalised float64 probabilities of log-probs [B, V]: the kept sets are decided on these."""
+    p = logp.double().exp()
+    return p / p.sum(-1, keepdim=True)
+
+
+def _keep(logp: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """logp renormalised over the words where keep [B, V] is true; -inf elsewhere."""
+    out = logp.masked_fill(~keep, -math.inf)
+    return out - out.logsumexp(-1, keepdim=True)
+
+
+def _smallest_set(score: torch.Tensor, p: torch.Tensor, mass: float) -> torch.Tensor:
+    """Mask [B, V] of the smallest set of words, taken in increasing `score`, whose probability p reaches `mass`;
+    every word tied in score with the last one taken is kept too."""
+    s, order = score.sort(dim=-1)  # [B, V]; the order within ties does not matter
+    ps = p.gather(-1, order)
+    before = ps.cumsum(-1) - ps  # [B, V]: mass of the words ahead of each
+    n = (before < mass).sum(-1, keepdim=True).clamp(min=1)  # [B, 1]: words needed (the first always is)
+    return score <= s.gather(-1, n - 1)
+
+
+def temperature(logp: torch.Tensor, temperature: float) -> torch.Tensor:
+    """P^(1/T), renormalised."""
+    if temperature == 1.0:
+        return logp
+    return (logp / temperature).log_softmax(-1)
+
+
+def top_k(logp: torch.Tensor, k: int) -> torch.Tensor:
+    """The k most likely words (and any tied with the k-th)."""
+    if k >= logp.size(-1):
+        return logp
+    kth = logp.topk(k, dim=-1).values[..., -1:]  # [B, 1]
+    return _keep(logp, logp >= kth)
+
+
+def top_p(logp: torch.Tensor, p: float) -> torch.Tensor:
+    """Nucleus sampling (Holtzman et al. 2020): the smallest set of most likely words with mass >= p."""
+    if p >= 1.0:
+        return logp
+    probs = _probs(logp)
+    return _keep(logp, _smallest_set(-probs, probs, p))
+
+
+def typical(logp: torch.Tensor, mass: float) -> torch.Tensor:
+    """Locally typical sampling (Meister et al. 2022): the smallest set of words whose surprisal is closest to the
+    entropy, with mass >= `mass`."""
+    if mass >= 1.0:
+        return logp
+    probs = _probs(logp)
+    logq = probs.log()
+    ent = -torch.where(probs > 0, probs * logq, 0.0).sum(-1, keepdim=True)  # [B, 1]
+    return _keep(logp, _smallest_set((-logq - ent).abs(), probs, mass))  # |surprisal - H|; inf for p = 0
+
+
+def eta(logp: torch.Tensor, epsilon: float) -> torch.Tensor:
+    """eta-sampling (Hewitt et al. 2022): drop words with p < eta = min(epsilon, sqrt(epsilon) * exp(-H))."""
+    if epsilon == 0.0:
+        return logp
+    probs = _probs(logp)
+    ent = -torch.where(probs > 0, probs * probs.log(), 0.0).sum(-1, keepdim=True)  # [B, 1]
+    cut = torch.clamp(math.sqrt(epsilon) * (-ent).exp(), max=epsilon)  # [B, 1]
+    return _keep(logp, (probs >= cut) | (probs == probs.amax(-1, keepdim=True)))
+
+
+def min_p(logp: torch.Tensor, min_p: float) -> torch.Tensor:
+    """min-p sampling (Nguyen et al. 2024): drop words with p < min_p * max p."""
+    if min_p == 0.0:
+        return logp
+    probs = _probs(logp)
+    return _keep(logp, probs >= min_p * probs.amax(-1, keepdim=True))
+
+
+def mirostat_cut(logp: torch.Tensor, mu: torch.Tensor) -> torch.Tensor:
+    """Mirostat v2's truncation: the words whose surprisal in bits is at most mu [B] (at least the most likely)."""
+    if bool(torch.isinf(mu).all()) and bool((mu > 0).all()):
+        return logp
+    probs = _probs(logp)
+    bits = -probs.log() / LOG2  # [B, V]
+    return _keep(logp, (bits <= mu.double()[:, None]) | (probs == probs.amax(-1, keepdim=True)))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# As StepLMs
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+class DecodedLM:
+    """`lm` with a per-step rule `rule(logp [B, V]) -> logp' [B, V]` applied to its next-word distributions."""
+
+    def __init__(self, lm, rule: Callable[[torch.Tensor], torch.Tensor], name: str, params: dict):
+        self.lm, self.rule, self.name, self.params = lm, rule, name, params
+        self.vocab_size = lm.vocab_size
+        self.device = getattr(lm, "device", None)
+
+    def init_state(self, batch_size: int):
+        return self.lm.init_state(batch_size)
+
+    @torch.no_grad()
+    def step(self, tokens: torch.Tensor, state):
+        logp, state = self.lm.step(tokens, state)
+        return self.rule(logp), state
+
+    def select(self, state, index: torch.Tensor):
+        return self.lm.select(state, index)
+
+
+class MirostatLM:
+    """Mirostat v2 (Basu et al. 2021) as a StepLM: per generation a running threshold mu (bits), starting at 2 tau;
+    each step samples among the words with surprisal <= mu, then moves mu by -eta * (s - tau), s being the surprisal
+    in bits of the word that came next under the model's own distribution (the authors' rule; llama.cpp measures it
+    under the truncated one).
+
+    The word that came next is the fed token, so mu follows every fed token. A generation starts from mu = 2 tau
+    after its prompt, as in any implementation: generation_entropy_curve calls `start_generation` once the prefix is
+    fed, which resets mu and re-cuts the first distribution. Along held-out text (scoring), mu follows the true
+    words from the start of each stream, as if Mirostat had produced them.
+    State = (base state, mu [B] float64, last base log-probs [B, V] or None, surprise of the last fed token [B] in
+    bits or None)."""
+
+    def __init__(self, lm, tau: float, eta: float):
+        self.lm, self.tau, self.eta = lm, float(tau), float(eta)
+        self.name, self.params = "mirostat", {"tau": self.tau, "eta": self.eta}
+        self.vocab_size = lm.vocab_size
+        self.device = getattr(lm, "device", None)
+
+    def init_state(self, batch_size: int):
+        mu = torch.full((batch_size,), 2 * self.tau, dtype=torch.float64)
+        return self.lm.init_state(batch_size), mu, None, None
+
+    @torch.no_grad()
+    def step(self, tokens: torch.Tensor, state):
+        inner, mu, last, _ = state
+        surprise = None
+        if last is not None:  # the fed token is what came after the previous distribution
+            y = tokens.to(last.device)[:, None]
+            surprise = -last.gather(1, y)[:, 0].double().cpu() / LOG2  # [B] bits
+            if math.isfinite(self.tau):
+                mu = mu - self.eta * (surprise - self.tau)
+        logp, inner = self.lm.step(tokens, inner)  # [B, V]
+        return mirostat_cut(logp, mu.to(logp.device)), (inner, mu, logp, surprise)
+
+    def start_generation(self, logp: torch.Tensor, state):
+        """After a prompt: mu back to 2 tau, and the next distribution cut with it. logp [B, V] is what the last
+        step returned (unused: the base log-probs are in the state)."""
+        inner, mu, last, surprise = state
+        mu = torch.full_like(mu, 2 * self.tau)
+        return mirostat_cut(last, mu.to(last.device)), (inner, mu, last, surprise)
+
+    def select(self, state, index: torch.Tensor):
+        inner, mu, last, surprise = state
+        pick = lambda x: None if x is None else x[index.to(x.device)]
+        return self.lm.select(inner, index), pick(mu), pick(last), pick(surprise)
+
+
+# name -> (rule, {parameter: default}); defaults are those of the most used implementation where it has a non-neutral
+# one (transformers: top_k 50; llama.cpp: top_p 0.95, min_p 0.05, Mirostat tau 5 and eta 0.1) and otherwise the
+# setting the method's paper recommends (typical 0.95, eta 3e-4).
+DECODERS: dict[str, tuple[Callable | None, dict]] = {
+    "temperature": (temperature, {"temperature": 1.0}),
+    "top_k": (top_k, {"k": 50}),
+    "top_p": (top_p, {"p": 0.95}),
+    "typical": (typical, {"mass": 0.95}),
+    "eta": (eta, {"epsilon": 3e-4}),
+    "min_p": (min_p, {"min_p": 0.05}),
+    "mirostat": (None, {"tau": 5.0, "eta": 0.1}),
+}
+
+
+def _check(name: str, params: dict) -> None:
+    bad = {
+        "temperature": lambda v: not v > 0, "k": lambda v: int(v) != v or v < 1, "p": lambda v: not 0 < v <= 1,
+        "mass": lambda v: not 0 < v <= 1, "epsilon": lambda v: not 0 <= v < 1, "min_p": lambda v: not 0 <= v <= 1,
+        "tau": lambda v: not v > 0, "eta": lambda v: not v >= 0,
+    }
+    for key, value in params.items():
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or bad[key](value):
+            raise LmcalError(f"Decoder {name}: {key}={value!r} is out of range (temperature > 0; k a positive "
+                             "integer; 0 < p, mass <= 1; 0 <= epsilon < 1; 0 <= min_p <= 1; Mirostat tau > 0 bits "
+                             "and eta >= 0).")
+
+
+def decoder_params(name: str, **params) -> dict:
+    """The full, checked parameters of decoder `name` (defaults filled in)."""
+    if name not in DECODERS:
+        raise LmcalError(f"Unknown decoder {name!r}: choose from {', '.join(DECODERS)}.")
+    defaults = DECODERS[name][1]
+    unknown = set(params) - set(defaults)
+    if unknown:
+        raise LmcalError(f"Decoder {name} takes {', '.join(f'{k}=' for k in defaults)} only; got "
+                         f"{', '.join(sorted(unknown))}.")
+    full = {**defaults, **params}
+    _check(name, full)
+    if name == "top_k":
+        full["k"] = int(full["k"])
+    return full
+
+
+def make_decoder(name: str, lm, **params):
+    """A StepLM that samples as decoder `name` would from `lm`: temperature (temperature=), top_k (k=), top_p (p=),
+    typical (mass=), eta (epsilon=), min_p (min_p=), mirostat (tau= bits, eta=). Its step returns the log-probs of
+    the distribution actually sampled from (-inf where a word is cut)."""
+    params = decoder_params(name, **params)
+    if name == "mirostat":
+        return MirostatLM(lm, **params)
+    rule = DECODERS[name][0]
+    return DecodedLM(lm, lambda logp: rule(logp, **params), name, params)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Held-out cost
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def heldout_cost(lm, tokens: torch.Tensor, mix_epsilon: float = 1e-6) -> dict:
+    """What a (decoded) StepLM costs on held-out time-major streams tokens [S, B] (first token context only):
+
+    test_ce_nats          mean -log q(w) over all words: finite only if no word gets probability 0, else None
+    zero_prob_fraction    the fraction of words q gives probability 0
+    test_ce_kept_nats     mean -log q(w) over the words q keeps (None if it keeps none)
+    test_ce_mixed_nats    mean -log((1 - eps) q(w) + eps / V) over all words, eps = mix_epsilon: always finite
+    """
+    logq = target_log_probs(lm, tokens)  # [n] float64
+    zero = torch.isneginf(logq)
+    kept = logq[~zero]
+    mixed = torch.logaddexp(logq + math.log1p(-mix_epsilon),
+                            torch.full_like(logq, math.log(mix_epsilon / lm.vocab_size)))
+    return {
+        "test_ce_nats": None if zero.any() else -logq.mean().item(),
+        "zero_prob_fraction": zero.double().mean().item(),
+        "test_ce_kept_nats": -kept.mean().item() if kept.numel() else None,
+        "test_ce_mixed_nats": -mixed.mean().item(),
+        "mix_epsilon": mix_epsilon,
+        "test_tokens": logq.numel(),
+    }

@@ -1,0 +1,235 @@
+"""HFCausalLM: a Hugging Face causal LM as a StepLM (tiny random GPT-2, built locally: no download)."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from lmcal.calibration import entropy, fit_lookahead_calibration, lookahead_entropies  # noqa: E402
+from lmcal.data import DataError, hf_text_tokens, ptb_text_file  # noqa: E402
+from lmcal.entropy_rate import generation_entropy_curve, random_prefixes  # noqa: E402
+from lmcal.errors import LmcalError  # noqa: E402
+from lmcal.lm import HFCausalLM, _fork_cache, load_hf_model  # noqa: E402
+
+V = 50
+WORDS = ["<unk>", "the", "cat", "sat", "on", "mat", "a", "dog", "ran", "far", "away", "and"]
+
+
+def tiny_gpt2(vocab_size=V, seed=0, init=0.3):
+    """init: the weights' std; much larger than GPT-2's 0.02 so that next-token distributions are peaked and vary
+    with the context, as a trained model's do (near-uniform ones leave the lookahead fit degenerate)."""
+    torch.manual_seed(seed)
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=vocab_size, n_positions=128,
+                                  bos_token_id=0, eos_token_id=0, initializer_range=init)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Models this small run fastest on one thread; on a busy machine extra threads cost seconds of spinning."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return HFCausalLM(tiny_gpt2())
+
+
+@torch.no_grad()
+def full_log_probs(model, x):
+    """Uncached forward of whole sequences x [B, T] -> log-probs [B, T, V]."""
+    return model(x).logits.float().log_softmax(-1)
+
+
+def feed(lm, x):
+    """Step x [B, T] token by token -> log-probs [B, T, V] and the final state."""
+    state, out = lm.init_state(x.size(0)), []
+    for t in range(x.size(1)):
+        lp, state = lm.step(x[:, t], state)
+        out.append(lp)
+    return torch.stack(out, 1), state
+
+
+def test_steps_equal_one_uncached_forward(lm):
+    model = tiny_gpt2().train()  # the wrapper must switch dropout off itself
+    lm = HFCausalLM(model)
+    assert lm.vocab_size == V and not model.training
+    x = torch.randint(0, V, (3, 17))
+    lp, (past, n) = feed(lm, x)
+    assert n == 17 and past.get_seq_length() == 17
+    assert lp.dtype == torch.float32 and not lp.requires_grad
+    torch.testing.assert_close(lp, full_log_probs(model, x), atol=1e-5, rtol=1e-5)
+
+
+def test_select_with_repeats_and_no_mutation(lm):
+    x = torch.randint(0, V, (3, 9))
+    _, state = feed(lm, x)
+    index = torch.tensor([2, 0, 0, 1])
+    nxt = torch.tensor([5, 6, 7, 8])
+    got, sel = lm.step(nxt, lm.select(state, index))
+    ref = full_log_probs(lm.model, torch.cat([x[index], nxt[:, None]], 1))[:, -1]
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    # a second step from the selected state, and the original state untouched by select and by stepping its fork
+    got2, _ = lm.step(nxt.flip(0), sel)
+    ref2 = full_log_probs(lm.model, torch.cat([x[index], nxt[:, None], nxt.flip(0)[:, None]], 1))[:, -1]
+    torch.testing.assert_close(got2, ref2, atol=1e-5, rtol=1e-5)
+    assert state[0].get_seq_length() == 9 and state[1] == 9
+    y = torch.tensor([1, 2, 3])
+    for _ in range(2):  # stepping the same state twice gives the same answer: step does not extend it
+        again, _ = lm.step(y, state)
+        torch.testing.assert_close(again, full_log_probs(lm.model, torch.cat([x, y[:, None]], 1))[:, -1],
+                                   atol=1e-5, rtol=1e-5)
+
+
+def test_select_of_the_empty_state(lm):
+    state = lm.select(lm.init_state(2), torch.tensor([1, 1, 0]))
+    lp, _ = lm.step(torch.tensor([4, 4, 9]), state)
+    torch.testing.assert_close(lp, full_log_probs(lm.model, torch.tensor([[4], [4], [9]]))[:, -1])
+
+
+def test_legacy_tuple_cache_is_indexed_without_mutation():
+    k, v = torch.randn(3, 2, 4, 5), torch.randn(3, 2, 4, 5)  # [B, heads, T, head_dim]
+    past = ((k, v), (k + 1, v + 1))
+    assert _fork_cache(past) is past  # tuples are immutable: nothing to copy
+    new = _fork_cache(past, torch.tensor([2, 0, 2]))
+    torch.testing.assert_close(new[1][0], (k + 1)[[2, 0, 2]])
+    assert past[0][0] is k and new[0][0].shape == (3, 2, 4, 5)
+
+
+def test_context_longer_than_the_model_is_a_clear_error(lm):
+    with pytest.raises(LmcalError, match="at most 128 tokens"):
+        lm.step(torch.tensor([1]), (None, 128))
+
+
+def test_lookahead_entropies_match_full_forwards(lm):
+    x = torch.randint(0, V, (2, 6))
+    lp, state = feed(lm, x)
+    h = lookahead_entropies(lm, state, lp[:, -1], chunk=37)  # [2, V], chunks that split rows
+    for b in range(2):
+        seqs = torch.cat([x[b].expand(V, -1), torch.arange(V)[:, None]], 1)  # [V, 7]: every candidate
+        torch.testing.assert_close(h[b], entropy(full_log_probs(lm.model, seqs)[:, -1]), atol=1e-4, rtol=1e-4)
+
+
+def test_generation_entropy_curve_and_calibration_run_unchanged(lm):
+    stream = torch.randint(0, V, (400,), generator=torch.Generator().manual_seed(0))  # a fit known to be finite
+    prefixes = random_prefixes(stream, 3, 8, seed=1)
+    c1 = generation_entropy_curve(lm, prefixes, horizon=6, samples_per_prefix=2, seed=3)
+    c2 = generation_entropy_curve(lm, prefixes, horizon=6, samples_per_prefix=2, seed=3)
+    c3 = generation_entropy_curve(lm, prefixes, horizon=6, samples_per_prefix=2, seed=3, max_batch=2)
+    assert c1.mean.shape == (6,) and np.isfinite(c1.mean).all() and np.isfinite(c1.stderr).all()
+    assert 0 < c1.mean.min() and c1.mean.max() <= math.log(V) + 1e-9
+    np.testing.assert_array_equal(c1.per_prefix, c2.per_prefix)  # deterministic for a seed
+    np.testing.assert_allclose(c1.per_prefix, c3.per_prefix, atol=1e-4)  # one prefix per chunk: same generations
+    tokens = stream[:24].view(6, 4)  # [S, B] time-major
+    for topk in (None, 5):
+        fit = fit_lookahead_calibration(lm, tokens, topk=topk)
+        assert all(math.isfinite(v) for v in (fit.alpha, fit.ce_before, fit.ce_after))
+        assert fit.ce_after <= fit.ce_before + 1e-9
+
+
+def tiny_tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>")
+
+
+def test_saved_folder_loads_and_tokenises_text(tmp_path):
+    model = tiny_gpt2(vocab_size=len(WORDS))
+    folder = tmp_path / "tiny-gpt2"
+    model.save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    lm = load_hf_model(folder)
+    assert isinstance(lm, HFCausalLM) and lm.vocab_size == len(WORDS) and lm.device == torch.device("cpu")
+    text = tmp_path / "text.txt"
+    text.write_text(" the cat sat on the mat \n\n   \n a dog ran far away zebra\n", encoding="utf-8")
+    ids = hf_text_tokens(text, lm.tokenizer)
+    expected = [WORDS.index(w) for w in "the cat sat on the mat a dog ran far away".split()] + [0]  # zebra: <unk>
+    assert ids.dtype == torch.long and ids.tolist() == expected
+    assert hf_text_tokens(text, lm.tokenizer, max_tokens=4).tolist() == expected[:4]
+    x = ids[None]
+    torch.testing.assert_close(feed(lm, x)[0], full_log_probs(model.eval(), x), atol=1e-5, rtol=1e-5)
+    half = load_hf_model(folder, dtype="bfloat16")
+    assert next(half.model.parameters()).dtype == torch.bfloat16
+    assert half.step(ids[:2], half.init_state(2))[0].dtype == torch.float32  # log-probs always float32
+
+
+def test_missing_inputs_are_clear_errors(tmp_path):
+    with pytest.raises(LmcalError, match="save_pretrained") as err:
+        load_hf_model(tmp_path / "no-such-model")
+    assert "HF_HUB_OFFLINE" in str(err.value) and "does not exist" in str(err.value)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(LmcalError, match="Could not load .* local folder"):
+        load_hf_model(tmp_path / "empty")
+    with pytest.raises(LmcalError, match="Unknown dtype"):
+        load_hf_model(tmp_path / "empty", dtype="float33")
+    with pytest.raises(DataError, match="Text file not found"):
+        hf_text_tokens(tmp_path / "missing.txt", tiny_tokenizer())
+    (tmp_path / "blank.txt").write_text("\n  \n")
+    with pytest.raises(DataError, match="no tokens"):
+        hf_text_tokens(tmp_path / "blank.txt", tiny_tokenizer())
+    with pytest.raises(DataError, match="ptb.test.txt"):
+        ptb_text_file("test", root=tmp_path)
+
+
+def test_windowed_cross_entropy_scores_every_token_once(lm):
+    from lmcal.lm import hf_cross_entropy
+
+    x = torch.randint(0, V, (1, 40), generator=torch.Generator().manual_seed(7))
+    whole = full_log_probs(lm.model, x)[0, :-1].gather(1, x[0, 1:, None]).mean().item()
+    ce, n = hf_cross_entropy(lm, x[0], context=128)  # one window: exactly the full forward
+    assert n == 39 and ce == pytest.approx(-whole, abs=1e-5)
+    ce, n = hf_cross_entropy(lm, x[0], context=8, batch_size=2)  # windows of 8 overlapping by one, a short last one
+    manual = 0.0
+    for a in range(0, 39, 7):
+        w = x[:, a:a + 8]
+        manual -= full_log_probs(lm.model, w)[0, :-1].gather(1, w[0, 1:, None]).sum().item()
+    assert n == 39 and ce == pytest.approx(manual / 39, abs=1e-5)
+
+
+def test_evaluate_model_hf_runs_the_generation_stages(tmp_path):
+    """python -m lmcal.evaluate model=hf ... stages=[entropy_rate,calibration,decoders], through Hydra's compose."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import open_dict
+
+    from lmcal.evaluate import evaluate
+    from lmcal.train import CONF_DIR
+
+    folder = tmp_path / "tiny-gpt2"
+    tiny_gpt2(vocab_size=len(WORDS)).save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    g = np.random.default_rng(0)
+    for split in ("valid", "test"):
+        lines = [" ".join(g.choice(WORDS[1:], size=8)) for _ in range(60)]
+        (tmp_path / f"{split}.txt").write_text("\n".join(lines) + "\n")
+    overrides = ["model=hf", f"model.name_or_path={folder}", f"model.valid_text={tmp_path / 'valid.txt'}",
+                 f"model.test_text={tmp_path / 'test.txt'}", "model.context=64", "analysis=smoke", "logger=none",
+                 "stages=[entropy_rate,calibration,decoders]", "analysis.decoders.methods=[{name: top_p, p: 0.9}]"]
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("evaluate", overrides=overrides)
+    with open_dict(cfg):
+        cfg.paths.output_dir = str(tmp_path / "eval")
+    res = evaluate(cfg)
+    assert res["unit"] == "model token" and res["test_tokens"] == 60 * 8 - 1  # 8 words a line (no newline token)
+    assert res["entropy_rate"]["corpus"] == "valid (tiny-gpt2 tokens)"
+    assert res["calibration"]["test_ppl_after"] <= res["calibration"]["test_ppl_before"] * 1.05
+    rows = {r["method"]: r for r in res["decoders"]["rows"]}
+    assert list(rows) == ["model", "top_p", "fitted_temperature", "calibration"]
+    assert res["decoders"]["calibration_reused"]  # same settings: the calibration stage's row, not a refit
+    assert rows["calibration"]["entrate_ppl"] == res["calibration"]["entrate_ppl_after"]
+    for name in ("entropy_rate.json", "calibration.json", "decoders.json", "decoders.md", "decoders.png",
+                 "evaluation.json"):
+        assert (tmp_path / "eval" / name).is_file()
+    for md in ("entropy_rate.md", "decoders.md"):
+        assert "per model token" in (tmp_path / "eval" / md).read_text()
+    with open_dict(cfg):
+        cfg.stages = ["memory"]
+    with pytest.raises(LmcalError, match="tau-limited"):
+        evaluate(cfg)
