@@ -181,7 +181,9 @@ def test_decoders_after_training_in_a_sweep_and_in_the_report(tmp_path, data_ove
     rows = {r["method"]: r for r in dec["rows"]}
     assert rows["min_p"]["test_ce_nats"] is None and rows["min_p"]["zero_prob_fraction"] > 0  # it cuts test words
     assert rows["min_p"]["test_ce_mixed_nats"] > rows["model"]["test_ce_nats"]
-    assert rows["fitted_temperature"]["test_ce_nats"] <= rows["model"]["test_ce_nats"] + 1e-4  # fitted on valid
+    ft = rows["fitted_temperature"]  # fitted on validation text: never worse there, close on test text
+    assert ft["fit_ce_after_nats"] <= ft["fit_ce_before_nats"] + 1e-9
+    assert abs(ft["test_ce_nats"] - rows["model"]["test_ce_nats"]) < 0.05
     assert m["decoders"]["min_p"]["zero_prob_fraction"] == rows["min_p"]["zero_prob_fraction"]
     assert (tmp_path / "run" / "decoders.png").stat().st_size > 1000
     assert "| min_p | min_p=0.1 |" in (tmp_path / "run" / "decoders.md").read_text()

@@ -237,6 +237,8 @@ def decoders_stage(lm, valid_tokens: torch.Tensor, test_tokens: torch.Tensor, ou
         rows.append(measure("fitted_temperature", {"temperature": tf.temperature,
                                                    "temperature_stderr": tf.temperature_stderr},
                             make_decoder("temperature", lm, temperature=tf.temperature)))
+        # the fit lowers the cross-entropy of the text it was fitted on; on test text it may not
+        rows[-1].update(fit_ce_before_nats=tf.ce_before, fit_ce_after_nats=tf.ce_after)
     if "calibration" in fitted:
         if reuse:
             rows.append(row("calibration", {"alpha": reuse["alpha"], "alpha_stderr": reuse["alpha_stderr"],

@@ -34,10 +34,17 @@ LOG2 = math.log(2.0)
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def _probs(logp: torch.Tensor) -> torch.Tensor:
-    """Normalised float64 probabilities of log-probs [B, V]: the kept sets are decided on these."""
-    p = logp.double().exp()
-    return p / p.sum(-1, keepdim=True)
+def _normalised(logp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log q, q) in float64 [B, V]: logp renormalised in float64, so that rules with absolute thresholds (eta,
+    Mirostat, the entropy of typical) see a distribution that sums to one to float64 precision."""
+    lq = logp.double()
+    lq = lq - lq.logsumexp(-1, keepdim=True)
+    return lq, lq.exp()
+
+
+def _entropy(lq: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """[B, 1] nats; words of probability 0 contribute 0."""
+    return -(q * lq.clamp(min=-1e300)).sum(-1, keepdim=True)  # clamp: 0 * -inf would be nan
 
 
 def _keep(logp: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
@@ -46,14 +53,31 @@ def _keep(logp: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     return out - out.logsumexp(-1, keepdim=True)
 
 
-def _smallest_set(score: torch.Tensor, p: torch.Tensor, mass: float) -> torch.Tensor:
-    """Mask [B, V] of the smallest set of words, taken in increasing `score`, whose probability p reaches `mass`;
-    every word tied in score with the last one taken is kept too."""
-    s, order = score.sort(dim=-1)  # [B, V]; the order within ties does not matter
-    ps = p.gather(-1, order)
-    before = ps.cumsum(-1) - ps  # [B, V]: mass of the words ahead of each
-    n = (before < mass).sum(-1, keepdim=True).clamp(min=1)  # [B, 1]: words needed (the first always is)
-    return score <= s.gather(-1, n - 1)
+BIN_NATS, BINS = 1 / 32, 1024  # the bins of _smallest_set: 1/32 nat wide, 32 nats in all
+
+
+def _smallest_set(key: torch.Tensor, dist: torch.Tensor, p: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
+    """Mask [B, V] of the smallest set of words, taken in decreasing `key`, whose probability p [B, V] (float64,
+    not necessarily normalised) reaches `mass` [B, 1] (in p's units); every word tied in key with the last one taken
+    is kept too. dist [B, V] >= 0 is the words' distance in nats from the first one in that order (a non-decreasing
+    function of -key: surprisal over the best word's for top-p, distance to the entropy for typical).
+
+    Without a sort of [B, V], which would cost more than the rest of a generation step: the words are binned by
+    dist, the mass per bin locates the bin where `mass` is reached, and only that bin's words are ordered (words
+    beyond the last bin, at most e^-32 of the best one's probability for top-p, share it)."""
+    b = (dist * (1 / BIN_NATS)).clamp_(max=BINS - 1).long()  # [B, V]; equal keys, equal bins
+    per_bin = torch.zeros(b.size(0), BINS, dtype=p.dtype, device=p.device).scatter_add_(1, b, p)  # [B, BINS]
+    cum = per_bin.cumsum(-1)
+    k = (cum < mass).sum(-1, keepdim=True).clamp_(max=BINS - 1)  # [B, 1]: the bin where the mass is reached
+    before = torch.where(k > 0, cum.gather(-1, (k - 1).clamp(min=0)), 0.0)  # [B, 1]: mass of the bins ahead of it
+    inside = b == k  # [B, V]
+    n_in = int(inside.sum(-1).max())
+    k_in, idx = key.masked_fill(~inside, -math.inf).topk(n_in, dim=-1)  # [B, n_in]: the bin's words, in order
+    valid = inside.gather(-1, idx)
+    p_in = torch.where(valid, p.gather(-1, idx), 0.0)
+    ahead = before + p_in.cumsum(-1) - p_in  # [B, n_in]: mass of the words ahead of each
+    n = ((ahead < mass) & valid).sum(-1, keepdim=True).clamp_(min=1)  # words of this bin needed (at least one)
+    return key >= k_in.gather(-1, n - 1)
 
 
 def temperature(logp: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -75,8 +99,10 @@ def top_p(logp: torch.Tensor, p: float) -> torch.Tensor:
     """Nucleus sampling (Holtzman et al. 2020): the smallest set of most likely words with mass >= p."""
     if p >= 1.0:
         return logp
-    probs = _probs(logp)
-    return _keep(logp, _smallest_set(-probs, probs, p))
+    lp = logp.double()
+    best = lp.amax(-1, keepdim=True)  # [B, 1]
+    q = (lp - best).exp_()  # [B, V]: probabilities over the best word's; the threshold p scales with their sum
+    return _keep(logp, _smallest_set(lp, best - lp, q, p * q.sum(-1, keepdim=True)))
 
 
 def typical(logp: torch.Tensor, mass: float) -> torch.Tensor:
@@ -84,37 +110,34 @@ def typical(logp: torch.Tensor, mass: float) -> torch.Tensor:
     entropy, with mass >= `mass`."""
     if mass >= 1.0:
         return logp
-    probs = _probs(logp)
-    logq = probs.log()
-    ent = -torch.where(probs > 0, probs * logq, 0.0).sum(-1, keepdim=True)  # [B, 1]
-    return _keep(logp, _smallest_set((-logq - ent).abs(), probs, mass))  # |surprisal - H|; inf for p = 0
+    lq, q = _normalised(logp)
+    dist = (lq + _entropy(lq, q)).abs_()  # [B, V]: |surprisal - H|, inf for p = 0
+    return _keep(logp, _smallest_set(-dist, dist, q, torch.full_like(dist[:, :1], mass)))
 
 
 def eta(logp: torch.Tensor, epsilon: float) -> torch.Tensor:
     """eta-sampling (Hewitt et al. 2022): drop words with p < eta = min(epsilon, sqrt(epsilon) * exp(-H))."""
     if epsilon == 0.0:
         return logp
-    probs = _probs(logp)
-    ent = -torch.where(probs > 0, probs * probs.log(), 0.0).sum(-1, keepdim=True)  # [B, 1]
-    cut = torch.clamp(math.sqrt(epsilon) * (-ent).exp(), max=epsilon)  # [B, 1]
-    return _keep(logp, (probs >= cut) | (probs == probs.amax(-1, keepdim=True)))
+    lq, q = _normalised(logp)
+    cut = torch.clamp(math.sqrt(epsilon) * (-_entropy(lq, q)).exp(), max=epsilon)  # [B, 1]
+    return _keep(logp, (q >= cut) | (q == q.amax(-1, keepdim=True)))
 
 
 def min_p(logp: torch.Tensor, min_p: float) -> torch.Tensor:
     """min-p sampling (Nguyen et al. 2024): drop words with p < min_p * max p."""
     if min_p == 0.0:
         return logp
-    probs = _probs(logp)
-    return _keep(logp, probs >= min_p * probs.amax(-1, keepdim=True))
+    lp = logp.double()  # the rule is scale-free: no need to renormalise
+    return _keep(logp, lp >= math.log(min_p) + lp.amax(-1, keepdim=True))
 
 
 def mirostat_cut(logp: torch.Tensor, mu: torch.Tensor) -> torch.Tensor:
     """Mirostat v2's truncation: the words whose surprisal in bits is at most mu [B] (at least the most likely)."""
     if bool(torch.isinf(mu).all()) and bool((mu > 0).all()):
         return logp
-    probs = _probs(logp)
-    bits = -probs.log() / LOG2  # [B, V]
-    return _keep(logp, (bits <= mu.double()[:, None]) | (probs == probs.amax(-1, keepdim=True)))
+    lq, _ = _normalised(logp)
+    return _keep(logp, (lq >= -LOG2 * mu.double()[:, None]) | (lq == lq.amax(-1, keepdim=True)))  # surprisal <= mu
 
 
 # ---------------------------------------------------------------------------------------------------------------------
