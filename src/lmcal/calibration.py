@@ -171,11 +171,20 @@ def newton_minimize(fun, alpha0: float = 0.0, bound: float = 100.0, tol: float =
     return a
 
 
-def _fit_at_bound(what: str, alpha: float, bound: float, gain: float) -> None:
+def _fit(stats: tuple, bound: float, what: str) -> tuple[float, float, float, float, int]:
+    """Newton's method on the exact objective of the atoms `stats` (see _objective), from a = 0 and clamped to
+    [-bound, bound] with a warning: (a*, CE(0), CE(a*), sandwich standard error of a*, positions)."""
+    fun = lambda a: _objective(*stats, a)[:3]
+    alpha = newton_minimize(fun, 0.0, bound, clamp=True)
+    ce_before = fun(0.0)[0]
+    (ce_after, _, d2, _), g = _objective(*stats, alpha, per_position=True)
     if abs(alpha) == bound:
         log.warning(f"{what}: held-out CE keeps falling up to |alpha| = {bound} (the statistic barely varies between "
-                    f"candidates: CE falls by {gain:.2e} nats there); using alpha = {alpha:g}, the minimum over "
-                    "[-bound, bound]. Fit on more, or more varied, text for a finite alpha*.")
+                    f"candidates: CE falls by {ce_before - ce_after:.2e} nats there); using alpha = {alpha:g}, the "
+                    "minimum over [-bound, bound]. Fit on more, or more varied, text for a finite alpha*.")
+    n = g.numel()
+    stderr = math.sqrt(g.pow(2).mean().item() / n) / d2 if d2 > 0 else math.inf
+    return alpha, ce_before, ce_after, stderr, n
 
 
 @dataclass
@@ -255,13 +264,7 @@ def fit_lookahead_calibration(lm, tokens: torch.Tensor, topk: int | None = None,
     if tokens.dim() != 2 or tokens.size(0) < 2:
         raise ValueError(f"tokens must be time-major [S, B] with S >= 2, got shape {tuple(tokens.shape)}")
     stats = lookahead_statistics(lm, tokens, topk, epsilon, chunk, progress)
-    fun = lambda a: _objective(*stats, a)[:3]
-    alpha = newton_minimize(fun, 0.0, bound, clamp=True)
-    ce_before = fun(0.0)[0]
-    _fit_at_bound("lookahead calibration", alpha, bound, ce_before - fun(alpha)[0])
-    (ce_after, _, d2, _), g = _objective(*stats, alpha, per_position=True)
-    n = g.numel()
-    stderr = math.sqrt(g.pow(2).mean().item() / n) / d2 if d2 > 0 else math.inf
+    alpha, ce_before, ce_after, stderr, n = _fit(stats, bound, "lookahead calibration")
     return CalibrationFit(alpha, ce_before, ce_after, n, stderr, topk, epsilon, *stats)
 
 
@@ -365,14 +368,8 @@ def fit_temperature(lm, tokens: torch.Tensor, bound: float = 100.0, progress: bo
     rows, y = next_token_rows(lm, tokens, progress)
     rows.clamp_(min=-1e4)  # a word of probability 0 (log -inf) would make 0 * -inf = nan at a = 0; e^-1e4 is 0 too
     logp_y = rows.gather(1, y[:, None].long())[:, 0]  # [n]
-    stats = (rows, rows, logp_y, logp_y)
-    fun = lambda a: _objective(*stats, a)[:3]
-    a = newton_minimize(fun, 0.0, bound, clamp=True)
-    _fit_at_bound("temperature fit (alpha = 1/T - 1)", a, bound, fun(0.0)[0] - fun(a)[0])
+    a, ce_before, ce_after, se_b, n = _fit((rows, rows, logp_y, logp_y), bound, "temperature fit (alpha = 1/T - 1)")
     b = 1.0 + a
     if b <= 0:
         raise RuntimeError(f"the fitted inverse temperature {b:.3g} is not positive: the model is worse than uniform")
-    (ce_after, _, d2, _), g = _objective(*stats, a, per_position=True)
-    n = g.numel()
-    se_b = math.sqrt(g.pow(2).mean().item() / n) / d2 if d2 > 0 else math.inf
-    return TemperatureFit(1.0 / b, se_b / b**2, fun(0.0)[0], ce_after, n)
+    return TemperatureFit(1.0 / b, se_b / b**2, ce_before, ce_after, n)

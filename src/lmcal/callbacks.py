@@ -31,7 +31,7 @@ from lmcal.model import (
 )
 from lmcal.module import load_net
 from lmcal.plots import entropy_curve_figure
-from lmcal.utils import write_json_atomic, write_text_atomic
+from lmcal.utils import format_ce, format_params, write_json_atomic, write_text_atomic
 
 log = logging.getLogger("lmcal")
 
@@ -150,22 +150,15 @@ def calibration_stage(lm, valid_tokens: torch.Tensor, test_tokens: torch.Tensor,
     return result
 
 
-GENERATION_KEYS = ("num_prefixes", "samples_per_prefix", "prefix_len", "horizon", "seed")
-
-
-def _fmt_params(params: dict) -> str:
-    return ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in params.items()) or "–"
-
-
 def decoders_table(rows: list[dict]) -> str:
     """Markdown: one row per method, entropies of the t = 1 and last generated words, EntRate and held-out costs."""
     lines = ["| method | parameters | entropy t=1 (nats) | entropy t=horizon (nats) | EntRate | test CE (nats) | "
              "zero-prob. fraction | CE on kept words | CE, ε-mixed |", "|---|---|---|---|---|---|---|---|---|"]
-    f = lambda v: "∞" if v is None else f"{v:.4f}"
     for r in rows:
-        lines.append(f"| {r['method']} | {_fmt_params(r['params'])} | {r['entropy_t1_nats']:.3f} | "
-                     f"{r['entropy_last_nats']:.3f} | {r['entrate_ppl']:.1f} | {f(r['test_ce_nats'])} | "
-                     f"{r['zero_prob_fraction']:.4f} | {f(r['test_ce_kept_nats'])} | {f(r['test_ce_mixed_nats'])} |")
+        lines.append(f"| {r['method']} | {format_params(r['params'])} | {r['entropy_t1_nats']:.3f} | "
+                     f"{r['entropy_last_nats']:.3f} | {r['entrate_ppl']:.1f} | {format_ce(r['test_ce_nats'])} | "
+                     f"{r['zero_prob_fraction']:.4f} | {format_ce(r['test_ce_kept_nats'])} | "
+                     f"{format_ce(r['test_ce_mixed_nats'])} |")
     return "\n".join(lines) + "\n"
 
 
@@ -216,17 +209,20 @@ def decoders_stage(lm, valid_tokens: torch.Tensor, test_tokens: torch.Tensor, ou
              "entrate_ppl": math.exp(curve[-1]), **{k: cost[k] for k in ("test_ce_nats", "zero_prob_fraction",
                                                                           "test_ce_kept_nats", "test_ce_mixed_nats")},
              "curve_nats": curve, "stderr_nats": stderr, "seconds": seconds}
-        log.info(f"{name}: {method} ({_fmt_params(params)}): EntRate {r['entrate_ppl']:.1f}, test CE "
+        log.info(f"{name}: {method} ({format_params(params)}): EntRate {r['entrate_ppl']:.1f}, test CE "
                  f"{'inf' if r['test_ce_nats'] is None else format(r['test_ce_nats'], '.4f')}, zero-prob "
                  f"{r['zero_prob_fraction']:.4f}")
         return r
 
+    def reused_cost(when: str) -> dict:  # the calibration stage's test cost of the model `before` or `after`
+        ce = reuse[f"test_ce_{when}_nats"]  # both give every word a positive probability
+        return {"test_ce_nats": ce, "zero_prob_fraction": 0.0, "test_ce_kept_nats": ce,
+                "test_ce_mixed_nats": reuse.get(f"test_ce_mixed_nats_{when}")}
+
     rows = []
     if reuse:  # the plain model's curve and cost from the calibration stage: same prefixes, seeds and test text
-        rows.append(row("model", {}, reuse["curve_nats_before"], reuse["stderr_nats_before"],
-                        {"test_ce_nats": reuse["test_ce_before_nats"], "zero_prob_fraction": 0.0,
-                         "test_ce_kept_nats": reuse["test_ce_before_nats"],
-                         "test_ce_mixed_nats": reuse.get("test_ce_mixed_nats_before")}, 0.0))
+        rows.append(row("model", {}, reuse["curve_nats_before"], reuse["stderr_nats_before"], reused_cost("before"),
+                        0.0))
     else:
         rows.append(measure("model", {}, lm))
     for method, params in specs:
@@ -243,9 +239,7 @@ def decoders_stage(lm, valid_tokens: torch.Tensor, test_tokens: torch.Tensor, ou
         if reuse:
             rows.append(row("calibration", {"alpha": reuse["alpha"], "alpha_stderr": reuse["alpha_stderr"],
                                             "topk": reuse["topk"]}, reuse["curve_nats"], reuse["stderr_nats"],
-                            {"test_ce_nats": reuse["test_ce_after_nats"], "zero_prob_fraction": 0.0,
-                             "test_ce_kept_nats": reuse["test_ce_after_nats"],
-                             "test_ce_mixed_nats": reuse.get("test_ce_mixed_nats_after")}, 0.0))
+                            reused_cost("after"), 0.0))
         else:
             fit = fit_lookahead_calibration(lm, fit_text, topk=topk, progress=True)
             rows.append(measure("calibration", {"alpha": fit.alpha, "alpha_stderr": fit.alpha_stderr, "topk": topk},
@@ -254,8 +248,7 @@ def decoders_stage(lm, valid_tokens: torch.Tensor, test_tokens: torch.Tensor, ou
     result = {"model": model_name, "corpus": corpus, "rows": rows, "reference_test_ce_nats": ref,
               "mix_epsilon": mix_epsilon, "fit_tokens": fit_text.numel() - fit_text.size(1),
               "calibration_reused": bool(reuse), **settings, "unit": unit, "seconds": time.perf_counter() - t0}
-    label = lambda r: r["method"] + (f" ({_fmt_params({k: v for k, v in r['params'].items() if 'stderr' not in k})})"
-                                     if r["params"] else "")
+    label = lambda r: r["method"] + (f" ({format_params(r['params'], drop=('stderr',))})" if r["params"] else "")
     png = entropy_curve_figure({label(r): (np.asarray(r["curve_nats"]), np.asarray(r["stderr_nats"])) for r in rows},
                                out / f"{name}.png", reference_nats={"test cross-entropy (true text)": ref},
                                title=f"{model_name} on {corpus}: decoders and calibration", legend_outside=True)
@@ -267,7 +260,7 @@ def decoders_stage(lm, valid_tokens: torch.Tensor, test_tokens: torch.Tensor, ou
     wandb_log(logger, scalars={f"{name}/{r['method']}/{k}": r[k] for r in rows for k in
                                ("entrate_ppl", "zero_prob_fraction", "test_ce_mixed_nats") if r[k] is not None},
               images={f"{name}/figure": png},
-              tables={f"{name}/table": (cols, [[_fmt_params(r[c]) if c == "params" else r[c] for c in cols]
+              tables={f"{name}/table": (cols, [[format_params(r[c]) if c == "params" else r[c] for c in cols]
                                                for r in rows])})
     log.info(f"{name}: {len(rows)} methods in {result['seconds']:.0f} s; {out / (name + '.json')}\n"
              f"{decoders_table(rows)}")

@@ -115,16 +115,23 @@ def _how_to_supply(folder: Path) -> str:
 
 def verify_ptb(folder: Path) -> None:
     """Every file present and with its SHA-256; else one DataError that says how to fix it."""
-    for fname, expected in PTB_SHA256.items():
-        path = folder / fname
-        if not path.is_file():
-            raise DataError(f"Penn Treebank file not found: {path} (expected SHA-256 {expected}). "
-                            + _how_to_supply(folder))
-        got = sha256(path)
-        if got != expected:
-            raise DataError(f"Penn Treebank file is corrupt or a different version: {path} has SHA-256 {got}, "
-                            f"expected {expected}. Delete it and " + _how_to_supply(folder)[0].lower()
-                            + _how_to_supply(folder)[1:])
+    for fname in PTB_SHA256:
+        verify_ptb_file(folder, fname)
+
+
+def verify_ptb_file(folder: Path, fname: str) -> Path:
+    """folder/fname, present and with its SHA-256; else one DataError that says how to fix it."""
+    expected = PTB_SHA256[fname]
+    path = folder / fname
+    if not path.is_file():
+        raise DataError(f"Penn Treebank file not found: {path} (expected SHA-256 {expected}). "
+                        + _how_to_supply(folder))
+    got = sha256(path)
+    if got != expected:
+        raise DataError(f"Penn Treebank file is corrupt or a different version: {path} has SHA-256 {got}, "
+                        f"expected {expected}. Delete it and " + _how_to_supply(folder)[0].lower()
+                        + _how_to_supply(folder)[1:])
+    return path
 
 
 def download_ptb(folder: Path, url: str | None = None) -> None:
@@ -519,14 +526,7 @@ def ptb_text_file(split: str = "valid", root: str | Path | None = None) -> Path:
     if split not in PTB_FILES:
         raise DataError(f"Unknown Penn Treebank split {split!r}; use one of {', '.join(PTB_FILES)}.")
     folder = Path(root if root is not None else default_root()).expanduser() / "ptb"
-    path = folder / PTB_FILES[split]
-    if not path.is_file():
-        raise DataError(f"Penn Treebank file not found: {path}. " + _how_to_supply(folder))
-    got, expected = sha256(path), PTB_SHA256[path.name]
-    if got != expected:
-        raise DataError(f"Penn Treebank file is corrupt or a different version: {path} has SHA-256 {got}, expected "
-                        f"{expected}. Replace it with the file of Mikolov's simple-examples release ({PTB_URL}).")
-    return path
+    return verify_ptb_file(folder, PTB_FILES[split])
 
 
 def hf_text_tokens(path: str | Path, tokenizer, max_tokens: int | None = None) -> torch.Tensor:

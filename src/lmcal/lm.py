@@ -307,10 +307,8 @@ def hf_cross_entropy(lm: HFCausalLM, tokens: torch.Tensor, context: int | None =
     total, n = 0.0, 0
     for i in range(0, len(starts), batch_size):
         group = [tokens[a:a + c] for a in starts[i:i + batch_size]]
-        for length in sorted({len(w) for w in group}):  # the last window may be shorter: its own forward
+        for length in sorted({len(w) for w in group} - {0, 1}):  # the last window may be shorter: its own forward
             x = torch.stack([w for w in group if len(w) == length]).to(lm.device)  # [b, length]
-            if length < 2:
-                continue
             logp = lm.model(input_ids=x).logits[:, :-1].float().log_softmax(-1)  # [b, length-1, V]
             total -= logp.gather(2, x[:, 1:, None]).double().sum().item()
             n += x[:, 1:].numel()

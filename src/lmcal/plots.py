@@ -12,6 +12,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import matplotlib.ticker  # noqa: E402
 import numpy as np  # noqa: E402
 
+from lmcal.utils import format_params  # noqa: E402
+
 
 def entropy_curve_figure(curves: dict[str, tuple[np.ndarray, np.ndarray]], path: str | Path,
                          reference_nats: dict[str, float] | None = None, title: str = "",
@@ -77,8 +79,7 @@ def decoders_tradeoff_figure(rows: list[dict], path: str | Path, title: str = ""
         x, y, se = r["test_ce_mixed_nats"], r["entropy_last_nats"], r["stderr_nats"][-1]
         if x is None:
             continue
-        params = ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in r["params"].items()
-                           if "stderr" not in k and k != "topk")
+        params = format_params(r["params"], digits=3, drop=("stderr", "topk"), empty="")
         ax.errorbar([x], [y], yerr=[1.96 * se], marker="s" if fitted else "o", capsize=2, ms=5, lw=1)
         ax.annotate(f"{r['method']} {params}".strip(), (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
         if r["method"] == "model":

@@ -24,7 +24,6 @@ import json
 import math
 import os
 import shlex
-import shutil
 import subprocess
 import sys
 import time
@@ -34,7 +33,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from lmcal.errors import LmcalError
 from lmcal.train import CONF_DIR
-from lmcal.utils import write_json_atomic, write_text_atomic
+from lmcal.utils import copy_atomic, format_ce, format_params, write_json_atomic, write_text_atomic
 
 PROFILES = ("paper", "cpu", "smoke")
 PAPER = {"test_ppl": 58.3, "entrate_ppl": 93.1}  # Table 1, AWD-LSTM on PTB
@@ -272,22 +271,14 @@ def report(cfg: DictConfig, out: Path) -> None:
         _log_report(cfg, results, out)
 
 
-def copy_atomic(src: Path, dst: Path) -> None:
-    tmp = dst.with_name(f".{dst.name}.tmp")
-    shutil.copyfile(src, tmp)
-    os.replace(tmp, dst)
-
-
 def decoders_markdown(rows: list[dict]) -> list[str]:
-    f = lambda v: "∞" if v is None else f"{v:.4f}"
-    params = lambda p: ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
-                                 for k, v in p.items() if "stderr" not in k) or "–"
     lines = ["| method | parameters | exp(entropy) t=1 | EntRate (last step) | exp(mean entropy, last tenth) | "
              "test CE (nats) | zero-prob. fraction | CE, ε-mixed |", "|---|---|---|---|---|---|---|---|"]
     for d in rows:
-        lines.append(f"| {d['method']} | {params(d['params'])} | {math.exp(d['entropy_t1_nats']):.1f} | "
-                     f"{d['entrate_ppl']:.1f} | {d['entrate_tail_ppl']:.1f} | {f(d['test_ce_nats'])} | "
-                     f"{d['zero_prob_fraction']:.4f} | {f(d['test_ce_mixed_nats'])} |")
+        lines.append(f"| {d['method']} | {format_params(d['params'], drop=('stderr',))} | "
+                     f"{math.exp(d['entropy_t1_nats']):.1f} | "
+                     f"{d['entrate_ppl']:.1f} | {d['entrate_tail_ppl']:.1f} | {format_ce(d['test_ce_nats'])} | "
+                     f"{d['zero_prob_fraction']:.4f} | {format_ce(d['test_ce_mixed_nats'])} |")
     return lines
 
 
