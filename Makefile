@@ -16,6 +16,7 @@ help: ## list the targets
 	@awk 'BEGIN{FS=":.*## "} /^[a-zA-Z_-]+:.*## /{printf "  make %-10s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
 	@echo "  variables: TORCH='$(TORCH)' PROFILE=$(PROFILE) (auto|paper|cpu|smoke) LMCAL_DATA_ROOT=<folder holding ptb/>"
 	@echo "             ARGS='out=DIR taus=[5,10] ...' (reproduce: overrides of conf/reproduce/<profile>.yaml)"
+	@echo "             FORCE=1 (reproduce: redo the stages whose settings changed, and those downstream)"
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -41,7 +42,7 @@ smoke: $(STAMP) ## a tiny training run (under a minute) that writes metrics.json
 	$(PY) -m lmcal.train experiment=smoke
 
 reproduce: $(STAMP) ## every result of the paper for PROFILE (auto: paper on a GPU, else cpu); resumable
-	$(PY) -m lmcal.reproduce profile=$(PROFILE) $(ARGS)
+	$(PY) -m lmcal.reproduce profile=$(PROFILE) $(if $(filter 1 true yes,$(FORCE)),force=true) $(ARGS)
 
 clean: ## remove .venv (outputs/ is kept)
 	rm -rf $(VENV)

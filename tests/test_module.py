@@ -99,7 +99,7 @@ def test_checkpoint_holds_averaged_weights_and_resume_restores_raw(tmp_path):
         torch.testing.assert_close(p, module.avg[n])
     # resuming: the average comes back from state_dict, the iterate from raw_state_dict
     fresh = LMModule(net=NET, vocab_size=20)
-    loaded = torch.load(path, weights_only=False)
+    loaded = torch.load(path, weights_only=True)
     fresh.on_load_checkpoint(loaded)
     fresh.load_state_dict(loaded["state_dict"])
     for n, p in fresh.net.named_parameters():

@@ -2,7 +2,9 @@
 
 import json
 import os
+import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -32,7 +34,8 @@ def _numbers(results: dict) -> dict:
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     out = tmp_path_factory.mktemp("reproduce") / "straight"
-    r = subprocess.run(_cmd(out), env=_env(), capture_output=True, text=True, timeout=900)
+    r = subprocess.run(_cmd(out), env=_env(), capture_output=True, text=True, timeout=900,
+                       preexec_fn=lambda: os.umask(0o022))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return out, json.loads((out / "results.json").read_text())
 
@@ -66,6 +69,9 @@ def test_smoke_profile_writes_every_result(uninterrupted):
                 "memory_markov.png"):
         assert f"({fig})" in report and (out / fig).stat().st_size > 1000
     assert "| AWD-LSTM (paper) | ptb | 58.3 | 93.1 |" in report
+    for name in ("results.json", "REPORT.md", "ptb/base/metrics.json", "figure2_entropy_rate.png"):
+        assert stat.S_IMODE((out / name).stat().st_mode) == 0o644, name  # readable by others under umask 022
+    assert not list(out.rglob("*.tmp")) and not list(out.rglob(".lmcal.lock"))
 
 
 def test_rerun_skips_finished_stages(uninterrupted, tmp_path):
@@ -87,7 +93,9 @@ def test_killed_and_rerun_gives_the_same_results(uninterrupted, tmp_path):
     os.killpg(p.pid, signal.SIGKILL)
     p.wait()
     assert ckpt.is_file() and not (out / "ptb" / "tau" / "tau_2" / "metrics.json").exists()
-    assert (out / "stages" / "base.json").is_file() and not (out / "stages" / "tau_models.json").exists()
+    assert json.loads((out / "stages" / "base.json").read_text())["status"] == "done"
+    assert json.loads((out / "stages" / "tau_models.json").read_text())["status"] == "started"
+    assert (out / ".lmcal.lock").is_file()  # left by the killed process: the rerun takes it over
 
     r = subprocess.run(_cmd(out), env=_env(), capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -97,12 +105,43 @@ def test_killed_and_rerun_gives_the_same_results(uninterrupted, tmp_path):
     assert _numbers(json.loads((out / "results.json").read_text())) == _numbers(uninterrupted[1])
 
 
-def test_a_failing_stage_names_itself_its_log_and_the_command(tmp_path):
+def test_changed_settings_are_reported_and_force_redoes_them_and_what_uses_them(uninterrupted, tmp_path):
+    """A copy of the finished reproduction (paths are recorded relative to it), rerun with another decoders setting:
+    one paragraph naming the stage and the key, nothing run; with force=true only decoders and the report rerun."""
+    out = tmp_path / "copy"
+    shutil.copytree(uninterrupted[0], out)
+    changed = "analysis=[analysis=smoke,analysis.decoders.mix_epsilon=1e-4]"
+    r = subprocess.run(_cmd(out, changed), env=_env(), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    msg = r.stderr.strip().splitlines()[-1]
+    assert "The settings of 1 stage in" in msg and "decoders (analysis.decoders.mix_epsilon: 1e-06 -> 0.0001)" in msg
+    assert "(report)" in msg and "FORCE=1" in msg and "running" not in r.stdout
+    r = subprocess.run(_cmd(out, changed, "force=true"), env=_env(), capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    ran = [line.split("]")[1].split(":")[0].strip() for line in r.stdout.splitlines() if ": running (log" in line]
+    assert ran == ["decoders", "report"], r.stdout
+    res = json.loads((out / "results.json").read_text())
+    assert _numbers(res)["calibration"] == _numbers(uninterrupted[1])["calibration"]
+    assert res["decoders"] != uninterrupted[1]["decoders"]  # the mixed CE moved with epsilon
+    r = subprocess.run(_cmd(out, changed), env=_env(), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "running" not in r.stdout  # now recorded with the new setting
+
+
+def test_a_stage_with_an_out_of_range_setting_stops_before_any_stage_runs(tmp_path):
     r = subprocess.run(_cmd(tmp_path / "bad", "base=[experiment=smoke,model.memory_tau=0]"), env=_env(),
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "Stage 'base' (python -m lmcal.train): Setting out of range: model.memory_tau=0" in r.stderr
+    assert not (tmp_path / "bad" / "stages").exists() and not (tmp_path / "bad" / "ptb").exists()
+
+
+def test_a_failing_stage_names_itself_its_log_and_the_command(tmp_path):
+    r = subprocess.run(_cmd(tmp_path / "bad", f"base=[experiment=smoke,data.root={tmp_path / 'nowhere'},"
+                            "data.download=false]"), env=_env(), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
     assert "Stage 'base' failed" in r.stderr and str(tmp_path / "bad" / "logs" / "base.log") in r.stderr
-    assert "python -m lmcal.train" in r.stderr and not (tmp_path / "bad" / "stages" / "base.json").exists()
+    assert "python -m lmcal.train" in r.stderr
+    assert json.loads((tmp_path / "bad" / "stages" / "base.json").read_text())["status"] == "started"
 
 
 def test_profiles_share_one_wandb_group_and_auto_picks_by_device():

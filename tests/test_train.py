@@ -39,7 +39,7 @@ def test_smoke_run_through_hydra_writes_metrics_and_checkpoints(tmp_path, data_o
 def cfg_vocab(m, tmp_path):
     import torch
 
-    return torch.load(m["best_ckpt"], weights_only=False)["hyper_parameters"]["vocab_size"]
+    return torch.load(m["best_ckpt"], weights_only=True)["hyper_parameters"]["vocab_size"]
 
 
 def test_rerun_in_same_directory_resumes_from_last(tmp_path, data_overrides):

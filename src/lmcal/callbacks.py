@@ -7,7 +7,6 @@ them to Weights & Biases when a W&B logger is given, and returns its results as 
 from __future__ import annotations
 
 import logging
-import math
 import time
 from pathlib import Path
 
@@ -31,7 +30,7 @@ from lmcal.model import (
 )
 from lmcal.module import load_net
 from lmcal.plots import entropy_curve_figure
-from lmcal.utils import format_ce, format_params, write_json_atomic, write_text_atomic
+from lmcal.utils import exp_or_inf, format_ce, format_params, write_json_atomic, write_text_atomic
 
 log = logging.getLogger("lmcal")
 
@@ -72,8 +71,8 @@ def entropy_rate_stage(lm, valid_tokens: torch.Tensor, test_ce_nats: float, out_
     n_gen = prefixes.size(0) * samples_per_prefix
     result = {
         "model": model_name, "corpus": corpus,
-        "test_ce_nats": test_ce_nats, "test_ppl": math.exp(test_ce_nats),
-        "entrate_nats": float(curve.mean[-1]), "entrate_ppl": math.exp(curve.mean[-1]),
+        "test_ce_nats": test_ce_nats, "test_ppl": exp_or_inf(test_ce_nats),
+        "entrate_nats": float(curve.mean[-1]), "entrate_ppl": exp_or_inf(curve.mean[-1]),
         "curve_nats": curve.mean.tolist(), "stderr_nats": curve.stderr.tolist(),
         "horizon": horizon, "num_prefixes": prefixes.size(0), "samples_per_prefix": samples_per_prefix,
         "num_generations": n_gen, "prefix_len": prefix_len, "seed": seed,
@@ -122,14 +121,14 @@ def calibration_stage(lm, valid_tokens: torch.Tensor, test_tokens: torch.Tensor,
         "model": model_name, "corpus": corpus, "alpha": fit.alpha, "alpha_stderr": fit.alpha_stderr,
         "fit_ce_before_nats": fit.ce_before, "fit_ce_after_nats": fit.ce_after, "fit_tokens": fit.n_tokens,
         "test_ce_before_nats": ce_before, "test_ce_after_nats": ce_after,
-        "test_ppl_before": math.exp(ce_before), "test_ppl_after": math.exp(ce_after), "test_tokens": n_scored,
+        "test_ppl_before": exp_or_inf(ce_before), "test_ppl_after": exp_or_inf(ce_after), "test_tokens": n_scored,
         "test_ce_mixed_nats_before": cost_before["test_ce_mixed_nats"],
         "test_ce_mixed_nats_after": cost_after["test_ce_mixed_nats"], "mix_epsilon": cost_after["mix_epsilon"],
         "score_streams": score_streams,
         "curve_nats_before": curves["before"].mean.tolist(), "stderr_nats_before": curves["before"].stderr.tolist(),
         "curve_nats": curves["after"].mean.tolist(), "stderr_nats": curves["after"].stderr.tolist(),
-        "entrate_ppl_before": math.exp(curves["before"].mean[-1]),
-        "entrate_ppl_after": math.exp(curves["after"].mean[-1]),
+        "entrate_ppl_before": exp_or_inf(curves["before"].mean[-1]),
+        "entrate_ppl_after": exp_or_inf(curves["after"].mean[-1]),
         "topk": topk, "epsilon": epsilon, "horizon": horizon, "num_prefixes": prefixes.size(0),
         "samples_per_prefix": samples_per_prefix, "prefix_len": prefix_len, "seed": seed,
         "fit_seconds": t_fit, "seconds": time.perf_counter() - t0, "unit": unit,
@@ -206,7 +205,7 @@ def decoders_stage(lm, valid_tokens: torch.Tensor, test_tokens: torch.Tensor, ou
 
     def row(method, params, curve, stderr, cost, seconds) -> dict:
         r = {"method": method, "params": params, "entropy_t1_nats": curve[0], "entropy_last_nats": curve[-1],
-             "entrate_ppl": math.exp(curve[-1]), **{k: cost[k] for k in ("test_ce_nats", "zero_prob_fraction",
+             "entrate_ppl": exp_or_inf(curve[-1]), **{k: cost[k] for k in ("test_ce_nats", "zero_prob_fraction",
                                                                           "test_ce_kept_nats", "test_ce_mixed_nats")},
              "curve_nats": curve, "stderr_nats": stderr, "seconds": seconds}
         log.info(f"{name}: {method} ({format_params(params)}): EntRate {r['entrate_ppl']:.1f}, test CE "
@@ -444,8 +443,8 @@ class MetricsCallback(pl.Callback):
             **limited,
             "true_entropy_rate_nats": trainer.datamodule.prepare().info.get("entropy_rate_nats"),
             "markov_order": trainer.datamodule.prepare().info.get("order"),
-            "val_ce_nats": s["val_ce"], "val_ppl": math.exp(s["val_ce"]),
-            "test_ce_nats": s["test_ce"], "test_ppl": math.exp(s["test_ce"]), "test_tokens": s["test_tokens"],
+            "val_ce_nats": s["val_ce"], "val_ppl": exp_or_inf(s["val_ce"]),
+            "test_ce_nats": s["test_ce"], "test_ppl": exp_or_inf(s["test_ce"]), "test_tokens": s["test_tokens"],
             "params": sum(p.numel() for p in net.parameters()),
             "epochs": trainer.current_epoch,
             "best_epoch": s["ckpt"].get("epoch"),

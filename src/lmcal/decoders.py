@@ -25,6 +25,7 @@ import torch
 
 from lmcal.calibration import target_log_probs
 from lmcal.errors import LmcalError
+from lmcal.validate import decoder_problems
 
 LOG2 = math.log(2.0)
 
@@ -227,19 +228,6 @@ DECODERS: dict[str, tuple[Callable | None, dict]] = {
 }
 
 
-def _check(name: str, params: dict) -> None:
-    bad = {
-        "temperature": lambda v: not v > 0, "k": lambda v: int(v) != v or v < 1, "p": lambda v: not 0 < v <= 1,
-        "mass": lambda v: not 0 < v <= 1, "epsilon": lambda v: not 0 <= v < 1, "min_p": lambda v: not 0 <= v <= 1,
-        "tau": lambda v: not v > 0, "eta": lambda v: not v >= 0,
-    }
-    for key, value in params.items():
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or bad[key](value):
-            raise LmcalError(f"Decoder {name}: {key}={value!r} is out of range (temperature > 0; k a positive "
-                             "integer; 0 < p, mass <= 1; 0 <= epsilon < 1; 0 <= min_p <= 1; Mirostat tau > 0 bits "
-                             "and eta >= 0).")
-
-
 def decoder_params(name: str, **params) -> dict:
     """The full, checked parameters of decoder `name` (defaults filled in)."""
     if name not in DECODERS:
@@ -250,7 +238,9 @@ def decoder_params(name: str, **params) -> dict:
         raise LmcalError(f"Decoder {name} takes {', '.join(f'{k}=' for k in defaults)} only; got "
                          f"{', '.join(sorted(unknown))}.")
     full = {**defaults, **params}
-    _check(name, full)
+    bad = decoder_problems(name, full, "decoder")
+    if bad:
+        raise LmcalError(f"Decoder {name}: out of range: {'; '.join(bad)}.")
     if name == "top_k":
         full["k"] = int(full["k"])
     return full

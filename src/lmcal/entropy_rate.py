@@ -14,6 +14,7 @@ import torch
 from tqdm.auto import tqdm
 
 from lmcal.lm import StepLM
+from lmcal.utils import exp_or_inf
 
 
 @dataclass
@@ -28,7 +29,7 @@ class EntropyCurve:
 
 def entrate_ppl(curve: EntropyCurve) -> float:
     """exp of the entropy at the last generated step: the 'EntRate' perplexity of the paper's tables."""
-    return float(math.exp(curve.mean[-1]))
+    return float(exp_or_inf(curve.mean[-1]))
 
 
 def random_prefixes(tokens: torch.Tensor, num_prefixes: int, prefix_len: int, seed: int = 0) -> torch.Tensor:

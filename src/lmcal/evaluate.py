@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import sys
 from pathlib import Path
 
@@ -31,7 +30,8 @@ from lmcal.lm import LSTMStepLM
 from lmcal.model import evaluate_ce
 from lmcal.module import LMDataModule, load_net
 from lmcal.train import finish_logger, make_logger, model_name
-from lmcal.utils import write_json_atomic
+from lmcal.utils import exp_or_inf, run_lock, write_json_atomic
+from lmcal.validate import check_config
 
 log = logging.getLogger("lmcal")
 STAGES = ("entropy_rate", "calibration", "decoders", "memory")
@@ -40,9 +40,6 @@ STAGES = ("entropy_rate", "calibration", "decoders", "memory")
 def load_checkpoint_and_data(ckpt_path: str, data_root: str | None = None, device: str | None = None):
     """The checkpoint's network (eval mode, on `device`) and the data module of the corpus it was trained on."""
     path = Path(ckpt_path).expanduser()
-    if not path.is_file():
-        raise LmcalError(f"Checkpoint not found: {path}. Pass ckpt= the best.ckpt or last.ckpt in a training run's "
-                         "checkpoints/ folder.")
     net, ckpt = load_net(path)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     net.to(device)
@@ -94,11 +91,11 @@ def hf_target(cfg: DictConfig) -> dict:
     test_ce, n = hf_cross_entropy(lm, tokens["test"][:m.get("score_tokens")], m.get("context"))
     name = m.get("label") or Path(str(m.name_or_path)).name
     corpus = f"{texts['valid'].stem} ({name} tokens)"
-    log.info(f"{name}: test ppl {math.exp(test_ce):.2f} per model token on {n:,} tokens of {texts['test']}")
+    log.info(f"{name}: test ppl {exp_or_inf(test_ce):.2f} per model token on {n:,} tokens of {texts['test']}")
     return {"lm": lm, "name": name, "corpus": corpus, "valid": tokens["valid"], "test": tokens["test"],
             "test_ce": test_ce, "results": {"model": name, "name_or_path": str(m.name_or_path), "dataset": corpus,
                                             "valid_text": str(texts["valid"]), "test_text": str(texts["test"]),
-                                            "test_ce_nats": test_ce, "test_ppl": math.exp(test_ce),
+                                            "test_ce_nats": test_ce, "test_ppl": exp_or_inf(test_ce),
                                             "test_tokens": n, "unit": "model token"}}
 
 
@@ -123,14 +120,23 @@ def checkpoint_target(cfg: DictConfig) -> dict:
         target["exact_mi"] = markov_exact_mi(dm.prepare().info, tau) if dm.name == "markov" else None
     else:  # scores of a tau-model are the memory stage's
         test_ce, _ = evaluate_ce(net, dm.tokens("test"), dm.test_batch_size, dm.bptt)
-        log.info(f"{name} on {dm.name}: test ppl {math.exp(test_ce):.2f}")
+        log.info(f"{name} on {dm.name}: test ppl {exp_or_inf(test_ce):.2f}")
         target["test_ce"] = test_ce
-        target["results"].update({"test_ce_nats": test_ce, "test_ppl": math.exp(test_ce)})
+        target["results"].update({"test_ce_nats": test_ce, "test_ppl": exp_or_inf(test_ce)})
     target.update(valid=dm.tokens("valid"), test=dm.tokens("test"), bptt=dm.bptt)
     return target
 
 
 def evaluate(cfg: DictConfig) -> dict:
+    """Runs the stages on the checkpoint or Hugging Face model, writes evaluation.json. Settings are checked first,
+    then the run folder is locked for this process."""
+    check_config(cfg)
+    out = Path(cfg.paths.output_dir)
+    with run_lock(out, "evaluation"):
+        return _evaluate(cfg, out)
+
+
+def _evaluate(cfg: DictConfig, out: Path) -> dict:
     unknown = [s for s in cfg.stages if s not in STAGES]
     if unknown:
         raise LmcalError(f"Unknown stage(s) {unknown}: choose from {list(STAGES)}, e.g. stages=[entropy_rate].")
@@ -142,8 +148,6 @@ def evaluate(cfg: DictConfig) -> dict:
     if not hf and not has_ckpt:
         raise LmcalError("Say what to analyse: ckpt=PATH (a checkpoint of python -m lmcal.train) or model=hf "
                          "model.name_or_path=FOLDER (a Hugging Face causal LM).")
-    out = Path(cfg.paths.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
     target = hf_target(cfg) if hf else checkpoint_target(cfg)
     lm, name, corpus, valid, test = (target[k] for k in ("lm", "name", "corpus", "valid", "test"))
     results = target["results"]

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import logging
 import math
+import pickle
+import re
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -18,7 +20,9 @@ from hydra.utils import instantiate
 from torch.utils.data import DataLoader, Dataset
 
 from lmcal import data as D
+from lmcal.errors import LmcalError
 from lmcal.model import ar_tar, forward_chunked, repackage
+from lmcal.utils import exp_or_inf
 
 log = logging.getLogger("lmcal")
 
@@ -116,7 +120,7 @@ class LMModule(pl.LightningModule):
     def __init__(self, net: dict, vocab_size: int, lr: float = 30.0, weight_decay: float = 1.2e-6,
                  clip: float = 0.25, alpha: float = 2.0, beta: float = 1.0, bptt: int = 70, nonmono: int = 5,
                  optimizer: str = "sgd", asgd: bool = True, schedule: str | None = None,
-                 data_cfg: dict | None = None, seed: int = 141):
+                 divergence_factor: float | None = 3.0, data_cfg: dict | None = None, seed: int = 141):
         super().__init__()
         self.save_hyperparameters()  # data_cfg too: analysis of a checkpoint reloads the corpus it was trained on
         self.net = instantiate(net, vocab_size=vocab_size)
@@ -155,6 +159,7 @@ class LMModule(pl.LightningModule):
         output, raw = self.forward_window(x, "_hidden", detach=True)
         ce = F.cross_entropy(self.net.logits(output).flatten(0, 1), y.flatten())
         loss = ce + ar_tar(output, raw, hp.alpha, hp.beta)
+        self.check_divergence(ce, loss, batch_idx)
         opt.zero_grad()
         self.manual_backward(loss)
         if hp.clip:
@@ -164,6 +169,27 @@ class LMModule(pl.LightningModule):
             self._update_average()
         self.log_dict({"train/loss": ce, "train/ppl": ce.exp()}, prog_bar=True, on_step=True, on_epoch=False)
         return loss
+
+    def check_divergence(self, ce: torch.Tensor, loss: torch.Tensor, batch_idx: int) -> None:
+        """Stop at once, before the step is taken, when the loss is not finite or the cross-entropy is beyond
+        `divergence_factor` x log(V) (a uniform guess costs log(V); a run that far above it has diverged). The
+        checkpoints on disk then hold only models validated before it."""
+        factor, limit = self.hparams.divergence_factor, None
+        if factor:
+            limit = factor * math.log(self.hparams.vocab_size)
+        ce_value, loss_value = ce.detach().item(), loss.detach().item()  # one host sync a step: small beside it
+        if math.isfinite(loss_value) and (limit is None or ce_value <= limit):
+            return
+        hp = self.hparams
+        why = (f"the training loss is {loss_value} (cross-entropy {ce_value})" if not math.isfinite(loss_value)
+               else f"the training cross-entropy is {ce_value:.4g} nats, beyond {factor:g} x log(V) = {limit:.1f}")
+        raise LmcalError(
+            f"Training diverged at epoch {self.current_epoch}, batch {batch_idx} (step {self.global_step}): {why}. "
+            f"The run stopped before taking that step; the checkpoints hold only models validated before it, and "
+            f"no analysis ran. Lower the learning rate (optim.lr={hp.lr:g} now) or clip gradients harder "
+            f"(optim.clip={hp.clip} now); with optim.optimizer=adam, a rate near 1e-3. "
+            f"optim.divergence_factor (now {'null' if factor is None else f'{factor:g}'}) sets how far above log(V) "
+            "counts as diverged (null: non-finite losses only).")
 
     def lr_factor(self, batch_idx: int) -> float:
         """The schedule's multiplier: 1 (the AWD recipe), or a cosine decay to 0 over max_epochs
@@ -240,12 +266,17 @@ class LMModule(pl.LightningModule):
     def on_validation_epoch_end(self):
         self._avg_ctx.__exit__(None, None, None)
         val_loss = self._val[0] / max(self._val[1], 1)
-        self.log_dict({"val/loss": val_loss, "val/ppl": math.exp(val_loss)}, prog_bar=True)
+        if not math.isfinite(val_loss):  # never let ModelCheckpoint see it: it would save this model as the best
+            raise LmcalError(
+                f"Validation at epoch {self.current_epoch} gave a loss of {val_loss}: the model diverged. It was "
+                f"not saved; the checkpoints hold only models validated before. Lower the learning rate "
+                f"(optim.lr={self.hparams.lr:g} now) or clip gradients harder (optim.clip={self.hparams.clip} now).")
+        self.log_dict({"val/loss": val_loss, "val/ppl": exp_or_inf(val_loss)}, prog_bar=True)
         self.log("val_loss", val_loss, prog_bar=False, logger=False)
         if self.trainer.sanity_checking:
             return
         tps = self.train_tokens / self.train_seconds if self.train_seconds else float("nan")
-        log.info(f"epoch {self.current_epoch}: val loss {val_loss:.4f}, val ppl {math.exp(val_loss):.2f}, "
+        log.info(f"epoch {self.current_epoch}: val loss {val_loss:.4f}, val ppl {exp_or_inf(val_loss):.2f}, "
                  f"{self.train_tokens:,} training tokens at {tps:,.0f} tokens/s")
         if self.record_validation(val_loss):
             log.info(f"NT-ASGD: validation loss {val_loss:.4f} is worse than the best before the last "
@@ -287,11 +318,53 @@ class LMModule(pl.LightningModule):
             checkpoint["state_dict"] = checkpoint["raw_state_dict"]
 
 
+def read_checkpoint(path: str | Path, map_location="cpu") -> dict:
+    """A checkpoint of `python -m lmcal.train`, read safely: `torch.load(weights_only=True)` unpickles tensors, plain
+    containers and numbers only, so a crafted file cannot run code. An unreadable, truncated, foreign or unsafe file
+    is one `LmcalError` naming the path and what to do."""
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise LmcalError(f"Checkpoint not found: {path}. Pass the best.ckpt or last.ckpt in a training run's "
+                         "checkpoints/ folder.")
+    try:
+        ckpt = torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as e:
+        refused = re.search(r"unsupported GLOBAL (\S+)", str(e), re.IGNORECASE)
+        if refused:
+            raise LmcalError(f"{path} was not loaded: it asks to unpickle {refused.group(1)}, which a checkpoint of "
+                             "lmcal never holds (only tensors, numbers and plain containers), and unpickling it could "
+                             "run code. Use a checkpoint written by python -m lmcal.train, from a source you trust."
+                             ) from None
+        raise _unreadable(path, "not a pickle of tensors") from None
+    except Exception as e:  # truncated zip, random bytes, empty file, I/O error
+        raise _unreadable(path, type(e).__name__ + (f": {_first_sentence(e)}" if str(e).strip() else "")) from None
+    hp = ckpt.get("hyper_parameters") if isinstance(ckpt, dict) else None
+    if not isinstance(hp, dict) or "net" not in hp or "vocab_size" not in hp or "state_dict" not in ckpt:
+        raise LmcalError(f"{path} is a PyTorch file but not a checkpoint of python -m lmcal.train (it lacks the "
+                         "network's settings or weights). Pass the best.ckpt or last.ckpt in a training run's "
+                         "checkpoints/ folder; a Hugging Face model is analysed with model=hf model.name_or_path=.")
+    return ckpt
+
+
+def _first_sentence(e: Exception) -> str:
+    return str(e).strip().splitlines()[0].split(". ")[0].rstrip(".")
+
+
+def _unreadable(path: Path, why: str) -> LmcalError:
+    return LmcalError(f"{path} is not a readable checkpoint ({why}): it is truncated, corrupt or not a PyTorch file. "
+                      "If a run was killed while writing it, rerun the training to write it again; otherwise pass "
+                      "the best.ckpt or last.ckpt in a training run's checkpoints/ folder.")
+
+
 def load_net(ckpt_path: str | Path, map_location="cpu"):
     """The network of a training checkpoint, with the weights that were validated
     (the averaged ones after an NT-ASGD switch), in eval mode. No Lightning needed."""
-    ckpt = torch.load(ckpt_path, map_location=map_location, weights_only=False)
+    ckpt = read_checkpoint(ckpt_path, map_location)
     hp = ckpt["hyper_parameters"]
     net = instantiate(hp["net"], vocab_size=hp["vocab_size"])
-    net.load_state_dict({k[len("net."):]: v for k, v in ckpt["state_dict"].items() if k.startswith("net.")})
+    try:
+        net.load_state_dict({k[len("net."):]: v for k, v in ckpt["state_dict"].items() if k.startswith("net.")})
+    except RuntimeError as e:
+        raise LmcalError(f"{ckpt_path}: its weights do not fit the network its settings describe "
+                         f"({str(e).splitlines()[0]}); the file is damaged or was edited.") from None
     return net.eval(), ckpt

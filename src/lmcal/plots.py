@@ -12,7 +12,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import matplotlib.ticker  # noqa: E402
 import numpy as np  # noqa: E402
 
-from lmcal.utils import format_params  # noqa: E402
+from lmcal.utils import atomic_path, format_params  # noqa: E402
 
 
 def entropy_curve_figure(curves: dict[str, tuple[np.ndarray, np.ndarray]], path: str | Path,
@@ -42,10 +42,11 @@ def entropy_curve_figure(curves: dict[str, tuple[np.ndarray, np.ndarray]], path:
 
 def _save(fig, path: Path) -> Path:
     fig.tight_layout()
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp)
-    plt.close(fig)
-    tmp.replace(path)
+    try:
+        with atomic_path(path) as tmp:
+            fig.savefig(tmp, format=path.suffix.lstrip(".") or "png")
+    finally:
+        plt.close(fig)
     return path
 
 

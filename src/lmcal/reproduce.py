@@ -24,6 +24,7 @@ import json
 import math
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -32,8 +33,18 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from lmcal.errors import LmcalError
+from lmcal.settings import composed, differences, settings_of
 from lmcal.train import CONF_DIR
-from lmcal.utils import copy_atomic, format_ce, format_params, write_json_atomic, write_text_atomic
+from lmcal.utils import (
+    copy_atomic,
+    exp_or_inf,
+    format_ce,
+    format_params,
+    run_lock,
+    write_json_atomic,
+    write_text_atomic,
+)
+from lmcal.validate import check_config
 
 PROFILES = ("paper", "cpu", "smoke")
 PAPER = {"test_ppl": 58.3, "entrate_ppl": 93.1}  # Table 1, AWD-LSTM on PTB
@@ -57,12 +68,34 @@ def resolve_profile(name: str) -> tuple[str, str | None]:
     return name, None
 
 
+CLI_ONLY = ("profile", "force")  # keys of the command line that are not the profile's settings
+
+
+def _keys(node, prefix: str = "") -> list[str]:
+    return [k for key, v in node.items()
+            for k in (_keys(v, f"{prefix}{key}.") if isinstance(v, DictConfig) else [f"{prefix}{key}"])]
+
+
 def load_profile(argv: list[str]) -> DictConfig:
-    """The profile's config with the command line's dot-list overrides merged on top."""
-    cli = OmegaConf.from_dotlist(argv)
+    """The profile's config with the command line's dot-list overrides merged on top; a key the profile does not
+    have is an error listing those it has."""
+    try:
+        cli = OmegaConf.from_dotlist(argv)
+    except Exception as e:
+        raise LmcalError(f"Cannot read the settings {' '.join(argv)}: {str(e).splitlines()[0]}. Give them as "
+                         "key=value pairs, e.g. taus=[5,10] out=DIR.") from None
     name, note = resolve_profile(str(cli.get("profile", "auto")))
-    cfg = OmegaConf.merge(OmegaConf.load(CONF_DIR / "reproduce" / f"{name}.yaml"), cli)
+    profile = OmegaConf.load(CONF_DIR / "reproduce" / f"{name}.yaml")
+    known = _keys(profile)
+    unknown = [k for k in _keys(cli) if k not in known and k not in CLI_ONLY
+               and not any(k.startswith(f"{p}.") for p in known)]
+    if unknown:
+        raise LmcalError(f"Unknown setting{'s' if len(unknown) > 1 else ''} {', '.join(unknown)} (in ARGS or on the "
+                         f"command line). The {name} profile (conf/reproduce/{name}.yaml) has: {', '.join(known)}; "
+                         "and the command line also takes profile= and force=true (FORCE=1).")
+    cfg = OmegaConf.merge(profile, cli)
     cfg.profile = name
+    cfg.force = bool(cfg.get("force", False))
     if cfg.get("out") is None:
         cfg.out = f"outputs/reproduce/{name}"
     if note:
@@ -93,6 +126,7 @@ def plan(cfg: DictConfig) -> list[dict]:
         root = out / (prefix.rstrip("_") or data)
         base_ckpt = root / "base" / "checkpoints" / "best.ckpt"
         stages.append({"name": f"{prefix}base", "dir": root / "base", "done": [root / "base" / "metrics.json"],
+                       "deps": [],
                        "cmd": py + ["lmcal.train", f"data={data}", *part.base, "analysis.stages=[]", *lg,
                                     f"task_name={prefix}base", f"hydra.run.dir={root / 'base'}"]})
         taus = list(part.taus)
@@ -100,6 +134,7 @@ def plan(cfg: DictConfig) -> list[dict]:
         warm = [f"init_ckpt={base_ckpt}"] if part.warm_start else []
         stages.append({"name": f"{prefix}tau_models", "dir": root / "tau", "taus": tau_dirs,
                        "done": [d / "metrics.json" for d in tau_dirs.values()],
+                       "deps": [f"{prefix}base"] if part.warm_start else [],
                        "cmd": py + ["lmcal.train", "-m", f"data={data}", *part.tau, *warm, "analysis.stages=[]", *lg,
                                     f"task_name={prefix}tau", f"hydra.sweep.dir={root / 'tau'}",
                                     "hydra.sweep.subdir=tau_${model.memory_tau}"]})
@@ -109,15 +144,18 @@ def plan(cfg: DictConfig) -> list[dict]:
                 extra = ([f"analysis.decoders.calibration_json={root / 'calibration' / 'calibration.json'}"]
                          if stage == "decoders" else [])  # its calibration row: the calibration stage's
                 stages.append({"name": stage, "dir": root / stage, "done": [root / stage / f"{stage}.json"],
+                               "deps": ["base", "calibration"] if stage == "decoders" else ["base"],
                                "cmd": ev + [f"stages=[{stage}]", *extra, f"task_name={stage}",
                                             f"hydra.run.dir={root / stage}"]})
         for t, d in tau_dirs.items():
             mdir = root / "memory" / f"tau_{t}"
             stages.append({"name": f"{prefix}memory_tau{t}", "dir": mdir, "done": [mdir / "memory.json"],
+                           "deps": [f"{prefix}base", f"{prefix}tau_models"],
                            "cmd": py + ["lmcal.evaluate", f"ckpt={d / 'checkpoints' / 'best.ckpt'}",
                                         f"memory.base_ckpt={base_ckpt}", "stages=[memory]", *part.analysis, *lg,
                                         f"task_name={prefix}memory", f"hydra.run.dir={mdir}"]})
-    stages.append({"name": "report", "dir": out, "done": [out / "results.json", out / "REPORT.md"], "fn": report})
+    stages.append({"name": "report", "dir": out, "done": [out / "results.json", out / "REPORT.md"], "fn": report,
+                   "deps": [st["name"] for st in stages]})
     return stages
 
 
@@ -153,21 +191,102 @@ def run_stage(stage: dict, cfg: DictConfig, out: Path, index: int, total: int) -
     return time.perf_counter() - t0
 
 
-def reproduce(cfg: DictConfig) -> dict:
-    out = Path(cfg.out).resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(out / "profile.yaml", OmegaConf.to_yaml(cfg))
-    stages = plan(cfg)
-    t_all = time.perf_counter()
-    for i, stage in enumerate(stages, 1):
-        record = out / "stages" / f"{stage['name']}.json"
-        if record.is_file() and all(p.is_file() for p in stage["done"]):
-            print(f"[{i}/{len(stages)}] {stage['name']}: done before, skipped", flush=True)
+def stage_settings(stage: dict, cfg: DictConfig) -> dict:
+    """The resolved settings `stage` runs with, checked against the range rules ({key: value}; for the tau-models
+    {tau: {key: value}}; for the report, the profile keys it reads). Paths inside the output folder are recorded
+    relative to it ("<out>/..."), so a moved or copied reproduction still resumes."""
+    if "fn" in stage:
+        return {"dataset": cfg.dataset, "taus": list(cfg.taus), "markov.taus": list(cfg.markov.taus)}
+    entry, overrides = stage["cmd"][2], [a for a in stage["cmd"][3:] if a != "-m"]
+    out = str(Path(cfg.out).resolve())
+
+    def checked(extra: list[str]) -> dict:
+        c = composed(entry, overrides + extra)
+        check_config(c, where=f"Stage '{stage['name']}' (python -m {entry}): ")
+        return {k: "<out>" + v[len(out):] if isinstance(v, str) and v.startswith(out + os.sep) else v
+                for k, v in settings_of(c).items()}
+
+    if "taus" in stage:
+        return {str(t): checked([f"model.memory_tau={t}"]) for t in stage["taus"]}
+    return checked([])
+
+
+def stale_stages(stages: list[dict], current: dict, out: Path, force: bool) -> dict[str, list[str] | None]:
+    """The stages to redo because their recorded settings differ from `current`, with those downstream of them:
+    {name: tau keys to redo, or None for the whole stage}. Without `force`, any such stage is an error listing the
+    stages and keys that differ."""
+    changed = {}
+    for st in stages:
+        rec = out / "stages" / f"{st['name']}.json"
+        if not rec.is_file():
             continue
-        seconds = run_stage(stage, cfg, out, i, len(stages))
-        write_json_atomic(record, {"status": "done", "seconds": seconds, "dir": str(stage["dir"])})
-        print(f"[{i}/{len(stages)}] {stage['name']}: done in {seconds:.0f} s", flush=True)
-    print(f"Finished in {time.perf_counter() - t_all:.0f} s: {out / 'REPORT.md'}", flush=True)
+        record = _read(rec)
+        if "settings" not in record:  # a record of an lmcal that did not keep settings: adopt the current ones
+            print(f"{st['name']}: recorded without its settings (an older lmcal); taking it as run with the current "
+                  "ones.", flush=True)
+            write_json_atomic(rec, {**record, "settings": current[st["name"]]})
+            continue
+        old, now = record["settings"], current[st["name"]]
+        if "taus" in st:
+            diffs = {t: differences(old[t], now[t]) for t in sorted(old.keys() & now.keys(), key=int)}
+            diffs = {t: d for t, d in diffs.items() if d}
+            if diffs:
+                changed[st["name"]] = [f"tau={t} {line}" for t, d in diffs.items() for line in d], set(diffs)
+        elif differences(old, now):
+            changed[st["name"]] = differences(old, now), None
+    redo = {name: taus for name, (_, taus) in changed.items()}
+    for st in stages:  # in pipeline order: whatever uses a redone stage's results is redone whole
+        if any(d in redo for d in st["deps"]):
+            redo[st["name"]] = None
+    if changed and not force:
+        listed = "; ".join(f"{name} ({', '.join(lines[:6])}{', ...' if len(lines) > 6 else ''})"
+                           for name, (lines, _) in changed.items())
+        downstream = [n for n in redo if n not in changed]
+        raise LmcalError(
+            f"The settings of {len(changed)} stage{'s' if len(changed) > 1 else ''} in {out} differ from those "
+            f"{'they' if len(changed) > 1 else 'it'} ran with: {listed}. Nothing was run, and the results there are "
+            "as they were. To redo " + ("them" if len(changed) > 1 else "it") +
+            (f" and the stages that use their results ({', '.join(downstream)})" if downstream else "") +
+            ", rerun with FORCE=1 (make reproduce ... FORCE=1, or force=true on the command line); or give another "
+            "out=DIR for a separate reproduction.")
+    return redo
+
+
+def clear_stage(stage: dict, taus: set[str] | None, out: Path) -> None:
+    """Removes what a stage wrote (for the tau-models, only the given taus), so that it runs again from scratch."""
+    (out / "stages" / f"{stage['name']}.json").unlink(missing_ok=True)
+    dirs = [stage["taus"][int(t)] for t in taus] if taus else [] if "fn" in stage else [stage["dir"]]
+    for d in dirs:
+        if d.is_dir() and d.resolve() != out:
+            print(f"{stage['name']}: removing {d} to redo it (FORCE)", flush=True)
+            shutil.rmtree(d)
+
+
+def reproduce(cfg: DictConfig) -> dict:
+    check_config(cfg)  # the profile's own values (taus), before the folder is touched
+    out = Path(cfg.out).resolve()
+    with run_lock(out, "reproduction"):
+        stages = plan(cfg)
+        current = {st["name"]: stage_settings(st, cfg) for st in stages}  # every stage checked before any runs
+        for name, taus in stale_stages(stages, current, out, bool(cfg.get("force"))).items():
+            clear_stage(next(st for st in stages if st["name"] == name), taus, out)
+        profile = OmegaConf.masked_copy(cfg, [k for k in cfg if k != "force"])
+        write_text_atomic(out / "profile.yaml", OmegaConf.to_yaml(profile))
+        t_all = time.perf_counter()
+        for i, stage in enumerate(stages, 1):
+            record = out / "stages" / f"{stage['name']}.json"
+            rec = {"dir": str(stage["dir"]), "cmd": stage.get("cmd"), "settings": current[stage["name"]]}
+            if (record.is_file() and _read(record).get("status") == "done"
+                    and all(p.is_file() for p in stage["done"])):
+                print(f"[{i}/{len(stages)}] {stage['name']}: done before, skipped", flush=True)
+                if _read(record).get("settings") != rec["settings"]:  # the tau-models of a longer taus list
+                    write_json_atomic(record, {**_read(record), **rec})
+                continue
+            write_json_atomic(record, {"status": "started", **rec})
+            seconds = run_stage(stage, cfg, out, i, len(stages))
+            write_json_atomic(record, {"status": "done", "seconds": seconds, **rec})
+            print(f"[{i}/{len(stages)}] {stage['name']}: done in {seconds:.0f} s", flush=True)
+        print(f"Finished in {time.perf_counter() - t_all:.0f} s: {out / 'REPORT.md'}", flush=True)
     return json.loads((out / "results.json").read_text())
 
 
@@ -192,8 +311,9 @@ def collect_results(cfg: DictConfig, out: Path) -> dict:
     mmem = [_read(mk / "memory" / f"tau_{t}" / "memory.json") for t in cfg.markov.taus]
     names = [st["name"] for st in plan(cfg)]  # pipeline order
     records = {n: _read(out / "stages" / f"{n}.json") for n in names if (out / "stages" / f"{n}.json").is_file()}
+    records = {n: r for n, r in records.items() if r.get("status") == "done"}
     def tail_ppl(curve: list[float]) -> float:  # exp of the mean entropy over the last tenth of the horizon
-        return math.exp(sum(curve[-max(1, len(curve) // 10):]) / max(1, len(curve) // 10))
+        return exp_or_inf(sum(curve[-max(1, len(curve) // 10):]) / max(1, len(curve) // 10))
 
     return {
         "profile": cfg.profile, "dataset": cfg.dataset,
@@ -276,7 +396,7 @@ def decoders_markdown(rows: list[dict]) -> list[str]:
              "test CE (nats) | zero-prob. fraction | CE, ε-mixed |", "|---|---|---|---|---|---|---|---|"]
     for d in rows:
         lines.append(f"| {d['method']} | {format_params(d['params'], drop=('stderr',))} | "
-                     f"{math.exp(d['entropy_t1_nats']):.1f} | "
+                     f"{exp_or_inf(d['entropy_t1_nats']):.1f} | "
                      f"{d['entrate_ppl']:.1f} | {d['entrate_tail_ppl']:.1f} | {format_ce(d['test_ce_nats'])} | "
                      f"{d['zero_prob_fraction']:.4f} | {format_ce(d['test_ce_mixed_nats'])} |")
     return lines

@@ -7,7 +7,6 @@ the Hydra entry point around it, which turns `LmcalError`s into one-paragraph me
 from __future__ import annotations
 
 import logging
-import os
 import sys
 import time
 import traceback
@@ -31,8 +30,9 @@ from lmcal.callbacks import (
     load_base_net,
 )
 from lmcal.errors import LmcalError
-from lmcal.module import LMModule, load_net
-from lmcal.utils import write_json_atomic
+from lmcal.module import LMModule, load_net, read_checkpoint
+from lmcal.utils import atomic_path, run_lock, write_json_atomic
+from lmcal.validate import check_config
 
 log = logging.getLogger("lmcal")
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
@@ -63,14 +63,29 @@ def model_name(model_cfg) -> str:
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """Checkpoints written to a temporary file and renamed: a run killed while saving leaves the previous
-    checkpoint whole, so the rerun can resume from it."""
+    """Checkpoints written to a temporary file (named for this process) and renamed: a run killed while saving
+    leaves the previous checkpoint whole, so the rerun can resume from it. Read back safely (`read_checkpoint`)."""
 
     def save_checkpoint(self, checkpoint, path, storage_options=None):
-        path = Path(path)
-        tmp = path.with_name(f".{path.name}.tmp")
-        super().save_checkpoint(checkpoint, tmp, storage_options)
-        os.replace(tmp, path)
+        with atomic_path(path) as tmp:
+            super().save_checkpoint(checkpoint, tmp, storage_options)
+
+    def load_checkpoint(self, path, map_location=None, weights_only=None):
+        return read_checkpoint(path, map_location if map_location is not None else "cpu")
+
+
+def check_resume(path: str, model_cfg: dict, vocab_size: int) -> None:
+    """Resuming continues the checkpoint's own network: a run folder resumed with other model settings (a size, tau)
+    stops here with the differences, not with a size-mismatch traceback from deep inside Lightning."""
+    hp = read_checkpoint(path)["hyper_parameters"]
+    was, now = {**hp["net"], "vocab_size": hp["vocab_size"]}, {**model_cfg, "vocab_size": vocab_size}
+    diff = [f"model.{k} is {was.get(k)} there, {now.get(k)} now" for k in sorted(set(was) | set(now))
+            if was.get(k) != now.get(k)]
+    if diff:
+        raise LmcalError(f"Cannot resume from {path}: it was trained with other model settings ({'; '.join(diff)})"
+                         ". Rerun with the settings it was trained with to continue it, or start a new run in "
+                         "another folder (hydra.run.dir=...), or set ckpt_path= to another checkpoint. Nothing "
+                         "was changed.")
 
 
 STAGES = ("entropy_rate", "calibration", "decoders", "memory")  # memory: tau-models; the others: full models
@@ -91,14 +106,20 @@ def init_from(module: LMModule, path: str) -> None:
 
 
 def train(cfg: DictConfig) -> dict:
-    """Fit (or resume), evaluate the best checkpoint on valid and test, write metrics.json."""
+    """Fit (or resume), evaluate the best checkpoint on valid and test, write metrics.json. Settings are checked
+    first, then the run folder is locked for this process."""
+    check_config(cfg)
+    out = Path(cfg.paths.output_dir)
+    with run_lock(out, "training"):
+        return _train(cfg, out)
+
+
+def _train(cfg: DictConfig, out: Path) -> dict:
     t_start = time.perf_counter()
     if not str(cfg.model.get("_target_") or "").endswith("AWDLSTM"):
         raise LmcalError("python -m lmcal.train trains AWD-LSTMs (model=awd_lstm or awd_lstm_small); a Hugging Face "
                          "model (model=hf) is analysed as it is: python -m lmcal.evaluate model=hf "
                          "model.name_or_path=FOLDER stages=[entropy_rate,calibration,decoders].")
-    out = Path(cfg.paths.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
 
     dm = instantiate(cfg.data)
@@ -114,6 +135,7 @@ def train(cfg: DictConfig) -> dict:
                               save_last=True, save_top_k=1, enable_version_counter=False)
     resume = cfg.get("ckpt_path") or (str(ckpt_dir / "last.ckpt") if (ckpt_dir / "last.ckpt").is_file() else None)
     if resume:
+        check_resume(resume, net_cfg, dm.vocab_size)
         log.info(f"Resuming from {resume}")
 
     stages = list(cfg.analysis.get("stages") or [])

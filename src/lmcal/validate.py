@@ -1,0 +1,220 @@
+"""The valid range of every setting that has one, in one table, checked as soon as a config is composed: before
+any data is read, any W&B run starts or any training step is taken.
+
+    RULES            dotted key (a `*` matches any one part) -> (range, what the setting is)
+    DECODER_RULES    decoder name -> {parameter: range}: `decoder=NAME` and analysis.decoders.methods
+
+`check_config(cfg)` raises one `LmcalError` naming every bad key, its value and its valid range. A rule applies
+where its key is present: the same table serves `train`, `evaluate` and every stage `make reproduce` plans.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+from lmcal.errors import LmcalError
+
+
+@dataclass(frozen=True)
+class Range:
+    """A number in [lo, hi] (ends open where said), an integer if `integer`; None allowed if `optional`; or one of
+    `choices`."""
+
+    lo: float | None = None
+    hi: float | None = None
+    lo_open: bool = False
+    hi_open: bool = False
+    integer: bool = False
+    optional: bool = False
+    choices: tuple | None = None
+    also: tuple = ()  # extra allowed values outside the range (-1 for "no limit")
+
+    def ok(self, v) -> bool:
+        if v is None:
+            return self.optional or (self.choices is not None and None in self.choices)
+        if self.choices is not None:
+            return v in self.choices
+        if v in self.also and not isinstance(v, bool):
+            return True
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            return False
+        if self.integer and int(v) != v:
+            return False
+        if self.lo is not None and (v < self.lo or (self.lo_open and v == self.lo)):
+            return False
+        return self.hi is None or (v < self.hi or (not self.hi_open and v == self.hi))
+
+    def describe(self) -> str:
+        if self.choices is not None:
+            return "one of " + ", ".join("null" if c is None else str(c) for c in self.choices)
+        kind = "an integer" if self.integer else "a number"
+        if self.lo is not None and self.hi is not None:
+            text = f"{kind} in {'(' if self.lo_open else '['}{self.lo:g}, {self.hi:g}{')' if self.hi_open else ']'}"
+        elif self.lo is not None:
+            text = f"{kind} {'>' if self.lo_open else '≥'} {self.lo:g}"
+        elif self.hi is not None:
+            text = f"{kind} {'<' if self.hi_open else '≤'} {self.hi:g}"
+        else:
+            text = f"a finite {kind[2:] if kind.startswith('a ') else kind[3:]}"
+        text += "".join(f", or {a}" for a in self.also)
+        return ("null or " + text) if self.optional else text
+
+
+COUNT = Range(lo=1, integer=True)             # 1, 2, 3, ...
+OPT_COUNT = Range(lo=1, integer=True, optional=True)
+SEED = Range(lo=0, integer=True)
+POSITIVE = Range(lo=0, lo_open=True)
+NONNEG = Range(lo=0)
+PROB_OPEN_HI = Range(lo=0, hi=1, hi_open=True)  # dropouts, epsilons: [0, 1)
+
+RULES: dict[str, tuple[Range, str]] = {
+    "seed": (SEED, "the run's random seed"),
+    # data
+    "data.batch_size": (COUNT, "token streams per training batch"),
+    "data.eval_batch_size": (COUNT, "streams per validation batch"),
+    "data.test_batch_size": (COUNT, "streams per test batch"),
+    "data.bptt": (Range(lo=2, integer=True), "tokens per backpropagation window"),
+    "data.max_train_tokens": (Range(lo=2, integer=True, optional=True), "training tokens kept (null: all)"),
+    "data.max_eval_tokens": (Range(lo=2, integer=True, optional=True), "validation/test tokens kept (null: all)"),
+    # model (AWD-LSTM; the Hugging Face adapter's own keys below)
+    "model.emb_size": (COUNT, "embedding size"),
+    "model.hidden_size": (COUNT, "LSTM hidden size"),
+    "model.num_layers": (COUNT, "LSTM layers"),
+    "model.dropout": (PROB_OPEN_HI, "output dropout"),
+    "model.dropouth": (PROB_OPEN_HI, "dropout between layers"),
+    "model.dropouti": (PROB_OPEN_HI, "input-embedding dropout"),
+    "model.dropoute": (PROB_OPEN_HI, "embedding (word) dropout"),
+    "model.wdrop": (PROB_OPEN_HI, "DropConnect on hidden-to-hidden weights"),
+    "model.memory_tau": (OPT_COUNT, "the limited-memory model's state reset, in tokens (null: full context)"),
+    "model.score_tokens": (OPT_COUNT, "test tokens of a Hugging Face model's test cross-entropy"),
+    "model.context": (OPT_COUNT, "scoring window of a Hugging Face model"),
+    "model.max_tokens": (OPT_COUNT, "tokens kept of each text"),
+    "model.dtype": (Range(choices=(None, "float32", "bfloat16", "float16", "auto")), "a Hugging Face model's dtype"),
+    # trainer
+    "trainer.max_epochs": (Range(lo=1, integer=True, also=(-1,)), "training epochs (-1: until trainer.max_time)"),
+    # optimisation
+    "optim.lr": (POSITIVE, "learning rate"),
+    "optim.weight_decay": (NONNEG, "weight decay"),
+    "optim.clip": (Range(lo=0, optional=True), "gradient-norm clipping (0 or null: none)"),
+    "optim.alpha": (NONNEG, "activation regularisation (AR) weight"),
+    "optim.beta": (NONNEG, "temporal activation regularisation (TAR) weight"),
+    "optim.nonmono": (COUNT, "NT-ASGD's non-monotone interval, in epochs"),
+    "optim.optimizer": (Range(choices=("sgd", "adam")), "optimiser"),
+    "optim.schedule": (Range(choices=(None, "cosine")), "learning-rate schedule"),
+    "optim.divergence_factor": (Range(lo=1, lo_open=True, optional=True),
+                                "stop when the training cross-entropy exceeds this many times log(V)"),
+    # analysis: generation settings (entropy_rate, and the stages that share them)
+    "analysis.*.num_prefixes": (COUNT, "validation points generations start from"),
+    "analysis.*.samples_per_prefix": (COUNT, "generations per point"),
+    "analysis.*.prefix_len": (COUNT, "tokens of true text before each point"),
+    "analysis.*.horizon": (COUNT, "generated tokens per generation"),
+    "analysis.*.seed": (SEED, "sampling seed"),
+    "analysis.*.max_batch": (COUNT, "generations advanced together"),
+    "analysis.entropy_rate.every_n_epochs": (OPT_COUNT, "entropy-rate curve every N epochs during training"),
+    # analysis: fitting and scoring
+    "analysis.*.fit_tokens": (Range(lo=2, integer=True, optional=True), "validation tokens the fit uses"),
+    "analysis.*.fit_streams": (COUNT, "parallel streams of the fit"),
+    "analysis.*.score_tokens": (Range(lo=2, integer=True, optional=True), "test tokens scored (null: all)"),
+    "analysis.*.score_streams": (COUNT, "parallel streams of test scoring"),
+    "analysis.*.topk": (OPT_COUNT, "lookahead candidates per position (null: exact, the whole vocabulary)"),
+    "analysis.*.epsilon": (PROB_OPEN_HI, "weight of the uniform distribution mixed in"),
+    "analysis.decoders.mix_epsilon": (Range(lo=0, hi=1, lo_open=True, hi_open=True),
+                                      "uniform mass mixed in for a finite held-out cross-entropy"),
+    "analysis.memory.cluster_size": (COUNT, "consecutive positions per unit of the standard error"),
+    "analysis.memory.windows_per_batch": (COUNT, "tau-windows per forward of the limited model"),
+    "analysis.memory.store_dtype": (Range(choices=("float32", "float16", "bfloat16")), "dtype of the kept fit rows"),
+    # make reproduce
+    "taus": (None, "the tau-models' memory lengths"),  # a list: each an integer >= 1 (checked below)
+    "markov.taus": (None, "the Markov source's tau-models' memory lengths"),
+}
+
+DECODER_RULES: dict[str, dict[str, Range]] = {
+    "temperature": {"temperature": POSITIVE},
+    "top_k": {"k": COUNT},
+    "top_p": {"p": Range(lo=0, hi=1, lo_open=True)},
+    "typical": {"mass": Range(lo=0, hi=1, lo_open=True)},
+    "eta": {"epsilon": PROB_OPEN_HI},
+    "min_p": {"min_p": Range(lo=0, hi=1)},
+    "mirostat": {"tau": Range(lo=0, lo_open=True, also=(math.inf,)), "eta": NONNEG},  # tau = inf: no cut
+}
+
+
+def decoder_problems(name: str, params: dict, where: str) -> list[str]:
+    """Out-of-range parameters of decoder `name`, as 'where.key=value (must be ...)' lines."""
+    rules = DECODER_RULES.get(name, {})
+    return [f"{where}.{k}={_show(v)} (the {name} decoder's {k}: must be {rules[k].describe()})"
+            for k, v in params.items() if k in rules and not rules[k].ok(v)]
+
+
+def _show(v) -> str:
+    return "null" if v is None else repr(v) if isinstance(v, str) else str(v)
+
+
+def _leaves(node, prefix: str = ""):
+    """(dotted key, resolved value) of every leaf under `node`; values that do not resolve (e.g. ${hydra:...}
+    outside a Hydra run) and required values not given yet (???) are left out."""
+    keys = node.keys() if isinstance(node, DictConfig) else range(len(node))
+    for k in keys:
+        key = f"{prefix}{k}"
+        if key in ("paths", "hydra"):
+            continue
+        try:
+            if OmegaConf.is_missing(node, k):
+                continue
+            v = node[k]
+        except Exception:  # an interpolation that only resolves inside a Hydra run
+            continue
+        if isinstance(v, (DictConfig, ListConfig)):
+            yield key, OmegaConf.to_container(v, resolve=True) if _resolvable(v) else None
+            yield from _leaves(v, key + ".")
+        else:
+            yield key, v
+
+
+def _resolvable(node) -> bool:
+    try:
+        OmegaConf.to_container(node, resolve=True)
+        return True
+    except Exception:
+        return False
+
+
+def _matches(pattern: str, key: str) -> bool:
+    p, k = pattern.split("."), key.split(".")
+    return len(p) == len(k) and all(a in ("*", b) for a, b in zip(p, k, strict=True))
+
+
+def problems(cfg: DictConfig) -> list[str]:
+    """Every out-of-range setting of `cfg`, as 'key=value (what it is: must be ...)' lines."""
+    found = []
+    for key, value in _leaves(cfg):
+        for pattern, (rule, meaning) in RULES.items():
+            if not _matches(pattern, key):
+                continue
+            if rule is None:  # a list of memory lengths
+                ok = isinstance(value, list) and all(COUNT.ok(t) for t in value)
+                if not ok:
+                    found.append(f"{key}={_show(value)} ({meaning}: must be a list of integers ≥ 1)")
+            elif not rule.ok(value):
+                found.append(f"{key}={_show(value)} ({meaning}: must be {rule.describe()})")
+            break
+        if key == "decoder" and isinstance(value, dict):
+            found += decoder_problems(value.get("name"), {k: v for k, v in value.items() if k != "name"}, key)
+        if key == "analysis.decoders.methods" and isinstance(value, list):
+            for i, m in enumerate(value):
+                if isinstance(m, dict):
+                    found += decoder_problems(m.get("name"), {k: v for k, v in m.items() if k != "name"},
+                                              f"{key}[{i}]")
+    return found
+
+
+def check_config(cfg: DictConfig, where: str = "") -> None:
+    """Raise one LmcalError listing every out-of-range setting of `cfg` (`where`: e.g. "stage 'base': ")."""
+    bad = problems(cfg)
+    if bad:
+        s = "s" if len(bad) > 1 else ""
+        raise LmcalError(f"{where}Setting{s} out of range: " + "; ".join(bad) + ". Nothing was run. Fix the value"
+                         f"{s} on the command line or in the preset that sets {'them' if s else 'it'}.")
