@@ -26,10 +26,10 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP) ## create .venv: pinned torch first, then lmcal with its dependencies
 
-test: $(STAMP) ## run the test suite (real PTB through LMCAL_DATA_ROOT if set; slow tests excluded)
+test: $(STAMP) ## the fast tests, under ~5 min (real PTB through LMCAL_DATA_ROOT if set; slow tests excluded)
 	$(PY) -m pytest -m "not slow"
 
-test-all: $(STAMP) ## run every test, the slow ones too
+test-all: $(STAMP) ## every test, the slow tier too (what CI runs)
 	$(PY) -m pytest
 
 lint: $(STAMP) ## ruff

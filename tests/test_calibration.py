@@ -6,19 +6,17 @@ import pytest
 import torch
 
 from lmcal.calibration import (
-    _objective,
     calibrated,
-    calibration_objective,
     entropy,
     fit_lookahead_calibration,
     lookahead_entropies,
     mix_uniform,
-    newton_minimize,
     score,
 )
-from lmcal.data import batchify, make_markov_chain, markov_entropy_rate, sample_markov
+from lmcal.data import batchify
 from lmcal.entropy_rate import generation_entropy_curve, random_prefixes
-from lmcal.lm import DriftingOracle, MarkovOracle
+from lmcal.expfit import calibration_objective, fit_alpha, newton_minimize, objective
+from lmcal.markov import DriftingOracle, MarkovOracle, make_markov_chain, markov_entropy_rate, sample_markov
 from lmcal.model import AWDLSTM
 
 V = 13
@@ -142,16 +140,21 @@ def test_calibration_objective_on_full_rows(lm, text):
         for a, b in zip(got, fit.ce_derivatives(alpha), strict=True):
             assert a == pytest.approx(b, rel=1e-12, abs=1e-14)
     stats = fit.logw, fit.h, fit.logq_y, fit.h_y
-    assert _objective(*stats, 0.3, elements=3 * V) == pytest.approx(_objective(*stats, 0.3), rel=1e-12)  # 3 rows a time
+    assert objective([stats], 0.3, elements=3 * V) == pytest.approx(objective([stats], 0.3), rel=1e-12)  # 3 rows a time
 
 
 def test_newton_minimize_converges_and_refuses_an_unbounded_minimum():
     fun = lambda a: (math.cosh(a - 1.3) + 0.1 * a ** 4, math.sinh(a - 1.3) + 0.4 * a ** 3, math.cosh(a - 1.3)
                      + 1.2 * a ** 2)
-    a = newton_minimize(fun, 0.0, bound=50.0)
+    a = newton_minimize(lambda a: fun(a)[1:], -50.0, 50.0)
     assert abs(fun(a)[1]) < 1e-12
+    # the statistic is largest at every true next word: CE(a) falls for ever, a* = +inf
+    logw = torch.zeros(6, 3).log_softmax(-1)  # [6, 3]
+    s = torch.zeros(6, 3)
+    s[:, 0] = 1.0
+    rows = [(logw, s, logw[:, 0], s[:, 0])]
     with pytest.raises(RuntimeError):
-        newton_minimize(lambda a: (math.exp(-a), -math.exp(-a), math.exp(-a)), bound=20.0)
+        fit_alpha(rows, bound=20.0)
 
 
 def markov_text(chain, n, seed, streams=64):

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from lmcal import data as D
+from lmcal import markov as MK
 from lmcal.module import load_corpus
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -144,31 +145,31 @@ def _kgram_transition(probs, V, k):
 def test_two_state_chain_entropy_rate_by_hand():
     a, b = 0.1, 0.3
     probs = np.array([[1 - a, a], [b, 1 - b]])
-    pi = D.markov_stationary(probs, 2, 1)
+    pi = MK.markov_stationary(probs, 2, 1)
     np.testing.assert_allclose(pi, [b / (a + b), a / (a + b)], rtol=0, atol=1e-13)
     h = (b * _binary_entropy(a) + a * _binary_entropy(b)) / (a + b)
-    assert D.markov_entropy_rate(probs, 2, 1) == pytest.approx(h, abs=1e-13)
+    assert MK.markov_entropy_rate(probs, 2, 1) == pytest.approx(h, abs=1e-13)
     # order 1: the "order - 1" conditional is the stationary unigram law
     h0 = _binary_entropy(a / (a + b))
-    assert D.markov_conditional_entropy(probs, 2, 1, 0) == pytest.approx(h0, abs=1e-13)
+    assert MK.markov_conditional_entropy(probs, 2, 1, 0) == pytest.approx(h0, abs=1e-13)
 
 
 def test_make_markov_chain_rows_are_sparse_peaked_and_smoothed():
-    ch = D.make_markov_chain(vocab_size=10, order=2, support=3, smoothing=0.05, seed=4)
+    ch = MK.make_markov_chain(vocab_size=10, order=2, support=3, smoothing=0.05, seed=4)
     p = ch.probs
     assert p.shape == (100, 10) and p.dtype == np.float64
     np.testing.assert_allclose(p.sum(axis=1), 1.0, rtol=0, atol=1e-14)
     floor = 0.05 / 10
     assert p.min() == pytest.approx(floor)
     assert ((p > floor + 1e-12).sum(axis=1) == 3).all()  # exactly `support` tokens above the floor
-    assert np.array_equal(p, D.make_markov_chain(10, 2, 3, 0.05, seed=4).probs)
-    assert not np.array_equal(p, D.make_markov_chain(10, 2, 3, 0.05, seed=5).probs)
+    assert np.array_equal(p, MK.make_markov_chain(10, 2, 3, 0.05, seed=4).probs)
+    assert not np.array_equal(p, MK.make_markov_chain(10, 2, 3, 0.05, seed=5).probs)
 
 
 def test_order2_stationary_is_invariant_under_the_kgram_chain():
     V, k = 3, 2
-    probs = D.make_markov_chain(vocab_size=V, order=k, support=2, smoothing=0.1, seed=1).probs
-    pi = D.markov_stationary(probs, V, k)
+    probs = MK.make_markov_chain(vocab_size=V, order=k, support=2, smoothing=0.1, seed=1).probs
+    pi = MK.markov_stationary(probs, V, k)
     T = _kgram_transition(probs, V, k)
     assert pi.min() > 0 and pi.sum() == pytest.approx(1.0, abs=1e-14)
     np.testing.assert_allclose(pi @ T, pi, rtol=0, atol=1e-13)
@@ -176,40 +177,40 @@ def test_order2_stationary_is_invariant_under_the_kgram_chain():
 
 def test_conditional_of_lower_order_matches_a_direct_computation():
     V, k = 3, 2
-    probs = D.make_markov_chain(vocab_size=V, order=k, support=2, smoothing=0.1, seed=2).probs
-    pi = D.markov_stationary(probs, V, k)
+    probs = MK.make_markov_chain(vocab_size=V, order=k, support=2, smoothing=0.1, seed=2).probs
+    pi = MK.markov_stationary(probs, V, k)
     joint = np.zeros((V, V))  # P(last token a2, next w)
     for a1 in range(V):
         for a2 in range(V):
             for w in range(V):
                 joint[a2, w] += pi[a1 * V + a2] * probs[a1 * V + a2, w]
     expected = joint / joint.sum(axis=1, keepdims=True)
-    np.testing.assert_allclose(D.markov_conditional(probs, V, k, 1), expected, rtol=0, atol=1e-14)
+    np.testing.assert_allclose(MK.markov_conditional(probs, V, k, 1), expected, rtol=0, atol=1e-14)
     # its entropy under the stationary law is the order-(k-1) conditional entropy
     marg = joint.sum(axis=1)
     h1 = -(joint * np.log(expected)).sum()
-    assert D.markov_conditional_entropy(probs, V, k, 1) == pytest.approx(h1, abs=1e-13)
+    assert MK.markov_conditional_entropy(probs, V, k, 1) == pytest.approx(h1, abs=1e-13)
     assert marg @ -(expected * np.log(expected)).sum(axis=1) == pytest.approx(h1, abs=1e-13)
     # tau = 0 is the stationary unigram law
-    np.testing.assert_allclose(D.markov_conditional(probs, V, k, 0)[0], pi.reshape(V, V).sum(axis=0), atol=1e-14)
+    np.testing.assert_allclose(MK.markov_conditional(probs, V, k, 0)[0], pi.reshape(V, V).sum(axis=0), atol=1e-14)
     # tau = k is the table itself; tau > k ignores the older tokens
-    assert np.array_equal(D.markov_conditional(probs, V, k, k), probs)
-    c3 = D.markov_conditional(probs, V, k, 3)
+    assert np.array_equal(MK.markov_conditional(probs, V, k, k), probs)
+    c3 = MK.markov_conditional(probs, V, k, 3)
     for a0 in range(V):
         assert np.array_equal(c3[a0 * V * V:(a0 + 1) * V * V], probs)
 
 
 def test_conditional_entropy_decreases_with_memory_down_to_the_entropy_rate():
-    ch = D.make_markov_chain(vocab_size=6, order=3, support=2, smoothing=0.02, seed=3)
-    hs = [D.markov_conditional_entropy(ch.probs, 6, 3, tau) for tau in range(5)]
+    ch = MK.make_markov_chain(vocab_size=6, order=3, support=2, smoothing=0.02, seed=3)
+    hs = [MK.markov_conditional_entropy(ch.probs, 6, 3, tau) for tau in range(5)]
     assert all(hs[tau] > hs[tau + 1] for tau in range(3))  # each extra token of memory up to the order helps
-    assert hs[3] == pytest.approx(D.markov_entropy_rate(ch.probs, 6, 3), abs=1e-13)
+    assert hs[3] == pytest.approx(MK.markov_entropy_rate(ch.probs, 6, 3), abs=1e-13)
     assert hs[4] == pytest.approx(hs[3], abs=1e-13)
 
 
 def test_markov_corpus_is_a_function_of_its_seed():
     kw = dict(vocab_size=8, order=2, n_train=5000, n_valid=1000, n_test=1000)
-    a, b, c = D.markov_corpus(**kw, seed=0), D.markov_corpus(**kw, seed=0), D.markov_corpus(**kw, seed=1)
+    a, b, c = MK.markov_corpus(**kw, seed=0), MK.markov_corpus(**kw, seed=0), MK.markov_corpus(**kw, seed=1)
     for split in ("train", "valid", "test"):
         assert torch.equal(a.split(split), b.split(split))
         assert not torch.equal(a.split(split), c.split(split))
@@ -221,18 +222,25 @@ def test_markov_corpus_is_a_function_of_its_seed():
 
 
 def test_markov_corpus_info_is_exact_small_and_rebuilds_the_chain():
-    c = D.markov_corpus(n_train=1000, n_valid=100, n_test=100)
+    c = MK.markov_corpus(n_train=1000, n_valid=100, n_test=100)
     info = c.info
     json.dumps(info)  # plain numbers only: it goes into metrics.json
     assert "probs" not in info
     assert {"order", "vocab_size", "support", "smoothing", "seed", "entropy_rate_nats",
             "entropy_rate_order_minus_1_nats", "depends_on_last"} <= set(info)
     assert info["depends_on_last"] == info["order"] == 2
-    ch = D.markov_chain_from_info(info)
-    assert np.array_equal(ch.probs, D.make_markov_chain().probs)
-    assert info["entropy_rate_nats"] == pytest.approx(D.markov_entropy_rate(ch.probs, 16, 2), abs=1e-13)
+    ch = MK.markov_chain_from_info(info)
+    assert np.array_equal(ch.probs, MK.make_markov_chain().probs)
+    assert info["entropy_rate_nats"] == pytest.approx(MK.markov_entropy_rate(ch.probs, 16, 2), abs=1e-13)
     # the oldest context token matters: the best order-(k-1) predictor is strictly worse
     assert info["entropy_rate_order_minus_1_nats"] > info["entropy_rate_nats"] + 0.1
+
+
+def test_markov_exact_mi_is_the_entropy_drop_from_tau_to_k_tokens():
+    info = MK.markov_corpus(n_train=10, n_valid=10, n_test=10).info
+    mi = [MK.markov_exact_mi(info, tau) for tau in range(4)]
+    assert mi[1] == pytest.approx(info["entropy_rate_order_minus_1_nats"] - info["entropy_rate_nats"], abs=1e-13)
+    assert mi[0] > mi[1] > 0 and mi[2] == mi[3] == 0.0  # tau >= order: the distant past carries nothing
 
 
 def _check_conditional_frequencies(probs, V, k, seq, n_contexts):
@@ -254,38 +262,38 @@ def _check_conditional_frequencies(probs, V, k, seq, n_contexts):
 def test_sample_frequencies_match_the_table():
     # bigrams of an order-1 chain
     V = 5
-    ch = D.make_markov_chain(vocab_size=V, order=1, support=2, smoothing=0.05, seed=0)
-    seq = D.sample_markov(ch.probs, V, 1, 100_000, 0)
+    ch = MK.make_markov_chain(vocab_size=V, order=1, support=2, smoothing=0.05, seed=0)
+    seq = MK.sample_markov(ch.probs, V, 1, 100_000, 0)
     _check_conditional_frequencies(ch.probs, V, 1, seq, n_contexts=V)
     # trigrams of an order-2 chain, and its context frequencies against the stationary law
     V, k = 4, 2
-    ch = D.make_markov_chain(vocab_size=V, order=k, support=2, smoothing=0.05, seed=1)
-    seq = D.sample_markov(ch.probs, V, k, 200_000, 1)
+    ch = MK.make_markov_chain(vocab_size=V, order=k, support=2, smoothing=0.05, seed=1)
+    seq = MK.sample_markov(ch.probs, V, k, 200_000, 1)
     ctx = _check_conditional_frequencies(ch.probs, V, k, seq, n_contexts=6)
-    pi = D.markov_stationary(ch.probs, V, k)
+    pi = MK.markov_stationary(ch.probs, V, k)
     np.testing.assert_allclose(np.bincount(ctx, minlength=V ** k) / ctx.size, pi, atol=0.01)
 
 
 def test_sample_mean_log_loss_matches_the_entropy_rate():
-    ch = D.make_markov_chain()  # the default corpus's chain: V=16, order 2
+    ch = MK.make_markov_chain()  # the default corpus's chain: V=16, order 2
     V, k = 16, 2
-    seq = D.sample_markov(ch.probs, V, k, 200_000, 7)
+    seq = MK.sample_markov(ch.probs, V, k, 200_000, 7)
     ctx = seq[:-2] * V + seq[1:-1]
     nll = -np.log(ch.probs[ctx, seq[2:]])
     # the losses are autocorrelated through the context: standard error from 50 batch means
     means = nll[: nll.size // 50 * 50].reshape(50, -1).mean(axis=1)
     se = means.std(ddof=1) / math.sqrt(50)
-    h = D.markov_entropy_rate(ch.probs, V, k)
+    h = MK.markov_entropy_rate(ch.probs, V, k)
     assert abs(nll.mean() - h) < 4 * se, (nll.mean(), h, se)
 
 
 def test_sample_lengths_and_determinism():
-    ch = D.make_markov_chain(vocab_size=4, order=3, support=2, seed=0)
-    assert D.sample_markov(ch.probs, 4, 3, 0, 0).shape == (0,)
-    assert D.sample_markov(ch.probs, 4, 3, 2, 0).shape == (2,)
-    s = D.sample_markov(ch.probs, 4, 3, 1000, 5)
+    ch = MK.make_markov_chain(vocab_size=4, order=3, support=2, seed=0)
+    assert MK.sample_markov(ch.probs, 4, 3, 0, 0).shape == (0,)
+    assert MK.sample_markov(ch.probs, 4, 3, 2, 0).shape == (2,)
+    s = MK.sample_markov(ch.probs, 4, 3, 1000, 5)
     assert s.shape == (1000,) and s.dtype == np.int64 and 0 <= s.min() and s.max() < 4
-    assert np.array_equal(s, D.sample_markov(ch.probs, 4, 3, 1000, np.random.default_rng(5)))
+    assert np.array_equal(s, MK.sample_markov(ch.probs, 4, 3, 1000, np.random.default_rng(5)))
 
 
 def test_data_configs_select_the_corpora(tmp_path):
@@ -302,5 +310,5 @@ def test_data_configs_select_the_corpora(tmp_path):
     dm = instantiate(markov.data)
     c = dm.prepare()
     assert c.name == "markov" and c.train.numel() == 3000 and c.valid.numel() == 20_000
-    assert c.info["entropy_rate_nats"] == pytest.approx(D.markov_corpus(n_train=10, n_valid=10, n_test=10)
+    assert c.info["entropy_rate_nats"] == pytest.approx(MK.markov_corpus(n_train=10, n_valid=10, n_test=10)
                                                         .info["entropy_rate_nats"])

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lmcal.calibration import fit_temperature, score
-from lmcal.data import batchify, make_markov_chain, markov_entropy_rate, sample_markov
+from lmcal.data import batchify
 from lmcal.decoders import (
     DECODERS,
     eta,
@@ -23,7 +23,7 @@ from lmcal.decoders import (
 )
 from lmcal.entropy_rate import generation_entropy_curve, random_prefixes
 from lmcal.errors import LmcalError
-from lmcal.lm import MarkovOracle
+from lmcal.markov import MarkovOracle, make_markov_chain, markov_entropy_rate, sample_markov
 
 from .test_calibration import TinyLSTM
 

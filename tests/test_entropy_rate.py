@@ -6,20 +6,21 @@ import numpy as np
 import pytest
 import torch
 
-from lmcal import data as D
+from lmcal import markov as MK
 from lmcal.entropy_rate import _uniforms, entrate_ppl, generation_entropy_curve, random_prefixes
-from lmcal.lm import DriftingOracle, LSTMStepLM, MarkovOracle
+from lmcal.lm import LSTMStepLM
+from lmcal.markov import DriftingOracle, MarkovOracle
 from lmcal.model import AWDLSTM
 
 
 @pytest.fixture(scope="module")
 def corpus():
-    return D.markov_corpus(n_train=10, n_valid=20_000, n_test=10)  # the default order-2 chain over 16 tokens
+    return MK.markov_corpus(n_train=10, n_valid=20_000, n_test=10)  # the default order-2 chain over 16 tokens
 
 
 @pytest.fixture(scope="module")
 def chain(corpus):
-    return D.markov_chain_from_info(corpus.info)
+    return MK.markov_chain_from_info(corpus.info)
 
 
 @pytest.fixture(scope="module")

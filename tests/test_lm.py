@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from lmcal import data as D
-from lmcal.lm import DriftingOracle, LimitedContextStepLM, LSTMStepLM, MarkovOracle, lstm_from_checkpoint
+from lmcal import markov as MK
+from lmcal.lm import LimitedContextStepLM, LSTMStepLM, lstm_from_checkpoint
+from lmcal.markov import DriftingOracle, MarkovOracle
 from lmcal.model import AWDLSTM, limited_context_log_probs
 
 
@@ -80,7 +81,7 @@ def test_limited_context_steps_equal_limited_context_log_probs():
 
 @pytest.fixture(scope="module")
 def chain():
-    return D.make_markov_chain(vocab_size=5, order=2, support=2, smoothing=0.1, seed=1)
+    return MK.make_markov_chain(vocab_size=5, order=2, support=2, smoothing=0.1, seed=1)
 
 
 def test_markov_oracle_steps_are_the_exact_conditionals(chain):
@@ -90,8 +91,8 @@ def test_markov_oracle_steps_are_the_exact_conditionals(chain):
     lp, _ = feed(oracle, x)  # [6, 3, V]
     xn = x.numpy()
     assert lp.dtype == torch.float64
-    pi = D.markov_stationary(probs, V, k)
-    p1 = D.markov_conditional(probs, V, k, 1, pi)  # [V, V]: one token seen
+    pi = MK.markov_stationary(probs, V, k)
+    p1 = MK.markov_conditional(probs, V, k, 1, pi)  # [V, V]: one token seen
     np.testing.assert_allclose(lp[0].exp().numpy(), p1[xn[:, 0]], rtol=1e-12)
     for t in range(1, 6):  # two or more seen: the full-order row of the last two tokens
         np.testing.assert_allclose(lp[t].exp().numpy(), probs[xn[:, t - 1] * V + xn[:, t]], rtol=1e-12)
@@ -104,8 +105,8 @@ def test_markov_oracle_steps_are_the_exact_conditionals(chain):
 
 
 def test_markov_oracle_cross_entropy_is_the_entropy_rate():
-    c = D.markov_corpus(n_train=10, n_valid=50_000, n_test=10)
-    oracle = MarkovOracle.from_chain(D.markov_chain_from_info(c.info))
+    c = MK.markov_corpus(n_train=10, n_valid=50_000, n_test=10)
+    oracle = MarkovOracle.from_chain(MK.markov_chain_from_info(c.info))
     x = c.valid.view(10, -1)  # 10 stationary streams, the oracle is exact from their first token
     lp, _ = feed(oracle, x[:, :-1])  # [T-1, 10, V]
     nll = -lp.gather(2, x[:, 1:].t()[:, :, None])[..., 0]  # [T-1, 10]

@@ -7,14 +7,15 @@ import numpy as np
 import pytest
 import torch
 
-from lmcal.data import (
+from lmcal.expfit import calibration_objective
+from lmcal.markov import (
     make_markov_chain,
     markov_conditional,
     markov_conditional_entropy,
     markov_stationary,
     sample_markov,
 )
-from lmcal.memory import calibrate_to_limited, calibration_objective, memory_upper_bound
+from lmcal.memory import calibrate_to_limited, memory_upper_bound
 
 N, V = 300, 9
 
@@ -232,8 +233,7 @@ def test_full_context_rows_align_with_limited_rows_and_score_like_evaluate_ce():
 def test_markov_oracle_estimates_match_the_exact_answers():
     """The pipeline's Markov check (`markov_oracle_memory`): entropy rate and I_tau from the exact oracles agree with
     the closed forms within 3 standard errors, on the default corpus (order 2)."""
-    from lmcal.callbacks import markov_oracle_memory
-    from lmcal.data import markov_corpus
+    from lmcal.markov import markov_corpus, markov_oracle_memory
 
     corpus = markov_corpus(n_train=1000, n_valid=50_000, n_test=50_000)
     r = markov_oracle_memory(corpus.info, corpus.split("valid"), corpus.split("test"), [1, 2, 3])

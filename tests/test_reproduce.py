@@ -8,6 +8,7 @@ import stat
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -15,7 +16,8 @@ from lmcal.errors import LmcalError
 from lmcal.reproduce import load_profile, plan
 from tests.conftest import DATA_ROOT, HAVE_PTB
 
-pytestmark = pytest.mark.skipif(not HAVE_PTB, reason="the pipeline reproduces PTB results: set LMCAL_DATA_ROOT")
+pytestmark = [pytest.mark.skipif(not HAVE_PTB, reason="the pipeline reproduces PTB results: set LMCAL_DATA_ROOT"),
+              pytest.mark.slow]  # the pipeline in subprocesses: minutes
 
 
 def _cmd(out, *extra):
@@ -153,3 +155,21 @@ def test_profiles_share_one_wandb_group_and_auto_picks_by_device():
     assert auto.profile in ("paper", "cpu")
     with pytest.raises(LmcalError, match="Unknown profile"):
         load_profile(["profile=gpu"])
+
+
+def test_a_new_stage_runs_through_the_pipeline(uninterrupted, tmp_path):
+    """The toy stage of tests/toy_stage.py, loaded in every process with LMCAL_PLUGINS and added to `stages`: on a
+    copy of the finished reproduction only it and the report run, and its summary lands in results.json."""
+    out = tmp_path / "copy"
+    shutil.copytree(uninterrupted[0], out)
+    root = str(Path(__file__).resolve().parents[1])
+    env = {**_env(), "LMCAL_PLUGINS": "tests.toy_stage",
+           "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    r = subprocess.run(_cmd(out, "stages=[entropy_rate,calibration,decoders,toy]",
+                            "analysis=[analysis=smoke,'+analysis.toy={positions: 5}']"), env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    ran = [line.split("]")[1].split(":")[0].strip() for line in r.stdout.splitlines() if ": running (log" in line]
+    assert ran == ["toy", "report"], r.stdout
+    res = json.loads((out / "results.json").read_text())
+    assert res["toy"]["toy_mean_entropy"] > 0 and "## Stage toy" in (out / "REPORT.md").read_text()

@@ -9,12 +9,11 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import open_dict
 
-from lmcal.callbacks import table1_markdown
 from lmcal.errors import LmcalError
 from lmcal.evaluate import evaluate
 from lmcal.model import limited_context_ce
 from lmcal.module import load_net
-from lmcal.report import memory_report
+from lmcal.report import memory_report, table1_markdown
 from lmcal.train import CONF_DIR, train
 from tests.conftest import HAVE_PTB
 
@@ -121,7 +120,7 @@ def test_memory_stage_after_training_on_the_checkpoint_and_in_the_report(tmp_pat
                                              f"memory.base_ckpt={base['best_ckpt']}"])
     with open_dict(bad):
         bad.paths.output_dir = str(tmp_path / "bad_eval")
-    with pytest.raises(LmcalError, match="tau-model"):
+    with pytest.raises(LmcalError, match=r"memory runs on a tau-limited model"):
         evaluate(bad)
 
     report = memory_report([tmp_path / "sweep"], tmp_path / "report", wandb_mode="disabled")
@@ -164,6 +163,7 @@ def test_report_command_line_errors_are_one_paragraph(tmp_path):
     assert r.returncode == 2 and r.stderr.startswith("lmcal: error: No memory.json") and "Traceback" not in r.stderr
 
 
+@pytest.mark.slow
 def test_decoders_after_training_in_a_sweep_and_in_the_report(tmp_path, data_overrides):
     """The decoders stage as a callback (reusing the calibration stage's row), then a Hydra multirun over one
     decoder's setting on the checkpoint, then `python -m lmcal.report` over the sweep."""
@@ -208,3 +208,53 @@ def test_decoders_after_training_in_a_sweep_and_in_the_report(tmp_path, data_ove
         next((tmp_path / "rep").glob("decoders_*.md")).read_text()
     assert md.count("| model |") == 1 and "| top_p | p=0.5 |" in md and "| top_p | p=0.9 |" in md
     assert "| min_p | min_p=0.1 |" in md and "| calibration |" in md
+
+
+def _compose(name, out, overrides):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose(name, overrides=overrides)
+    with open_dict(cfg):
+        cfg.paths.output_dir = str(out)
+    return cfg
+
+
+def test_a_new_stage_is_one_function_and_one_registry_entry(tmp_path, data_overrides):
+    """tests/toy_stage.py registers `toy`; train runs it after training (its summary lands in metrics.json) and
+    evaluate runs it on the checkpoint, with its settings node given on the command line."""
+    import tests.toy_stage  # noqa: F401  (registers the stage)
+
+    m = train(_compose("train", tmp_path / "run", ["experiment=smoke", "logger=none", "trainer.max_epochs=1",
+                                                    "analysis.stages=[toy]", "+analysis.toy={positions: 7}",
+                                                    *data_overrides]))
+    toy = json.loads((tmp_path / "run" / "toy.json").read_text())
+    assert toy["positions"] == 7 and m["toy_mean_entropy"] == toy["toy_mean_entropy"] > 0
+    assert json.loads((tmp_path / "run" / "metrics.json").read_text())["toy_mean_entropy"] == m["toy_mean_entropy"]
+    res = evaluate(_compose("evaluate", tmp_path / "eval", [f"ckpt={m['best_ckpt']}", "stages=[toy]", "logger=none",
+                                                             "+analysis.toy={positions: 7}"]))
+    assert res["toy"]["toy_mean_entropy"] == pytest.approx(toy["toy_mean_entropy"], rel=1e-6)
+
+
+def test_a_misspelt_analysis_key_is_an_error_listing_the_valid_ones(tmp_path, data_overrides):
+    cfg = _compose("train", tmp_path / "run", ["experiment=smoke", "logger=none", "+analysis.entropy_rate.horizn=5",
+                                               *data_overrides])
+    with pytest.raises(LmcalError) as e:
+        train(cfg)
+    msg = str(e.value)
+    assert "Unknown setting analysis.entropy_rate.horizn" in msg and "horizon" in msg and "num_prefixes" in msg
+    assert not (tmp_path / "run" / "checkpoints").exists()  # before training
+    ecfg = _compose("evaluate", tmp_path / "eval", ["ckpt=/not/read.ckpt", "stages=[calibration]", "logger=none",
+                                                    "+analysis.calibration.top_k=4"])
+    with pytest.raises(LmcalError, match="Unknown setting analysis.calibration.top_k; the calibration stage takes"):
+        evaluate(ecfg)
+
+
+def test_one_gating_rule_in_both_entry_points(tmp_path, data_overrides):
+    """A stage that does not apply to the model is one paragraph naming those that do, before any work."""
+    cfg = _compose("train", tmp_path / "run", ["experiment=smoke", "logger=none", "model.memory_tau=4",
+                                               "analysis.stages=[entropy_rate]", *data_overrides])
+    with pytest.raises(LmcalError, match=r"Stage entropy_rate does not apply to a tau-limited model .*; the stages "
+                                         r"that do: memory\."):
+        train(cfg)
+    assert not (tmp_path / "run" / "checkpoints").exists()
+    with pytest.raises(LmcalError, match="Unknown analysis stage entropy; the stages are entropy_rate"):
+        evaluate(_compose("evaluate", tmp_path / "eval", ["ckpt=/not/read.ckpt", "stages=[entropy]", "logger=none"]))

@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 from hydra import compose, initialize_config_dir
 
 from lmcal.train import CONF_DIR
@@ -20,9 +21,10 @@ def multirun(tmp_path, *overrides):
     return subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
 
 
+@pytest.mark.slow
 def test_sweep_over_tau_and_datasets_leaves_metrics_per_job(tmp_path):
     datasets = ["ptb", "markov"] if HAVE_PTB else ["markov"]
-    r = multirun(tmp_path, f"data={','.join(datasets)}", "model.memory_tau=2,4")
+    r = multirun(tmp_path, f"data={','.join(datasets)}", "model.memory_tau=2,4", "analysis.stages=[]")
     assert r.returncode == 0, r.stderr[-3000:]
     for ds in datasets:
         found = sorted((tmp_path / "sweep").glob(f"data={ds},*/metrics.json"))
@@ -33,8 +35,9 @@ def test_sweep_over_tau_and_datasets_leaves_metrics_per_job(tmp_path):
             assert m["ce_limited_nats"]["test"] == m["test_ce_nats"] > 0
 
 
+@pytest.mark.slow
 def test_a_failing_job_does_not_stop_the_sweep(tmp_path):
-    r = multirun(tmp_path, "data=markov", "model.memory_tau=0,3")  # tau=0 is invalid
+    r = multirun(tmp_path, "data=markov", "model.memory_tau=0,3", "analysis.stages=[]")  # tau=0 is invalid
     assert r.returncode == 0, r.stderr[-3000:]
     bad, good = (tmp_path / "sweep" / f"data=markov,experiment=smoke,model.memory_tau={t}" for t in (0, 3))
     assert "memory_tau" in json.loads((bad / "failed.json").read_text())["error"]

@@ -19,35 +19,39 @@ Everything here runs on the StepLM interface (lmcal.lm): vocab_size, init_state(
 
 from __future__ import annotations
 
-import logging
 import math
 from dataclasses import dataclass, field
 
 import torch
 
-log = logging.getLogger("lmcal")
+from lmcal.expfit import fit_alpha, objective, sandwich_stderr
 
 # ---------------------------------------------------------------------------------------------------------------------
 # The lookahead
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def mix_uniform(logp: torch.Tensor, epsilon: float) -> torch.Tensor:
-    """log((1 - eps) P + eps / V) of log-probs [..., V]; eps = 0 returns logp itself (bit for bit)."""
+def mix_uniform(logp: torch.Tensor, epsilon: float, vocab_size: int | None = None) -> torch.Tensor:
+    """log((1 - eps) P + eps / V) of log-probs [..., V]; eps = 0 returns logp itself (bit for bit). vocab_size: V
+    when logp is not a whole row (e.g. the log-probs of the true next words only, [n]).
+
+    The mixture is per token: each next-word distribution is mixed with the uniform one. The paper mixes whole
+    sequences, (1 - eps) P(w_1..T) + eps U(w_1..T), whose conditionals are not this per-token mixture; both keep every
+    cross-entropy finite."""
     if epsilon == 0.0:
         return logp
     if not 0.0 < epsilon <= 1.0:
         raise ValueError(f"epsilon must be in [0, 1], got {epsilon}")
-    V = logp.size(-1)
+    V = vocab_size or logp.size(-1)
     return torch.logaddexp(logp + math.log1p(-epsilon), torch.full_like(logp, math.log(epsilon / V)))
 
 
-def entropy(logp: torch.Tensor) -> torch.Tensor:
-    """Entropy in nats of each row of log-probs [..., V] -> [...] (0 log 0 = 0)."""
-    if not torch.isneginf(logp).any():  # the common case, a third faster: no mask, no where
-        return -(logp.exp() * logp).sum(-1)
-    plogp = torch.where(torch.isneginf(logp), torch.zeros_like(logp), logp.exp() * logp)
-    return -plogp.sum(-1)
+def entropy(logp: torch.Tensor, p: torch.Tensor | None = None) -> torch.Tensor:
+    """Entropy in nats of each row of log-probs [..., V] -> [...] (0 log 0 = 0); p: logp.exp() if already at hand."""
+    p = logp.exp() if p is None else p
+    # clamp: p * -inf would be nan where p = 0, and finite log-probs lie far above the dtype's minimum. No branch on
+    # the values, so no device sync inside generation loops.
+    return -(p * logp.clamp(min=torch.finfo(logp.dtype).min)).sum(-1)
 
 
 def _candidate_entropies(lm, state, cand: torch.Tensor, epsilon: float, chunk: int) -> torch.Tensor:
@@ -107,84 +111,18 @@ def lookahead_entropies(lm, state, logp: torch.Tensor, topk: int | None = None, 
 # ---------------------------------------------------------------------------------------------------------------------
 # Per predicted position the objective needs the target's (log P(y), H_next(y)) and the distribution of H_next under
 # P, which we keep as K weighted "atoms" (log-weight, H_next): in exact mode the V candidates, in top-k mode the k
-# computed candidates plus one atom holding the rest of the mass at the shared value. Then for any a, exactly,
-#     log Z(a) = logsumexp_j(logw_j + a h_j),  CE' = E_{P_a}[h] - h(y),  CE'' = Var_{P_a}[h].
-
-
-def _terms(logw: torch.Tensor, h: torch.Tensor, logq_y: torch.Tensor, h_y: torch.Tensor, alpha: float):
-    """Per-position (ce [n], d1 [n], d2 [n], E_{P_a}[h] [n]) in float64 from atoms logw, h [n, K] and targets [n]."""
-    logw, h, logq_y, h_y = logw.double(), h.double(), logq_y.double(), h_y.double()
-    s = logw + alpha * h  # [n, K]
-    log_z = s.logsumexp(-1)  # [n]
-    pi = (s - log_z[:, None]).exp()  # [n, K]: P_a over the atoms
-    mean = (pi * h).sum(-1)  # [n]
-    var = (pi * (h - mean[:, None]) ** 2).sum(-1)  # [n], centred: no cancellation
-    return -logq_y - alpha * h_y + log_z, mean - h_y, var, mean
-
-
-def _objective(logw, h, logq_y, h_y, alpha: float, elements: int = 1 << 22, per_position: bool = False):
-    """Means of (ce, d1, d2, E_{P_a}[h]) over all positions, about `elements` atoms at a time (a few float64
-    temporaries of that size). With per_position, also the per-position d1 [n] (for the sandwich standard error)."""
-    rows = max(1, elements // logw.size(1))
-    sums, d1s = torch.zeros(4, dtype=torch.float64), []
-    for i in range(0, logw.size(0), rows):
-        t = _terms(logw[i:i + rows], h[i:i + rows], logq_y[i:i + rows], h_y[i:i + rows], alpha)
-        sums += torch.stack([x.sum() for x in t])
-        if per_position:
-            d1s.append(t[1])
-    means = (sums / logw.size(0)).tolist()
-    return (means, torch.cat(d1s)) if per_position else means
-
-
-def calibration_objective(logp_rows: torch.Tensor, hnext_rows: torch.Tensor, targets: torch.Tensor,
-                          alpha: float) -> tuple[float, float, float]:
-    """Exact (CE(a), CE'(a), CE''(a)) in nats from full rows: log P [N, V], H_next [N, V], next words [N]."""
-    y = targets.long()[:, None]
-    ce, d1, d2, _ = _objective(logp_rows, hnext_rows, logp_rows.gather(1, y)[:, 0], hnext_rows.gather(1, y)[:, 0],
-                               alpha)
-    return ce, d1, d2
-
-
-def newton_minimize(fun, alpha0: float = 0.0, bound: float = 100.0, tol: float = 1e-12, max_iter: int = 200,
-                    clamp: bool = False) -> float:
-    """Minimise a convex 1-D function given fun(a) -> (f, f', f''), by Newton steps inside a shrinking bracket.
-
-    The bracket starts as [-bound, bound]; each evaluation moves one end to a (by the sign of f'), and a Newton step
-    that would leave the bracket (or a non-positive f'') is replaced by bisection, so it always converges. If the
-    minimum is not inside the bound (e.g. a* = +-inf on degenerate data, or a nearly flat objective), it raises, or
-    with clamp returns the bound itself: the minimum over [-bound, bound] of a convex function.
-    """
-    lo, hi, a = -bound, bound, alpha0
-    for _ in range(max_iter):
-        _, d1, d2 = fun(a)
-        if abs(d1) <= tol:
-            return a
-        lo, hi = (lo, a) if d1 > 0 else (a, hi)
-        new = a - d1 / d2 if d2 > 0 else math.nan
-        a = new if lo < new < hi else 0.5 * (lo + hi)
-        if hi - lo <= 1e-15 * max(1.0, abs(a)):
-            break
-    if bound - abs(a) < 1e-6:
-        if clamp:
-            return math.copysign(bound, a)
-        raise RuntimeError(f"the minimum lies at or beyond |alpha| = {bound}")
-    return a
+# computed candidates plus one atom holding the rest of the mass at the shared value. P_a is then the tilted family of
+# lmcal.expfit with s = H_next over the atoms, exact for any a: log Z(a) = logsumexp_j(logw_j + a h_j),
+# CE' = E_{P_a}[h] - h(y), CE'' = Var_{P_a}[h].
 
 
 def _fit(stats: tuple, bound: float, what: str) -> tuple[float, float, float, float, int]:
-    """Newton's method on the exact objective of the atoms `stats` (see _objective), from a = 0 and clamped to
+    """Newton's method on the exact objective of the atoms `stats` (see lmcal.expfit), from a = 0 and clamped to
     [-bound, bound] with a warning: (a*, CE(0), CE(a*), sandwich standard error of a*, positions)."""
-    fun = lambda a: _objective(*stats, a)[:3]
-    alpha = newton_minimize(fun, 0.0, bound, clamp=True)
-    ce_before = fun(0.0)[0]
-    (ce_after, _, d2, _), g = _objective(*stats, alpha, per_position=True)
-    if abs(alpha) == bound:
-        log.warning(f"{what}: held-out CE keeps falling up to |alpha| = {bound} (the statistic barely varies between "
-                    f"candidates: CE falls by {ce_before - ce_after:.2e} nats there); using alpha = {alpha:g}, the "
-                    "minimum over [-bound, bound]. Fit on more, or more varied, text for a finite alpha*.")
-    n = g.numel()
-    stderr = math.sqrt(g.pow(2).mean().item() / n) / d2 if d2 > 0 else math.inf
-    return alpha, ce_before, ce_after, stderr, n
+    alpha = fit_alpha([stats], bound, clamp=True, what=what)
+    ce_before = objective([stats], 0.0)[0]
+    (ce_after, _, d2, _), g = objective([stats], alpha, per_row=True)
+    return alpha, ce_before, ce_after, sandwich_stderr(g, d2), g.numel()
 
 
 @dataclass
@@ -208,14 +146,14 @@ class CalibrationFit:
 
     def ce_derivatives(self, alpha: float) -> tuple[float, float, float]:
         """(CE(a), CE'(a), CE''(a)) in nats, exact on the stored statistics."""
-        return tuple(_objective(self.logw, self.h, self.logq_y, self.h_y, alpha)[:3])
+        return tuple(objective([(self.logw, self.h, self.logq_y, self.h_y)], alpha)[:3])
 
     def ce_at(self, alpha: float) -> float:
         return self.ce_derivatives(alpha)[0]
 
     def hnext_means(self, alpha: float) -> tuple[float, float]:
         """(mean over positions of E_{P_a}[H_next], mean H_next at the true next words): equal at a* (moments)."""
-        return _objective(self.logw, self.h, self.logq_y, self.h_y, alpha)[3], self.h_y.double().mean().item()
+        return objective([(self.logw, self.h, self.logq_y, self.h_y)], alpha)[3], self.h_y.double().mean().item()
 
 
 @torch.no_grad()
@@ -329,7 +267,8 @@ def score(lm, tokens: torch.Tensor) -> tuple[float, int]:
 # ---------------------------------------------------------------------------------------------------------------------
 # P_b ∝ P^b (b = 1/T) is P * exp((b - 1) log P): the lookahead family with log P itself as the statistic in place of
 # H_next. So the same atoms serve, (logw, h) = (log P, log P) over the vocabulary, and the same exact objective and
-# Newton fit give a = b - 1: CE(b) = mean_t [-b log P(w_t) + log sum_w P(w)^b], convex, CE'' = Var_{P_b}[log P].
+# Newton fit (lmcal.expfit) give a = b - 1: CE(b) = mean_t [-b log P(w_t) + log sum_w P(w)^b], convex,
+# CE'' = Var_{P_b}[log P].
 
 
 @dataclass

@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 import torch
 
-from lmcal.calibration import target_log_probs
+from lmcal.calibration import entropy, mix_uniform, target_log_probs
 from lmcal.errors import LmcalError
 from lmcal.validate import decoder_problems
 
@@ -41,11 +41,6 @@ def _normalised(logp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     lq = logp.double()
     lq = lq - lq.logsumexp(-1, keepdim=True)
     return lq, lq.exp()
-
-
-def _entropy(lq: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """[B, 1] nats; words of probability 0 contribute 0."""
-    return -(q * lq.clamp(min=-1e300)).sum(-1, keepdim=True)  # clamp: 0 * -inf would be nan
 
 
 def _keep(logp: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
@@ -112,7 +107,7 @@ def typical(logp: torch.Tensor, mass: float) -> torch.Tensor:
     if mass >= 1.0:
         return logp
     lq, q = _normalised(logp)
-    dist = (lq + _entropy(lq, q)).abs_()  # [B, V]: |surprisal - H|, inf for p = 0
+    dist = (lq + entropy(lq, q)[:, None]).abs_()  # [B, V]: |surprisal - H|, inf for p = 0
     return _keep(logp, _smallest_set(-dist, dist, q, torch.full_like(dist[:, :1], mass)))
 
 
@@ -121,7 +116,7 @@ def eta(logp: torch.Tensor, epsilon: float) -> torch.Tensor:
     if epsilon == 0.0:
         return logp
     lq, q = _normalised(logp)
-    cut = torch.clamp(math.sqrt(epsilon) * (-_entropy(lq, q)).exp(), max=epsilon)  # [B, 1]
+    cut = torch.clamp(math.sqrt(epsilon) * (-entropy(lq, q)[:, None]).exp(), max=epsilon)  # [B, 1]
     return _keep(logp, (q >= cut) | (q == q.amax(-1, keepdim=True)))
 
 
@@ -269,12 +264,12 @@ def heldout_cost(lm, tokens: torch.Tensor, mix_epsilon: float = 1e-6) -> dict:
     zero_prob_fraction    the fraction of words q gives probability 0
     test_ce_kept_nats     mean -log q(w) over the words q keeps (None if it keeps none)
     test_ce_mixed_nats    mean -log((1 - eps) q(w) + eps / V) over all words, eps = mix_epsilon: always finite
+                          (the per-token mixture of lmcal.calibration.mix_uniform)
     """
     logq = target_log_probs(lm, tokens)  # [n] float64
     zero = torch.isneginf(logq)
     kept = logq[~zero]
-    mixed = torch.logaddexp(logq + math.log1p(-mix_epsilon),
-                            torch.full_like(logq, math.log(mix_epsilon / lm.vocab_size)))
+    mixed = mix_uniform(logq, mix_epsilon, lm.vocab_size)  # [n]
     return {
         "test_ce_nats": None if zero.any() else -logq.mean().item(),
         "zero_prob_fraction": zero.double().mean().item(),

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from lmcal.calibration import entropy
 from lmcal.lm import StepLM
 from lmcal.utils import exp_or_inf
 
@@ -119,7 +120,7 @@ def generation_entropy_curve(lm: StepLM, prefixes: torch.Tensor, horizon: int, s
         for t in range(horizon):
             lp = logp.double()
             p = lp.exp()  # [n*S, V]
-            ent[t] = -torch.where(p > 0, p * lp, 0.0).sum(-1)  # 0 log 0 = 0
+            ent[t] = entropy(lp, p)
             bar.update()
             if t == horizon - 1:
                 break  # the last word's entropy is all we need from it

@@ -8,7 +8,6 @@ Decoders: `stages=[decoders]` (every method of analysis.decoders.methods), or on
 
 from __future__ import annotations
 
-import json
 import logging
 import sys
 from pathlib import Path
@@ -17,24 +16,17 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from lmcal.callbacks import (
-    calibration_stage,
-    decoders_stage,
-    entropy_rate_stage,
-    load_base_net,
-    markov_exact_mi,
-    memory_stage,
-)
 from lmcal.errors import LmcalError
 from lmcal.lm import LSTMStepLM
+from lmcal.markov import markov_exact_mi
 from lmcal.model import evaluate_ce
-from lmcal.module import LMDataModule, load_net
+from lmcal.module import LMDataModule, load_base_net, load_net
+from lmcal.stages import check_settings, check_stages, run_stages
 from lmcal.train import finish_logger, make_logger, model_name
 from lmcal.utils import exp_or_inf, run_lock, write_json_atomic
 from lmcal.validate import check_config
 
 log = logging.getLogger("lmcal")
-STAGES = ("entropy_rate", "calibration", "decoders", "memory")
 
 
 def load_checkpoint_and_data(ckpt_path: str, data_root: str | None = None, device: str | None = None):
@@ -55,19 +47,13 @@ def load_checkpoint_and_data(ckpt_path: str, data_root: str | None = None, devic
     return net, ckpt, dm
 
 
-def decoders_settings(cfg: DictConfig, calibration: dict | None) -> dict:
-    """The decoders stage's keyword arguments: analysis.decoders, with `decoder=NAME` (one method) in place of its
-    method list, and the calibration result of this run or of analysis.decoders.calibration_json to reuse."""
-    settings = OmegaConf.to_container(cfg.analysis.decoders, resolve=True)
-    if cfg.get("decoder"):
-        settings["methods"] = [OmegaConf.to_container(cfg.decoder, resolve=True)]
-    path = settings.pop("calibration_json", None)
-    if calibration is None and path:
-        if not Path(path).is_file():
-            raise LmcalError(f"analysis.decoders.calibration_json={path} does not exist; run stages=[calibration] "
-                             "first, or drop the setting to fit the calibration row in this stage.")
-        calibration = json.loads(Path(path).read_text())
-    return {**settings, "calibration": calibration}
+def stage_settings(cfg: DictConfig) -> dict[str, dict]:
+    """analysis.<stage> of every stage asked for, checked against the stage's parameters; `decoder=NAME` (one
+    method, e.g. for a sweep of its setting) replaces analysis.decoders.methods."""
+    settings = {n: check_settings(n, OmegaConf.to_container(cfg.analysis[n], resolve=True)) for n in cfg.stages}
+    if cfg.get("decoder") and "decoders" in settings:
+        settings["decoders"]["methods"] = [OmegaConf.to_container(cfg.decoder, resolve=True)]
+    return settings
 
 
 def hf_target(cfg: DictConfig) -> dict:
@@ -78,11 +64,7 @@ def hf_target(cfg: DictConfig) -> dict:
     from lmcal.lm import hf_cross_entropy, load_hf_model
 
     m = cfg.model
-    unsupported = [s for s in cfg.stages if s == "memory"]
-    if unsupported:
-        raise LmcalError("stages=[memory] needs trained tau-limited models (python -m lmcal.train "
-                         "model.memory_tau=TAU); it does not run on Hugging Face models. Use entropy_rate, "
-                         "calibration and decoders.")
+    check_stages(list(cfg.stages), "hf")  # before the model is loaded
     device = cfg.get("device") or ("cuda" if torch.cuda.is_available() else "cpu")
     lm = load_hf_model(m.name_or_path, device=device, dtype=m.get("dtype"))
     root = cfg.get("data_root")
@@ -92,11 +74,11 @@ def hf_target(cfg: DictConfig) -> dict:
     name = m.get("label") or Path(str(m.name_or_path)).name
     corpus = f"{texts['valid'].stem} ({name} tokens)"
     log.info(f"{name}: test ppl {exp_or_inf(test_ce):.2f} per model token on {n:,} tokens of {texts['test']}")
-    return {"lm": lm, "name": name, "corpus": corpus, "valid": tokens["valid"], "test": tokens["test"],
-            "test_ce": test_ce, "results": {"model": name, "name_or_path": str(m.name_or_path), "dataset": corpus,
-                                            "valid_text": str(texts["valid"]), "test_text": str(texts["test"]),
-                                            "test_ce_nats": test_ce, "test_ppl": exp_or_inf(test_ce),
-                                            "test_tokens": n, "unit": "model token"}}
+    results = {"model": name, "name_or_path": str(m.name_or_path), "dataset": corpus, "valid_text": str(texts["valid"]),
+               "test_text": str(texts["test"]), "test_ce_nats": test_ce, "test_ppl": exp_or_inf(test_ce),
+               "test_tokens": n, "unit": "model token"}
+    return {"lm": lm, "kind": "hf", "unit": "model token", "name": name, "corpus": corpus, "valid": tokens["valid"],
+            "test": tokens["test"], "test_ce": test_ce, "results": results}
 
 
 def checkpoint_target(cfg: DictConfig) -> dict:
@@ -104,16 +86,12 @@ def checkpoint_target(cfg: DictConfig) -> dict:
     net, ckpt, dm = load_checkpoint_and_data(cfg.ckpt, cfg.get("data_root"), cfg.get("device"))
     name = model_name(OmegaConf.create(ckpt["hyper_parameters"]["net"]))
     tau = net.memory_tau
-    full_only = [s for s in cfg.stages if s != "memory"]
-    if tau and full_only:
-        raise LmcalError(f"{cfg.ckpt} is a tau={tau} limited-memory model; stages {full_only} analyse full-context "
-                         "models. Run them on the base model's checkpoint, and stages=[memory] on this one.")
-    target = {"lm": LSTMStepLM(net), "net": net, "name": name, "corpus": dm.name, "test_ce": None,
+    check_stages(list(cfg.stages), "tau" if tau else "full")
+    target = {"lm": LSTMStepLM(net), "net": net, "kind": "tau" if tau else "full", "unit": "word", "name": name,
+              "corpus": dm.name, "test_ce": None, "ckpt": str(Path(cfg.ckpt).resolve()),
               "results": {"ckpt": str(Path(cfg.ckpt).resolve()), "model": name, "dataset": dm.name}}
     if "memory" in cfg.stages:
-        if not tau:
-            raise LmcalError(f"stages=[memory] needs ckpt= to be a tau-model (trained with model.memory_tau=TAU); "
-                             f"{cfg.ckpt} is full-context.")
+        target["base_ckpt"] = str(Path(cfg.memory.base_ckpt).resolve()) if cfg.memory.base_ckpt else None
         target["base"] = load_base_net(cfg.get("memory", {}).get("base_ckpt"), net.decoder.weight.device, dm.name)
         # the splits as the base model has them: a tau-model may have been validated on a prefix only
         _, _, dm = load_checkpoint_and_data(cfg.memory.base_ckpt, cfg.get("data_root"), cfg.get("device"))
@@ -137,9 +115,8 @@ def evaluate(cfg: DictConfig) -> dict:
 
 
 def _evaluate(cfg: DictConfig, out: Path) -> dict:
-    unknown = [s for s in cfg.stages if s not in STAGES]
-    if unknown:
-        raise LmcalError(f"Unknown stage(s) {unknown}: choose from {list(STAGES)}, e.g. stages=[entropy_rate].")
+    check_stages(list(cfg.stages), None)
+    settings = stage_settings(cfg)  # before any model is loaded
     hf = cfg.get("model") is not None
     has_ckpt = not OmegaConf.is_missing(cfg, "ckpt") and cfg.ckpt is not None
     if hf and has_ckpt:
@@ -149,28 +126,10 @@ def _evaluate(cfg: DictConfig, out: Path) -> dict:
         raise LmcalError("Say what to analyse: ckpt=PATH (a checkpoint of python -m lmcal.train) or model=hf "
                          "model.name_or_path=FOLDER (a Hugging Face causal LM).")
     target = hf_target(cfg) if hf else checkpoint_target(cfg)
-    lm, name, corpus, valid, test = (target[k] for k in ("lm", "name", "corpus", "valid", "test"))
     results = target["results"]
-    unit = results.get("unit", "word")
     logger = make_logger(cfg)
     try:
-        for stage in cfg.stages:
-            if stage == "entropy_rate":
-                settings = {k: v for k, v in cfg.analysis.entropy_rate.items() if k != "every_n_epochs"}
-                results[stage] = entropy_rate_stage(lm, valid, target["test_ce"], out, logger=logger,
-                                                    model_name=name, corpus=corpus, unit=unit, **settings)
-            elif stage == "calibration":
-                results[stage] = calibration_stage(lm, valid, test, out, logger=logger, model_name=name,
-                                                   corpus=corpus, unit=unit, **cfg.analysis.calibration)
-            elif stage == "decoders":
-                results[stage] = decoders_stage(lm, valid, test, out, logger=logger, model_name=name, corpus=corpus,
-                                                unit=unit, **decoders_settings(cfg, results.get("calibration")))
-            elif stage == "memory":
-                results[stage] = memory_stage(target["base"], target["net"], valid, test, out, logger=logger,
-                                              model_name=name, corpus=corpus, bptt=target["bptt"],
-                                              base_ckpt=str(Path(cfg.memory.base_ckpt).resolve()),
-                                              ckpt=str(Path(cfg.ckpt).resolve()), exact_mi_nats=target["exact_mi"],
-                                              **cfg.analysis.memory)
+        results.update(run_stages(list(cfg.stages), target, settings, out, logger))
         write_json_atomic(out / "evaluation.json", results)
         return results
     finally:

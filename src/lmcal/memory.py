@@ -32,6 +32,9 @@ from dataclasses import dataclass
 
 import torch
 
+from lmcal.calibration import entropy
+from lmcal.expfit import block_sums, blocks, fit_alpha, row_terms, sandwich_stderr, tilted, with_targets
+
 Chunk = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (log P^ [n, V], log P~ [n, V], targets [n])
 
 
@@ -53,8 +56,10 @@ class MemoryBound:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Per-row terms
+# Rows
 # ---------------------------------------------------------------------------------------------------------------------
+# P^_a is the tilted family of lmcal.expfit with base P^ and statistic s = log P~ over the vocabulary; expfit holds the
+# objective, the -inf handling (the domain cuts) and the Newton fit.
 
 
 def _check(full: torch.Tensor, limited: torch.Tensor, targets: torch.Tensor) -> None:
@@ -63,130 +68,18 @@ def _check(full: torch.Tensor, limited: torch.Tensor, targets: torch.Tensor) -> 
                          f"{tuple(limited.shape)}, {tuple(targets.shape)}")
 
 
-def _tilted(a: torch.Tensor, b: torch.Tensor, alpha: float) -> torch.Tensor:
-    """Unnormalised log P^_a = a + alpha * b [..., V] (float64), with P^(w) = 0 staying 0 and 0 * log 0 = 0.
-
-    Raises for alpha < 0 when P~(w) = 0 at a word with P^(w) > 0: that word's weight P~^alpha would be infinite.
-    """
-    zero_p, zero_q = torch.isneginf(a), torch.isneginf(b)
-    if alpha == 0.0:
-        return a.clone()
-    if alpha < 0 and (zero_q & ~zero_p).any():
-        raise ValueError(f"alpha = {alpha} < 0 is undefined where the limited model gives probability 0 to a word "
-                         "the full model does not")
-    return torch.where(zero_p, a, a + alpha * b)  # alpha > 0: -inf where P~ = 0; where P^ = 0 it stays -inf
-
-
-def _row_terms(full: torch.Tensor, limited: torch.Tensor, targets: torch.Tensor, alpha: float) -> dict:
-    """Per-row float64 terms [n] at alpha: ce_cal, entropy, d1, d2 (of CE(a)), ce_full, ce_limited."""
-    a, b = full.double(), limited.double()
-    y = targets.to(a.device).long()[:, None]  # [n, 1]
-    ce_limited = -b.gather(1, y)[:, 0]
-    # Shifting log P~ by a per-row constant leaves P^_a unchanged (Z absorbs it) and all derivatives too; with the row
-    # max subtracted a uniform P~ is exactly 0, so CE' = CE'' = 0 exactly there, and a * b never overflows.
-    b = b - b.amax(-1, keepdim=True)  # [n, V], <= 0
-    s = _tilted(a, b, alpha)  # [n, V]
-    logp = s - s.logsumexp(-1, keepdim=True)  # [n, V]: log P^_a
-    p = logp.exp()
-    pos = p > 0  # where P^_a(w) = 0 the terms p * log p, p * b are 0 (not 0 * -inf = nan)
-    zero = torch.zeros((), dtype=p.dtype, device=p.device)
-    mean_b = torch.where(pos, p * b, zero).sum(-1)  # [n]: E_{P^_a}[log P~] (shifted)
-    var_b = torch.where(pos, p * (b - mean_b[:, None]) ** 2, zero).sum(-1)  # [n], centred: no cancellation
-    return {
-        "ce_cal": -logp.gather(1, y)[:, 0],
-        "entropy": -torch.where(pos, p * logp, zero).sum(-1),
-        "d1": mean_b - b.gather(1, y)[:, 0],
-        "d2": var_b,
-        "ce_full": -a.gather(1, y)[:, 0],
-        "ce_limited": ce_limited,
-    }
-
-
-def _blocks(chunks: Iterable[Chunk], elements: int):
-    """Each chunk cut into row blocks of about `elements` entries, so the float64 temporaries stay small."""
+def _groups(chunks: Iterable[Chunk]):
+    """Each checked chunk as expfit rows (log P^, log P~, log P^(y), log P~(y)), lazily."""
     for full, limited, targets in chunks:
         _check(full, limited, targets)
-        rows = max(1, elements // max(1, full.size(1)))
-        for i in range(0, full.size(0), rows):
-            yield full[i:i + rows], limited[i:i + rows], targets[i:i + rows]
-
-
-def _sums(chunks: Iterable[Chunk], alpha: float, elements: int) -> tuple[float, float, float, int]:
-    """(sum CE, sum CE', sum CE'', n) over all rows at alpha."""
-    total, n = torch.zeros(3, dtype=torch.float64), 0
-    for blk in _blocks(chunks, elements):
-        t = _row_terms(*blk, alpha)
-        total += torch.stack([t["ce_cal"].sum(), t["d1"].sum(), t["d2"].sum()]).cpu()
-        n += blk[2].numel()
-    return (*total.tolist(), n)
-
-
-@torch.no_grad()
-def calibration_objective(full_lp: torch.Tensor, limited_lp: torch.Tensor, targets: torch.Tensor,
-                          alpha: float, elements: int = 1 << 22) -> tuple[float, float, float]:
-    """Exact (CE(a), CE'(a), CE''(a)) in nats of P^_a on rows log P^ [N, V], log P~ [N, V], targets [N]."""
-    ce, d1, d2, n = _sums([(full_lp, limited_lp, targets)], float(alpha), elements)
-    return ce / n, d1 / n, d2 / n
+        yield with_targets(full, limited, targets)
 
 
 @torch.no_grad()
 def calibrate_to_limited(full_log_probs: torch.Tensor, limited_log_probs: torch.Tensor, alpha: float) -> torch.Tensor:
     """log P^_a [..., V]: log P^ + a log P~, renormalised (computed in float64, returned in the inputs' dtype)."""
     dtype = torch.promote_types(full_log_probs.dtype, limited_log_probs.dtype)
-    s = _tilted(full_log_probs.double(), limited_log_probs.double(), float(alpha))
-    return (s - s.logsumexp(-1, keepdim=True)).to(dtype)
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# The fit
-# ---------------------------------------------------------------------------------------------------------------------
-
-
-def _domain(chunks: list[Chunk], bound: float) -> tuple[float, float]:
-    """The interval where CE(a) can be finite and minimal: [-bound, bound], cut to a >= 0 when P~ has a zero where P^
-    has mass (a < 0 undefined) and to a <= 0 when P~ gives a true next word probability 0 (CE(a > 0) = +inf)."""
-    lo, hi = -bound, bound
-    for full, limited, targets in chunks:
-        if (torch.isneginf(limited) & ~torch.isneginf(full)).any():
-            lo = 0.0
-        if torch.isneginf(limited.gather(1, targets.to(limited.device).long()[:, None])).any():
-            hi = 0.0
-    return lo, hi
-
-
-def _newton(fun, lo: float, hi: float, tol: float = 1e-12, max_iter: int = 200) -> float:
-    """Minimise a convex function on [lo, hi] from fun(a) -> (f', f''), starting at 0 (or the nearest end).
-
-    Each evaluation moves one end of the bracket to a (by the sign of f'); a Newton step that leaves the bracket, or
-    f'' <= 0 (a flat objective) or nan, is replaced by bisection, so it always converges.
-    """
-    a = min(max(0.0, lo), hi)
-    for _ in range(max_iter):
-        if lo == hi:
-            return lo
-        d1, d2 = fun(a)
-        if abs(d1) <= tol:
-            return a
-        lo, hi = (lo, a) if d1 > 0 else (a, hi)
-        new = a - d1 / d2 if d2 > 0 else math.nan  # nan fails the bracket test below
-        new = new if lo < new < hi else 0.5 * (lo + hi)
-        if abs(new - a) <= 1e-15 * max(1.0, abs(a)):
-            return new
-        a = new
-    return a
-
-
-def _fit_alpha(chunks: list[Chunk], bound: float, elements: int) -> float:
-    lo, hi = _domain(chunks, bound)
-
-    def fun(a):
-        _, d1, d2, n = _sums(chunks, a, elements)
-        return d1 / n, d2 / n
-
-    alpha = _newton(fun, lo, hi)
-    if bound - abs(alpha) < 1e-6:
-        raise RuntimeError(f"CE(alpha) has its minimum at or beyond |alpha| = {bound}; degenerate rows?")
-    return alpha
+    return tilted(full_log_probs, limited_log_probs, alpha).to(dtype)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -194,15 +87,9 @@ def _fit_alpha(chunks: list[Chunk], bound: float, elements: int) -> float:
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def _block_sums(x: torch.Tensor, size: int) -> torch.Tensor:
-    """Sums of consecutive blocks of `size` rows of x [N] -> [ceil(N / size)] (the last block may be shorter)."""
-    nb = -(-x.numel() // size)
-    return torch.cat([x, x.new_zeros(nb * size - x.numel())]).view(nb, size).sum(1)
-
-
 def _mean_stderr(x: torch.Tensor, cluster_size: int) -> float:
     """Standard error of mean(x), blocks of cluster_size consecutive rows independent (batch means; 1 = i.i.d.)."""
-    dev = _block_sums(x - x.mean(), cluster_size)  # [B]: S_b - n_b * mean
+    dev = block_sums(x - x.mean(), cluster_size)  # [B]: S_b - n_b * mean
     nb = dev.numel()
     if nb < 2:
         return math.nan
@@ -248,25 +135,27 @@ def memory_upper_bound(full_log_probs, limited_log_probs: torch.Tensor | None = 
         if not isinstance(chunks, list):  # one pass over the source; the Newton iterations reread the kept rows
             keep = lambda t, dtype: t.detach().to(device=store_device, dtype=dtype)
             chunks = [(keep(f, store_dtype), keep(q, store_dtype), keep(y, None)) for f, q, y in chunks]
-        alpha = _fit_alpha(chunks, bound, elements)
+        groups = list(_groups(chunks))
+        if not any(g[2].numel() for g in groups):
+            raise ValueError("no rows")
+        alpha = fit_alpha(groups, bound, elements, what="memory bound")
+    else:
+        groups = _groups(chunks)  # streamed: one pass
     alpha = float(alpha)
 
     parts: dict[str, list[torch.Tensor]] = {}
-    for blk in _blocks(chunks, elements):
-        for k, v in _row_terms(*blk, alpha).items():
+    for logp, logq, logp_y, logq_y in blocks(groups, elements):
+        logp_a, ce, d1, d2, _ = row_terms(logp, logq, logp_y, logq_y, alpha)  # float64, [n, V] and [n]
+        terms = {"ce_cal": ce, "entropy": entropy(logp_a), "d1": d1, "d2": d2, "ce_full": -logp_y.double(),
+                 "ce_limited": -logq_y.double()}
+        for k, v in terms.items():
             parts.setdefault(k, []).append(v.cpu())
     if not parts:
         raise ValueError("no rows")
     rows = {k: torch.cat(v) for k, v in parts.items()}  # each [N] float64
     n = rows["ce_cal"].numel()
     mean = {k: v.mean().item() for k, v in rows.items()}
-
-    if fitted:
-        # sandwich: a* solves mean_t g_t(a) = 0 with g_t = CE'_t, so Var a* ~ Var(sum g) / (N CE'')^2
-        num = math.sqrt(_block_sums(rows["d1"], cluster_size).pow(2).sum().item())
-        alpha_stderr = num / (n * mean["d2"]) if mean["d2"] > 0 else math.inf
-    else:
-        alpha_stderr = math.nan
+    alpha_stderr = sandwich_stderr(rows["d1"], mean["d2"], cluster_size) if fitted else math.nan
     return MemoryBound(
         alpha=alpha,
         ce_limited=mean["ce_limited"],

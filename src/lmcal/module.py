@@ -47,7 +47,9 @@ def load_corpus(name: str = "ptb", root: str | None = None, download: bool = Fal
     if name == "wikitext2":
         return D.load_wikitext2(root, download=download)
     if name == "markov":
-        return D.markov_corpus(**kwargs)
+        from lmcal.markov import markov_corpus  # lmcal.markov imports lmcal.data
+
+        return markov_corpus(**kwargs)
     if name == "synthetic":
         return D.synthetic_corpus(**kwargs)
     raise D.DataError(f"Unknown corpus {name!r}: choose data=ptb, data=wikitext2 or data=markov "
@@ -368,3 +370,20 @@ def load_net(ckpt_path: str | Path, map_location="cpu"):
         raise LmcalError(f"{ckpt_path}: its weights do not fit the network its settings describe "
                          f"({str(e).splitlines()[0]}); the file is damaged or was edited.") from None
     return net.eval(), ckpt
+
+
+def load_base_net(path: str | Path | None, device, corpus: str | None = None):
+    """The full-context base model for the memory stage, with a clear error when it is missing or mismatched."""
+    if not path:
+        raise LmcalError("The memory stage needs the full-context base model: pass memory.base_ckpt=PATH (a "
+                         "checkpoint of the same corpus trained with model.memory_tau=null).")
+    if not Path(path).is_file():
+        raise LmcalError(f"memory.base_ckpt={path} does not exist; train the base model first "
+                         "(python -m lmcal.train with model.memory_tau=null) and point at its checkpoints/best.ckpt.")
+    net, ckpt = load_net(path, map_location="cpu")
+    if net.memory_tau:
+        raise LmcalError(f"memory.base_ckpt={path} is itself a tau={net.memory_tau} model; it must be full-context.")
+    base_corpus = (ckpt["hyper_parameters"].get("data_cfg") or {}).get("name")
+    if corpus and base_corpus and base_corpus != corpus:
+        raise LmcalError(f"memory.base_ckpt={path} was trained on {base_corpus}, this model on {corpus}.")
+    return net.to(device)

@@ -20,12 +20,31 @@ import logging
 import sys
 from pathlib import Path
 
-from lmcal.callbacks import PAPER_MEMORY_PTB
+from lmcal import paper
 from lmcal.errors import LmcalError
 from lmcal.plots import decoders_tradeoff_figure, memory_figure
-from lmcal.utils import write_json_atomic, write_text_atomic
+from lmcal.utils import format_ce, format_params, write_json_atomic, write_text_atomic
 
 log = logging.getLogger("lmcal")
+
+
+def table1_markdown(rows: list[dict]) -> str:
+    """The paper's Table 1 layout: model, corpus, test ppl, EntRate (= exp of the last step's entropy)."""
+    lines = ["| model | corpus | test ppl | EntRate |", "|---|---|---|---|"]
+    lines += [f"| {r['model']} | {r['corpus']} | {r['test_ppl']:.1f} | {r['entrate_ppl']:.1f} |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def decoders_table(rows: list[dict]) -> str:
+    """Markdown: one row per method, entropies of the t = 1 and last generated words, EntRate and held-out costs."""
+    lines = ["| method | parameters | entropy t=1 (nats) | entropy t=horizon (nats) | EntRate | test CE (nats) | "
+             "zero-prob. fraction | CE on kept words | CE, ε-mixed |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['method']} | {format_params(r['params'])} | {r['entropy_t1_nats']:.3f} | "
+                     f"{r['entropy_last_nats']:.3f} | {r['entrate_ppl']:.1f} | {format_ce(r['test_ce_nats'])} | "
+                     f"{r['zero_prob_fraction']:.4f} | {format_ce(r['test_ce_kept_nats'])} | "
+                     f"{format_ce(r['test_ce_mixed_nats'])} |")
+    return "\n".join(lines) + "\n"
 
 
 def collect_memory(dirs: list[str | Path]) -> dict[str, list[dict]]:
@@ -56,18 +75,18 @@ def collect_memory(dirs: list[str | Path]) -> dict[str, list[dict]]:
 
 def memory_table(rows: list[dict]) -> str:
     """Markdown: per tau, CE(P||P~), the I_tau bound (± 1 se) and alpha*, ours beside the paper's (PTB only)."""
-    paper = rows[0]["corpus"] == "ptb"
+    ptb = rows[0]["corpus"] == "ptb"
     head = "| tau | CE(P‖P̃) | I_tau upper bound | alpha* |"
     sep = "|---|---|---|---|"
-    if paper:
+    if ptb:
         head = "| tau | CE(P‖P̃) | paper | I_tau upper bound | paper | alpha* | paper |"
         sep = "|---|---|---|---|---|---|---|"
     lines = [head, sep]
     for r in rows:
         ours = [f"{r['ce_limited_nats']:.4f}", f"{r['mi_upper_bound_nats']:.4f} ± {r['mi_stderr_nats']:.4f}",
                 f"{r['alpha']:.5f} ± {r['alpha_stderr']:.5f}"]
-        if paper:
-            p = PAPER_MEMORY_PTB.get(int(r["tau"]))
+        if ptb:
+            p = paper.MEMORY_PTB.get(int(r["tau"]))
             theirs = [f"{v:.4f}" if i < 2 else f"{v:.5f}" for i, v in enumerate(p)] if p else ["–"] * 3
             ours = [ours[0], theirs[0], ours[1], theirs[1], ours[2], theirs[2]]
         lines.append(f"| {r['tau']} | " + " | ".join(ours) + " |")
@@ -105,7 +124,6 @@ def collect_decoders(dirs: list[str | Path]) -> dict[str, list[dict]]:
 
 def decoders_report(dirs: list[str | Path], out: str | Path) -> dict:
     """Writes decoders_<corpus>.md and .png for the decoder rows under `dirs` (see collect_decoders)."""
-    from lmcal.callbacks import decoders_table
 
     out = Path(out)
     report = {}
@@ -140,8 +158,8 @@ def memory_report(dirs: list[str | Path], out: str | Path | None = None, wandb_m
         series = {"ours": ([r["tau"] for r in rows], [r["mi_upper_bound_nats"] for r in rows],
                            [r["mi_stderr_nats"] for r in rows])}
         if corpus == "ptb":
-            taus = sorted(PAPER_MEMORY_PTB)
-            series["paper (AWD-LSTM, 500 epochs)"] = (taus, [PAPER_MEMORY_PTB[t][1] for t in taus], None)
+            taus = sorted(paper.MEMORY_PTB)
+            series["paper (AWD-LSTM, 500 epochs)"] = (taus, [paper.MEMORY_PTB[t][1] for t in taus], None)
         png = memory_figure(series, out / f"memory_{corpus}.png",
                             title=f"{rows[0]['model'].split(', tau=')[0]} on {corpus}: information from beyond "
                                   "tau tokens back")

@@ -20,8 +20,8 @@ that was killed resumes from its last checkpoint; the seeds make the results the
 
 from __future__ import annotations
 
+import functools
 import json
-import math
 import os
 import shlex
 import shutil
@@ -33,13 +33,11 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from lmcal.errors import LmcalError
+from lmcal.results import PAPER_STAGES, read_json, report
 from lmcal.settings import composed, differences, settings_of
+from lmcal.stages import STAGES, check_stages
 from lmcal.train import CONF_DIR
 from lmcal.utils import (
-    copy_atomic,
-    exp_or_inf,
-    format_ce,
-    format_params,
     run_lock,
     write_json_atomic,
     write_text_atomic,
@@ -47,7 +45,6 @@ from lmcal.utils import (
 from lmcal.validate import check_config
 
 PROFILES = ("paper", "cpu", "smoke")
-PAPER = {"test_ppl": 58.3, "entrate_ppl": 93.1}  # Table 1, AWD-LSTM on PTB
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -139,12 +136,12 @@ def plan(cfg: DictConfig) -> list[dict]:
                                     f"task_name={prefix}tau", f"hydra.sweep.dir={root / 'tau'}",
                                     "hydra.sweep.subdir=tau_${model.memory_tau}"]})
         ev = py + ["lmcal.evaluate", f"ckpt={base_ckpt}", *part.analysis, *lg]
-        if not prefix:  # the generation stages on PTB; on the Markov source the memory bound is what is checked
-            for stage in ("entropy_rate", "calibration", "decoders"):
-                extra = ([f"analysis.decoders.calibration_json={root / 'calibration' / 'calibration.json'}"]
-                         if stage == "decoders" else [])  # its calibration row: the calibration stage's
-                stages.append({"name": stage, "dir": root / stage, "done": [root / stage / f"{stage}.json"],
-                               "deps": ["base", "calibration"] if stage == "decoders" else ["base"],
+        if not prefix:  # the full model's stages on PTB; on the Markov source the memory bound is what is checked
+            for stage in [n for n in STAGES if n in cfg.stages]:  # each in its own run, in the registry's order
+                uses = STAGES[stage].uses  # e.g. decoders take their calibration row from the calibration stage
+                extra = [f"analysis.{stage}.{u}_json={root / u / (u + '.json')}" for u in uses]
+                stages.append({"name": stage, "dir": root / stage, "done": [root / stage / "evaluation.json"],
+                               "deps": ["base", *uses],
                                "cmd": ev + [f"stages=[{stage}]", *extra, f"task_name={stage}",
                                             f"hydra.run.dir={root / stage}"]})
         for t, d in tau_dirs.items():
@@ -154,8 +151,9 @@ def plan(cfg: DictConfig) -> list[dict]:
                            "cmd": py + ["lmcal.evaluate", f"ckpt={d / 'checkpoints' / 'best.ckpt'}",
                                         f"memory.base_ckpt={base_ckpt}", "stages=[memory]", *part.analysis, *lg,
                                         f"task_name={prefix}memory", f"hydra.run.dir={mdir}"]})
-    stages.append({"name": "report", "dir": out, "done": [out / "results.json", out / "REPORT.md"], "fn": report,
-                   "deps": [st["name"] for st in stages]})
+    names = [st["name"] for st in stages] + ["report"]
+    stages.append({"name": "report", "dir": out, "done": [out / "results.json", out / "REPORT.md"],
+                   "fn": functools.partial(report, names=names), "deps": names[:-1]})
     return stages
 
 
@@ -220,7 +218,7 @@ def stale_stages(stages: list[dict], current: dict, out: Path, force: bool) -> d
         rec = out / "stages" / f"{st['name']}.json"
         if not rec.is_file():
             continue
-        record = _read(rec)
+        record = read_json(rec)
         if "settings" not in record:  # a record of an lmcal that did not keep settings: adopt the current ones
             print(f"{st['name']}: recorded without its settings (an older lmcal); taking it as run with the current "
                   "ones.", flush=True)
@@ -264,6 +262,11 @@ def clear_stage(stage: dict, taus: set[str] | None, out: Path) -> None:
 
 def reproduce(cfg: DictConfig) -> dict:
     check_config(cfg)  # the profile's own values (taus), before the folder is touched
+    check_stages(list(cfg.stages), "full")
+    missing = [n for n in PAPER_STAGES if n not in cfg.stages]
+    if missing:
+        raise LmcalError(f"stages= must include {', '.join(PAPER_STAGES)}: the report is built on them (missing: "
+                         f"{', '.join(missing)}). Add stages after them, e.g. stages=[{','.join(PAPER_STAGES)},NEW].")
     out = Path(cfg.out).resolve()
     with run_lock(out, "reproduction"):
         stages = plan(cfg)
@@ -272,215 +275,23 @@ def reproduce(cfg: DictConfig) -> dict:
             clear_stage(next(st for st in stages if st["name"] == name), taus, out)
         profile = OmegaConf.masked_copy(cfg, [k for k in cfg if k != "force"])
         write_text_atomic(out / "profile.yaml", OmegaConf.to_yaml(profile))
-        t_all = time.perf_counter()
+        t_all, ran = time.perf_counter(), set()
         for i, stage in enumerate(stages, 1):
             record = out / "stages" / f"{stage['name']}.json"
             rec = {"dir": str(stage["dir"]), "cmd": stage.get("cmd"), "settings": current[stage["name"]]}
-            if (record.is_file() and _read(record).get("status") == "done"
+            if (record.is_file() and read_json(record).get("status") == "done" and not ran & set(stage["deps"])
                     and all(p.is_file() for p in stage["done"])):
                 print(f"[{i}/{len(stages)}] {stage['name']}: done before, skipped", flush=True)
-                if _read(record).get("settings") != rec["settings"]:  # the tau-models of a longer taus list
-                    write_json_atomic(record, {**_read(record), **rec})
+                if read_json(record).get("settings") != rec["settings"]:  # the tau-models of a longer taus list
+                    write_json_atomic(record, {**read_json(record), **rec})
                 continue
             write_json_atomic(record, {"status": "started", **rec})
+            ran.add(stage["name"])  # what uses its results runs again too
             seconds = run_stage(stage, cfg, out, i, len(stages))
             write_json_atomic(record, {"status": "done", "seconds": seconds, **rec})
             print(f"[{i}/{len(stages)}] {stage['name']}: done in {seconds:.0f} s", flush=True)
         print(f"Finished in {time.perf_counter() - t_all:.0f} s: {out / 'REPORT.md'}", flush=True)
     return json.loads((out / "results.json").read_text())
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# The report
-# ---------------------------------------------------------------------------------------------------------------------
-
-
-def _read(path: Path) -> dict:
-    return json.loads(path.read_text())
-
-
-def collect_results(cfg: DictConfig, out: Path) -> dict:
-    """results.json: the numbers of every stage, from the files the stages wrote."""
-    ptb, mk = out / cfg.dataset, out / "markov"
-    base = _read(ptb / "base" / "metrics.json")
-    er = _read(ptb / "entropy_rate" / "entropy_rate.json")
-    cal = _read(ptb / "calibration" / "calibration.json")
-    dec = _read(ptb / "decoders" / "decoders.json")
-    mem = [_read(ptb / "memory" / f"tau_{t}" / "memory.json") for t in cfg.taus]
-    mbase = _read(mk / "base" / "metrics.json")
-    mmem = [_read(mk / "memory" / f"tau_{t}" / "memory.json") for t in cfg.markov.taus]
-    names = [st["name"] for st in plan(cfg)]  # pipeline order
-    records = {n: _read(out / "stages" / f"{n}.json") for n in names if (out / "stages" / f"{n}.json").is_file()}
-    records = {n: r for n, r in records.items() if r.get("status") == "done"}
-    def tail_ppl(curve: list[float]) -> float:  # exp of the mean entropy over the last tenth of the horizon
-        return exp_or_inf(sum(curve[-max(1, len(curve) // 10):]) / max(1, len(curve) // 10))
-
-    return {
-        "profile": cfg.profile, "dataset": cfg.dataset,
-        "base": {"val_ppl": base["val_ppl"], "test_ppl": base["test_ppl"], "test_ce_nats": base["test_ce_nats"],
-                 "model": base["model"], "epochs": base["epochs"], "params": base["params"]},
-        "entropy_rate": {"horizon": er["horizon"], "num_generations": er["num_generations"],
-                         "curve_nats": er["curve_nats"], "stderr_nats": er["stderr_nats"],
-                         "entrate_ppl": er["entrate_ppl"], "test_ppl": er["test_ppl"],
-                         "entrate_tail_ppl": tail_ppl(er["curve_nats"])},
-        "calibration": {k: cal[k] for k in ("alpha", "alpha_stderr", "test_ppl_before", "test_ppl_after",
-                                            "curve_nats", "stderr_nats", "curve_nats_before",
-                                            "entrate_ppl_before", "entrate_ppl_after", "topk", "fit_tokens",
-                                            "test_tokens")}
-        | {"entrate_tail_ppl_before": tail_ppl(cal["curve_nats_before"]),
-           "entrate_tail_ppl_after": tail_ppl(cal["curve_nats"])},
-        "decoders": [{k: r[k] for k in ("method", "params", "entrate_ppl", "test_ce_nats", "zero_prob_fraction",
-                                        "test_ce_kept_nats", "test_ce_mixed_nats", "entropy_t1_nats",
-                                        "entropy_last_nats")} | {"entrate_tail_ppl": tail_ppl(r["curve_nats"])}
-                     for r in dec["rows"]],
-        "memory": [{k: m[k] for k in ("tau", "ce_limited_nats", "mi_upper_bound_nats", "mi_stderr_nats", "alpha",
-                                      "alpha_stderr", "entropy_calibrated_nats")} for m in mem],
-        "markov": {"order": mbase["markov_order"],
-                   "true_entropy_rate_nats": mbase["true_entropy_rate_nats"],
-                   "estimated_entropy_rate_nats": mmem[0]["ce_full_nats"],
-                   "estimated_entropy_rate_stderr_nats": mmem[0]["ce_full_stderr_nats"],
-                   "test_ce_nats": mbase["test_ce_nats"],
-                   "memory": [{"tau": m["tau"], "mi_upper_bound_nats": m["mi_upper_bound_nats"],
-                               "mi_stderr_nats": m["mi_stderr_nats"], "exact_mi_nats": m["exact_mi_nats"],
-                               "alpha": m["alpha"]} for m in mmem],
-                   "oracle": markov_oracle(cfg, mk)},
-        "stages": {name: {"seconds": r["seconds"], "status": r["status"]} for name, r in records.items()},
-    }
-
-
-def markov_oracle(cfg: DictConfig, mk: Path) -> dict:
-    """The same estimators on the Markov source's exact oracles (same corpus and test text as the trained models)."""
-    from lmcal.callbacks import markov_oracle_memory
-    from lmcal.module import load_net
-
-    _, ckpt = load_net(mk / "base" / "checkpoints" / "best.ckpt")
-    data_cfg = dict(ckpt["hyper_parameters"]["data_cfg"])
-    data_cfg.pop("_target_", None)
-    from lmcal.module import LMDataModule
-
-    dm = LMDataModule(**data_cfg)
-    corpus = dm.prepare()
-    return markov_oracle_memory(corpus.info, dm.tokens("valid"), dm.tokens("test"), list(cfg.markov.taus))
-
-
-def report(cfg: DictConfig, out: Path) -> None:
-    from lmcal.plots import entropy_curve_figure
-    from lmcal.report import memory_report
-
-    results = collect_results(cfg, out)
-    results["stages"]["report"] = {"seconds": 0.0, "status": "done"}
-    import numpy as np
-
-    er, cal = results["entropy_rate"], results["calibration"]
-    entropy_curve_figure({"generations": (np.array(er["curve_nats"]), np.array(er["stderr_nats"]))},
-                         out / "figure2_entropy_rate.png",
-                         reference_nats={"test cross-entropy": math.log(results["base"]["test_ppl"])},
-                         title=f"{results['base']['model']} on {cfg.dataset}: entropy of generated words")
-    before = np.array(cal["curve_nats_before"])
-    entropy_curve_figure({"uncalibrated": (before, np.zeros_like(before)),
-                          f"calibrated (alpha* = {cal['alpha']:.3g})": (np.array(cal["curve_nats"]),
-                                                                        np.array(cal["stderr_nats"]))},
-                         out / "figure3_calibration.png",
-                         reference_nats={"test cross-entropy": math.log(cal["test_ppl_before"])},
-                         title="Lookahead calibration (Algorithm 2)")
-    copy_atomic(out / cfg.dataset / "decoders" / "decoders.png", out / "figure_decoders.png")
-    memory_report([out / cfg.dataset / "memory", out / "markov" / "memory"], out, wandb_mode="disabled")
-    write_json_atomic(out / "results.json", results)
-    write_text_atomic(out / "REPORT.md", report_markdown(cfg, results, out))
-    if cfg.logger == "wandb":
-        _log_report(cfg, results, out)
-
-
-def decoders_markdown(rows: list[dict]) -> list[str]:
-    lines = ["| method | parameters | exp(entropy) t=1 | EntRate (last step) | exp(mean entropy, last tenth) | "
-             "test CE (nats) | zero-prob. fraction | CE, ε-mixed |", "|---|---|---|---|---|---|---|---|"]
-    for d in rows:
-        lines.append(f"| {d['method']} | {format_params(d['params'], drop=('stderr',))} | "
-                     f"{exp_or_inf(d['entropy_t1_nats']):.1f} | "
-                     f"{d['entrate_ppl']:.1f} | {d['entrate_tail_ppl']:.1f} | {format_ce(d['test_ce_nats'])} | "
-                     f"{d['zero_prob_fraction']:.4f} | {format_ce(d['test_ce_mixed_nats'])} |")
-    return lines
-
-
-def report_markdown(cfg: DictConfig, r: dict, out: Path) -> str:
-    b, er, cal, mk = r["base"], r["entropy_rate"], r["calibration"], r["markov"]
-    orc = mk["oracle"]
-    entrate_row = f"| {b['model']} ({cfg.profile}) | {cfg.dataset} | {er['test_ppl']:.1f} | {er['entrate_ppl']:.1f} |"
-    lines = [
-        f"# lmcal reproduction: profile `{cfg.profile}`", "",
-        f"Base model: {b['model']}, {b['params']:,} parameters, {b['epochs']} epochs; validation perplexity "
-        f"{b['val_ppl']:.1f}, test {b['test_ppl']:.1f} (the paper: 64.3 / 58.3 after 500 epochs).", "",
-        "## Entropy rate of generations (Table 1, Figure 2)", "",
-        "| model | corpus | test ppl | EntRate = exp(entropy at the last step) | exp(mean entropy, last tenth) |",
-        "|---|---|---|---|---|",
-        entrate_row + f" {er['entrate_tail_ppl']:.1f} |",
-        f"| AWD-LSTM (paper) | ptb | {PAPER['test_ppl']} | {PAPER['entrate_ppl']} | |", "",
-        f"{er['num_generations']} generations of {er['horizon']} words. ![Figure 2](figure2_entropy_rate.png)", "",
-        "## Lookahead calibration (Algorithm 2, Figure 3)", "",
-        "| | alpha* | test ppl | EntRate (last step) | exp(mean entropy, last tenth) |", "|---|---|---|---|---|",
-        f"| uncalibrated | 0 | {cal['test_ppl_before']:.2f} | {cal['entrate_ppl_before']:.1f} | "
-        f"{cal['entrate_tail_ppl_before']:.1f} |",
-        f"| calibrated | {cal['alpha']:.4f} ± {cal['alpha_stderr']:.4f} | {cal['test_ppl_after']:.2f} | "
-        f"{cal['entrate_ppl_after']:.1f} | {cal['entrate_tail_ppl_after']:.1f} |", "",
-        f"Standard error of the last step's entropy: {cal['stderr_nats'][-1]:.3f} nats (calibrated).", "",
-        f"alpha* fitted on {cal['fit_tokens']:,} validation tokens with top-{cal['topk'] or 'V (exact)'} lookahead; "
-        f"test perplexity on {cal['test_tokens']:,} test tokens. The paper: generations' perplexity falls by almost "
-        "20 points, test perplexity unchanged. ![Figure 3](figure3_calibration.png)", "",
-        "## Decoders beside calibration", "",
-        "The decoding rules practitioners use, on the same model, prefixes and seeds as calibration. Test CE is ∞ "
-        "where a rule gives a test word probability 0; the ε-mixed CE mixes in ε = 1e-6 of the uniform "
-        "distribution, so it is finite for all. The fitted rows (temperature, calibration) are the only ones "
-        "chosen by held-out cross-entropy.", "",
-        *decoders_markdown(r["decoders"]), "",
-        "![decoders](figure_decoders.png)", "",
-        "## Memory (Section 5, Figure 4)", "",
-        (out / f"memory_{cfg.dataset}.md").read_text().split("\n", 2)[2],
-        "## The exact check: an order-k Markov source", "",
-        f"Order {mk['order']}. Entropy rate: exact {mk['true_entropy_rate_nats']:.4f} nats, estimated (the trained "
-        f"LSTM's test cross-entropy) {mk['estimated_entropy_rate_nats']:.4f} ± "
-        f"{mk['estimated_entropy_rate_stderr_nats']:.4f}.", "",
-        f"The same estimators on the exact oracles (P̂ = the true conditional, P̃_τ = the exact order-τ "
-        f"conditional), on the same test text: entropy rate {orc['estimated_entropy_rate_nats']:.4f} ± "
-        f"{orc['estimated_entropy_rate_stderr_nats']:.4f}.", "",
-        "| tau | I_tau bound, trained LSTMs | I_tau bound, exact oracles | exact I_tau of the source |",
-        "|---|---|---|---|",
-        *[f"| {m['tau']} | {m['mi_upper_bound_nats']:.4f} ± {m['mi_stderr_nats']:.4f} | "
-          f"{o['mi_upper_bound_nats']:.4f} ± {o['mi_stderr_nats']:.4f} | {m['exact_mi_nats']:.4f} |"
-          for m, o in zip(mk["memory"], orc["memory"], strict=True)], "",
-        "± is one standard error. The oracle rows check the estimators; the LSTM rows add the trained models' own "
-        "error (their bound is on the information *they* draw from beyond tau, and their excess cross-entropy "
-        "over the source enters it).", "",
-        "![Figure 4 on the Markov source](memory_markov.png)", "",
-        "## Stages", "", "| stage | seconds | run folder |", "|---|---|---|",
-    ]
-    for name, s in r["stages"].items():
-        rec = out / "stages" / f"{name}.json"
-        folder = _read(rec)["dir"] if rec.is_file() else str(out)
-        rel = os.path.relpath(folder, out)
-        lines.append(f"| {name} | {s['seconds']:.0f} | [{rel}]({rel}) |")
-    total = sum(s["seconds"] for s in r["stages"].values())
-    lines += ["", f"Total: {total / 60:.1f} minutes. Settings: [profile.yaml](profile.yaml); logs in [logs/](logs)."]
-    return "\n".join(lines) + "\n"
-
-
-def _log_report(cfg: DictConfig, results: dict, out: Path) -> None:
-    import wandb
-
-    run = wandb.init(project=cfg.wandb_project, group=f"reproduce-{cfg.profile}", job_type="report",
-                     name=f"report-{cfg.profile}", mode="offline" if cfg.wandb_offline else "online", dir=str(out),
-                     reinit="finish_previous")
-    try:
-        run.summary.update({"test_ppl": results["base"]["test_ppl"],
-                            "entrate_ppl": results["entropy_rate"]["entrate_ppl"],
-                            "calibration/alpha": results["calibration"]["alpha"]})
-        run.log({p.stem: wandb.Image(str(p)) for p in sorted([*out.glob("figure*.png"), *out.glob("memory_*.png")])})
-        cols = ["tau", "ce_limited_nats", "mi_upper_bound_nats", "mi_stderr_nats", "alpha"]
-        run.log({"memory": wandb.Table(columns=cols, data=[[m[c] for c in cols] for m in results["memory"]])})
-        cols = ["method", "params", "entrate_ppl", "test_ce_nats", "zero_prob_fraction", "test_ce_mixed_nats"]
-        run.log({"decoders": wandb.Table(columns=cols, data=[[json.dumps(d[c]) if c == "params" else d[c]
-                                                              for c in cols] for d in results["decoders"]])})
-    finally:
-        run.finish()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -21,16 +21,10 @@ from omegaconf import DictConfig, OmegaConf
 from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.plugins.io import TorchCheckpointIO
 
-from lmcal.callbacks import (
-    CalibrationCallback,
-    DecodersCallback,
-    EntropyRateCallback,
-    MemoryCallback,
-    MetricsCallback,
-    load_base_net,
-)
+from lmcal.callbacks import EpochEntropyRateCallback, MetricsCallback, StagesCallback
 from lmcal.errors import LmcalError
-from lmcal.module import LMModule, load_net, read_checkpoint
+from lmcal.module import LMModule, load_base_net, load_net, read_checkpoint
+from lmcal.stages import STAGES, check_settings, check_stages, summary
 from lmcal.utils import atomic_path, run_lock, write_json_atomic
 from lmcal.validate import check_config
 
@@ -88,9 +82,6 @@ def check_resume(path: str, model_cfg: dict, vocab_size: int) -> None:
                          "was changed.")
 
 
-STAGES = ("entropy_rate", "calibration", "decoders", "memory")  # memory: tau-models; the others: full models
-
-
 def init_from(module: LMModule, path: str) -> None:
     """Start from the network weights of another checkpoint (not its optimiser or schedule): warm-starts
     tau-models from the base model in the CPU profile."""
@@ -139,39 +130,25 @@ def _train(cfg: DictConfig, out: Path) -> dict:
         log.info(f"Resuming from {resume}")
 
     stages = list(cfg.analysis.get("stages") or [])
-    unknown = set(stages) - set(STAGES)
-    if unknown:
-        raise LmcalError(f"Unknown analysis stage(s) {sorted(unknown)} in analysis.stages; known: {', '.join(STAGES)}.")
     tau = cfg.model.get("memory_tau")
+    settings = {n: OmegaConf.to_container(cfg.analysis[n], resolve=True) for n in STAGES if n in cfg.analysis}
+    check_stages(stages, "tau" if tau else "full")  # before training: a misspelt or misplaced stage costs nothing
+    for n in stages:
+        check_settings(n, settings.get(n) or {})
     base_ckpt = cfg.get("memory", {}).get("base_ckpt")
-    if "memory" in stages and tau:
+    if "memory" in stages:
         load_base_net(base_ckpt, "cpu", cfg.data.name)  # fail now, not after training
     if cfg.get("init_ckpt") and not resume:
         init_from(module, cfg.init_ckpt)
     metrics_cb = MetricsCallback(out, extra={"dataset": cfg.data.name, "model": model_name(cfg.model),
                                              "resumed_from": resume})
-    callbacks = [ckpt_cb, metrics_cb]  # in this order: metrics.json is written before any stage runs
-    er_cb = cal_cb = dec_cb = mem_cb = None
-    er_cfg = dict(cfg.analysis.entropy_rate)
-    every = er_cfg.pop("every_n_epochs", None)
-    if ("entropy_rate" in stages or every) and not cfg.model.get("memory_tau"):
-        er_cb = EntropyRateCallback(out, every_n_epochs=every, at_fit_end="entropy_rate" in stages,
-                                    model_name=model_name(cfg.model), corpus=cfg.data.name, **er_cfg)
-        callbacks.append(er_cb)
-    if "calibration" in stages and not tau:
-        cal_cb = CalibrationCallback(out, model_name=model_name(cfg.model), corpus=cfg.data.name,
-                                     **cfg.analysis.calibration)
-        callbacks.append(cal_cb)
-    if "decoders" in stages and not tau:
-        settings = OmegaConf.to_container(cfg.analysis.decoders, resolve=True)
-        settings.pop("calibration_json", None)
-        dec_cb = DecodersCallback(out, calibration=cal_cb, model_name=model_name(cfg.model), corpus=cfg.data.name,
-                                  **settings)
-        callbacks.append(dec_cb)
-    if "memory" in stages and tau:
-        mem_cb = MemoryCallback(out, base_ckpt, model_name=model_name(cfg.model), corpus=cfg.data.name,
-                                **cfg.analysis.memory)
-        callbacks.append(mem_cb)
+    stages_cb = StagesCallback(out, stages, settings, model_name(cfg.model), base_ckpt)
+    callbacks = [ckpt_cb, metrics_cb, stages_cb]  # in this order: metrics.json is written before any stage runs
+    every = (settings.get("entropy_rate") or {}).pop("every_n_epochs", None)
+    if every:
+        check_stages(["entropy_rate"], "tau" if tau else "full")
+        callbacks.append(EpochEntropyRateCallback(out, every, model_name=model_name(cfg.model), corpus=cfg.data.name,
+                                                  **settings["entropy_rate"]))
 
     logger = make_logger(cfg)
     try:
@@ -183,16 +160,7 @@ def _train(cfg: DictConfig, out: Path) -> dict:
         metrics = metrics_cb.metrics
         if metrics is None:
             raise LmcalError(f"Training stopped before it could be scored; see {out / 'train.log'}.")
-        if er_cb is not None and er_cb.result:
-            metrics["entrate_ppl"] = er_cb.result["entrate_ppl"]
-        if cal_cb is not None and cal_cb.result:
-            metrics.update({k: cal_cb.result[k] for k in ("alpha", "test_ppl_before", "test_ppl_after",
-                                                           "entrate_ppl_before", "entrate_ppl_after")})
-        if dec_cb is not None and dec_cb.result:
-            metrics["decoders"] = {r["method"]: {k: r[k] for k in ("entrate_ppl", "test_ce_nats", "zero_prob_fraction")}
-                                   for r in dec_cb.result["rows"]}
-        if mem_cb is not None and mem_cb.result:
-            metrics.update({k: mem_cb.result[k] for k in ("alpha", "mi_upper_bound_nats", "mi_stderr_nats")})
+        metrics.update(summary(stages_cb.results))
         if stages:
             metrics["wall_seconds"] = time.perf_counter() - t_start
             write_json_atomic(out / "metrics.json", metrics)

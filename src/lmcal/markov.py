@@ -1,0 +1,322 @@
+"""The synthetic source: a random order-k Markov chain whose entropy rate and limited-memory conditionals are known
+exactly, its corpus, and exact StepLM oracles on it (the truth, and a deliberately drifting model).
+
+Tables are numpy float64; a corpus is an lmcal.data.Corpus, so the training and analysis code treat it like PTB.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from lmcal.data import Corpus, DataError
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The chain
+# ---------------------------------------------------------------------------------------------------------------------
+# A context is the last k tokens encoded base V with the most recent token last (least significant):
+#     ctx = sum_j w[t-k+j] * V**(k-1-j),  j = 0..k-1.
+# Emitting w moves the context to (ctx mod V**(k-1)) * V + w, so the k-gram process is a first-order chain on
+# V**k states, and reshaping a [V**k, V] table to [V**(k-tau), V**tau, V] splits each context into its older
+# k-tau tokens (axis 0) and its most recent tau tokens (axis 1).
+
+
+@dataclass(eq=False)
+class MarkovChain:
+    probs: np.ndarray  # [V**order, V] float64: P(w | ctx)
+    vocab_size: int
+    order: int
+    support: int
+    smoothing: float
+    seed: int
+
+
+def make_markov_chain(vocab_size: int = 16, order: int = 2, support: int = 3, smoothing: float = 0.01,
+                      seed: int = 0) -> MarkovChain:
+    """A random sparse, peaked order-`order` chain, a function of its arguments only.
+
+    Each row puts 1 - smoothing of its mass on `support` distinct random tokens with Dirichlet(1, ..., 1) weights
+    and spreads `smoothing` uniformly over all tokens, so every transition has positive probability: the k-gram
+    chain is irreducible and aperiodic, its stationary law is unique and positive.
+    """
+    if order < 1 or not 1 <= support <= vocab_size or not 0 < smoothing <= 1:
+        raise ValueError(f"need order >= 1, 1 <= support <= vocab_size and 0 < smoothing <= 1; got order={order}, "
+                         f"support={support}, vocab_size={vocab_size}, smoothing={smoothing}")
+    rng = np.random.default_rng(seed)
+    n_ctx = vocab_size ** order
+    # `support` distinct tokens per row: the first columns of a random permutation of each row
+    tokens = np.argsort(rng.random((n_ctx, vocab_size)), axis=1)[:, :support]  # [n_ctx, support]
+    weights = rng.exponential(size=(n_ctx, support))  # normalised i.i.d. exponentials are Dirichlet(1, ..., 1)
+    weights /= weights.sum(axis=1, keepdims=True)
+    probs = np.full((n_ctx, vocab_size), smoothing / vocab_size)
+    probs[np.arange(n_ctx)[:, None], tokens] += (1 - smoothing) * weights
+    return MarkovChain(probs, vocab_size, order, support, smoothing, seed)
+
+
+def markov_stationary(probs: np.ndarray, vocab_size: int, order: int, tol: float = 1e-13,
+                      max_iter: int = 1_000_000) -> np.ndarray:
+    """The stationary law over contexts [V**order], by power iteration on the k-gram chain (float64).
+
+    Stops when one step changes pi by less than `tol` in L1. The chain must be irreducible and aperiodic
+    (any positive smoothing makes it so), else the iteration need not converge.
+    """
+    n_ctx = vocab_size ** order
+    pi = np.full(n_ctx, 1.0 / n_ctx)
+    for _ in range(max_iter):
+        # mass pi[ctx] * P(w | ctx) flows to (ctx mod V**(k-1)) * V + w: sum out the oldest token (axis 0);
+        # (newer k-1 tokens, w) flattened is exactly the new context's index
+        new = (pi[:, None] * probs).reshape(vocab_size, n_ctx // vocab_size, vocab_size).sum(axis=0).reshape(-1)
+        new /= new.sum()  # no drift of the total mass from rounding
+        if np.abs(new - pi).sum() < tol:
+            return new
+        pi = new
+    raise DataError(f"The stationary distribution did not converge in {max_iter} power-iteration steps "
+                    f"(L1 step {np.abs(new - pi).sum():.3g} > {tol:g}); is the chain irreducible and aperiodic?")
+
+
+def _entropy_np(p: np.ndarray) -> np.ndarray:
+    """Entropy in nats of each row of p [..., V] (0 log 0 = 0)."""
+    return -(p * np.log(p, where=p > 0, out=np.zeros_like(p))).sum(axis=-1)
+
+
+def markov_entropy_rate(probs: np.ndarray, vocab_size: int, order: int, pi: np.ndarray | None = None) -> float:
+    """sum_ctx pi(ctx) H(P(. | ctx)) in nats: the entropy rate of the stationary chain."""
+    pi = markov_stationary(probs, vocab_size, order) if pi is None else pi
+    return float(pi @ _entropy_np(probs))
+
+
+def _markov_joint(probs: np.ndarray, vocab_size: int, order: int, tau: int, pi: np.ndarray | None) -> np.ndarray:
+    """P(last tau tokens = c, next token = w) under the stationary law: [V**tau, V], for 0 <= tau <= order."""
+    if not 0 <= tau <= order:
+        raise ValueError(f"tau must be in 0..order={order}, got {tau}")
+    pi = markov_stationary(probs, vocab_size, order) if pi is None else pi
+    # sum out the k - tau oldest tokens of each context
+    return (pi[:, None] * probs).reshape(vocab_size ** (order - tau), vocab_size ** tau, vocab_size).sum(axis=0)
+
+
+def markov_conditional(probs: np.ndarray, vocab_size: int, order: int, tau: int,
+                       pi: np.ndarray | None = None) -> np.ndarray:
+    """The exact order-tau conditional P(w | last tau tokens) of the stationary chain, [V**tau, V].
+
+    For tau < order this is the best predictor that sees only the last tau tokens (the oracle for limited-memory
+    models); contexts are encoded as above with tau digits. For tau >= order it is `probs` re-indexed: the older
+    tau - order tokens do not matter.
+    """
+    if tau >= order:
+        return probs[np.arange(vocab_size ** tau) % vocab_size ** order]
+    joint = _markov_joint(probs, vocab_size, order, tau, pi)
+    marg = joint.sum(axis=1, keepdims=True)  # P(last tau tokens), positive when the chain is smoothed
+    uniform = np.full_like(joint, 1.0 / vocab_size)  # for contexts the stationary chain never visits
+    return np.divide(joint, marg, out=uniform, where=marg > 0)
+
+
+def markov_conditional_entropy(probs: np.ndarray, vocab_size: int, order: int, tau: int,
+                               pi: np.ndarray | None = None) -> float:
+    """H(W_t | last tau tokens) in nats under the stationary law; equals the entropy rate for tau >= order."""
+    tau = min(tau, order)
+    joint = _markov_joint(probs, vocab_size, order, tau, pi)
+    marg = joint.sum(axis=1)
+    return float(_entropy_np(joint).sum() - _entropy_np(marg))  # H(C, W) - H(C)
+
+
+def sample_markov(probs: np.ndarray, vocab_size: int, order: int, n: int, generator_or_seed,
+                  pi: np.ndarray | None = None) -> np.ndarray:
+    """n tokens [n] int64 of the stationary chain: the first `order` are a context drawn from pi.
+
+    Deterministic from the seed (or a numpy Generator, which it advances). Inverse-CDF draws with pre-drawn
+    uniforms; a Python loop over plain lists with bisect is ~0.5 us a token.
+    """
+    rng = np.random.default_rng(generator_or_seed)  # a Generator is used as is
+    pi = markov_stationary(probs, vocab_size, order) if pi is None else pi
+    # each CDF rescaled to end at exactly 1.0, so a uniform in [0, 1) never falls past the last token
+    start_cdf = np.cumsum(pi)
+    start_cdf /= start_cdf[-1]
+    ctx = int(np.searchsorted(start_cdf, rng.random(), side="right"))
+    out = [(ctx // vocab_size ** (order - 1 - j)) % vocab_size for j in range(order)][:n]
+    cdf = np.cumsum(probs, axis=1)
+    cdf /= cdf[:, -1:]
+    cdf_rows = cdf.tolist()
+    keep = vocab_size ** (order - 1)
+    for u in rng.random(max(n - order, 0)).tolist():
+        w = bisect.bisect_right(cdf_rows[ctx], u)  # first token whose cumulative mass exceeds u
+        out.append(w)
+        ctx = (ctx % keep) * vocab_size + w
+    return np.array(out, dtype=np.int64)
+
+
+def markov_chain_from_info(info: dict) -> MarkovChain:
+    """Rebuild a Markov corpus's chain from its `info` (the table is too big to store there)."""
+    return make_markov_chain(info["vocab_size"], info["order"], info["support"], info["smoothing"], info["seed"])
+
+
+def markov_exact_mi(info: dict, tau: int) -> float:
+    """The source's own I_tau = H(W_t | last tau tokens) - H(W_t | last k tokens) in nats (0 for tau >= k), for the
+    chain of a Markov corpus's `info`."""
+    chain = markov_chain_from_info(info)
+    v, k = info["vocab_size"], info["order"]
+    pi = markov_stationary(chain.probs, v, k)
+    return markov_conditional_entropy(chain.probs, v, k, tau, pi) - markov_conditional_entropy(chain.probs, v, k, k, pi)
+
+
+def markov_corpus(vocab_size: int = 16, order: int = 2, support: int = 3, smoothing: float = 0.01,
+                  n_train: int = 200_000, n_valid: int = 20_000, n_test: int = 20_000, seed: int = 0) -> Corpus:
+    """Three independent stationary samples of `make_markov_chain(...)`, with the exact entropy rate in `info`.
+
+    The splits use seeds [seed, 1], [seed, 2], [seed, 3]; the chain uses `seed`. Refuses a chain whose conditional
+    does not really depend on the token `order` steps back (then it would be a chain of lower order).
+    """
+    chain = make_markov_chain(vocab_size, order, support, smoothing, seed)
+    probs = chain.probs
+    pi = markov_stationary(probs, vocab_size, order)
+    h = markov_entropy_rate(probs, vocab_size, order, pi)
+    h_short = markov_conditional_entropy(probs, vocab_size, order, order - 1, pi)
+    if not h_short > h + 1e-9:
+        raise DataError(f"The Markov chain from seed {seed} hardly depends on its oldest context token "
+                        f"(H(W | last {order - 1}) = {h_short:.12f} vs entropy rate {h:.12f} nats); use another seed.")
+    splits = [torch.from_numpy(sample_markov(probs, vocab_size, order, n, np.random.default_rng([seed, i]), pi))
+              for i, n in enumerate((n_train, n_valid, n_test), 1)]
+    info = {"order": order, "vocab_size": vocab_size, "support": support, "smoothing": smoothing, "seed": seed,
+            "entropy_rate_nats": h, "entropy_rate_order_minus_1_nats": h_short, "depends_on_last": order}
+    return Corpus("markov", [f"s{i}" for i in range(vocab_size)], *splits, info=info)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Exact oracles (StepLMs, see lmcal.lm)
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+class MarkovOracle:
+    """The exact conditionals of an order-k Markov source, float64 log-probabilities.
+
+    State = (ctx [B] long, n): ctx encodes the last min(n, order) tokens base V, most recent last, exactly like the
+    row index of `probs`; n = tokens fed so far (the same for every row). With fewer than `order` tokens seen the
+    prediction is the stationary chain's lower-order conditional P(w | last n tokens), so the oracle is the true
+    law of a stationary sample from its very first token.
+    """
+
+    def __init__(self, probs: np.ndarray, vocab_size: int, order: int, device="cpu"):
+        self.vocab_size, self.order, self.device = vocab_size, order, torch.device(device)
+        pi = markov_stationary(probs, vocab_size, order)
+        with np.errstate(divide="ignore"):  # log 0 = -inf is what we want
+            # tables[m] [V**m, V]: log P(w | last m tokens), m = 0..order (tables[order] is log probs itself)
+            self.tables = [torch.from_numpy(np.log(markov_conditional(probs, vocab_size, order, m, pi))).to(device)
+                           for m in range(order + 1)]
+
+    @classmethod
+    def from_chain(cls, chain: MarkovChain, device="cpu") -> MarkovOracle:
+        return cls(chain.probs, chain.vocab_size, chain.order, device)
+
+    def init_state(self, batch_size: int):
+        return torch.zeros(batch_size, dtype=torch.long, device=self.device), 0
+
+    def step(self, tokens, state):
+        ctx, n = state
+        m = min(n + 1, self.order)  # context length after this token
+        # keep the newest m-1 tokens and append this one (for n < order, ctx < V**n already: nothing is dropped)
+        ctx = (ctx % self.vocab_size ** (m - 1)) * self.vocab_size + tokens.to(self.device)
+        return self.tables[m][ctx], (ctx, n + 1)  # [B, V]
+
+    def select(self, state, index):
+        ctx, n = state
+        return ctx[index.to(self.device)], n
+
+
+class DriftingOracle:
+    """An exact LM that is almost perfect on true text yet whose generations drift: the paper's sharpness remark.
+
+    Vocabulary: the Markov chain's V_M tokens, then `noise_vocab` noise tokens. Generative story: at every step a
+    process that has not yet switched switches for good with probability q = 1/T, and from then on emits noise
+    tokens uniformly; otherwise it emits the Markov word. Noise never occurs before the switch, so the predictive
+    law given the past has two states:
+        noise seen:     uniform over the noise tokens;
+        none seen yet:  (1 - q) P_Markov(. | ctx) on the Markov tokens, q / noise_vocab on each noise token.
+    On Markov text the cross-entropy is h + log(1 / (1 - q)), a tiny cost for large T, but a free-running
+    generation switches within ~T words and its entropy climbs from ~h to log(noise_vocab).
+    State = (MarkovOracle state, switched [B] bool).
+    """
+
+    def __init__(self, chain: MarkovChain, T: float, noise_vocab: int, device="cpu"):
+        if not T > 1 or noise_vocab < 1:
+            raise ValueError(f"need T > 1 and noise_vocab >= 1, got T={T}, noise_vocab={noise_vocab}")
+        self.markov = MarkovOracle.from_chain(chain, device)
+        self.q, self.noise_vocab = 1.0 / T, noise_vocab
+        self.markov_vocab = chain.vocab_size
+        self.vocab_size = chain.vocab_size + noise_vocab
+        self.device = self.markov.device
+        f64 = dict(dtype=torch.float64, device=self.device)
+        # the two fixed parts of the predictive law, [V]
+        self.noise_before = torch.full((noise_vocab,), math.log(self.q / noise_vocab), **f64)
+        self.after = torch.cat([torch.full((chain.vocab_size,), -math.inf, **f64),
+                                torch.full((noise_vocab,), -math.log(noise_vocab), **f64)])
+
+    def init_state(self, batch_size: int):
+        return self.markov.init_state(batch_size), torch.zeros(batch_size, dtype=torch.bool, device=self.device)
+
+    def step(self, tokens, state):
+        mstate, switched = state
+        tokens = tokens.to(self.device)
+        noise = tokens >= self.markov_vocab
+        switched = switched | noise
+        # after the switch the Markov context no longer matters; feed any valid token to keep its state in range
+        mlogp, mstate = self.markov.step(torch.where(noise, 0, tokens), mstate)  # [B, V_M]
+        before = torch.cat([mlogp + math.log1p(-self.q), self.noise_before.expand(len(tokens), -1)], dim=1)
+        return torch.where(switched[:, None], self.after, before), (mstate, switched)  # [B, V_M + noise]
+
+    def select(self, state, index):
+        mstate, switched = state
+        return self.markov.select(mstate, index), switched[index.to(self.device)]
+
+    def expected_generation_entropy(self, horizon: int, markov_entropy: float) -> np.ndarray:
+        """E[entropy before generated word t], t = 1..horizon [horizon], nats, for a prefix of true Markov text
+        (so not switched before word 1) whose context is stationary.
+
+        Word t is generated unswitched iff none of words 1..t-1 was noise: probability (1-q)^(t-1); the Markov
+        words generated meanwhile follow the chain, so the context stays stationary and E[H(P_Markov(. | ctx))] = h.
+        The unswitched law mixes (1-q) P_Markov and q Uniform(noise) on disjoint supports, so its entropy is
+        h2(q) + (1-q) H(P_Markov) + q log(noise_vocab); the switched one is log(noise_vocab). With
+        s_t = 1 - (1-q)^(t-1):  mean[t-1] = s_t log(noise_vocab) + (1 - s_t) [h2(q) + (1-q) h + q log(noise_vocab)].
+        """
+        q, log_noise = self.q, math.log(self.noise_vocab)
+        h2 = -q * math.log(q) - (1 - q) * math.log1p(-q)
+        s = 1 - (1 - q) ** np.arange(horizon, dtype=np.float64)  # [horizon]: s[t-1] = P(switched before word t)
+        return s * log_noise + (1 - s) * (h2 + (1 - q) * markov_entropy + q * log_noise)
+
+
+@torch.no_grad()
+def markov_oracle_memory(info: dict, valid_tokens: torch.Tensor, test_tokens: torch.Tensor, taus: list[int],
+                         cluster_size: int = 100) -> dict:
+    """The estimators run on the Markov source's exact oracles, where every answer is known: P^ = the true order-k
+    conditional, P~_tau = the exact order-tau conditional of the stationary chain. Returns the entropy-rate estimate
+    (the oracle's test CE ± se) and, per tau, the I_tau bound (alpha* fitted on validation, evaluated on test) beside
+    the exact I_tau. Positions t >= max(taus, k), so every context is complete."""
+    from lmcal.memory import memory_upper_bound  # here: memory's tests import this module
+
+    chain = markov_chain_from_info(info)
+    v, k = info["vocab_size"], info["order"]
+    pi = markov_stationary(chain.probs, v, k)
+    start = max(*taus, k)
+
+    def rows(tokens: torch.Tensor, m: int) -> torch.Tensor:  # log P(. | last m tokens) at t = start..N-1: [n, V]
+        table = torch.from_numpy(markov_conditional(chain.probs, v, k, m, pi)).log()  # [v**m, v]
+        t = torch.arange(start, tokens.numel())
+        ctx = sum(tokens[t - m + j] * v ** (m - 1 - j) for j in range(m))  # [n]
+        return table[ctx]
+
+    out = {}
+    for name, tokens in (("valid", valid_tokens), ("test", test_tokens)):
+        tokens = tokens.long()
+        out[name] = ({m: rows(tokens, m) for m in {*taus, k}}, tokens[start:])
+    (fv, yv), (ft, yt) = out["valid"], out["test"]
+    full = memory_upper_bound(ft[k], ft[k], yt, alpha=0.0, cluster_size=cluster_size)  # just its CE and se
+    result = {"estimated_entropy_rate_nats": full.ce_full, "estimated_entropy_rate_stderr_nats": full.ce_full_stderr,
+              "test_tokens": int(yt.numel()), "memory": []}
+    for tau in taus:
+        fit = memory_upper_bound(fv[k], fv[tau], yv, cluster_size=cluster_size)
+        ev = memory_upper_bound(ft[k], ft[tau], yt, alpha=fit.alpha, cluster_size=cluster_size)
+        result["memory"].append({"tau": tau, "mi_upper_bound_nats": ev.mi_upper_bound, "mi_stderr_nats": ev.mi_stderr,
+                                 "alpha": fit.alpha, "exact_mi_nats": markov_exact_mi(info, tau)})
+    return result

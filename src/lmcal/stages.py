@@ -1,0 +1,449 @@
+"""The analysis stages, each declared once in `STAGES`: its plain function, the kinds of model it applies to, its
+settings node under conf/analysis/, and the summary it adds to metrics.json. `train` (through one Lightning callback),
+`evaluate` and `make reproduce` all run stages through `run_stages`.
+
+A stage function takes what it analyses (a `StepLM` and token tensors, or two networks for the memory bound), an output
+folder and keyword settings; it writes its JSON, PNG and Markdown there atomically, logs them to W&B when given a
+W&B logger, and returns its result as a dict. No Lightning, no Hydra.
+
+Adding a stage: one function, one `Stage` entry below, and one node in conf/analysis/default.yaml.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from lmcal import paper
+from lmcal.calibration import calibrated, fit_lookahead_calibration, fit_temperature
+from lmcal.data import batchify
+from lmcal.decoders import decoder_params, heldout_cost, make_decoder
+from lmcal.entropy_rate import generation_entropy_curve, random_prefixes
+from lmcal.errors import LmcalError
+from lmcal.memory import memory_upper_bound
+from lmcal.model import full_context_log_probs, limited_context_log_probs, zip_rows
+from lmcal.plots import entropy_curve_figure
+from lmcal.report import decoders_table, table1_markdown
+from lmcal.utils import exp_or_inf, format_params, write_json_atomic, write_text_atomic
+
+log = logging.getLogger("lmcal")
+
+def wandb_log(logger, scalars: dict | None = None, images: dict | None = None, tables: dict | None = None) -> None:
+    """Log to the W&B run behind a Lightning WandbLogger; a no-op for any other logger."""
+    if not logger or type(logger).__name__ != "WandbLogger":
+        return
+    import wandb
+
+    payload = dict(scalars or {})
+    payload.update({k: wandb.Image(str(v)) for k, v in (images or {}).items()})
+    payload.update({k: wandb.Table(columns=cols, data=rows) for k, (cols, rows) in (tables or {}).items()})
+    logger.experiment.log(payload)
+
+
+def entropy_rate_stage(lm, valid_tokens: torch.Tensor, test_ce_nats: float, out_dir: str | Path, *,
+                       num_prefixes: int = 100, samples_per_prefix: int = 5, prefix_len: int = 100,
+                       horizon: int = 700, seed: int = 0, max_batch: int = 1024, model_name: str = "model",
+                       corpus: str = "ptb", logger=None, name: str = "entropy_rate", unit: str = "word") -> dict:
+    """Entropy of the t-th generated word (Table 1 row, Figure 2): `name`.json, .png and .md in out_dir.
+    unit: what a token is ("word"; "model token" for a Hugging Face model's own tokens), stated in the outputs."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    prefixes = random_prefixes(valid_tokens, num_prefixes, prefix_len, seed=seed)
+    t0 = time.perf_counter()
+    curve = generation_entropy_curve(lm, prefixes, horizon, samples_per_prefix, seed=seed, max_batch=max_batch,
+                                     progress=True)
+    seconds = time.perf_counter() - t0
+    n_gen = prefixes.size(0) * samples_per_prefix
+    result = {
+        "model": model_name, "corpus": corpus,
+        "test_ce_nats": test_ce_nats, "test_ppl": exp_or_inf(test_ce_nats),
+        "entrate_nats": float(curve.mean[-1]), "entrate_ppl": exp_or_inf(curve.mean[-1]),
+        "curve_nats": curve.mean.tolist(), "stderr_nats": curve.stderr.tolist(),
+        "horizon": horizon, "num_prefixes": prefixes.size(0), "samples_per_prefix": samples_per_prefix,
+        "num_generations": n_gen, "prefix_len": prefix_len, "seed": seed,
+        "seconds": seconds, "generated_tokens_per_s": n_gen * horizon / seconds, "unit": unit,
+    }
+    png = entropy_curve_figure({f"{model_name} generations": (curve.mean, curve.stderr)}, out / f"{name}.png",
+                               reference_nats={"test cross-entropy": test_ce_nats},
+                               title=f"{model_name} on {corpus}: test ppl {result['test_ppl']:.1f}, "
+                                     f"EntRate {result['entrate_ppl']:.1f} (t={horizon})")
+    write_text_atomic(out / f"{name}.md", table1_markdown([result]) + f"\nPerplexities and entropies per {unit}.\n")
+    write_json_atomic(out / f"{name}.json", result)
+    rows = [[t + 1, float(m), float(se)] for t, (m, se) in enumerate(zip(curve.mean, curve.stderr, strict=True))]
+    wandb_log(logger, scalars={f"{name}/entrate_ppl": result["entrate_ppl"], f"{name}/test_ppl": result["test_ppl"]},
+              images={f"{name}/figure": png}, tables={f"{name}/curve": (["t", "entropy_nats", "stderr_nats"], rows)})
+    log.info(f"{name}: test ppl {result['test_ppl']:.1f}, EntRate {result['entrate_ppl']:.1f} at t={horizon} "
+             f"({n_gen} generations, {seconds:.0f} s); {out / (name + '.json')}")
+    return result
+
+
+def calibration_stage(lm, valid_tokens: torch.Tensor, test_tokens: torch.Tensor, out_dir: str | Path, *,
+                      fit_tokens: int = 20_000, fit_streams: int = 20, score_tokens: int | None = None,
+                      score_streams: int = 10, topk: int | None = 64, epsilon: float = 0.0,
+                      num_prefixes: int = 100, samples_per_prefix: int = 5, prefix_len: int = 100, horizon: int = 700,
+                      seed: int = 0, max_batch: int = 1024, model_name: str = "model", corpus: str = "ptb",
+                      logger=None, name: str = "calibration", unit: str = "word") -> dict:
+    """Lookahead calibration (Algorithm 2, Figure 3): fit alpha* on the first `fit_tokens` validation tokens
+    (as `fit_streams` parallel streams), score test CE before and after on the first `score_tokens` test tokens
+    (all when null), and the generation entropy curves of both models from the same prefixes and seeds."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    fit = fit_lookahead_calibration(lm, batchify(valid_tokens[:fit_tokens], fit_streams), topk=topk,
+                                    epsilon=epsilon, progress=True)
+    t_fit = time.perf_counter() - t0
+    cal = calibrated(lm, fit.alpha, topk=topk, epsilon=epsilon)
+    test = batchify(test_tokens[:score_tokens] if score_tokens else test_tokens, score_streams)
+    cost_before = heldout_cost(calibrated(lm, 0.0, epsilon=epsilon), test)
+    cost_after = heldout_cost(cal, test)
+    ce_before, ce_after, n_scored = cost_before["test_ce_nats"], cost_after["test_ce_nats"], cost_after["test_tokens"]
+    prefixes = random_prefixes(valid_tokens, num_prefixes, prefix_len, seed=seed)
+    curves = {}
+    for label, model in (("before", lm), ("after", cal)):
+        curves[label] = generation_entropy_curve(model, prefixes, horizon, samples_per_prefix, seed=seed,
+                                                 max_batch=max_batch, progress=True)
+    result = {
+        "model": model_name, "corpus": corpus, "alpha": fit.alpha, "alpha_stderr": fit.alpha_stderr,
+        "fit_ce_before_nats": fit.ce_before, "fit_ce_after_nats": fit.ce_after, "fit_tokens": fit.n_tokens,
+        "test_ce_before_nats": ce_before, "test_ce_after_nats": ce_after,
+        "test_ppl_before": exp_or_inf(ce_before), "test_ppl_after": exp_or_inf(ce_after), "test_tokens": n_scored,
+        "test_ce_mixed_nats_before": cost_before["test_ce_mixed_nats"],
+        "test_ce_mixed_nats_after": cost_after["test_ce_mixed_nats"], "mix_epsilon": cost_after["mix_epsilon"],
+        "score_streams": score_streams,
+        "curve_nats_before": curves["before"].mean.tolist(), "stderr_nats_before": curves["before"].stderr.tolist(),
+        "curve_nats": curves["after"].mean.tolist(), "stderr_nats": curves["after"].stderr.tolist(),
+        "entrate_ppl_before": exp_or_inf(curves["before"].mean[-1]),
+        "entrate_ppl_after": exp_or_inf(curves["after"].mean[-1]),
+        "topk": topk, "epsilon": epsilon, "horizon": horizon, "num_prefixes": prefixes.size(0),
+        "samples_per_prefix": samples_per_prefix, "prefix_len": prefix_len, "seed": seed,
+        "fit_seconds": t_fit, "seconds": time.perf_counter() - t0, "unit": unit,
+    }
+    png = entropy_curve_figure({f"{model_name}": (curves["before"].mean, curves["before"].stderr),
+                                f"calibrated, alpha={fit.alpha:.3g}": (curves["after"].mean, curves["after"].stderr)},
+                               out / f"{name}.png", reference_nats={"test cross-entropy": ce_before},
+                               title=f"{model_name} on {corpus}: EntRate {result['entrate_ppl_before']:.1f} -> "
+                                     f"{result['entrate_ppl_after']:.1f}, test ppl {result['test_ppl_before']:.1f} -> "
+                                     f"{result['test_ppl_after']:.1f}")
+    write_json_atomic(out / f"{name}.json", result)
+    wandb_log(logger, scalars={f"{name}/{k}": result[k] for k in ("alpha", "test_ppl_before", "test_ppl_after",
+                                                                   "entrate_ppl_before", "entrate_ppl_after")},
+              images={f"{name}/figure": png})
+    log.info(f"{name}: alpha* {fit.alpha:.4f} +- {fit.alpha_stderr:.4f}; test ppl {result['test_ppl_before']:.2f} -> "
+             f"{result['test_ppl_after']:.2f}; EntRate {result['entrate_ppl_before']:.1f} -> "
+             f"{result['entrate_ppl_after']:.1f} ({result['seconds']:.0f} s)")
+    return result
+
+
+def decoders_stage(lm, valid_tokens: torch.Tensor, test_tokens: torch.Tensor, out_dir: str | Path, *,
+                   methods: list[dict] | None = None, fitted: list[str] = ("temperature", "calibration"),
+                   calibration: dict | None = None, fit_tokens: int = 20_000, fit_streams: int = 20,
+                   score_tokens: int | None = None, score_streams: int = 10, topk: int | None = 64,
+                   mix_epsilon: float = 1e-6, num_prefixes: int = 100, samples_per_prefix: int = 5,
+                   prefix_len: int = 100, horizon: int = 700, seed: int = 0, max_batch: int = 1024,
+                   model_name: str = "model", corpus: str = "ptb", logger=None, name: str = "decoders",
+                   unit: str = "word") -> dict:
+    """Every decoding method on one entropy-rate figure and one table, from the same prefixes and seeds: the plain
+    model, each of `methods` ({"name": ..., **params}, see lmcal.decoders), and the fitted ones: `temperature`
+    (P^(1/T), T* by validation CE) and `calibration` (lookahead, Algorithm 2; taken from the calibration stage's
+    result `calibration` when its settings match, else fitted here). Held-out cost on the first `score_tokens` test
+    tokens read as `score_streams` streams. Writes `<name>.json`, `.md` and `.png`."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    methods = [dict(m) for m in (methods or [])]
+    specs = []
+    for m in methods:
+        if "name" not in m:
+            raise LmcalError(f"A decoder needs a name, got {m}; e.g. {{name: top_p, p: 0.9}}.")
+        method = m.pop("name")
+        specs.append((method, decoder_params(method, **m)))  # checked before any work starts
+    unknown = set(fitted) - {"temperature", "calibration"}
+    if unknown:
+        raise LmcalError(f"Unknown fitted method(s) {sorted(unknown)}: choose from temperature, calibration.")
+    prefixes = random_prefixes(valid_tokens, num_prefixes, prefix_len, seed=seed)
+    test = batchify(test_tokens[:score_tokens] if score_tokens else test_tokens, score_streams)
+    settings = {"num_prefixes": prefixes.size(0), "samples_per_prefix": samples_per_prefix, "prefix_len": prefix_len,
+                "horizon": horizon, "seed": seed, "test_tokens": (test.size(0) - 1) * test.size(1),
+                "score_streams": score_streams}
+    reuse = calibration if calibration and all(calibration.get(k) == v for k, v in settings.items()) else None
+    if calibration and not reuse:
+        log.info(f"{name}: the calibration result has other generation or scoring settings; refitting here")
+
+    def measure(method: str, params: dict, model) -> dict:
+        t = time.perf_counter()
+        curve = generation_entropy_curve(model, prefixes, horizon, samples_per_prefix, seed=seed,
+                                         max_batch=max_batch, progress=True)
+        cost = heldout_cost(model, test, mix_epsilon)
+        return row(method, params, curve.mean.tolist(), curve.stderr.tolist(), cost, time.perf_counter() - t)
+
+    def row(method, params, curve, stderr, cost, seconds) -> dict:
+        r = {"method": method, "params": params, "entropy_t1_nats": curve[0], "entropy_last_nats": curve[-1],
+             "entrate_ppl": exp_or_inf(curve[-1]), **{k: cost[k] for k in ("test_ce_nats", "zero_prob_fraction",
+                                                                          "test_ce_kept_nats", "test_ce_mixed_nats")},
+             "curve_nats": curve, "stderr_nats": stderr, "seconds": seconds}
+        log.info(f"{name}: {method} ({format_params(params)}): EntRate {r['entrate_ppl']:.1f}, test CE "
+                 f"{'inf' if r['test_ce_nats'] is None else format(r['test_ce_nats'], '.4f')}, zero-prob "
+                 f"{r['zero_prob_fraction']:.4f}")
+        return r
+
+    def reused_cost(when: str) -> dict:  # the calibration stage's test cost of the model `before` or `after`
+        ce = reuse[f"test_ce_{when}_nats"]  # both give every word a positive probability
+        return {"test_ce_nats": ce, "zero_prob_fraction": 0.0, "test_ce_kept_nats": ce,
+                "test_ce_mixed_nats": reuse.get(f"test_ce_mixed_nats_{when}")}
+
+    rows = []
+    if reuse:  # the plain model's curve and cost from the calibration stage: same prefixes, seeds and test text
+        rows.append(row("model", {}, reuse["curve_nats_before"], reuse["stderr_nats_before"], reused_cost("before"),
+                        0.0))
+    else:
+        rows.append(measure("model", {}, lm))
+    for method, params in specs:
+        rows.append(measure(method, params, make_decoder(method, lm, **params)))
+    fit_text = batchify(valid_tokens[:fit_tokens], fit_streams)
+    if "temperature" in fitted:
+        tf = fit_temperature(lm, fit_text, progress=True)
+        rows.append(measure("fitted_temperature", {"temperature": tf.temperature,
+                                                   "temperature_stderr": tf.temperature_stderr},
+                            make_decoder("temperature", lm, temperature=tf.temperature)))
+        # the fit lowers the cross-entropy of the text it was fitted on; on test text it may not
+        rows[-1].update(fit_ce_before_nats=tf.ce_before, fit_ce_after_nats=tf.ce_after)
+    if "calibration" in fitted:
+        if reuse:
+            rows.append(row("calibration", {"alpha": reuse["alpha"], "alpha_stderr": reuse["alpha_stderr"],
+                                            "topk": reuse["topk"]}, reuse["curve_nats"], reuse["stderr_nats"],
+                            reused_cost("after"), 0.0))
+        else:
+            fit = fit_lookahead_calibration(lm, fit_text, topk=topk, progress=True)
+            rows.append(measure("calibration", {"alpha": fit.alpha, "alpha_stderr": fit.alpha_stderr, "topk": topk},
+                                calibrated(lm, fit.alpha, topk=topk)))
+    ref = rows[0]["test_ce_nats"]
+    result = {"model": model_name, "corpus": corpus, "rows": rows, "reference_test_ce_nats": ref,
+              "mix_epsilon": mix_epsilon, "fit_tokens": fit_text.numel() - fit_text.size(1),
+              "calibration_reused": bool(reuse), **settings, "unit": unit, "seconds": time.perf_counter() - t0}
+    label = lambda r: r["method"] + (f" ({format_params(r['params'], drop=('stderr',))})" if r["params"] else "")
+    png = entropy_curve_figure({label(r): (np.asarray(r["curve_nats"]), np.asarray(r["stderr_nats"])) for r in rows},
+                               out / f"{name}.png", reference_nats={"test cross-entropy (true text)": ref},
+                               title=f"{model_name} on {corpus}: decoders and calibration", legend_outside=True)
+    write_text_atomic(out / f"{name}.md", decoders_table(rows) + f"\nEntropies and cross-entropies in nats per {unit}; "
+                      f"ε-mixed: (1 - ε) q + ε uniform, ε = {mix_epsilon:g}.\n")
+    write_json_atomic(out / f"{name}.json", result)
+    cols = ["method", "params", "entropy_t1_nats", "entropy_last_nats", "entrate_ppl", "test_ce_nats",
+            "zero_prob_fraction", "test_ce_kept_nats", "test_ce_mixed_nats"]
+    wandb_log(logger, scalars={f"{name}/{r['method']}/{k}": r[k] for r in rows for k in
+                               ("entrate_ppl", "zero_prob_fraction", "test_ce_mixed_nats") if r[k] is not None},
+              images={f"{name}/figure": png},
+              tables={f"{name}/table": (cols, [[format_params(r[c]) if c == "params" else r[c] for c in cols]
+                                               for r in rows])})
+    log.info(f"{name}: {len(rows)} methods in {result['seconds']:.0f} s; {out / (name + '.json')}\n"
+             f"{decoders_table(rows)}")
+    return result
+
+
+def _memory_rows(full_net, limited_net, tau: int, tokens: torch.Tensor, windows_per_batch: int, bptt: int,
+                 desc: str):
+    """(log P^ [n, V], log P~_tau [n, V], targets [n]) chunks along `tokens`, with a progress bar."""
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=max(0, tokens.numel() - 1), desc=desc, unit="tok", leave=False)
+    for f, q, y in zip_rows(full_context_log_probs(full_net, tokens, bptt),
+                            limited_context_log_probs(limited_net, tokens, tau, windows_per_batch)):
+        bar.update(y.numel())
+        yield f, q, y
+    bar.close()
+
+
+def memory_stage(full_net, limited_net, valid_tokens: torch.Tensor, test_tokens: torch.Tensor, out_dir: str | Path,
+                 *, tau: int | None = None, fit_tokens: int | None = None, score_tokens: int | None = None,
+                 cluster_size: int = 100, windows_per_batch: int = 512, bptt: int = 70,
+                 store_dtype: str = "float32", model_name: str = "model", corpus: str = "ptb",
+                 base_ckpt: str | None = None, ckpt: str | None = None, exact_mi_nats: float | None = None,
+                 logger=None, name: str = "memory") -> dict:
+    """The memory bound for one tau (Section 5): fit alpha* of P^ * P~_tau^alpha on the first `fit_tokens`
+    validation tokens (all when null), then evaluate CE(P||P~_tau), H(P^_alpha*) and the I_tau bound on the first
+    `score_tokens` test tokens (all when null), each split read as one stream: P^ with its full past, P~_tau with
+    exactly the last tau tokens. `exact_mi_nats` (the source's true I_tau, on the Markov corpus) is stored beside.
+    Writes `<name>.json`."""
+    tau = tau or getattr(limited_net, "memory_tau", None)
+    if not tau:
+        raise LmcalError("The memory stage needs a tau-limited model (one trained with model.memory_tau=TAU); "
+                         "this checkpoint is an ordinary full-context model.")
+    if full_net.decoder.weight.size(0) != limited_net.decoder.weight.size(0):
+        raise LmcalError(f"The base model's vocabulary ({full_net.decoder.weight.size(0)} words) differs from the "
+                         f"tau-model's ({limited_net.decoder.weight.size(0)}): they were trained on different corpora.")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    valid = valid_tokens[:fit_tokens] if fit_tokens else valid_tokens
+    test = test_tokens[:score_tokens] if score_tokens else test_tokens
+    fit = memory_upper_bound(_memory_rows(full_net, limited_net, tau, valid, windows_per_batch, bptt, "memory fit"),
+                             cluster_size=cluster_size, store_dtype=getattr(torch, store_dtype))
+    t_fit = time.perf_counter() - t0
+    ev = memory_upper_bound(_memory_rows(full_net, limited_net, tau, test, windows_per_batch, bptt, "memory test"),
+                            alpha=fit.alpha, cluster_size=cluster_size)
+    ref = paper.MEMORY_PTB.get(tau) if corpus == "ptb" else None
+    result = {
+        "tau": tau, "model": model_name, "corpus": corpus, "alpha": fit.alpha, "alpha_stderr": fit.alpha_stderr,
+        "ce_limited_nats": ev.ce_limited, "mi_upper_bound_nats": ev.mi_upper_bound, "mi_stderr_nats": ev.mi_stderr,
+        "entropy_calibrated_nats": ev.entropy_calibrated, "ce_full_nats": ev.ce_full,
+        "ce_calibrated_nats": ev.ce_calibrated, "ce_full_stderr_nats": ev.ce_full_stderr, "test_tokens": ev.n_tokens,
+        "exact_mi_nats": exact_mi_nats,
+        "valid": {"ce_limited_nats": fit.ce_limited, "mi_upper_bound_nats": fit.mi_upper_bound,
+                  "entropy_calibrated_nats": fit.entropy_calibrated, "ce_full_nats": fit.ce_full,
+                  "ce_calibrated_nats": fit.ce_calibrated, "tokens": fit.n_tokens},
+        "paper": dict(zip(("ce_limited_nats", "mi_upper_bound_nats", "alpha"), ref, strict=True)) if ref else None,
+        "cluster_size": cluster_size, "base_ckpt": base_ckpt, "ckpt": ckpt,
+        "fit_seconds": t_fit, "seconds": time.perf_counter() - t0,
+    }
+    write_json_atomic(out / f"{name}.json", result)
+    wandb_log(logger, scalars={f"{name}/{k}": result[k] for k in ("tau", "alpha", "ce_limited_nats",
+                                                                   "mi_upper_bound_nats", "entropy_calibrated_nats")})
+    log.info(f"{name} tau={tau}: alpha* {fit.alpha:.5f} +- {fit.alpha_stderr:.5f}; CE(P||P~) {ev.ce_limited:.4f}, "
+             f"H(cal) {ev.entropy_calibrated:.4f}, I_tau <= {ev.mi_upper_bound:.4f} +- {ev.mi_stderr:.4f} nats "
+             f"({result['seconds']:.0f} s)")
+    return result
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The registry
+# ---------------------------------------------------------------------------------------------------------------------
+
+KINDS = {"full": "full-context model", "tau": "tau-limited model (model.memory_tau)", "hf": "Hugging Face model"}
+# Keyword arguments a stage function gets from the target and the entry point, never from its settings node.
+CONTEXT = ("model_name", "corpus", "unit", "logger", "name", "calibration", "base_ckpt", "ckpt", "exact_mi_nats",
+           "bptt", "tau")
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One analysis stage. `call(target, out_dir, logger, earlier, **settings)` runs `fn` on a target (a dict: lm,
+    valid, test, test_ce, name, corpus, unit, kind; net, base, bptt, exact_mi, ckpt, base_ckpt for the memory bound),
+    `earlier` being the results of the stages run before it; `summary(result)` gives its metrics.json keys."""
+
+    name: str
+    fn: Callable[..., dict]
+    call: Callable[..., dict]
+    kinds: frozenset[str]
+    summary: Callable[[dict], dict]
+    entry_settings: tuple[str, ...] = ()  # read by the entry points or `call`, not passed to `fn`
+    uses: tuple[str, ...] = ()  # stages whose result it reads: run before it, and given as analysis.<name>.<use>_json
+
+
+def _common(target: dict, logger) -> dict:
+    return {"model_name": target["name"], "corpus": target["corpus"], "logger": logger}
+
+
+def _decoders_call(t, out, logger, earlier, calibration_json=None, **s):
+    cal = earlier.get("calibration")  # this run's calibration row, else a calibration stage's file
+    if cal is None and calibration_json:
+        if not Path(calibration_json).is_file():
+            raise LmcalError(f"analysis.decoders.calibration_json={calibration_json} does not exist; run "
+                             "stages=[calibration] first, or drop the setting to fit the calibration row here.")
+        cal = json.loads(Path(calibration_json).read_text())
+    return decoders_stage(t["lm"], t["valid"], t["test"], out, calibration=cal, unit=t["unit"], **_common(t, logger),
+                          **s)
+
+
+def _memory_call(t, out, logger, earlier, **s):
+    return memory_stage(t["base"], t["net"], t["valid"], t["test"], out, bptt=t["bptt"], base_ckpt=t.get("base_ckpt"),
+                        ckpt=t.get("ckpt"), exact_mi_nats=t.get("exact_mi"), **_common(t, logger), **s)
+
+
+def _pick(*keys):
+    return lambda r: {k: r[k] for k in keys}
+
+
+STAGES: dict[str, Stage] = {s.name: s for s in [
+    Stage("entropy_rate", entropy_rate_stage,
+          lambda t, out, logger, earlier, **s: entropy_rate_stage(t["lm"], t["valid"], t["test_ce"], out,
+                                                                  unit=t["unit"], **_common(t, logger), **s),
+          frozenset({"full", "hf"}), _pick("entrate_ppl"), entry_settings=("every_n_epochs",)),
+    Stage("calibration", calibration_stage,
+          lambda t, out, logger, earlier, **s: calibration_stage(t["lm"], t["valid"], t["test"], out, unit=t["unit"],
+                                                                 **_common(t, logger), **s),
+          frozenset({"full", "hf"}),
+          _pick("alpha", "test_ppl_before", "test_ppl_after", "entrate_ppl_before", "entrate_ppl_after")),
+    Stage("decoders", decoders_stage, _decoders_call, frozenset({"full", "hf"}),
+          lambda r: {"decoders": {row["method"]: {k: row[k] for k in ("entrate_ppl", "test_ce_nats",
+                                                                      "zero_prob_fraction")} for row in r["rows"]}},
+          entry_settings=("calibration_json",), uses=("calibration",)),
+    Stage("memory", memory_stage, _memory_call, frozenset({"tau"}),
+          _pick("alpha", "mi_upper_bound_nats", "mi_stderr_nats")),
+]}
+
+
+def register(stage: Stage) -> Stage:
+    """Adds a stage to the registry (a plugin module named in $LMCAL_PLUGINS does this when lmcal.stages loads, so
+    that every process of a pipeline knows it)."""
+    STAGES[stage.name] = stage
+    return stage
+
+
+def settings_keys(stage: Stage) -> list[str]:
+    """The settings a stage takes: its function's keyword parameters (less what the target supplies) and the entry
+    points' own."""
+    params = inspect.signature(stage.fn).parameters.values()
+    return [p.name for p in params if p.kind == p.KEYWORD_ONLY and p.name not in CONTEXT] + list(stage.entry_settings)
+
+
+def check_stages(names: list[str], kind: str | None) -> None:
+    """One rule for every entry point: unknown stages, and stages that do not apply to this kind of model (None: not
+    known yet), are one paragraph naming the stages that do."""
+    unknown = [n for n in names if n not in STAGES]
+    if unknown:
+        raise LmcalError(f"Unknown analysis stage{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}; the stages "
+                         f"are {', '.join(STAGES)}.")
+    wrong = [n for n in names if kind is not None and kind not in STAGES[n].kinds]
+    if wrong:
+        fits = [n for n, s in STAGES.items() if kind in s.kinds]
+        needs = "; ".join(f"{n} runs on a {' or a '.join(KINDS[k] for k in KINDS if k in STAGES[n].kinds)}"
+                          for n in wrong)
+        raise LmcalError(f"Stage{'s' if len(wrong) > 1 else ''} {', '.join(wrong)} do{'es' if len(wrong) == 1 else ''}"
+                         f" not apply to a {KINDS[kind]} ({needs}); the stages that do: {', '.join(fits)}.")
+
+
+def check_settings(name: str, settings: dict) -> dict:
+    """`settings` (the node analysis.<name>) checked against the stage's parameters: an unknown key is one paragraph
+    listing the valid ones."""
+    valid = settings_keys(STAGES[name])
+    unknown = sorted(set(settings) - set(valid))
+    if unknown:
+        raise LmcalError(f"Unknown setting{'s' if len(unknown) > 1 else ''} "
+                         f"{', '.join(f'analysis.{name}.{k}' for k in unknown)}; the {name} stage takes "
+                         f"{', '.join(valid)}.")
+    return dict(settings)
+
+
+def run_stages(names: list[str], target: dict, settings: dict[str, dict], out_dir: str | Path, logger=None) -> dict:
+    """Runs `names` on `target` in the registry's order, with `settings[name]` (all checked before any runs);
+    returns {name: result}."""
+    check_stages(names, target["kind"])
+    names = [n for n in STAGES if n in names]  # registry order: decoders reuse this run's calibration
+    checked = {n: check_settings(n, settings.get(n) or {}) for n in names}
+    results: dict[str, dict] = {}
+    for n in names:
+        s = {k: v for k, v in checked[n].items() if k != "every_n_epochs"}
+        results[n] = STAGES[n].call(target, Path(out_dir), logger, results, **s)
+    return results
+
+
+def summary(results: dict[str, dict]) -> dict:
+    """The metrics.json keys of the stages that ran."""
+    return {k: v for n, r in results.items() if r for k, v in STAGES[n].summary(r).items()}
+
+
+for _plugin in filter(None, os.environ.get("LMCAL_PLUGINS", "").split(",")):
+    try:
+        importlib.import_module(_plugin.strip())
+    except ImportError as e:
+        raise LmcalError(f"LMCAL_PLUGINS names {_plugin!r}, which does not import ({e}); it should be a module on "
+                         "the Python path that calls lmcal.stages.register(...).") from None

@@ -1,0 +1,75 @@
+"""Profiles that cannot rot: every preset in conf/experiment/, conf/analysis/ and conf/reproduce/ composes, passes the
+range rules and the stages' settings checks, and (slow tier) runs a few batches."""
+
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf, open_dict
+
+from lmcal.reproduce import load_profile, plan, stage_settings
+from lmcal.stages import STAGES, check_settings
+from lmcal.train import CONF_DIR, train
+from lmcal.validate import check_config
+from tests.conftest import DATA_ROOT
+
+EXPERIMENTS = sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml"))
+ANALYSES = sorted(p.stem for p in (CONF_DIR / "analysis").glob("*.yaml"))
+PROFILES = sorted(p.stem for p in (CONF_DIR / "reproduce").glob("*.yaml"))
+
+
+def _compose(name, overrides):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose(config_name=name, overrides=overrides)
+
+
+def _check_analysis(cfg):
+    for n in STAGES:
+        if n in cfg.analysis:
+            check_settings(n, OmegaConf.to_container(cfg.analysis[n], resolve=True))
+
+
+@pytest.mark.parametrize("experiment", EXPERIMENTS)
+def test_every_experiment_preset_composes_and_is_valid(experiment):
+    cfg = _compose("train", [f"experiment={experiment}"])
+    check_config(cfg)
+    _check_analysis(cfg)
+    assert cfg.model.emb_size > 0 and cfg.trainer.max_epochs
+
+
+@pytest.mark.parametrize("analysis", ANALYSES)
+def test_every_analysis_preset_composes_and_is_valid(analysis):
+    for name, extra in (("train", []), ("evaluate", ["ckpt=unused.ckpt"])):
+        cfg = _compose(name, [f"analysis={analysis}", *extra])
+        check_config(cfg)
+        _check_analysis(cfg)
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_every_reproduce_profile_plans_valid_stages(profile, tmp_path):
+    """Each stage of the profile's pipeline composes and passes the checks, as `make reproduce` does before running."""
+    cfg = load_profile([f"profile={profile}", f"out={tmp_path}"])
+    check_config(cfg)
+    stages = plan(cfg)
+    assert [s["name"] for s in stages][:2] == ["base", "tau_models"] and stages[-1]["name"] == "report"
+    for st in stages:
+        assert stage_settings(st, cfg)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("experiment", [e for e in EXPERIMENTS if not e.endswith("_tau")])
+def test_every_experiment_preset_trains_a_few_batches(experiment, tmp_path):
+    """The preset's own model, optimiser and data, for 2 training and 2 validation batches (the paper's model too)."""
+    data = [f"data.root={DATA_ROOT}"] if DATA_ROOT else []
+    cfg = _compose("train", [f"experiment={experiment}", "logger=none", "analysis.stages=[]", "trainer.max_epochs=1",
+                             "+trainer.limit_train_batches=2", "+trainer.limit_val_batches=2",
+                             "data.max_eval_tokens=2000", "trainer.max_time=null", "trainer.enable_progress_bar=false",
+                             *data])
+    if cfg.data.name == "ptb" and not DATA_ROOT:
+        pytest.skip("real PTB not found: set LMCAL_DATA_ROOT")
+    with open_dict(cfg):
+        cfg.paths.output_dir = str(tmp_path)
+        if cfg.data.name == "markov":
+            cfg.data.corpus_kwargs.n_train = 20000
+    m = train(cfg)
+    assert m["epochs"] == 1 and Path(m["best_ckpt"]).is_file()
