@@ -21,7 +21,7 @@ from lmcal.lm import LSTMStepLM
 from lmcal.markov import markov_exact_mi
 from lmcal.model import evaluate_ce
 from lmcal.module import LMDataModule, load_base_net, load_net
-from lmcal.stages import check_settings, check_stages, run_stages
+from lmcal.stages import check_plan, check_stages, run_stages
 from lmcal.train import finish_logger, make_logger, model_name
 from lmcal.utils import exp_or_inf, run_lock, write_json_atomic
 from lmcal.validate import check_config
@@ -50,7 +50,8 @@ def load_checkpoint_and_data(ckpt_path: str, data_root: str | None = None, devic
 def stage_settings(cfg: DictConfig) -> dict[str, dict]:
     """analysis.<stage> of every stage asked for, checked against the stage's parameters; `decoder=NAME` (one
     method, e.g. for a sweep of its setting) replaces analysis.decoders.methods."""
-    settings = {n: check_settings(n, OmegaConf.to_container(cfg.analysis[n], resolve=True)) for n in cfg.stages}
+    settings = check_plan(list(cfg.stages), None, {n: OmegaConf.to_container(cfg.analysis[n], resolve=True)
+                                                   for n in cfg.stages if n in cfg.analysis})
     if cfg.get("decoder") and "decoders" in settings:
         settings["decoders"]["methods"] = [OmegaConf.to_container(cfg.decoder, resolve=True)]
     return settings
@@ -115,7 +116,6 @@ def evaluate(cfg: DictConfig) -> dict:
 
 
 def _evaluate(cfg: DictConfig, out: Path) -> dict:
-    check_stages(list(cfg.stages), None)
     settings = stage_settings(cfg)  # before any model is loaded
     hf = cfg.get("model") is not None
     has_ckpt = not OmegaConf.is_missing(cfg, "ckpt") and cfg.ckpt is not None

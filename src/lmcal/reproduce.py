@@ -230,8 +230,8 @@ def stale_stages(stages: list[dict], current: dict, out: Path, force: bool) -> d
             diffs = {t: d for t, d in diffs.items() if d}
             if diffs:
                 changed[st["name"]] = [f"tau={t} {line}" for t, d in diffs.items() for line in d], set(diffs)
-        elif differences(old, now):
-            changed[st["name"]] = differences(old, now), None
+        elif diff := differences(old, now):
+            changed[st["name"]] = diff, None
     redo = {name: taus for name, (_, taus) in changed.items()}
     for st in stages:  # in pipeline order: whatever uses a redone stage's results is redone whole
         if any(d in redo for d in st["deps"]):

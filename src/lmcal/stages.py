@@ -364,8 +364,8 @@ def _pick(*keys):
 
 STAGES: dict[str, Stage] = {s.name: s for s in [
     Stage("entropy_rate", entropy_rate_stage,
-          lambda t, out, logger, earlier, **s: entropy_rate_stage(t["lm"], t["valid"], t["test_ce"], out,
-                                                                  unit=t["unit"], **_common(t, logger), **s),
+          lambda t, out, logger, earlier, every_n_epochs=None, **s:  # every_n_epochs: train's, during training
+          entropy_rate_stage(t["lm"], t["valid"], t["test_ce"], out, unit=t["unit"], **_common(t, logger), **s),
           frozenset({"full", "hf"}), _pick("entrate_ppl"), entry_settings=("every_n_epochs",)),
     Stage("calibration", calibration_stage,
           lambda t, out, logger, earlier, **s: calibration_stage(t["lm"], t["valid"], t["test"], out, unit=t["unit"],
@@ -423,16 +423,20 @@ def check_settings(name: str, settings: dict) -> dict:
     return dict(settings)
 
 
+def check_plan(names: list[str], kind: str | None, settings: dict[str, dict]) -> dict[str, dict]:
+    """The checks every entry point makes before any work: the stages exist and apply to `kind`, and each one's
+    settings (analysis.<name>) are its own. Returns {name: settings}."""
+    check_stages(names, kind)
+    return {n: check_settings(n, settings.get(n) or {}) for n in names}
+
+
 def run_stages(names: list[str], target: dict, settings: dict[str, dict], out_dir: str | Path, logger=None) -> dict:
     """Runs `names` on `target` in the registry's order, with `settings[name]` (all checked before any runs);
     returns {name: result}."""
-    check_stages(names, target["kind"])
-    names = [n for n in STAGES if n in names]  # registry order: decoders reuse this run's calibration
-    checked = {n: check_settings(n, settings.get(n) or {}) for n in names}
+    checked = check_plan(names, target["kind"], settings)
     results: dict[str, dict] = {}
-    for n in names:
-        s = {k: v for k, v in checked[n].items() if k != "every_n_epochs"}
-        results[n] = STAGES[n].call(target, Path(out_dir), logger, results, **s)
+    for n in [n for n in STAGES if n in names]:  # registry order: decoders reuse this run's calibration
+        results[n] = STAGES[n].call(target, Path(out_dir), logger, results, **checked[n])
     return results
 
 

@@ -24,7 +24,7 @@ from pytorch_lightning.plugins.io import TorchCheckpointIO
 from lmcal.callbacks import EpochEntropyRateCallback, MetricsCallback, StagesCallback
 from lmcal.errors import LmcalError
 from lmcal.module import LMModule, load_base_net, load_net, read_checkpoint
-from lmcal.stages import STAGES, check_settings, check_stages, summary
+from lmcal.stages import STAGES, check_plan, check_stages, summary
 from lmcal.utils import atomic_path, run_lock, write_json_atomic
 from lmcal.validate import check_config
 
@@ -132,9 +132,7 @@ def _train(cfg: DictConfig, out: Path) -> dict:
     stages = list(cfg.analysis.get("stages") or [])
     tau = cfg.model.get("memory_tau")
     settings = {n: OmegaConf.to_container(cfg.analysis[n], resolve=True) for n in STAGES if n in cfg.analysis}
-    check_stages(stages, "tau" if tau else "full")  # before training: a misspelt or misplaced stage costs nothing
-    for n in stages:
-        check_settings(n, settings.get(n) or {})
+    check_plan(stages, "tau" if tau else "full", settings)  # before training: a misspelt stage or key costs nothing
     base_ckpt = cfg.get("memory", {}).get("base_ckpt")
     if "memory" in stages:
         load_base_net(base_ckpt, "cpu", cfg.data.name)  # fail now, not after training
