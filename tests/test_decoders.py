@@ -151,7 +151,8 @@ def test_rules_match_a_plain_reference_on_random_rows(name, params):
 
 
 NEUTRAL = {"temperature": {"temperature": 1.0}, "top_k": {"k": 13}, "top_p": {"p": 1.0}, "typical": {"mass": 1.0},
-           "eta": {"epsilon": 0.0}, "min_p": {"min_p": 0.0}, "mirostat": {"tau": math.inf, "eta": 0.1}}
+           "eta": {"eta_cutoff": 0.0}, "min_p": {"min_p": 0.0},
+           "mirostat": {"target_surprise": math.inf, "learning_rate": 0.1}}
 
 
 @pytest.mark.parametrize("name", list(DECODERS))
@@ -171,7 +172,7 @@ def test_decoders_are_normalised_step_lms_that_generate():
     lm = TinyLSTM()
     prefixes = torch.randint(0, lm.vocab_size, (3, 4), generator=torch.Generator().manual_seed(4))
     for name in DECODERS:
-        dec = make_decoder(name, lm, **({"tau": 2.0} if name == "mirostat" else {}))
+        dec = make_decoder(name, lm, **({"target_surprise": 2.0} if name == "mirostat" else {}))
         a = generation_entropy_curve(dec, prefixes, horizon=5, samples_per_prefix=4, seed=1)
         b = generation_entropy_curve(dec, prefixes, horizon=5, samples_per_prefix=4, seed=1, max_batch=4)
         assert a.mean.shape == (5,) and (a.mean >= 0).all()
@@ -187,7 +188,7 @@ def test_bad_names_and_parameters_are_clear_errors():
     with pytest.raises(LmcalError, match="takes p= only"):
         make_decoder("top_p", lm, k=3)
     for name, params in [("top_p", {"p": 0}), ("top_k", {"k": 2.5}), ("temperature", {"temperature": -1}),
-                         ("typical", {"mass": 1.5}), ("min_p", {"min_p": 2}), ("mirostat", {"tau": 0})]:
+                         ("typical", {"mass": 1.5}), ("min_p", {"min_p": 2}), ("mirostat", {"target_surprise": 0})]:
         with pytest.raises(LmcalError, match="out of range"):
             make_decoder(name, lm, **params)
 
@@ -196,7 +197,7 @@ def test_mirostat_running_surprise_converges_to_its_target_on_the_markov_oracle(
     chain = make_markov_chain(vocab_size=16, order=2, seed=0)
     oracle = MarkovOracle.from_chain(chain)
     target, lr, B, T = 1.0, 0.1, 256, 300  # bits; the oracle's own entropy rate is ~1.3 bits
-    dec = make_decoder("mirostat", oracle, tau=target, eta=lr)
+    dec = make_decoder("mirostat", oracle, target_surprise=target, learning_rate=lr)
     state = dec.init_state(B)
     tokens = torch.from_numpy(sample_markov(chain.probs, 16, 2, B, 0))  # stationary starting words
     g = torch.Generator().manual_seed(5)
@@ -277,7 +278,8 @@ def test_mirostat_starts_each_generation_from_two_tau():
     from lmcal.calibration import entropy
 
     lm = TinyLSTM()
-    dec = make_decoder("mirostat", lm, tau=0.5, eta=1.0)  # a low target: mu falls fast along the prompt
+    # a low target: mu falls fast along the prompt
+    dec = make_decoder("mirostat", lm, target_surprise=0.5, learning_rate=1.0)
     prefixes = torch.randint(0, lm.vocab_size, (4, 12), generator=torch.Generator().manual_seed(6))
     state, base = dec.init_state(4), lm.init_state(4)
     for i in range(12):

@@ -248,6 +248,20 @@ def test_a_misspelt_analysis_key_is_an_error_listing_the_valid_ones(tmp_path, da
         evaluate(ecfg)
 
 
+def test_a_renamed_setting_names_its_new_name():
+    """Names that say which quantity they are: the old names of the uniform-mixture weight and of Mirostat's and
+    eta-sampling's parameters fail with their new names."""
+    from lmcal.decoders import decoder_params
+    from lmcal.stages import check_settings
+    with pytest.raises(LmcalError, match="Renamed: epsilon is now uniform_weight"):
+        check_settings("calibration", {"epsilon": 0.1})
+    with pytest.raises(LmcalError, match="Renamed: eta is now learning_rate; tau is now target_surprise"):
+        decoder_params("mirostat", tau=3.0, eta=0.2)
+    with pytest.raises(LmcalError, match="Renamed: epsilon is now eta_cutoff"):
+        decoder_params("eta", epsilon=1e-3)
+    assert decoder_params("mirostat", target_surprise=3.0)["learning_rate"] == 0.1
+
+
 def test_one_gating_rule_in_both_entry_points(tmp_path, data_overrides):
     """A stage that does not apply to the model is one paragraph naming those that do, before any work."""
     cfg = _compose("train", tmp_path / "run", ["experiment=smoke", "logger=none", "model.memory_tau=4",

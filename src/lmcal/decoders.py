@@ -11,9 +11,10 @@ very same distribution.
 Truncations work on log-probs [B, V]; the kept set is decided in float64 on the normalised probabilities. Ties are
 kept together: where a rule needs "the smallest set" and the cut falls inside a group of words with the same score,
 the whole group is kept, so the result never depends on an arbitrary order of equal words (top-k does the same as
-the transformers library's warper). Every rule keeps at least the most likely word, and its neutral setting
-(T = 1, k >= V, p = 1, mass = 1, epsilon = 0, min_p = 0, Mirostat tau = inf) returns the model's own log-probs,
-bit for bit.
+the transformers library's warper). Every rule keeps at least one word, and every rule except locally typical
+sampling keeps the most likely one (typical keeps the words whose surprisal is closest to the entropy, which can
+exclude the mode). Each rule's neutral setting (T = 1, k >= V, p = 1, mass = 1, eta_cutoff = 0, min_p = 0,
+Mirostat target_surprise = inf) returns the model's own log-probs, bit for bit.
 """
 
 from __future__ import annotations
@@ -111,8 +112,10 @@ def typical(logp: torch.Tensor, mass: float) -> torch.Tensor:
     return _keep(logp, _smallest_set(-dist, dist, q, torch.full_like(dist[:, :1], mass)))
 
 
-def eta(logp: torch.Tensor, epsilon: float) -> torch.Tensor:
-    """eta-sampling (Hewitt et al. 2022): drop words with p < eta = min(epsilon, sqrt(epsilon) * exp(-H))."""
+def eta(logp: torch.Tensor, eta_cutoff: float) -> torch.Tensor:
+    """eta-sampling (Hewitt et al. 2022): drop words with p < eta = min(e, sqrt(e) * exp(-H)), e = eta_cutoff (the
+    paper's epsilon; the transformers library's name)."""
+    epsilon = eta_cutoff
     if epsilon == 0.0:
         return logp
     lq, q = _normalised(logp)
@@ -162,8 +165,9 @@ class DecodedLM:
 
 
 class MirostatLM:
-    """Mirostat v2 (Basu et al. 2021) as a StepLM: per generation a running threshold mu (bits), starting at 2 tau;
-    each step samples among the words with surprisal <= mu, then moves mu by -eta * (s - tau), s being the surprisal
+    """Mirostat v2 (Basu et al. 2021) as a StepLM: per generation a running threshold mu (bits), starting at 2 tau
+    (tau = target_surprise, the paper's tau, in bits; eta = learning_rate); each step samples among the words with
+    surprisal <= mu, then moves mu by -eta * (s - tau), s being the surprisal
     in bits of the word that came next under the model's own distribution (the authors' rule; llama.cpp measures it
     under the truncated one).
 
@@ -174,9 +178,9 @@ class MirostatLM:
     State = (base state, mu [B] float64, last base log-probs [B, V] or None, surprise of the last fed token [B] in
     bits or None)."""
 
-    def __init__(self, lm, tau: float, eta: float):
-        self.lm, self.tau, self.eta = lm, float(tau), float(eta)
-        self.name, self.params = "mirostat", {"tau": self.tau, "eta": self.eta}
+    def __init__(self, lm, target_surprise: float, learning_rate: float):
+        self.lm, self.tau, self.eta = lm, float(target_surprise), float(learning_rate)
+        self.name, self.params = "mirostat", {"target_surprise": self.tau, "learning_rate": self.eta}
         self.vocab_size = lm.vocab_size
         self.device = getattr(lm, "device", None)
 
@@ -209,6 +213,11 @@ class MirostatLM:
         return self.lm.select(inner, index), pick(mu), pick(last), pick(surprise)
 
 
+# (decoder, old parameter name) -> new one: names that say which quantity they are (Mirostat's tau is not a memory
+# length, eta-sampling's epsilon is not the uniform mixture's)
+RENAMED = {("mirostat", "tau"): "target_surprise", ("mirostat", "eta"): "learning_rate",
+           ("eta", "epsilon"): "eta_cutoff"}
+
 # name -> (rule, {parameter: default}); defaults are those of the most used implementation where it has a non-neutral
 # one (transformers: top_k 50; llama.cpp: top_p 0.95, min_p 0.05, Mirostat tau 5 and eta 0.1) and otherwise the
 # setting the method's paper recommends (typical 0.95, eta 3e-4).
@@ -217,9 +226,9 @@ DECODERS: dict[str, tuple[Callable | None, dict]] = {
     "top_k": (top_k, {"k": 50}),
     "top_p": (top_p, {"p": 0.95}),
     "typical": (typical, {"mass": 0.95}),
-    "eta": (eta, {"epsilon": 3e-4}),
+    "eta": (eta, {"eta_cutoff": 3e-4}),
     "min_p": (min_p, {"min_p": 0.05}),
-    "mirostat": (None, {"tau": 5.0, "eta": 0.1}),
+    "mirostat": (None, {"target_surprise": 5.0, "learning_rate": 0.1}),
 }
 
 
@@ -230,8 +239,10 @@ def decoder_params(name: str, **params) -> dict:
     defaults = DECODERS[name][1]
     unknown = set(params) - set(defaults)
     if unknown:
+        renamed = [f"{k} is now {RENAMED[name, k]}" for k in sorted(unknown) if (name, k) in RENAMED]
         raise LmcalError(f"Decoder {name} takes {', '.join(f'{k}=' for k in defaults)} only; got "
-                         f"{', '.join(sorted(unknown))}.")
+                         f"{', '.join(sorted(unknown))}."
+                         + (f" Renamed: {'; '.join(renamed)}." if renamed else ""))
     full = {**defaults, **params}
     bad = decoder_problems(name, full, "decoder")
     if bad:
@@ -243,8 +254,8 @@ def decoder_params(name: str, **params) -> dict:
 
 def make_decoder(name: str, lm, **params):
     """A StepLM that samples as decoder `name` would from `lm`: temperature (temperature=), top_k (k=), top_p (p=),
-    typical (mass=), eta (epsilon=), min_p (min_p=), mirostat (tau= bits, eta=). Its step returns the log-probs of
-    the distribution actually sampled from (-inf where a word is cut)."""
+    typical (mass=), eta (eta_cutoff=), min_p (min_p=), mirostat (target_surprise= bits, learning_rate=). Its step
+    returns the log-probs of the distribution actually sampled from (-inf where a word is cut)."""
     params = decoder_params(name, **params)
     if name == "mirostat":
         return MirostatLM(lm, **params)

@@ -125,15 +125,15 @@ class AWDLSTM(nn.Module):
         return self.decoder(output)  # [..., V]
 
 
-def ar_tar(output: torch.Tensor, raw: torch.Tensor, alpha: float, beta: float) -> torch.Tensor:
+def ar_tar(output: torch.Tensor, raw: torch.Tensor, ar_weight: float, tar_weight: float) -> torch.Tensor:
     """AWD activation regularisers on the last layer, both [T, B, H]:
-    AR = alpha * mean(output^2) on the dropped output (keeps activations small),
-    TAR = beta * mean((raw[t+1] - raw[t])^2) on the raw output (keeps them slow-moving)."""
+    AR = ar_weight * mean(output^2) on the dropped output (keeps activations small),
+    TAR = tar_weight * mean((raw[t+1] - raw[t])^2) on the raw output (keeps them slow-moving)."""
     reg = output.new_zeros(())
-    if alpha:
-        reg = reg + alpha * output.pow(2).mean()
-    if beta and raw.size(0) > 1:
-        reg = reg + beta * (raw[1:] - raw[:-1]).pow(2).mean()
+    if ar_weight:
+        reg = reg + ar_weight * output.pow(2).mean()
+    if tar_weight and raw.size(0) > 1:
+        reg = reg + tar_weight * (raw[1:] - raw[:-1]).pow(2).mean()
     return reg
 
 

@@ -120,7 +120,7 @@ class LMModule(pl.LightningModule):
     validated, and resuming still continues from the raw iterate."""
 
     def __init__(self, net: dict, vocab_size: int, lr: float = 30.0, weight_decay: float = 1.2e-6,
-                 clip: float = 0.25, alpha: float = 2.0, beta: float = 1.0, bptt: int = 70, nonmono: int = 5,
+                 clip: float = 0.25, ar_weight: float = 2.0, tar_weight: float = 1.0, bptt: int = 70, nonmono: int = 5,
                  optimizer: str = "sgd", asgd: bool = True, schedule: str | None = None,
                  divergence_factor: float | None = 3.0, data_cfg: dict | None = None, seed: int = 141):
         super().__init__()
@@ -160,7 +160,7 @@ class LMModule(pl.LightningModule):
             g["lr"] = hp.lr * self.lr_factor(batch_idx) * x.size(0) / hp.bptt
         output, raw = self.forward_window(x, "_hidden", detach=True)
         ce = F.cross_entropy(self.net.logits(output).flatten(0, 1), y.flatten())
-        loss = ce + ar_tar(output, raw, hp.alpha, hp.beta)
+        loss = ce + ar_tar(output, raw, hp.ar_weight, hp.tar_weight)
         self.check_divergence(ce, loss, batch_idx)
         opt.zero_grad()
         self.manual_backward(loss)

@@ -89,7 +89,7 @@ def entropy_rate_stage(lm, valid_tokens: torch.Tensor, test_ce_nats: float, out_
 
 def calibration_stage(lm, valid_tokens: torch.Tensor, test_tokens: torch.Tensor, out_dir: str | Path, *,
                       fit_tokens: int = 20_000, fit_streams: int = 20, score_tokens: int | None = None,
-                      score_streams: int = 10, topk: int | None = 64, epsilon: float = 0.0,
+                      score_streams: int = 10, topk: int | None = 64, uniform_weight: float = 0.0,
                       num_prefixes: int = 100, samples_per_prefix: int = 5, prefix_len: int = 100, horizon: int = 700,
                       seed: int = 0, max_batch: int = 1024, model_name: str = "model", corpus: str = "ptb",
                       logger=None, name: str = "calibration", unit: str = "word") -> dict:
@@ -100,11 +100,11 @@ def calibration_stage(lm, valid_tokens: torch.Tensor, test_tokens: torch.Tensor,
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     fit = fit_lookahead_calibration(lm, batchify(valid_tokens[:fit_tokens], fit_streams), topk=topk,
-                                    epsilon=epsilon, progress=True)
+                                    epsilon=uniform_weight, progress=True)
     t_fit = time.perf_counter() - t0
-    cal = calibrated(lm, fit.alpha, topk=topk, epsilon=epsilon)
+    cal = calibrated(lm, fit.alpha, topk=topk, epsilon=uniform_weight)
     test = batchify(test_tokens[:score_tokens] if score_tokens else test_tokens, score_streams)
-    cost_before = heldout_cost(calibrated(lm, 0.0, epsilon=epsilon), test)
+    cost_before = heldout_cost(calibrated(lm, 0.0, epsilon=uniform_weight), test)
     cost_after = heldout_cost(cal, test)
     ce_before, ce_after, n_scored = cost_before["test_ce_nats"], cost_after["test_ce_nats"], cost_after["test_tokens"]
     prefixes = random_prefixes(valid_tokens, num_prefixes, prefix_len, seed=seed)
@@ -124,7 +124,8 @@ def calibration_stage(lm, valid_tokens: torch.Tensor, test_tokens: torch.Tensor,
         "curve_nats": curves["after"].mean.tolist(), "stderr_nats": curves["after"].stderr.tolist(),
         "entrate_ppl_before": exp_or_inf(curves["before"].mean[-1]),
         "entrate_ppl_after": exp_or_inf(curves["after"].mean[-1]),
-        "topk": topk, "epsilon": epsilon, "horizon": horizon, "num_prefixes": prefixes.size(0),
+        "topk": topk, "epsilon": uniform_weight, "uniform_weight": uniform_weight, "horizon": horizon,
+        "num_prefixes": prefixes.size(0),
         "samples_per_prefix": samples_per_prefix, "prefix_len": prefix_len, "seed": seed,
         "fit_seconds": t_fit, "seconds": time.perf_counter() - t0, "unit": unit,
     }
@@ -411,15 +412,20 @@ def check_stages(names: list[str], kind: str | None) -> None:
                          f" not apply to a {KINDS[kind]} ({needs}); the stages that do: {', '.join(fits)}.")
 
 
+# (stage, old setting) -> new name: names that say which quantity they are
+RENAMED = {("calibration", "epsilon"): "uniform_weight"}
+
+
 def check_settings(name: str, settings: dict) -> dict:
     """`settings` (the node analysis.<name>) checked against the stage's parameters: an unknown key is one paragraph
     listing the valid ones."""
     valid = settings_keys(STAGES[name])
     unknown = sorted(set(settings) - set(valid))
     if unknown:
+        renamed = [f"{k} is now {RENAMED[name, k]}" for k in unknown if (name, k) in RENAMED]
         raise LmcalError(f"Unknown setting{'s' if len(unknown) > 1 else ''} "
                          f"{', '.join(f'analysis.{name}.{k}' for k in unknown)}; the {name} stage takes "
-                         f"{', '.join(valid)}.")
+                         f"{', '.join(valid)}." + (f" Renamed: {'; '.join(renamed)}." if renamed else ""))
     return dict(settings)
 
 

@@ -99,8 +99,8 @@ RULES: dict[str, tuple[Range, str]] = {
     "optim.lr": (POSITIVE, "learning rate"),
     "optim.weight_decay": (NONNEG, "weight decay"),
     "optim.clip": (Range(lo=0, optional=True), "gradient-norm clipping (0 or null: none)"),
-    "optim.alpha": (NONNEG, "activation regularisation (AR) weight"),
-    "optim.beta": (NONNEG, "temporal activation regularisation (TAR) weight"),
+    "optim.ar_weight": (NONNEG, "activation regularisation (AR) weight"),
+    "optim.tar_weight": (NONNEG, "temporal activation regularisation (TAR) weight"),
     "optim.nonmono": (COUNT, "NT-ASGD's non-monotone interval, in epochs"),
     "optim.optimizer": (Range(choices=("sgd", "adam")), "optimiser"),
     "optim.schedule": (Range(choices=(None, "cosine")), "learning-rate schedule"),
@@ -120,7 +120,7 @@ RULES: dict[str, tuple[Range, str]] = {
     "analysis.*.score_tokens": (Range(lo=2, integer=True, optional=True), "test tokens scored (null: all)"),
     "analysis.*.score_streams": (COUNT, "parallel streams of test scoring"),
     "analysis.*.topk": (OPT_COUNT, "lookahead candidates per position (null: exact, the whole vocabulary)"),
-    "analysis.*.epsilon": (PROB_OPEN_HI, "weight of the uniform distribution mixed in"),
+    "analysis.*.uniform_weight": (PROB_OPEN_HI, "weight of the uniform distribution mixed in"),
     "analysis.decoders.mix_epsilon": (Range(lo=0, hi=1, lo_open=True, hi_open=True),
                                       "uniform mass mixed in for a finite held-out cross-entropy"),
     "analysis.memory.cluster_size": (COUNT, "consecutive positions per unit of the standard error"),
@@ -136,9 +136,10 @@ DECODER_RULES: dict[str, dict[str, Range]] = {
     "top_k": {"k": COUNT},
     "top_p": {"p": Range(lo=0, hi=1, lo_open=True)},
     "typical": {"mass": Range(lo=0, hi=1, lo_open=True)},
-    "eta": {"epsilon": PROB_OPEN_HI},
+    "eta": {"eta_cutoff": PROB_OPEN_HI},
     "min_p": {"min_p": Range(lo=0, hi=1)},
-    "mirostat": {"tau": Range(lo=0, lo_open=True, also=(math.inf,)), "eta": NONNEG},  # tau = inf: no cut
+    # target_surprise = inf: no cut
+    "mirostat": {"target_surprise": Range(lo=0, lo_open=True, also=(math.inf,)), "learning_rate": NONNEG},
 }
 
 
