@@ -10,7 +10,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
 .DEFAULT_GOAL := help
-.PHONY: help install test test-all lint bench smoke reproduce clean
+.PHONY: help install test test-all lint bench smoke reproduce docs clean
 
 help: ## list the targets
 	@awk 'BEGIN{FS=":.*## "} /^[a-zA-Z_-]+:.*## /{printf "  make %-10s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -43,6 +43,9 @@ smoke: $(STAMP) ## a tiny training run (under a minute) that writes metrics.json
 
 reproduce: $(STAMP) ## every result of the paper for PROFILE (auto: paper on a GPU, else cpu); resumable
 	$(PY) -m lmcal.reproduce profile=$(PROFILE) $(if $(filter 1 true yes,$(FORCE)),force=true) $(ARGS)
+
+docs: $(STAMP) ## regenerate docs/RESULTS.md from docs/runs/ and docs/bench/ (RUNS='outputs/reproduce/cpu' snapshots first)
+	$(PY) -m lmcal.docs $(if $(RUNS),--snapshot $(RUNS))
 
 clean: ## remove .venv (outputs/ is kept)
 	rm -rf $(VENV)

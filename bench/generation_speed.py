@@ -15,6 +15,7 @@ import time
 import torch
 from train_throughput import build, matmul_flops  # bench/ is on sys.path when run as a script
 
+from lmcal.docs import save_bench
 from lmcal.entropy_rate import generation_entropy_curve
 from lmcal.lm import LSTMStepLM
 from lmcal.model import matmul_params
@@ -34,12 +35,16 @@ def main():
     ap.add_argument("--horizon", type=int, default=50)
     ap.add_argument("--prefix-len", type=int, default=20)
     ap.add_argument("--vocab", type=int, default=10_000)
+    ap.add_argument("--out", help="also write the tables, with command, date and machine, to this Markdown file "
+                    "(e.g. docs/bench/generation_speed.md; `make docs` puts it in docs/RESULTS.md)")
     args = ap.parse_args()
+    lines = []
+    emit = lambda s: (print(s, flush=True), lines.append(s))
     torch.manual_seed(0)
     peak = matmul_flops("cpu")
-    print(f"{torch.get_num_threads()} threads, torch {torch.__version__}; float32 matmul {peak / 1e9:.1f} GFLOP/s")
-    print("| model | mode | generations | tokens/s | GFLOP/s | MFU | speed-up |")
-    print("|---|---|---|---|---|---|---|")
+    emit(f"{torch.get_num_threads()} threads, torch {torch.__version__}; float32 matmul {peak / 1e9:.1f} GFLOP/s")
+    emit("| model | mode | generations | tokens/s | GFLOP/s | MFU | speed-up |")
+    emit("|---|---|---|---|---|---|---|")
     for name in args.models:
         net = build(name, args.vocab).eval()
         lm, n_mm = LSTMStepLM(net), matmul_params(net)
@@ -48,8 +53,10 @@ def main():
         batched = generated_per_s(lm, prefixes, args.horizon, samples, max_batch=100 * samples)
         serial = generated_per_s(lm, prefixes[: args.serial_generations], args.horizon, 1, max_batch=1)
         for mode, n, tps in (("one batch", 100 * samples, batched), ("one at a time", args.serial_generations, serial)):
-            print(f"| {name} | {mode} | {n} | {tps:,.0f} | {2 * n_mm * tps / 1e9:.1f} | {2 * n_mm * tps / peak:.1%} | "
+            emit(f"| {name} | {mode} | {n} | {tps:,.0f} | {2 * n_mm * tps / 1e9:.1f} | {2 * n_mm * tps / peak:.1%} | "
                   f"{tps / serial:.1f}x |")
+
+    save_bench(args.out, "Generation speed", "\n".join(lines))
 
 
 if __name__ == "__main__":

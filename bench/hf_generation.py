@@ -20,6 +20,7 @@ import torch
 from generation_speed import generated_per_s  # bench/ is on sys.path when run as a script
 from train_throughput import matmul_flops
 
+from lmcal.docs import save_bench
 from lmcal.lm import HFCausalLM
 
 
@@ -41,7 +42,11 @@ def main():
     ap.add_argument("--threads", type=int, default=None,
                     help="torch threads (default: torch's choice); on a machine busy with other work, fewer threads "
                          "than cores avoid threads that wait on each other")
+    ap.add_argument("--out", help="also write the tables, with command, date and machine, to this Markdown file "
+                    "(e.g. docs/bench/hf_generation.md; `make docs` puts it in docs/RESULTS.md)")
     args = ap.parse_args()
+    lines = []
+    emit = lambda s: (print(s, flush=True), lines.append(s))
     if args.threads:
         torch.set_num_threads(args.threads)  # before the matmul peak too: both are measured on the same threads
     from transformers import GPT2Config, GPT2LMHeadModel, __version__
@@ -60,17 +65,19 @@ def main():
     batched = generated_per_s(lm, prefixes, args.horizon, args.samples, max_batch=n_batch)
     serial = generated_per_s(lm, prefixes[: args.serial], args.horizon, 1, max_batch=1)
 
-    print(f"{torch.get_num_threads()} threads, torch {torch.__version__}, transformers {__version__}; "
+    emit(f"{torch.get_num_threads()} threads, torch {torch.__version__}, transformers {__version__}; "
           f"float32 matmul {peak / 1e9:.1f} GFLOP/s (2048^3 torch.mm)")
-    print(f"GPT-2 small, random weights: {n_params / 1e6:.1f}M parameters, {n_mm / 1e6:.1f}M in matrix multiplies "
+    emit(f"GPT-2 small, random weights: {n_params / 1e6:.1f}M parameters, {n_mm / 1e6:.1f}M in matrix multiplies "
           f"(LM head included); built in {build_s:.0f} s. Prefix {args.prefix_len} tokens, horizon {args.horizon}.")
-    print(f"FLOP/s = 2 x {n_mm / 1e6:.1f}M x generated tokens/s; MFU = FLOP/s / measured matmul FLOP/s.")
-    print()
-    print("| mode | generations | batch | generated tokens | s / 1,000 tokens | tokens/s | GFLOP/s | MFU | speed-up |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    emit(f"FLOP/s = 2 x {n_mm / 1e6:.1f}M x generated tokens/s; MFU = FLOP/s / measured matmul FLOP/s.")
+    emit('')
+    emit("| mode | generations | batch | generated tokens | s / 1,000 tokens | tokens/s | GFLOP/s | MFU | speed-up |")
+    emit("|---|---|---|---|---|---|---|---|---|")
     for mode, n, batch, tps in (("one batch", n_batch, n_batch, batched), ("one at a time", args.serial, 1, serial)):
-        print(f"| {mode} | {n} | {batch} | {n * args.horizon:,} | {1000 / tps:.1f} | {tps:,.1f} | "
+        emit(f"| {mode} | {n} | {batch} | {n * args.horizon:,} | {1000 / tps:.1f} | {tps:,.1f} | "
               f"{2 * n_mm * tps / 1e9:.1f} | {2 * n_mm * tps / peak:.1%} | {tps / serial:.1f}x |")
+
+    save_bench(args.out, "Hugging Face generation speed", "\n".join(lines))
 
 
 if __name__ == "__main__":

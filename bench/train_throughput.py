@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
+from lmcal.docs import save_bench
 from lmcal.model import AWDLSTM, ar_tar, embedding_dropout, forward_chunked, locked_dropout, matmul_params, repackage
 from lmcal.train import CONF_DIR
 
@@ -107,13 +108,17 @@ def main():
     ap.add_argument("--taus", type=int, nargs="*", default=[5, 30],
                     help="also time limited-memory training at these tau (window bptt rounded to a multiple)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--out", help="also write the tables, with command, date and machine, to this Markdown file "
+                    "(e.g. docs/bench/train_throughput.md; `make docs` puts it in docs/RESULTS.md)")
     args = ap.parse_args()
+    lines = []
+    emit = lambda s: (print(s, flush=True), lines.append(s))
     torch.manual_seed(0)
     peak = matmul_flops(args.device)
-    print(f"device {args.device}, {torch.get_num_threads()} threads, torch {torch.__version__}")
-    print(f"float32 matmul (2048^3): {peak / 1e9:.1f} GFLOP/s")
-    print("| model | params | matmul params | implementation | tokens/s | GFLOP/s | MFU | vs per-step loop |")
-    print("|---|---|---|---|---|---|---|---|")
+    emit(f"device {args.device}, {torch.get_num_threads()} threads, torch {torch.__version__}")
+    emit(f"float32 matmul (2048^3): {peak / 1e9:.1f} GFLOP/s")
+    emit("| model | params | matmul params | implementation | tokens/s | GFLOP/s | MFU | vs per-step loop |")
+    emit("|---|---|---|---|---|---|---|---|")
     for name in args.models:
         net = build(name, args.vocab)
         n_mm = matmul_params(net)
@@ -127,8 +132,10 @@ def main():
                                                                 tau=tau)))
         for impl, tps in rows:
             flops = 6 * n_mm * tps
-            print(f"| {name} | {n_all / 1e6:.2f}M | {n_mm / 1e6:.2f}M | {impl} | {tps:,.0f} | {flops / 1e9:.1f} | "
+            emit(f"| {name} | {n_all / 1e6:.2f}M | {n_mm / 1e6:.2f}M | {impl} | {tps:,.0f} | {flops / 1e9:.1f} | "
                   f"{flops / peak:.1%} | {tps / base:.2f}x |")
+
+    save_bench(args.out, "Training throughput", "\n".join(lines))
 
 
 if __name__ == "__main__":

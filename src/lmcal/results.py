@@ -6,11 +6,14 @@ from __future__ import annotations
 import json
 import math
 import os
+import shlex
+import sys
 from pathlib import Path
 
 from omegaconf import DictConfig
 
 from lmcal import paper
+from lmcal.docs import provenance
 from lmcal.stages import STAGES
 from lmcal.utils import copy_atomic, exp_or_inf, format_ce, format_params, write_json_atomic, write_text_atomic
 
@@ -93,6 +96,7 @@ def report(cfg: DictConfig, out: Path, names: list[str]) -> None:
 
     results = collect_results(cfg, out, names)
     results["stages"]["report"] = {"seconds": 0.0, "status": "done"}
+    results["provenance"] = provenance("python -m lmcal.reproduce " + shlex.join(sys.argv[1:]))
     import numpy as np
 
     er, cal = results["entropy_rate"], results["calibration"]

@@ -1,0 +1,49 @@
+"""docs/RESULTS.md is regenerated from files runs wrote: reproduction snapshots and saved benchmark tables."""
+
+import json
+
+import pytest
+
+from lmcal.docs import main, provenance, render, save_bench, snapshot
+from lmcal.errors import LmcalError
+
+
+def _fake_run(folder):
+    folder.mkdir()
+    prov = {"command": "python -m lmcal.reproduce profile=smoke", "date": "2026-11-23 10:00 UTC",
+            "machine": "test cpu, 2 cores, no GPU, torch x", "commit": "abc1234"}
+    (folder / "results.json").write_text(json.dumps({"profile": "smoke", "provenance": prov}))
+    (folder / "REPORT.md").write_text("# lmcal reproduction\n\n## Entropy\n\n| a | b |\n|---|---|\n| 1.5 | 2 |\n\n"
+                                      "![Figure 2](figure2_entropy_rate.png)\n\n| stage | folder |\n|---|---|\n"
+                                      "| base | [ptb/base](ptb/base) |\n")
+    (folder / "figure2_entropy_rate.png").write_bytes(b"png")
+
+
+def test_results_md_comes_from_snapshots_and_saved_benchmarks(tmp_path):
+    docs = tmp_path / "docs"
+    _fake_run(tmp_path / "run")
+    dest = snapshot(tmp_path / "run", docs)
+    assert dest == docs / "runs" / "smoke" and (dest / "figure2_entropy_rate.png").read_bytes() == b"png"
+    save_bench(docs / "bench" / "speed.md", "Speed", "| x | tokens/s |\n|---|---|\n| a | 12 |", command="python b.py")
+    text = render(docs)
+    assert "## Reproduction, profile `smoke`" in text and "*Command:* `python -m lmcal.reproduce profile=smoke`" in text
+    assert "### Entropy" in text and "| 1.5 | 2 |" in text  # the report's own table, a heading level down
+    assert "![Figure 2](runs/smoke/figure2_entropy_rate.png)" in text  # figures point into the snapshot
+    assert "| base | ptb/base |" in text  # links into the (uncopied) run folders become plain text
+    assert "## Benchmark: Speed" in text and "*Command:* `python b.py`" in text and "| a | 12 |" in text
+    main(["--docs", str(docs)])
+    assert (docs / "RESULTS.md").read_text() == text
+
+
+def test_provenance_names_command_date_machine():
+    p = provenance("cmd")
+    assert p["command"] == "cmd" and p["date"] and "cores" in p["machine"] and "torch" in p["machine"]
+
+
+def test_snapshot_of_an_unfinished_run_is_one_paragraph(tmp_path, capsys):
+    with pytest.raises(LmcalError, match="holds no finished reproduction"):
+        snapshot(tmp_path, tmp_path / "docs")
+    with pytest.raises(SystemExit) as e:
+        main(["--docs", str(tmp_path / "docs"), "--snapshot", str(tmp_path / "nothing")])
+    assert e.value.code == 2 and "no finished reproduction" in capsys.readouterr().err
+    assert not (tmp_path / "docs" / "RESULTS.md").exists()
