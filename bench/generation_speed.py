@@ -15,7 +15,7 @@ import time
 import torch
 from train_throughput import build, matmul_flops  # bench/ is on sys.path when run as a script
 
-from lmcal.docs import save_bench
+from lmcal.docs import add_out_option, save_bench, tee
 from lmcal.entropy_rate import generation_entropy_curve
 from lmcal.lm import LSTMStepLM
 from lmcal.model import matmul_params
@@ -35,11 +35,9 @@ def main():
     ap.add_argument("--horizon", type=int, default=50)
     ap.add_argument("--prefix-len", type=int, default=20)
     ap.add_argument("--vocab", type=int, default=10_000)
-    ap.add_argument("--out", help="also write the tables, with command, date and machine, to this Markdown file "
-                    "(e.g. docs/bench/generation_speed.md; `make docs` puts it in docs/RESULTS.md)")
+    add_out_option(ap, "generation_speed")
     args = ap.parse_args()
-    lines = []
-    emit = lambda s: (print(s, flush=True), lines.append(s))
+    emit, lines = tee()
     torch.manual_seed(0)
     peak = matmul_flops("cpu")
     emit(f"{torch.get_num_threads()} threads, torch {torch.__version__}; float32 matmul {peak / 1e9:.1f} GFLOP/s")

@@ -20,7 +20,7 @@ import torch
 from generation_speed import generated_per_s  # bench/ is on sys.path when run as a script
 from train_throughput import matmul_flops
 
-from lmcal.docs import save_bench
+from lmcal.docs import add_out_option, save_bench, tee
 from lmcal.lm import HFCausalLM
 
 
@@ -42,11 +42,9 @@ def main():
     ap.add_argument("--threads", type=int, default=None,
                     help="torch threads (default: torch's choice); on a machine busy with other work, fewer threads "
                          "than cores avoid threads that wait on each other")
-    ap.add_argument("--out", help="also write the tables, with command, date and machine, to this Markdown file "
-                    "(e.g. docs/bench/hf_generation.md; `make docs` puts it in docs/RESULTS.md)")
+    add_out_option(ap, "hf_generation")
     args = ap.parse_args()
-    lines = []
-    emit = lambda s: (print(s, flush=True), lines.append(s))
+    emit, lines = tee()
     if args.threads:
         torch.set_num_threads(args.threads)  # before the matmul peak too: both are measured on the same threads
     from transformers import GPT2Config, GPT2LMHeadModel, __version__

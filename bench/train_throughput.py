@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
-from lmcal.docs import save_bench
+from lmcal.docs import add_out_option, save_bench, tee
 from lmcal.model import AWDLSTM, ar_tar, embedding_dropout, forward_chunked, locked_dropout, matmul_params, repackage
 from lmcal.train import CONF_DIR
 
@@ -108,11 +108,9 @@ def main():
     ap.add_argument("--taus", type=int, nargs="*", default=[5, 30],
                     help="also time limited-memory training at these tau (window bptt rounded to a multiple)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--out", help="also write the tables, with command, date and machine, to this Markdown file "
-                    "(e.g. docs/bench/train_throughput.md; `make docs` puts it in docs/RESULTS.md)")
+    add_out_option(ap, "train_throughput")
     args = ap.parse_args()
-    lines = []
-    emit = lambda s: (print(s, flush=True), lines.append(s))
+    emit, lines = tee()
     torch.manual_seed(0)
     peak = matmul_flops(args.device)
     emit(f"device {args.device}, {torch.get_num_threads()} threads, torch {torch.__version__}")

@@ -26,7 +26,7 @@ import torch
 
 from lmcal.calibration import entropy, mix_uniform, target_log_probs
 from lmcal.errors import LmcalError
-from lmcal.validate import decoder_problems
+from lmcal.validate import decoder_problems, renamed_note
 
 LOG2 = math.log(2.0)
 
@@ -115,11 +115,10 @@ def typical(logp: torch.Tensor, mass: float) -> torch.Tensor:
 def eta(logp: torch.Tensor, eta_cutoff: float) -> torch.Tensor:
     """eta-sampling (Hewitt et al. 2022): drop words with p < eta = min(e, sqrt(e) * exp(-H)), e = eta_cutoff (the
     paper's epsilon; the transformers library's name)."""
-    epsilon = eta_cutoff
-    if epsilon == 0.0:
+    if eta_cutoff == 0.0:
         return logp
     lq, q = _normalised(logp)
-    cut = torch.clamp(math.sqrt(epsilon) * (-entropy(lq, q)[:, None]).exp(), max=epsilon)  # [B, 1]
+    cut = torch.clamp(math.sqrt(eta_cutoff) * (-entropy(lq, q)[:, None]).exp(), max=eta_cutoff)  # [B, 1]
     return _keep(logp, (q >= cut) | (q == q.amax(-1, keepdim=True)))
 
 
@@ -213,11 +212,6 @@ class MirostatLM:
         return self.lm.select(inner, index), pick(mu), pick(last), pick(surprise)
 
 
-# (decoder, old parameter name) -> new one: names that say which quantity they are (Mirostat's tau is not a memory
-# length, eta-sampling's epsilon is not the uniform mixture's)
-RENAMED = {("mirostat", "tau"): "target_surprise", ("mirostat", "eta"): "learning_rate",
-           ("eta", "epsilon"): "eta_cutoff"}
-
 # name -> (rule, {parameter: default}); defaults are those of the most used implementation where it has a non-neutral
 # one (transformers: top_k 50; llama.cpp: top_p 0.95, min_p 0.05, Mirostat tau 5 and eta 0.1) and otherwise the
 # setting the method's paper recommends (typical 0.95, eta 3e-4).
@@ -239,10 +233,8 @@ def decoder_params(name: str, **params) -> dict:
     defaults = DECODERS[name][1]
     unknown = set(params) - set(defaults)
     if unknown:
-        renamed = [f"{k} is now {RENAMED[name, k]}" for k in sorted(unknown) if (name, k) in RENAMED]
         raise LmcalError(f"Decoder {name} takes {', '.join(f'{k}=' for k in defaults)} only; got "
-                         f"{', '.join(sorted(unknown))}."
-                         + (f" Renamed: {'; '.join(renamed)}." if renamed else ""))
+                         f"{', '.join(sorted(unknown))}." + renamed_note(name, unknown))
     full = {**defaults, **params}
     bad = decoder_problems(name, full, "decoder")
     if bad:

@@ -20,6 +20,7 @@ import shlex
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from lmcal.errors import LmcalError
@@ -62,6 +63,23 @@ def provenance(command: str | None = None) -> dict:
 def provenance_line(p: dict) -> str:
     return (f"*Command:* `{p['command']}` · *date:* {p['date']} · *machine:* {p['machine']}"
             + (f" · *commit:* {p['commit']}" if p.get("commit") else ""))
+
+
+def add_out_option(ap: argparse.ArgumentParser, name: str) -> None:
+    """A benchmark's `--out` option: where save_bench writes its tables."""
+    ap.add_argument("--out", help=f"also write the tables, with command, date and machine, to this Markdown file "
+                    f"(e.g. docs/bench/{name}.md; `make docs` puts it in docs/RESULTS.md)")
+
+
+def tee() -> tuple[Callable[[str], None], list[str]]:
+    """(emit, lines): emit prints a line at once and keeps it in lines, for save_bench at the end."""
+    lines: list[str] = []
+
+    def emit(line: str) -> None:
+        print(line, flush=True)
+        lines.append(line)
+
+    return emit, lines
 
 
 def save_bench(path: str | Path | None, title: str, body: str, command: str | None = None) -> None:

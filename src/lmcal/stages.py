@@ -35,6 +35,7 @@ from lmcal.model import full_context_log_probs, limited_context_log_probs, zip_r
 from lmcal.plots import entropy_curve_figure
 from lmcal.report import decoders_table, table1_markdown
 from lmcal.utils import exp_or_inf, format_params, write_json_atomic, write_text_atomic
+from lmcal.validate import renamed_note
 
 log = logging.getLogger("lmcal")
 
@@ -412,20 +413,15 @@ def check_stages(names: list[str], kind: str | None) -> None:
                          f" not apply to a {KINDS[kind]} ({needs}); the stages that do: {', '.join(fits)}.")
 
 
-# (stage, old setting) -> new name: names that say which quantity they are
-RENAMED = {("calibration", "epsilon"): "uniform_weight"}
-
-
 def check_settings(name: str, settings: dict) -> dict:
     """`settings` (the node analysis.<name>) checked against the stage's parameters: an unknown key is one paragraph
     listing the valid ones."""
     valid = settings_keys(STAGES[name])
     unknown = sorted(set(settings) - set(valid))
     if unknown:
-        renamed = [f"{k} is now {RENAMED[name, k]}" for k in unknown if (name, k) in RENAMED]
         raise LmcalError(f"Unknown setting{'s' if len(unknown) > 1 else ''} "
                          f"{', '.join(f'analysis.{name}.{k}' for k in unknown)}; the {name} stage takes "
-                         f"{', '.join(valid)}." + (f" Renamed: {'; '.join(renamed)}." if renamed else ""))
+                         f"{', '.join(valid)}." + renamed_note(name, unknown))
     return dict(settings)
 
 

@@ -143,6 +143,18 @@ DECODER_RULES: dict[str, dict[str, Range]] = {
 }
 
 
+# (where, old name) -> new name: names that say which quantity they are (Mirostat's tau is not a memory length,
+# eta-sampling's epsilon is not the uniform mixture's). `where` is a decoder or an analysis stage.
+RENAMED = {("mirostat", "tau"): "target_surprise", ("mirostat", "eta"): "learning_rate",
+           ("eta", "epsilon"): "eta_cutoff", ("calibration", "epsilon"): "uniform_weight"}
+
+
+def renamed_note(where: str, unknown) -> str:
+    """' Renamed: old is now new; ...' for the unknown keys of `where` that are old names, else ''."""
+    renamed = [f"{k} is now {RENAMED[where, k]}" for k in sorted(unknown) if (where, k) in RENAMED]
+    return f" Renamed: {'; '.join(renamed)}." if renamed else ""
+
+
 def decoder_problems(name: str, params: dict, where: str) -> list[str]:
     """Out-of-range parameters of decoder `name`, as 'where.key=value (must be ...)' lines."""
     rules = DECODER_RULES.get(name, {})
