@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from lmcal.calibration import (
+    _stream_block_stderr,
     calibrated,
     entropy,
     fit_lookahead_calibration,
@@ -14,8 +15,9 @@ from lmcal.calibration import (
     score,
 )
 from lmcal.data import batchify
-from lmcal.entropy_rate import generation_entropy_curve, random_prefixes
-from lmcal.expfit import calibration_objective, fit_alpha, newton_minimize, objective
+from lmcal.entropy_rate import generation_entropy_curve, paired_tail_difference, random_prefixes
+from lmcal.errors import LmcalError
+from lmcal.expfit import calibration_objective, fit_alpha, newton_minimize, objective, sandwich_stderr
 from lmcal.markov import DriftingOracle, MarkovOracle, make_markov_chain, markov_entropy_rate, sample_markov
 from lmcal.model import AWDLSTM
 
@@ -63,27 +65,53 @@ def advanced(lm, tokens):
 
 
 @pytest.mark.parametrize("epsilon", [0.0, 0.2])
-def test_lookahead_exact_and_topk(lm, text, epsilon):
+def test_lookahead_is_exact(lm, text, epsilon):
     logp, state = advanced(lm, text[:4])  # [5, V]
     exact = lookahead_entropies(lm, state, logp, epsilon=epsilon, chunk=7)  # chunks cut across rows
     for b, w in [(0, 0), (2, 5), (4, V - 1)]:  # brute force: step candidate w from row b alone
         lp, _ = lm.step(torch.tensor([w]), lm.select(state, torch.tensor([b])))
         torch.testing.assert_close(exact[b, w], entropy(mix_uniform(lp, epsilon))[0])
-    torch.testing.assert_close(lookahead_entropies(lm, state, logp, topk=V, epsilon=epsilon, chunk=11), exact)
-    k = 4
-    top = lookahead_entropies(lm, state, logp, topk=k, epsilon=epsilon)
-    idx = logp.topk(k, -1).indices  # [5, k]
-    torch.testing.assert_close(top.gather(1, idx), exact.gather(1, idx))
-    w = mix_uniform(logp, epsilon).gather(1, idx).softmax(-1)
-    rest = torch.ones_like(top, dtype=torch.bool).scatter_(1, idx, False)
-    fill = (w * exact.gather(1, idx)).sum(-1, keepdim=True).expand_as(top)
-    torch.testing.assert_close(top[rest], fill[rest])
+
+
+@pytest.mark.parametrize("epsilon", [0.0, 0.2])
+def test_topk_atoms_true_word_exact_and_tail_drawn_from_the_rest(lm, text, epsilon):
+    k, m = 2, 3
+    ex = fit_lookahead_calibration(lm, text, epsilon=epsilon)  # exact: atoms are the rows in vocabulary order
+    fit = fit_lookahead_calibration(lm, text, topk=k, epsilon=epsilon, tail_samples=m, seed=5)
+    assert fit.logw.shape == fit.h.shape == (ex.n_tokens, k + 1 + m) and fit.tail_samples == m
+    top = ex.logw.topk(k, -1).indices  # [n, k]
+    y = text[1:].reshape(-1)
+    outside = ~(top == y[:, None]).any(1)
+    assert outside.sum() > 20  # most true words lie outside the top 2: their H_next must be exact all the same
+    torch.testing.assert_close(fit.h_y, ex.h_y, rtol=0, atol=1e-5)
+    torch.testing.assert_close(fit.logq_y, ex.logq_y)
+    torch.testing.assert_close(fit.logw[:, :k], ex.logw.gather(1, top))
+    torch.testing.assert_close(fit.h[:, :k], ex.h.gather(1, top), rtol=0, atol=1e-5)
+    assert torch.equal(torch.isneginf(fit.logw[:, k]), ~outside)  # y's own atom only when it is not a top word
+    torch.testing.assert_close(fit.logw[outside, k], ex.logq_y[outside])
+    # the tail: m atoms sharing the mass of the rest evenly, each with the H_next of a word of the rest
+    rest = torch.ones_like(ex.logw, dtype=torch.bool).scatter_(1, top, False).scatter_(1, y[:, None], False)
+    log_rest = ex.logw.masked_fill(~rest, -math.inf).logsumexp(-1)  # [n]
+    torch.testing.assert_close(fit.logw[:, k + 1:], (log_rest - math.log(m))[:, None].expand(-1, m))
+    gap = (fit.h[:, k + 1:, None] - ex.h[:, None, :]).abs().masked_fill(~rest[:, None, :], math.inf)  # [n, m, V]
+    assert gap.amin(-1).max() < 1e-5
+    assert fit.logw.double().logsumexp(-1).sub(0).abs().max() < 1e-5  # Z(0) = 1: the atoms carry all the mass
+
+
+def test_topk_at_the_edge_of_the_vocabulary_is_exact(lm, text):
+    """k = V - 1 leaves at most one word over (the draws all pick it), k = V none: both are exact mode."""
+    exact = fit_lookahead_calibration(lm, text)
+    for k in (V - 1, V):
+        fit = fit_lookahead_calibration(lm, text, topk=k, tail_samples=3)
+        assert fit.logw.double().logsumexp(-1).abs().max() < 1e-5  # the atoms carry all the mass
+        for a in (-0.5, 0.7):
+            assert fit.ce_derivatives(a) == pytest.approx(exact.ce_derivatives(a), rel=1e-5, abs=1e-6)
 
 
 def test_alpha_zero_is_the_base_model_and_epsilon_the_mixture(lm, text):
     eps = 0.1
-    state0, state1, state2 = lm.init_state(5), lm.init_state(5), lm.init_state(5)
     cal0, calm = calibrated(lm, 0.0), calibrated(lm, 0.0, epsilon=eps)
+    state0, state1, state2 = lm.init_state(5), cal0.init_state(5), calm.init_state(5)
     for t in range(4):
         ref, state0 = lm.step(text[t], state0)
         out0, state1 = cal0.step(text[t], state1)
@@ -95,25 +123,147 @@ def test_alpha_zero_is_the_base_model_and_epsilon_the_mixture(lm, text):
 
 def test_calibrated_rows_are_normalised_and_reweighted(lm, text):
     alpha = -0.6
-    _, state = advanced(lm, text[:3])
-    out, _ = calibrated(lm, alpha).step(text[3], state)  # [5, V]
-    logp, state = lm.step(text[3], state)
-    h = lookahead_entropies(lm, state, logp)  # [5, V]
+    cal = calibrated(lm, alpha)
+    state = cal.init_state(5)
+    for t in range(4):
+        out, state = cal.step(text[t], state)  # [5, V]
+    logp, base = advanced(lm, text[:4])
+    h = lookahead_entropies(lm, base, logp)  # [5, V]
     torch.testing.assert_close(out, (logp + alpha * h).log_softmax(-1))
     torch.testing.assert_close(out.logsumexp(-1), torch.zeros(5))
 
 
-@pytest.mark.parametrize("topk,epsilon", [(None, 0.0), (4, 0.0), (None, 0.15), (5, 0.05)])
-def test_fit_statistics_match_direct_scoring(lm, text, topk, epsilon):
-    fit = fit_lookahead_calibration(lm, text, topk=topk, epsilon=epsilon)
+def test_topk_calibrated_rows_share_the_tail_tilt_and_estimate_z_without_bias():
+    """The calibrated StepLM's top-k rows: the top k at their own tilt, the rest at one shared tilt, and the row's
+    normaliser an unbiased estimate of the exact Z(a) over the draws (seeds)."""
+    lm = MarkovOracle.from_chain(make_markov_chain(vocab_size=16, order=1, support=4, smoothing=0.3, seed=0))
+    k, m, alpha, R = 3, 4, -1.0, 200
+    prefix = torch.tensor([[3, 7, 1, 12, 5, 0]])  # [T, B]: 6 rows after one token each
+    logp, base = advanced(lm, prefix)
+    h = lookahead_entropies(lm, base, logp)  # [6, V]
+    z_exact = (logp + alpha * h).exp().sum(-1)  # [6]
+    top = logp.topk(k, -1).indices
+    z = []
+    for seed in range(R):
+        cal = calibrated(lm, alpha, topk=k, tail_samples=m, seed=seed)
+        out, _ = cal.step(prefix[0], cal.init_state(6))  # [6, V]
+        torch.testing.assert_close(out.logsumexp(-1), torch.zeros(6, dtype=out.dtype))
+        shift = out - logp  # [6, V]: a H_next - log Z^ on the top k; log mean_j e^{a H(w_j)} - log Z^ on the rest
+        rest = torch.ones_like(shift, dtype=torch.bool).scatter_(1, top, False)
+        for b in range(6):  # every word of the rest at one shared tilt
+            assert shift[b][rest[b]].max() - shift[b][rest[b]].min() < 1e-12
+        log_z = alpha * h.gather(1, top) - shift.gather(1, top)  # [6, k]: log Z^, the same from every top word
+        assert (log_z - log_z[:, :1]).abs().max() < 1e-12
+        z.append(log_z[:, 0].exp())  # [6]
+    z = torch.stack(z)  # [R, 6]
+    se = z.std(0) / math.sqrt(R)
+    assert (se > 0).all()  # the draws do vary
+    assert ((z.mean(0) - z_exact).abs() < 4 * se).all()
+
+
+@pytest.mark.parametrize("epsilon", [0.0, 0.15])
+def test_fit_statistics_match_direct_scoring(lm, text, epsilon):
+    fit = fit_lookahead_calibration(lm, text, epsilon=epsilon)
     assert fit.n_tokens == (text.size(0) - 1) * text.size(1)
     for alpha in (-0.8, 0.0, 0.5, fit.alpha):
-        direct, n = score(calibrated(lm, alpha, topk=topk, epsilon=epsilon, chunk=17), text)
+        direct, n = score(calibrated(lm, alpha, epsilon=epsilon, chunk=17), text)
         assert n == fit.n_tokens
         assert fit.ce_at(alpha) == pytest.approx(direct, abs=2e-6)
     assert fit.ce_before == pytest.approx(fit.ce_at(0.0), abs=1e-12)
     assert fit.ce_after <= fit.ce_before
     assert 0 < fit.alpha_stderr < math.inf
+
+
+@pytest.mark.parametrize("epsilon", [0.0, 0.05])
+def test_topk_fit_before_is_the_exact_ce(lm, text, epsilon):
+    """In top-k mode Z^(0) = 1, so CE(0) is the base model's exact cross-entropy; the calibrated StepLM scores."""
+    fit = fit_lookahead_calibration(lm, text, topk=5, epsilon=epsilon, tail_samples=4)
+    assert fit.n_tokens == (text.size(0) - 1) * text.size(1)
+    assert fit.ce_before == pytest.approx(score(calibrated(lm, 0.0, epsilon=epsilon), text)[0], abs=2e-6)
+    ce, n = score(calibrated(lm, fit.alpha, topk=5, epsilon=epsilon, tail_samples=4), text)
+    assert n == fit.n_tokens and math.isfinite(ce)
+    assert fit.ce_after <= fit.ce_before and 0 < fit.alpha_stderr < math.inf
+
+
+def _z_terms(fit, alpha):
+    """Per position: the (estimated) Z(a) and Z'(a) = sum_w P(w) H(w) e^{a H(w)} of a fit's atoms, [n] each."""
+    w = (fit.logw.double() + alpha * fit.h.double()).exp()  # [n, K]
+    return w.sum(1), (w * fit.h.double()).sum(1)
+
+
+def test_topk_tail_is_unbiased_against_exact_mode():
+    """Averaged over the seeds of the draws, top-k + tail gives exact mode's Z(a) and Z'(a) (unbiased at every a), and
+    CE'(a): exactly unbiased at a = 0, a ratio elsewhere whose O(1/m) bias is below this test's resolution at
+    |a| <= 0.3 (at |a| = 1 it shows, 3-5 standard errors with m = 4 and 100 seeds)."""
+    chain = make_markov_chain(vocab_size=16, order=1, support=4, smoothing=0.3, seed=0)
+    lm = MarkovOracle.from_chain(chain)  # H_next varies between words: the rows' entropies
+    text = markov_text(chain, 30 * 8, seed=3, streams=8)[0]  # [30, 8]
+    exact = fit_lookahead_calibration(lm, text)
+    alphas, R = (-1.0, -0.3, 0.0, 0.3, 1.0), 100
+    est = torch.tensor([[[t.mean().item() for t in _z_terms(fit, a)] + [fit.ce_derivatives(a)[1]] for a in alphas]
+                        for fit in (fit_lookahead_calibration(lm, text, topk=3, tail_samples=4, seed=s)
+                                    for s in range(R))], dtype=torch.float64)  # [R, alphas, (Z, Z', CE')]
+    mean, se = est.mean(0), est.std(0) / math.sqrt(R)
+    for i, a in enumerate(alphas):
+        truth = [t.mean().item() for t in _z_terms(exact, a)] + [exact.ce_derivatives(a)[1]]
+        for j, what in enumerate(("Z", "Z'", "CE'")):
+            if what == "CE'" and abs(a) > 0.3:
+                continue
+            if what == "Z" and a == 0.0:  # Z^(0) = 1 exactly, whatever the draws
+                assert se[i, j] < 1e-9 and abs(mean[i, j] - truth[j]) < 1e-6
+                continue
+            assert se[i, j] > 0, (what, a)  # the draws do vary, so the test can fail
+            assert abs(mean[i, j] - truth[j]) < 4 * se[i, j], (what, a, mean[i, j], truth[j], se[i, j])
+
+
+def test_min_context_skips_positions_and_draws_follow_the_history(lm, text):
+    full = fit_lookahead_calibration(lm, text, topk=3, tail_samples=2, seed=1)
+    ctx = fit_lookahead_calibration(lm, text, topk=3, tail_samples=2, seed=1, min_context=5)
+    B = text.size(1)
+    assert ctx.n_tokens == (text.size(0) - 5) * B and full.n_tokens == (text.size(0) - 1) * B
+    for a, b in ((ctx.logw, full.logw), (ctx.h, full.h), (ctx.logq_y, full.logq_y), (ctx.h_y, full.h_y)):
+        assert torch.equal(a, b[4 * B:])  # positions t >= 5, and the same draws: they depend on the history only
+    assert fit_lookahead_calibration(lm, text, min_context=1).n_tokens == full.n_tokens
+    with pytest.raises(LmcalError, match="min_context=14"):
+        fit_lookahead_calibration(lm, text, min_context=14)
+
+
+def test_fit_is_deterministic_for_a_seed(lm, text):
+    a = fit_lookahead_calibration(lm, text, topk=3, tail_samples=4, seed=7)
+    b = fit_lookahead_calibration(lm, text, topk=3, tail_samples=4, seed=7, chunk=5)  # other batching of candidates
+    c = fit_lookahead_calibration(lm, text, topk=3, tail_samples=4, seed=8)
+    assert torch.equal(a.logw, b.logw) and a.alpha == pytest.approx(b.alpha, abs=1e-5)
+    torch.testing.assert_close(a.h, b.h)
+    assert not torch.equal(a.h[:, 4:], c.h[:, 4:])  # other draws
+    assert torch.equal(a.h[:, :4], c.h[:, :4])  # the top k and the true word do not depend on the seed
+
+
+def test_bad_tail_settings_are_one_paragraph_errors(lm, text):
+    with pytest.raises(LmcalError, match="tail_samples=0"):
+        fit_lookahead_calibration(lm, text, topk=3, tail_samples=0)
+    with pytest.raises(LmcalError, match="topk=0"):
+        calibrated(lm, 0.1, topk=0)
+    fit_lookahead_calibration(lm, text, tail_samples=0)  # exact mode draws nothing
+
+
+def test_block_stderr_clusters_consecutive_positions_of_each_stream():
+    g = torch.tensor([1.0, 2.0, 1.0, -2.0, -1.0, 3.0, -1.0, -3.0], dtype=torch.float64)  # t-major, 2 streams
+    # stream 0: 1, 1, -1, -1; stream 1: 2, -2, 3, -3
+    assert _stream_block_stderr(g, 0.5, 2, 1) == pytest.approx(sandwich_stderr(g, 0.5))  # positions independent
+    assert _stream_block_stderr(g, 0.5, 2, 2) == pytest.approx(math.sqrt(2**2 + 2**2 + 0 + 0) / (8 * 0.5))
+    assert _stream_block_stderr(g, 0.5, 2, 3) == pytest.approx(math.sqrt(1 + 1 + 3**2 + 3**2) / (8 * 0.5))
+    assert _stream_block_stderr(g, 0.0, 2, 3) == math.inf
+
+
+def test_paired_tail_difference_of_a_model_with_itself_is_zero(lm, text):
+    prefixes = text.T[:, :4]  # [5, 4]
+    base = generation_entropy_curve(lm, prefixes, horizon=10, samples_per_prefix=3, seed=2)
+    same = generation_entropy_curve(calibrated(lm, 0.0), prefixes, horizon=10, samples_per_prefix=3, seed=2)
+    assert paired_tail_difference(same, base) == (0.0, 0.0)
+    cal = generation_entropy_curve(calibrated(lm, -2.0, topk=3, tail_samples=2), prefixes, horizon=10,
+                                   samples_per_prefix=3, seed=2)
+    diff, se = paired_tail_difference(cal, base)
+    assert diff == pytest.approx(cal.tail_mean - base.tail_mean) and 0 < se < math.inf
 
 
 def test_derivatives_convexity_and_moment_matching(lm, text):
@@ -184,3 +334,28 @@ def test_exact_markov_oracle_needs_no_calibration():
     fit = fit_lookahead_calibration(MarkovOracle.from_chain(chain), markov_text(chain, 100 * 64, seed=2)[0])
     assert abs(fit.alpha) < 3 * fit.alpha_stderr
     assert fit.ce_before - fit.ce_after < 1e-3
+
+
+def test_calibration_stage_before_is_the_mixture_and_tails_are_paired(lm, tmp_path):
+    """With uniform_weight > 0 the "before" curve and cross-entropy are both the eps-mixture's; the tail keys are the
+    paired difference of the two models' generations."""
+    from lmcal.stages import calibration_stage
+
+    valid = torch.randint(0, V, (300,), generator=torch.Generator().manual_seed(3))
+    test = torch.randint(0, V, (60,), generator=torch.Generator().manual_seed(4))
+    eps, kw = 0.3, dict(num_prefixes=4, samples_per_prefix=2, prefix_len=5, horizon=10, seed=1)
+    r = calibration_stage(lm, valid, test, tmp_path, fit_tokens=120, fit_streams=3, min_context=10, topk=3,
+                          tail_samples=2, score_streams=2, uniform_weight=eps, **kw)
+    assert r["fit_tokens"] == (40 - 10) * 3 and r["min_context"] == 10 and r["tail_samples"] == 2
+    mixed = calibrated(lm, 0.0, epsilon=eps)
+    prefixes = random_prefixes(valid, 4, 5, seed=1)
+    curve = generation_entropy_curve(mixed, prefixes, 10, 2, seed=1)
+    assert r["curve_nats_before"] == curve.mean.tolist()
+    assert r["curve_nats_before"] != generation_entropy_curve(lm, prefixes, 10, 2, seed=1).mean.tolist()
+    assert r["test_ce_before_nats"] == pytest.approx(score(mixed, batchify(test, 2))[0], abs=1e-12)
+    after = generation_entropy_curve(calibrated(lm, r["alpha"], topk=3, epsilon=eps, tail_samples=2, seed=1),
+                                     prefixes, 10, 2, seed=1)
+    assert r["curve_nats"] == after.mean.tolist()  # the calibrated model is a pure function of the seed
+    assert (r["tail_diff_nats"], r["tail_diff_stderr_nats"]) == paired_tail_difference(after, curve)
+    assert r["tail_ppl_after"] == pytest.approx(math.exp(after.tail_mean))
+    assert (tmp_path / "calibration.png").stat().st_size > 1000

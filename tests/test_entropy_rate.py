@@ -7,7 +7,17 @@ import pytest
 import torch
 
 from lmcal import markov as MK
-from lmcal.entropy_rate import _uniforms, entrate_ppl, generation_entropy_curve, random_prefixes
+from lmcal.entropy_rate import (
+    EntropyCurve,
+    _uniforms,
+    clustered_mean,
+    entrate_ppl,
+    generation_entropy_curve,
+    paired_difference_curve,
+    paired_tail_difference,
+    random_prefixes,
+    tail_steps,
+)
 from lmcal.lm import LSTMStepLM
 from lmcal.markov import DriftingOracle, MarkovOracle
 from lmcal.model import AWDLSTM
@@ -95,3 +105,34 @@ def test_one_prefix_falls_back_to_generation_level_stderr(chain, prefixes):
     curve = generation_entropy_curve(lm, prefixes[:1], horizon=6, samples_per_prefix=200)
     assert np.all(curve.stderr[1:] > 0) and curve.stderr[0] < 1e-12  # word 1: every generation shares the prefix
     assert np.all(np.isnan(generation_entropy_curve(lm, prefixes[:1], horizon=3, samples_per_prefix=1).stderr))
+
+
+def test_tail_means_per_generation_and_paired_differences(chain, prefixes):
+    lm = DriftingOracle(chain, T=10, noise_vocab=16)
+    curve = generation_entropy_curve(lm, prefixes[:30], horizon=25, samples_per_prefix=4, seed=1)
+    assert tail_steps(25) == 2 and tail_steps(5) == 1 and curve.tail.shape == (30, 4)
+    np.testing.assert_allclose(curve.tail.mean(axis=1), curve.per_prefix[:, -2:].mean(axis=1), rtol=1e-12)
+    assert curve.tail_mean == pytest.approx(curve.mean[-2:].mean(), rel=1e-12)
+    other = generation_entropy_curve(MarkovOracle.from_chain(chain), prefixes[:30], horizon=25, samples_per_prefix=4,
+                                     seed=1)
+    diff, se = paired_tail_difference(curve, other)
+    d = (curve.tail - other.tail).mean(axis=1)  # [30]: per prefix
+    assert diff == pytest.approx(d.mean()) and se == pytest.approx(d.std(ddof=1) / math.sqrt(30))
+    assert diff > 5 * se  # the drifting model's tail lies above the oracle's
+    assert paired_tail_difference(curve, curve) == (0.0, 0.0)
+    mean, se_t = paired_difference_curve(curve, other)
+    np.testing.assert_allclose(mean, curve.mean - other.mean, atol=1e-12)
+    np.testing.assert_allclose(se_t, (curve.per_prefix - other.per_prefix).std(axis=0, ddof=1) / math.sqrt(30))
+    with pytest.raises(ValueError, match="unpaired"):
+        paired_tail_difference(curve, generation_entropy_curve(lm, prefixes[:30], horizon=25, samples_per_prefix=2))
+
+
+def test_clustered_mean_closed_form():
+    x = np.array([[1.0, 3.0], [2.0, 6.0], [0.0, 0.0]])  # [N=3 prefixes, S=2]: prefix means 2, 4, 0
+    mean, se = clustered_mean(x)
+    assert mean == pytest.approx(2.0) and se == pytest.approx(2.0 / math.sqrt(3))  # std(2, 4, 0) = 2
+    mean, se = clustered_mean(x[:1])  # one prefix: its generations 1, 3
+    assert mean == pytest.approx(2.0) and se == pytest.approx(math.sqrt(2) / math.sqrt(2))
+    assert np.isnan(clustered_mean(x[:1, :1])[1])
+    one = EntropyCurve(np.zeros(3), np.zeros(3), 1, 1, 1, np.zeros((1, 3)), np.zeros((1, 1)))
+    assert np.isnan(paired_tail_difference(one, one)[1])

@@ -47,18 +47,26 @@ def test_smoke_profile_writes_every_result(uninterrupted):
     assert res["profile"] == "smoke" and res["dataset"] == "ptb"
     assert res["base"]["test_ppl"] > 1 and len(res["entropy_rate"]["curve_nats"]) == res["entropy_rate"]["horizon"]
     cal = res["calibration"]
-    assert {"alpha", "test_ppl_before", "test_ppl_after", "entrate_ppl_before", "entrate_ppl_after"} <= set(cal)
+    assert {"alpha", "test_ppl_before", "test_ppl_after", "entrate_ppl_before", "entrate_ppl_after",
+            "tail_ppl_before", "tail_ppl_after", "tail_diff_nats", "tail_diff_stderr_nats"} <= set(cal)
     dec = res["decoders"]  # every decoder, then the fitted rows; calibration's is the calibration stage's own
     assert [d["method"] for d in dec] == ["model", "temperature", "top_k", "top_p", "typical", "eta", "min_p",
                                           "mirostat", "fitted_temperature", "calibration"]
     assert all({"method", "params", "entrate_ppl", "test_ce_nats", "zero_prob_fraction"} <= set(d) for d in dec)
     assert dec[-1]["entrate_ppl"] == cal["entrate_ppl_after"] and dec[0]["entrate_ppl"] == cal["entrate_ppl_before"]
+    assert (dec[0]["tail_diff_nats"], dec[0]["tail_diff_stderr_nats"]) == (0.0, 0.0)  # the plain model against itself
+    assert (dec[-1]["tail_diff_nats"], dec[-1]["tail_diff_stderr_nats"]) == (cal["tail_diff_nats"],
+                                                                             cal["tail_diff_stderr_nats"])
     assert dec[2]["test_ce_nats"] is None and dec[2]["zero_prob_fraction"] > 0  # top-k 50 cuts test words
-    assert [m["tau"] for m in res["memory"]] == [2, 4]
+    assert [(m["tau"], m["limited"]) for m in res["memory"]] == [(2, "trained"), (2, "window"), (4, "trained"),
+                                                                  (4, "window")]
+    assert all(m["mi_upper_bound_nats"] >= 0 for m in res["memory"])  # alpha* fitted on the reported rows
     assert all({"ce_limited_nats", "mi_upper_bound_nats", "alpha"} <= set(m) for m in res["memory"])
     mk = res["markov"]
     assert mk["order"] == 2 and mk["true_entropy_rate_nats"] == pytest.approx(0.9192, abs=1e-4)
-    assert [m["tau"] for m in mk["memory"]] == [1, 2] and mk["memory"][1]["exact_mi_nats"] == 0.0
+    assert [(m["tau"], m["limited"]) for m in mk["memory"]] == [(1, "trained"), (1, "window"), (2, "trained"),
+                                                                 (2, "window")]
+    assert mk["memory"][2]["exact_mi_nats"] == mk["memory"][3]["exact_mi_nats"] == 0.0
     assert mk["memory"][0]["exact_mi_nats"] > 0.5  # tau = 1 < order: the source's own I_tau
     orc = mk["oracle"]  # the estimators on the exact oracles: within their error bars of the exact answers
     assert abs(orc["estimated_entropy_rate_nats"] - mk["true_entropy_rate_nats"]) < 4 * orc[

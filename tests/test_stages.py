@@ -34,10 +34,15 @@ def test_entropy_rate_after_training_and_on_the_checkpoint_agree(tmp_path, data_
     assert json.loads((tmp_path / "run" / "metrics.json").read_text())["entrate_ppl"] == m["entrate_ppl"]
     cal = json.loads((tmp_path / "run" / "calibration.json").read_text())
     assert (tmp_path / "run" / "calibration.png").stat().st_size > 1000
-    assert cal["alpha"] == m["alpha"] and cal["topk"] == 8 and cal["fit_tokens"] == (400 // 4 - 1) * 4
+    assert cal["alpha"] == m["alpha"] and cal["topk"] == 8 and cal["fit_tokens"] == (400 // 4 - 10) * 4
     assert cal["fit_ce_after_nats"] <= cal["fit_ce_before_nats"] + 1e-9  # the fit never raises held-out CE
     assert len(cal["curve_nats"]) == len(cal["curve_nats_before"]) == 20
     assert cal["curve_nats_before"] == er["curve_nats"]  # same prefixes and seeds as the entropy-rate stage
+    before, after = (np.array(cal[k]) for k in ("tail_nats_per_generation_before", "tail_nats_per_generation"))
+    assert before.shape == after.shape == (8, 2) and cal["tail_steps"] == 2  # 8 prefixes x 2, last tenth of 20
+    assert cal["tail_ppl_before"] == pytest.approx(np.exp(np.mean(cal["curve_nats_before"][-2:])))
+    assert cal["tail_diff_nats"] == pytest.approx((after - before).mean())
+    assert cal["tail_diff_stderr_nats"] == pytest.approx((after - before).mean(1).std(ddof=1) / np.sqrt(8))
 
     # the same stage on the saved checkpoint, without training: the same numbers (same seed and settings)
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
@@ -95,20 +100,25 @@ def test_memory_stage_after_training_on_the_checkpoint_and_in_the_report(tmp_pat
         cfg.paths.output_dir = str(tmp_path / "sweep" / "tau5")
     m = train(cfg)
     mem = json.loads((tmp_path / "sweep" / "tau5" / "memory.json").read_text())
-    assert mem["tau"] == 5 and mem["test_tokens"] == 999 and mem["valid"]["tokens"] == 999
+    assert mem["tau"] == 5 and mem["limited"] == "trained" and mem["test_tokens"] == 999 and mem["blocks"] == 10
     assert m["mi_upper_bound_nats"] == mem["mi_upper_bound_nats"]
     assert mem["mi_upper_bound_nats"] == pytest.approx(mem["ce_limited_nats"] - mem["entropy_calibrated_nats"])
     # P~ on the first 999 test positions is the tau-model's exact limited-context CE there
     net, _ = load_net(m["best_ckpt"])
     dm_tokens = _tokens(base_cfg, "test")[:1000]
     assert mem["ce_limited_nats"] == pytest.approx(limited_context_ce(net, dm_tokens, 5)[0], rel=1e-6)
-    assert mem["valid"]["ce_calibrated_nats"] <= mem["valid"]["ce_full_nats"] + 1e-9  # the fit never raises CE
+    assert mem["ce_calibrated_nats"] <= mem["ce_full_nats"] + 1e-9  # fitted on these rows: it never raises CE
+    assert mem["mi_upper_bound_nats"] >= -1e-9  # ... and the bound is a mean KL divergence
+    assert mem["delta_ce_nats"] == pytest.approx(mem["ce_limited_nats"] - mem["ce_full_nats"])
+    two = mem["two_parameter"]
+    assert set(two) >= {"alpha", "beta", "mi_upper_bound_nats", "mi_stderr_nats"} and two["mi_stderr_nats"] > 0
+    assert two["ce_calibrated_nats"] <= mem["ce_calibrated_nats"] + 1e-9  # one more parameter: never worse
 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         ecfg = compose("evaluate", overrides=[f"ckpt={m['best_ckpt']}", "stages=[memory]", "logger=none",
                                               f"memory.base_ckpt={base['best_ckpt']}",
-                                              "analysis.memory.fit_tokens=1000", "analysis.memory.score_tokens=1000",
-                                              "analysis.memory.cluster_size=20"])
+                                              "analysis.memory.score_tokens=1000",
+                                              "analysis.memory.cluster_size=100"])
     with open_dict(ecfg):
         ecfg.paths.output_dir = str(tmp_path / "sweep" / "eval_tau5")
     res = evaluate(ecfg)["memory"]
@@ -120,14 +130,28 @@ def test_memory_stage_after_training_on_the_checkpoint_and_in_the_report(tmp_pat
                                              f"memory.base_ckpt={base['best_ckpt']}"])
     with open_dict(bad):
         bad.paths.output_dir = str(tmp_path / "bad_eval")
-    with pytest.raises(LmcalError, match=r"memory runs on a tau-limited model"):
+    with pytest.raises(LmcalError, match=r"memory runs on a tau-limited model .*limited=window"):
         evaluate(bad)
+
+    # the base model itself on 5-token windows: no tau-model needed
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        wcfg = compose("evaluate", overrides=[f"ckpt={base['best_ckpt']}", "stages=[memory]", "logger=none",
+                                              "analysis.memory.limited=window", "analysis.memory.tau=5",
+                                              "analysis.memory.score_tokens=1000"])
+    with open_dict(wcfg):
+        wcfg.paths.output_dir = str(tmp_path / "sweep" / "window_tau5")
+    win = evaluate(wcfg)["memory"]
+    assert win["limited"] == "window" and win["tau"] == 5 and win["test_tokens"] == 999
+    assert win["ce_full_nats"] == pytest.approx(mem["ce_full_nats"], rel=1e-6)  # the same P^ on the same rows
+    base_net, _ = load_net(base["best_ckpt"])
+    assert win["ce_limited_nats"] == pytest.approx(limited_context_ce(base_net, dm_tokens, 5)[0], rel=1e-6)
 
     report = memory_report([tmp_path / "sweep"], tmp_path / "report", wandb_mode="disabled")
     corpus = mem["corpus"]
-    assert [r["tau"] for r in report[corpus]["rows"]] == [5]  # two results for tau=5: the newer one is kept
+    # two trained results for tau=5: the newer one is kept; the window one beside it
+    assert [(r["tau"], r["limited"]) for r in report[corpus]["rows"]] == [(5, "trained"), (5, "window")]
     assert (tmp_path / "report" / f"memory_{corpus}.png").stat().st_size > 1000
-    assert f"| 5 | {mem['ce_limited_nats']:.4f}" in (tmp_path / "report" / f"memory_{corpus}.md").read_text()
+    assert f"| 5 | trained | {mem['ce_limited_nats']:.4f}" in (tmp_path / "report" / f"memory_{corpus}.md").read_text()
 
 
 def _tokens(cfg, split):
@@ -147,7 +171,8 @@ def test_report_table_has_the_papers_values_beside_ours(tmp_path):
             "test_tokens": 100, "valid": {"tokens": 100}, "cluster_size": 10}))
     report = memory_report([tmp_path], wandb_mode="disabled")
     lines = (tmp_path / "memory_ptb.md").read_text().splitlines()
-    assert lines[4] == "| 5 | 5.0000 | 4.8144 | 0.9000 ± 0.0100 | 0.6180 | 0.00100 ± 0.00200 | 0.00351 |"
+    assert lines[4] == ("| 5 | trained | 5.0000 | 4.8144 | – | 0.9000 ± 0.0100 | 0.6180 | – | 0.00100 ± 0.00200 | "
+                        "0.00351 | – | – |")  # a memory.json from before the new keys: – where they are missing
     assert [r["tau"] for r in report["ptb"]["rows"]] == [5, 10]
     (tmp_path / "empty").mkdir()
     with pytest.raises(LmcalError, match="No memory.json"):

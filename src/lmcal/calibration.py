@@ -5,13 +5,42 @@ The calibrated model reweights each candidate next word w by the entropy of what
     P_a(w | w_<t) = P(w | w_<t) * exp(a * H_next(w)) / Z_t(a),    H_next(w) = H(P(. | w_<t, w)),
 
 where P is the base model (optionally its eps-mixture with the uniform distribution, (1 - eps) P + eps / V; then the
-lookahead entropies are those of the mixture too). a* minimises the held-out cross-entropy
+lookahead entropies are those of the mixture too). The mixture is per token: each next-word distribution is mixed.
+The paper mixes whole sequences, (1 - eps) P(w_1..T) + eps U(w_1..T), whose conditionals are not this per-token
+mixture. With eps > 0 the "before" model of every comparison is the eps-mixture itself (calibrated(lm, 0, eps=eps)),
+so the "before" curve and the "before" cross-entropy come from the same model.
+
+a* minimises the held-out cross-entropy
 
     CE(a) = mean_t [ -log P(w_t) - a H_next,t(w_t) + log Z_t(a) ],
 
 which is convex in a (CE'' = mean_t Var_{P_a}[H_next] >= 0); at a* the mean of H_next under P_a equals its mean at the
 true next words. a < 0 steers generations away from words after which the model is unsure, which counters the upward
 drift of the entropy of long generations.
+
+Exact mode (topk None) steps all V candidates per position. Top-k mode steps only a few, and estimates the rest:
+
+- the k most likely words and (in the fit) the true next word y get their exact H_next, so the fit's signal,
+  H_next(y) against E_{P_a}[H_next], is never replaced by an average;
+- the rest R (its mass P(R)) enters Z_t(a) through m words w_1..w_m drawn with replacement from P restricted to R,
+  each an atom of mass P(R) / m carrying its own H_next: Z^_t(a) = sum_exact P(w) e^{a H(w)} + P(R) mean_j e^{a H(w_j)}.
+
+Z^_t(a) and its derivative Z^'_t(a) (= sum P(w) H(w) e^{a H(w)}) are unbiased for every a, and Z^_t(0) = 1 exactly; so
+CE(0) is exact and CE'(0) = mean_t (E_P[H] - H(y)) is unbiased. CE(a) (through log Z^) and CE'(a) = Z^'/Z^ - H(y) for
+a != 0 are ratios: consistent, with a bias of order 1/m per position that averages over positions no further (the
+noise of the draws does, and is part of alpha_stderr). bench/calibration_topk.py measures both against exact mode.
+
+The calibrated StepLM (CalibratedLM) samples from the same estimated distribution: at each step it computes the top-k
+exactly, draws m words from the rest, and gives every word w of the rest the estimated mean tilt
+e^{a H~} = mean_j e^{a H(w_j)}, so that its normaliser is exactly Z^_t(a) of the fitted family and the rest gets the
+family's estimated total mass P(R) e^{a H~} / Z^_t(a), spread over R in proportion to P (one would need every H_next
+of R to tilt within it). The true word is not known at generation time, so a test word in R is scored with the
+shared tilt: the StepLM's test cross-entropy is that of the model generations are drawn from, not the fit's CE(a).
+
+The draws are a pure function of (seed, the tokens a row has read): each row carries a 32-bit hash of its history,
+and draw j uses counter-based uniforms of (seed, hash, j) (lmcal.entropy_rate's). So the fit and every step of the
+calibrated model are deterministic for a seed, whatever the batching, and rows with other histories get independent
+draws.
 
 Everything here runs on the StepLM interface (lmcal.lm): vocab_size, init_state(B), step(tokens [B], state) ->
 (log-probs [B, V], state), select(state, index). Shapes are batch-first per step: rows [B], candidates [K] or [V].
@@ -24,7 +53,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lmcal.expfit import fit_alpha, objective, sandwich_stderr
+from lmcal.errors import LmcalError
+from lmcal.expfit import fit_alpha, objective
 
 # ---------------------------------------------------------------------------------------------------------------------
 # The lookahead
@@ -69,80 +99,116 @@ def _candidate_entropies(lm, state, cand: torch.Tensor, epsilon: float, chunk: i
     return torch.cat(h).view(B, K)
 
 
-def _lookahead(lm, state, logq: torch.Tensor, topk: int | None, epsilon: float, chunk: int):
-    """The computed part of the lookahead: (cand [B, K], h [B, K], h_rest [B] or None).
-
-    logq [B, V] is the (eps-mixed) base distribution. Exact mode (topk None): cand is every token. Top-k mode: cand is
-    each row's k most likely tokens, and h_rest, the value shared by all other tokens, is the logq-weighted mean of h
-    over the k computed ones (None when k >= V: nothing is left over).
-    """
-    B, V = logq.shape
-    if topk is None:
-        cand = torch.arange(V, device=logq.device).expand(B, V)  # [B, V]
-    else:
-        if topk < 1:
-            raise ValueError(f"topk must be a positive integer or None, got {topk}")
-        cand = logq.topk(min(topk, V), dim=-1).indices  # [B, k]
-    h = _candidate_entropies(lm, state, cand, epsilon, chunk)  # [B, K]
-    if cand.size(1) == V:
-        return cand, h, None
-    w = logq.gather(1, cand).softmax(-1)  # [B, k]: the top-k mass, renormalised
-    return cand, h, (w * h).sum(-1)
-
-
 @torch.no_grad()
-def lookahead_entropies(lm, state, logp: torch.Tensor, topk: int | None = None, epsilon: float = 0.0,
-                        chunk: int = 8192) -> torch.Tensor:
-    """H_next(w) for every candidate w of every row: [B, V].
+def lookahead_entropies(lm, state, logp: torch.Tensor, epsilon: float = 0.0, chunk: int = 8192) -> torch.Tensor:
+    """H_next(w) of every word w of every row, exactly: [B, V], V forwards per row, at most `chunk` per forward.
 
-    state: the lm state of B rows; logp [B, V]: the lm's next-token log-probs in that state (raw, eps is applied here).
-    Exact (topk None): every candidate is stepped, V forwards per row. Top-k: the k most likely candidates of each
-    row are stepped, every other candidate gets their P-weighted mean entropy. At most `chunk` rows per forward.
-    """
-    logq = mix_uniform(logp, epsilon)
-    cand, h, h_rest = _lookahead(lm, state, logq, topk, epsilon, chunk)
-    if h_rest is None:
-        return torch.empty_like(h).scatter_(1, cand, h)
-    return h_rest[:, None].expand_as(logq).clone().scatter_(1, cand, h)  # [B, V]
+    state: the lm state of B rows; logp [B, V]: the lm's next-token log-probs in that state (raw, eps is applied here,
+    to the lookahead's distributions)."""
+    B, V = logp.shape
+    return _candidate_entropies(lm, state, torch.arange(V, device=logp.device).expand(B, V), epsilon, chunk)
+
+
+# The tail draws: counter-based, keyed by a hash of each row's history (see the module docstring).
+_KEY0 = 0x7A115EED  # the hash of the empty history: apart from generation indices, which start at 0
+
+
+def _start_keys(batch_size: int, device=None) -> torch.Tensor:
+    return torch.full((batch_size,), _KEY0, dtype=torch.int64, device=device)
+
+
+def _advance_keys(keys: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """The history hashes [B] after reading tokens [B]."""
+    from lmcal.entropy_rate import _absorb  # a lazy import: entropy_rate imports this module
+
+    return _absorb(keys, tokens.to(keys.device).long())
+
+
+def _tail_uniforms(seed: int, keys: torch.Tensor, m: int) -> torch.Tensor:
+    """[B, m] float64 uniforms in [0, 1), a pure function of (seed, history hash keys [B], draw j)."""
+    from lmcal.entropy_rate import _uniforms
+
+    return torch.stack([_uniforms(seed, keys, j) for j in range(m)], 1)
+
+
+def _draw_tail(logq: torch.Tensor, exact: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """m words from logq [B, V] restricted to the words not in exact [B, c] (with replacement, inverse CDF on the
+    uniforms u [B, m]): (words [B, m], log of the rest's mass [B]; -inf where it is 0, and the words are then
+    meaningless)."""
+    rest = logq.scatter(1, exact, -math.inf)  # [B, V]
+    cdf = rest.double().exp().cumsum(-1)  # [B, V]
+    # first word whose cumulative mass exceeds u * total: words of mass 0 (flat cdf) are never drawn
+    words = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=logq.size(1) - 1)
+    return words, rest.logsumexp(-1)
+
+
+def _check_tail(topk: int | None, tail_samples: int) -> None:
+    if topk is not None and (isinstance(topk, bool) or int(topk) != topk or topk < 1):
+        raise LmcalError(f"topk={topk!r}: the lookahead's exactly computed candidates per position must be a "
+                         "positive integer, or null for exact lookahead over the whole vocabulary.")
+    if topk is not None and (isinstance(tail_samples, bool) or int(tail_samples) != tail_samples
+                             or tail_samples < 1):
+        raise LmcalError(f"tail_samples={tail_samples!r}: with top-k lookahead the rest of the vocabulary is "
+                         "estimated from this many sampled words per position; it must be a positive integer.")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
 # The objective and its fit
 # ---------------------------------------------------------------------------------------------------------------------
 # Per predicted position the objective needs the target's (log P(y), H_next(y)) and the distribution of H_next under
-# P, which we keep as K weighted "atoms" (log-weight, H_next): in exact mode the V candidates, in top-k mode the k
-# computed candidates plus one atom holding the rest of the mass at the shared value. P_a is then the tilted family of
-# lmcal.expfit with s = H_next over the atoms, exact for any a: log Z(a) = logsumexp_j(logw_j + a h_j),
-# CE' = E_{P_a}[h] - h(y), CE'' = Var_{P_a}[h].
+# P, kept as K weighted "atoms" (log-weight, H_next): in exact mode the V words; in top-k mode the k most likely words,
+# one slot for the true word y (weight 0 when y is among the k) and m tail atoms of weight P(R) / m each (R: all other
+# words). P_a is then the tilted family of lmcal.expfit with s = H_next over the atoms: log Z(a) =
+# logsumexp_j(logw_j + a h_j), CE' = E_{P_a}[h] - h(y), CE'' = Var_{P_a}[h]; exact in exact mode, the unbiased
+# importance-sampling estimate of Z(a) of the module docstring in top-k mode.
 
 
-def _fit(stats: tuple, bound: float, what: str) -> tuple[float, float, float, float, int]:
+def _stream_block_stderr(g: torch.Tensor, d2: float, streams: int, cluster_size: int) -> float:
+    """Sandwich standard error of a* from the per-position gradients g [n] (position order: t-major, `streams`
+    streams) and d2 = CE''(a*): blocks of cluster_size consecutive positions of one stream are the independent units
+    (dependence along the text; the last block of a stream may be shorter). Var a* ~ sum_blocks (sum g)^2 /
+    (n CE'')^2; inf when d2 = 0."""
+    if not d2 > 0:
+        return math.inf
+    x = g.view(-1, streams).T  # [B, T]: each stream's positions in order
+    T = x.size(1)
+    nb = -(-T // cluster_size)
+    x = torch.nn.functional.pad(x, (0, nb * cluster_size - T)).view(streams, nb, cluster_size).sum(-1)  # [B, nb]
+    return math.sqrt(x.pow(2).sum().item()) / (g.numel() * d2)
+
+
+def _fit(stats: tuple, bound: float, what: str, streams: int = 1, cluster_size: int = 1):
     """Newton's method on the exact objective of the atoms `stats` (see lmcal.expfit), from a = 0 and clamped to
-    [-bound, bound] with a warning: (a*, CE(0), CE(a*), sandwich standard error of a*, positions)."""
+    [-bound, bound] with a warning: (a*, CE(0), CE(a*), standard error of a*, positions)."""
     alpha = fit_alpha([stats], bound, clamp=True, what=what)
     ce_before = objective([stats], 0.0)[0]
     (ce_after, _, d2, _), g = objective([stats], alpha, per_row=True)
-    return alpha, ce_before, ce_after, sandwich_stderr(g, d2), g.numel()
+    return alpha, ce_before, ce_after, _stream_block_stderr(g, d2, streams, cluster_size), g.numel()
 
 
 @dataclass
 class CalibrationFit:
     """The fitted a* with its held-out statistics, kept so CE(a) can be evaluated at any a without the model.
 
-    Atoms: logw, h [n, K] float32 on CPU (K = V exact, k + 1 top-k), targets' logq_y, h_y [n]; 8*n*K bytes in all.
+    Atoms: logw, h [n, K] float32 on CPU (K = V exact, k + 1 + m top-k), targets' logq_y, h_y [n]; 8*n*K bytes in all.
+    In top-k mode CE(a) and its derivatives are those of the estimated Z^(a) of the module docstring.
     """
 
     alpha: float
     ce_before: float  # CE at a = 0 (of the eps-mixture), nats
     ce_after: float  # CE at a*
     n_tokens: int
-    alpha_stderr: float  # sandwich standard error of a*, treating positions as independent
+    alpha_stderr: float  # sandwich, blocks of cluster_size positions of a stream as units; includes the draws' noise
     topk: int | None
     epsilon: float
     logw: torch.Tensor = field(repr=False)
     h: torch.Tensor = field(repr=False)
     logq_y: torch.Tensor = field(repr=False)
     h_y: torch.Tensor = field(repr=False)
+    tail_samples: int = 0  # m (0 in exact mode)
+    min_context: int = 0
+    cluster_size: int = 1
+    seed: int = 0
 
     def ce_derivatives(self, alpha: float) -> tuple[float, float, float]:
         """(CE(a), CE'(a), CE''(a)) in nats, exact on the stored statistics."""
@@ -156,54 +222,96 @@ class CalibrationFit:
         return objective([(self.logw, self.h, self.logq_y, self.h_y)], alpha)[3], self.h_y.double().mean().item()
 
 
+def _atoms(lm, state, logq: torch.Tensor, y: torch.Tensor, keys: torch.Tensor, topk: int | None, tail_samples: int,
+           epsilon: float, seed: int, chunk: int):
+    """One position's atoms for B rows: (logw [B, K], h [B, K], h_y [B]); logq [B, V] the (eps-mixed) base
+    distribution in `state`, y [B] the true next words, keys [B] the rows' history hashes."""
+    B, V = logq.shape
+    if topk is None:  # every word is an atom, in vocabulary order
+        h = lookahead_entropies(lm, state, logq, epsilon, chunk)  # [B, V]
+        return logq, h, h.gather(1, y[:, None])[:, 0]
+    k = min(topk, V)
+    top = logq.topk(k, dim=-1).indices  # [B, k]
+    exact = torch.cat([top, y[:, None]], 1)  # [B, k + 1]: the true word is always computed
+    m = tail_samples if k < V else 0  # the rest is empty when k = V (and, for a row, when the k and y cover V)
+    cand = exact
+    if m:
+        tail, log_rest = _draw_tail(logq, exact, _tail_uniforms(seed, keys, m))  # [B, m], [B]
+        cand = torch.cat([exact, tail], 1)  # [B, k + 1 + m]
+    h = _candidate_entropies(lm, state, cand, epsilon, chunk)  # [B, K]
+    in_top = top == y[:, None]  # [B, k]
+    y_top = in_top.any(1)  # [B]
+    # y's own H_next; when y is among the top k, the same number as its top-k atom (bit for bit, whatever the chunking)
+    h_y = torch.where(y_top, (h[:, :k] * in_top).sum(1), h[:, k])  # [B]
+    logw = torch.cat([logq.gather(1, top), logq.gather(1, y[:, None]).masked_fill(y_top[:, None], -math.inf)], 1)
+    if m:
+        logw = torch.cat([logw, (log_rest - math.log(m))[:, None].expand(B, m)], 1)  # [B, K]
+    return logw, h, h_y
+
+
 @torch.no_grad()
-def lookahead_statistics(lm, tokens: torch.Tensor, topk: int | None = None, epsilon: float = 0.0,
-                         chunk: int = 8192, progress: bool = False):
+def lookahead_statistics(lm, tokens: torch.Tensor, topk: int | None = None, epsilon: float = 0.0, *,
+                         tail_samples: int = 16, min_context: int = 0, seed: int = 0, chunk: int = 8192,
+                         progress: bool = False):
     """One pass over time-major streams tokens [S, B] -> atoms (logw [n, K], h [n, K], logq_y [n], h_y [n]) on CPU,
-    n = (S-1)*B, in position order t = 1..S-1 (B streams each)."""
+    in position order t = t0..S-1 (B streams each), t0 = max(1, min_context): the first t0 tokens of every stream are
+    read but not predicted, n = (S - t0) * B."""
     S, B = tokens.shape
-    V = lm.vocab_size
+    t0 = max(1, min_context)
     logw, h, logq_y, h_y = [], [], [], []
     state = lm.init_state(B)
     logp, state = lm.step(tokens[0], state)
+    keys = _advance_keys(_start_keys(B, logp.device), tokens[0])
     steps = range(1, S)
     if progress:
         from tqdm.auto import tqdm
         steps = tqdm(steps, desc="lookahead")
     for t in steps:
         y = tokens[t].to(logp.device)  # [B]
-        logq = mix_uniform(logp, epsilon)  # [B, V]
-        cand, hc, h_rest = _lookahead(lm, state, logq, topk, epsilon, chunk)  # [B, K], [B, K], [B] | None
-        if h_rest is None:
-            w_t, h_t = logq.gather(1, cand), hc  # every token is an atom
-            h_full = torch.empty_like(hc).scatter_(1, cand, hc)  # [B, V]
-        else:
-            rest = logq.scatter(1, cand, -math.inf).logsumexp(-1)  # [B]: log mass of the tokens not computed
-            w_t, h_t = torch.cat([logq.gather(1, cand), rest[:, None]], 1), torch.cat([hc, h_rest[:, None]], 1)
-            h_full = h_rest[:, None].expand(B, V).clone().scatter_(1, cand, hc)  # [B, V]
-        logw.append(w_t.float().cpu())
-        h.append(h_t.float().cpu())
-        logq_y.append(logq.gather(1, y[:, None])[:, 0].float().cpu())
-        h_y.append(h_full.gather(1, y[:, None])[:, 0].float().cpu())
+        if t >= t0:
+            logq = mix_uniform(logp, epsilon)  # [B, V]
+            w_t, h_t, hy_t = _atoms(lm, state, logq, y, keys, topk, tail_samples, epsilon, seed, chunk)
+            logw.append(w_t.float().cpu())
+            h.append(h_t.float().cpu())
+            logq_y.append(logq.gather(1, y[:, None])[:, 0].float().cpu())
+            h_y.append(hy_t.float().cpu())
         if t < S - 1:
             logp, state = lm.step(y, state)
+            keys = _advance_keys(keys, y)
     return torch.cat(logw), torch.cat(h), torch.cat(logq_y), torch.cat(h_y)
 
 
-def fit_lookahead_calibration(lm, tokens: torch.Tensor, topk: int | None = None, epsilon: float = 0.0,
+def fit_lookahead_calibration(lm, tokens: torch.Tensor, topk: int | None = None, epsilon: float = 0.0, *,
+                              tail_samples: int = 16, min_context: int = 0, seed: int = 0, cluster_size: int = 100,
                               chunk: int = 8192, bound: float = 100.0, progress: bool = False) -> CalibrationFit:
-    """Fit a* on held-out time-major streams tokens [S, B]: each stream starts from lm.init_state(B), its first
-    token is context only, so (S-1)*B next words are scored.
+    """Fit a* on held-out time-major streams tokens [S, B]: each stream starts from lm.init_state(B) and its first
+    max(1, min_context) tokens are context only, so (S - max(1, min_context)) * B next words are scored
+    ((S - 1) * B with min_context 0).
 
-    Cost: one model step per position plus the lookahead, V (exact) or k (top-k) steps per position; memory: the
-    atoms, 8*(S-1)*B*K bytes on CPU (K = V exact, k + 1 top-k). The fit itself is Newton's method on the stored
-    statistics, from a = 0, and never touches the model again.
+    topk None: exact lookahead. topk k: the k most likely words and the true one exactly, `tail_samples` draws for the
+    rest (seeded by `seed`; see the module docstring). alpha_stderr: the sandwich standard error with blocks of
+    `cluster_size` consecutive positions of a stream as the independent units.
+
+    Cost: one model step per token plus the lookahead, V (exact) or k + 1 + m (top-k) steps per scored position;
+    memory: the atoms, 8 * n * K bytes on CPU. The fit itself is Newton's method on the stored statistics, from a = 0,
+    and never touches the model again.
     """
     if tokens.dim() != 2 or tokens.size(0) < 2:
         raise ValueError(f"tokens must be time-major [S, B] with S >= 2, got shape {tuple(tokens.shape)}")
-    stats = lookahead_statistics(lm, tokens, topk, epsilon, chunk, progress)
-    alpha, ce_before, ce_after, stderr, n = _fit(stats, bound, "lookahead calibration")
-    return CalibrationFit(alpha, ce_before, ce_after, n, stderr, topk, epsilon, *stats)
+    _check_tail(topk, tail_samples)
+    if not (isinstance(min_context, int) and min_context >= 0) or tokens.size(0) <= max(1, min_context):
+        raise LmcalError(f"min_context={min_context!r}: each fit stream reads that many tokens before any position "
+                         f"counts, but the streams are {tokens.size(0)} tokens long. Use a non-negative min_context "
+                         "below the stream length (fit_tokens / fit_streams), or longer streams.")
+    if isinstance(cluster_size, bool) or not isinstance(cluster_size, int) or cluster_size < 1:
+        raise LmcalError(f"cluster_size={cluster_size!r}: positions per block of the standard error must be a "
+                         "positive integer.")
+    stats = lookahead_statistics(lm, tokens, topk, epsilon, tail_samples=tail_samples, min_context=min_context,
+                                 seed=seed, chunk=chunk, progress=progress)
+    alpha, ce_before, ce_after, stderr, n = _fit(stats, bound, "lookahead calibration", tokens.size(1), cluster_size)
+    return CalibrationFit(alpha, ce_before, ce_after, n, stderr, topk, epsilon, *stats,
+                          tail_samples=tail_samples if topk is not None else 0, min_context=min_context,
+                          cluster_size=cluster_size, seed=seed)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -212,34 +320,55 @@ def fit_lookahead_calibration(lm, tokens: torch.Tensor, topk: int | None = None,
 
 
 class CalibratedLM:
-    """P_a as a StepLM. Its state is the base state: step advances the base model with the fed tokens, then steps
-    every (or every top-k) candidate from the new state to get H_next, so each step costs 1 + V (or 1 + k) base
-    steps per row. a = 0 skips the lookahead and is the (eps-mixed) base model exactly."""
+    """P_a as a StepLM. Its state is (the base state, each row's history hash [B]): step advances the base model with
+    the fed tokens, then steps candidates from the new state to get H_next: every word (exact, 1 + V base steps per
+    row), or the top k and m words drawn from the rest (1 + k + m base steps), the rest then sharing the estimated
+    tilt of the module docstring. a = 0 skips the lookahead and is the (eps-mixed) base model exactly."""
 
-    def __init__(self, lm, alpha: float, topk: int | None = None, epsilon: float = 0.0, chunk: int = 8192):
-        self.lm, self.alpha, self.topk, self.epsilon, self.chunk = lm, float(alpha), topk, float(epsilon), chunk
+    def __init__(self, lm, alpha: float, topk: int | None = None, epsilon: float = 0.0, *, tail_samples: int = 16,
+                 seed: int = 0, chunk: int = 8192):
+        _check_tail(topk, tail_samples)
+        self.lm, self.alpha, self.topk, self.epsilon = lm, float(alpha), topk, float(epsilon)
+        self.tail_samples, self.seed, self.chunk = tail_samples, seed, chunk
         self.vocab_size = lm.vocab_size
         self.device = getattr(lm, "device", None)
 
     def init_state(self, batch_size: int):
-        return self.lm.init_state(batch_size)
+        return self.lm.init_state(batch_size), _start_keys(batch_size, self.device)
 
     @torch.no_grad()
     def step(self, tokens: torch.Tensor, state):
-        logp, state = self.lm.step(tokens, state)  # [B, V]
+        base, keys = state
+        logp, base = self.lm.step(tokens, base)  # [B, V]
+        keys = _advance_keys(keys.to(logp.device), tokens)
         logq = mix_uniform(logp, self.epsilon)
         if self.alpha == 0.0:
-            return logq, state
-        h = lookahead_entropies(self.lm, state, logp, self.topk, self.epsilon, self.chunk)  # [B, V]
-        return (logq + self.alpha * h).log_softmax(-1), state
+            return logq, (base, keys)
+        return self._tilted(logq, base, keys).log_softmax(-1), (base, keys)
+
+    def _tilted(self, logq: torch.Tensor, base, keys: torch.Tensor) -> torch.Tensor:
+        """log q + a H_next [B, V], unnormalised; in top-k mode the rest's H_next replaced by the shared estimate."""
+        B, V = logq.shape
+        a = self.alpha
+        if self.topk is None or self.topk >= V:
+            return logq + a * lookahead_entropies(self.lm, base, logq, self.epsilon, self.chunk)
+        m = self.tail_samples
+        top = logq.topk(self.topk, dim=-1).indices  # [B, k]
+        tail, _ = _draw_tail(logq, top, _tail_uniforms(self.seed, keys, m))  # [B, m]
+        h = _candidate_entropies(self.lm, base, torch.cat([top, tail], 1), self.epsilon, self.chunk)  # [B, k + m]
+        log_tilt = (a * h[:, self.topk:].double()).logsumexp(-1) - math.log(m)  # [B]: log mean_j e^{a H(w_j)}
+        rest = logq + log_tilt.to(logq.dtype)[:, None]  # [B, V]: every word at the shared tilt ...
+        return rest.scatter(1, top, logq.gather(1, top) + a * h[:, :self.topk])  # ... the top k at their own
 
     def select(self, state, index: torch.Tensor):
-        return self.lm.select(state, index)
+        base, keys = state
+        return self.lm.select(base, index), keys[index.to(keys.device)]
 
 
-def calibrated(lm, alpha: float, topk: int | None = None, epsilon: float = 0.0, chunk: int = 8192) -> CalibratedLM:
+def calibrated(lm, alpha: float, topk: int | None = None, epsilon: float = 0.0, *, tail_samples: int = 16,
+               seed: int = 0, chunk: int = 8192) -> CalibratedLM:
     """The lookahead-calibrated StepLM P_a of `lm` (see CalibratedLM)."""
-    return CalibratedLM(lm, alpha, topk, epsilon, chunk)
+    return CalibratedLM(lm, alpha, topk, epsilon, tail_samples=tail_samples, seed=seed, chunk=chunk)
 
 
 @torch.no_grad()

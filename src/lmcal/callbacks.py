@@ -121,7 +121,9 @@ class StagesCallback(pl.Callback):
         target = {"lm": LSTMStepLM(net), "net": net, "kind": "tau" if tau else "full", "name": self.model_name,
                   "corpus": dm.name, "unit": "word", "valid": dm.tokens("valid"), "test": dm.tokens("test"),
                   "test_ce": s["test_ce"], "bptt": dm.bptt, "ckpt": s["path"]}
-        if "memory" in self.stages:
-            target.update(base=load_base_net(self.base_ckpt, module.device, dm.name), base_ckpt=str(self.base_ckpt),
-                          exact_mi=markov_exact_mi(dm.prepare().info, tau) if dm.name == "markov" else None)
+        if "memory" in self.stages:  # a full model (limited=window) is its own base
+            mtau = (self.settings.get("memory") or {}).get("tau") or tau
+            target.update(base=load_base_net(self.base_ckpt, module.device, dm.name) if tau else net,
+                          base_ckpt=str(self.base_ckpt) if tau else s["path"],
+                          exact_mi=markov_exact_mi(dm.prepare().info, mtau) if dm.name == "markov" and mtau else None)
         self.results = run_stages(self.stages, target, self.settings, self.out_dir, trainer.logger)

@@ -26,6 +26,50 @@ class EntropyCurve:
     num_prefixes: int
     samples_per_prefix: int
     per_prefix: np.ndarray  # [N, horizon] float64: the mean over each prefix's generations
+    tail: np.ndarray  # [N, S] float64: each generation's mean entropy over the last tenth of the horizon (tail_steps)
+
+    @property
+    def tail_mean(self) -> float:
+        """The mean entropy over the last tenth of the horizon, all generations (nats)."""
+        return float(self.tail.mean())
+
+
+def tail_steps(horizon: int) -> int:
+    """How many last steps 'the last tenth of the horizon' is: max(1, horizon // 10)."""
+    return max(1, horizon // 10)
+
+
+def clustered_mean(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Mean over generations of x [N, S, ...] (N prefixes, S generations each) and its standard error with prefixes
+    as clusters: std over the N per-prefix means / sqrt(N); with N = 1, std over the S generations / sqrt(S); nan
+    with one generation."""
+    N, S = x.shape[:2]
+    per_prefix = x.mean(axis=1)  # [N, ...]
+    if N > 1:
+        se = per_prefix.std(axis=0, ddof=1) / math.sqrt(N)
+    elif S > 1:
+        se = x[0].std(axis=0, ddof=1) / math.sqrt(S)
+    else:
+        se = np.full(x.shape[2:], np.nan)
+    return per_prefix.mean(axis=0), se
+
+
+def paired_tail_difference(curve: EntropyCurve, reference: EntropyCurve) -> tuple[float, float]:
+    """(mean over generations of curve's tail entropy minus reference's, its standard error clustered by prefix), in
+    nats. Paired: generation i of both must start from the same prefix with the same uniforms (the same prefixes,
+    samples_per_prefix and seed of generation_entropy_curve), so most of the noise of the two cancels."""
+    if curve.tail.shape != reference.tail.shape:
+        raise ValueError(f"unpaired curves: {curve.tail.shape} against {reference.tail.shape} generations")
+    diff, se = clustered_mean(curve.tail - reference.tail)  # [N, S] -> scalars
+    return float(diff), float(se)
+
+
+def paired_difference_curve(curve: EntropyCurve, reference: EntropyCurve) -> tuple[np.ndarray, np.ndarray]:
+    """The paired difference of two curves at every t: (mean [horizon], standard error [horizon]) over prefixes,
+    clustered by prefix (from the per-prefix means; nan with one prefix)."""
+    if curve.per_prefix.shape != reference.per_prefix.shape:
+        raise ValueError(f"unpaired curves: {curve.per_prefix.shape} against {reference.per_prefix.shape}")
+    return clustered_mean((curve.per_prefix - reference.per_prefix)[:, None])  # [N, 1, horizon]: a prefix as one
 
 
 def entrate_ppl(curve: EntropyCurve) -> float:
@@ -96,6 +140,11 @@ def generation_entropy_curve(lm: StepLM, prefixes: torch.Tensor, horizon: int, s
 
     stderr treats the generations of one prefix as a cluster (they share the prefix, so they are correlated): it is
     std over prefixes of the per-prefix means / sqrt(N). With N = 1 it falls back to std over generations / sqrt(S).
+
+    `tail` keeps each generation's mean entropy over the last tenth of the horizon, so that two models run on the
+    same prefixes and seed compare generation by generation (paired_tail_difference): generation i of both reads the
+    same prefix and the same uniforms, and a model's own randomness (the calibrated model's tail draws) comes from
+    elsewhere, never from these uniforms.
     """
     N, L = prefixes.shape
     S = samples_per_prefix
@@ -104,6 +153,8 @@ def generation_entropy_curve(lm: StepLM, prefixes: torch.Tensor, horizon: int, s
                          f"horizon={horizon}, samples_per_prefix={S}")
     per_chunk = max(1, max_batch // S)  # prefixes per chunk
     per_prefix = np.empty((N, horizon))
+    tail = np.empty((N, S))
+    last = tail_steps(horizon)
     bar = tqdm(total=horizon * math.ceil(N / per_chunk), desc="generating", disable=not progress)
     for lo in range(0, N, per_chunk):
         chunk = prefixes[lo:lo + per_chunk]  # [n, L]
@@ -131,6 +182,7 @@ def generation_entropy_curve(lm: StepLM, prefixes: torch.Tensor, horizon: int, s
             logp, state = lm.step(tokens, state)
         ent = ent.view(horizon, n, S).cpu().numpy()
         per_prefix[lo:lo + n] = ent.mean(axis=2).T
+        tail[lo:lo + n] = ent[-last:].mean(axis=0)  # [n, S]
     bar.close()
 
     if N > 1:
@@ -139,4 +191,4 @@ def generation_entropy_curve(lm: StepLM, prefixes: torch.Tensor, horizon: int, s
         stderr = ent[:, 0, :].std(axis=1, ddof=1) / math.sqrt(S)  # the one chunk's generations
     else:
         stderr = np.full(horizon, np.nan)
-    return EntropyCurve(per_prefix.mean(axis=0), stderr, N * S, N, S, per_prefix)
+    return EntropyCurve(per_prefix.mean(axis=0), stderr, N * S, N, S, per_prefix, tail)

@@ -1,5 +1,7 @@
 """Analysis stages on an existing checkpoint: `python -m lmcal.evaluate ckpt=PATH stages=[entropy_rate,calibration]`,
-or, for a tau-model, `python -m lmcal.evaluate ckpt=TAU_CKPT memory.base_ckpt=BASE_CKPT stages=[memory]`.
+or, for a tau-model, `python -m lmcal.evaluate ckpt=TAU_CKPT memory.base_ckpt=BASE_CKPT stages=[memory]`; the model
+itself on tau-token windows: `python -m lmcal.evaluate ckpt=BASE_CKPT stages=[memory] analysis.memory.limited=window
+analysis.memory.tau=5`.
 Decoders: `stages=[decoders]` (every method of analysis.decoders.methods), or one method and a sweep of its setting,
 `python -m lmcal.evaluate -m ckpt=PATH stages=[decoders] decoder=top_p decoder.p=0.8,0.9,0.95`.
 
@@ -57,7 +59,7 @@ def stage_settings(cfg: DictConfig) -> dict[str, dict]:
     return settings
 
 
-def hf_target(cfg: DictConfig) -> dict:
+def hf_target(cfg: DictConfig, settings: dict[str, dict] | None = None) -> dict:
     """model=hf: a Hugging Face causal LM from model.name_or_path, and the validation and test text tokenised with
     its own tokenizer (model.valid_text / model.test_text, else PTB's files under the data root). Its test
     cross-entropy is per model token, on model.score_tokens test tokens scored in windows of model.context tokens."""
@@ -65,7 +67,7 @@ def hf_target(cfg: DictConfig) -> dict:
     from lmcal.lm import hf_cross_entropy, load_hf_model
 
     m = cfg.model
-    check_stages(list(cfg.stages), "hf")  # before the model is loaded
+    check_stages(list(cfg.stages), "hf", settings or stage_settings(cfg))  # before the model is loaded
     device = cfg.get("device") or ("cuda" if torch.cuda.is_available() else "cpu")
     lm = load_hf_model(m.name_or_path, device=device, dtype=m.get("dtype"))
     root = cfg.get("data_root")
@@ -82,22 +84,28 @@ def hf_target(cfg: DictConfig) -> dict:
             "test": tokens["test"], "test_ce": test_ce, "results": results}
 
 
-def checkpoint_target(cfg: DictConfig) -> dict:
-    """ckpt=PATH: a trained LSTM (full or tau-limited) and its corpus; for stages=[memory] also its base model."""
+def checkpoint_target(cfg: DictConfig, settings: dict[str, dict] | None = None) -> dict:
+    """ckpt=PATH: a trained LSTM (full or tau-limited) and its corpus; for stages=[memory] also its base model (a
+    full-context model with analysis.memory.limited=window is its own)."""
+    settings = settings or stage_settings(cfg)
     net, ckpt, dm = load_checkpoint_and_data(cfg.ckpt, cfg.get("data_root"), cfg.get("device"))
     name = model_name(OmegaConf.create(ckpt["hyper_parameters"]["net"]))
     tau = net.memory_tau
-    check_stages(list(cfg.stages), "tau" if tau else "full")
+    check_stages(list(cfg.stages), "tau" if tau else "full", settings)
     target = {"lm": LSTMStepLM(net), "net": net, "kind": "tau" if tau else "full", "unit": "word", "name": name,
               "corpus": dm.name, "test_ce": None, "ckpt": str(Path(cfg.ckpt).resolve()),
               "results": {"ckpt": str(Path(cfg.ckpt).resolve()), "model": name, "dataset": dm.name}}
     if "memory" in cfg.stages:
-        target["base_ckpt"] = str(Path(cfg.memory.base_ckpt).resolve()) if cfg.memory.base_ckpt else None
-        target["base"] = load_base_net(cfg.get("memory", {}).get("base_ckpt"), net.decoder.weight.device, dm.name)
-        # the splits as the base model has them: a tau-model may have been validated on a prefix only
-        _, _, dm = load_checkpoint_and_data(cfg.memory.base_ckpt, cfg.get("data_root"), cfg.get("device"))
-        target["exact_mi"] = markov_exact_mi(dm.prepare().info, tau) if dm.name == "markov" else None
-    else:  # scores of a tau-model are the memory stage's
+        if tau:
+            target["base_ckpt"] = str(Path(cfg.memory.base_ckpt).resolve()) if cfg.memory.base_ckpt else None
+            target["base"] = load_base_net(cfg.get("memory", {}).get("base_ckpt"), net.decoder.weight.device, dm.name)
+            # the splits as the base model has them: a tau-model may have been validated on a prefix only
+            _, _, dm = load_checkpoint_and_data(cfg.memory.base_ckpt, cfg.get("data_root"), cfg.get("device"))
+        else:  # limited=window (check_stages allowed it): the model is its own base
+            target["base_ckpt"], target["base"] = target["ckpt"], net
+        mtau = settings["memory"].get("tau") or tau  # the window length, else the tau-model's own
+        target["exact_mi"] = markov_exact_mi(dm.prepare().info, mtau) if dm.name == "markov" and mtau else None
+    if "memory" not in cfg.stages or not tau:  # scores of a tau-model are the memory stage's
         test_ce, _ = evaluate_ce(net, dm.tokens("test"), dm.test_batch_size, dm.bptt)
         log.info(f"{name} on {dm.name}: test ppl {exp_or_inf(test_ce):.2f}")
         target["test_ce"] = test_ce
@@ -125,7 +133,7 @@ def _evaluate(cfg: DictConfig, out: Path) -> dict:
     if not hf and not has_ckpt:
         raise LmcalError("Say what to analyse: ckpt=PATH (a checkpoint of python -m lmcal.train) or model=hf "
                          "model.name_or_path=FOLDER (a Hugging Face causal LM).")
-    target = hf_target(cfg) if hf else checkpoint_target(cfg)
+    target = hf_target(cfg, settings) if hf else checkpoint_target(cfg, settings)
     results = target["results"]
     logger = make_logger(cfg)
     try:

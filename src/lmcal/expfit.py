@@ -11,7 +11,9 @@ and a is fitted by the cross-entropy at the true next words y of held-out rows,
 
 which is convex in a; at a* the mean of s under P_a equals its mean at the true next words. Three fits are this one:
 lookahead calibration (s = H_next, lmcal.calibration), the fitted temperature (s = log P, a = 1/T - 1) and the memory
-bound's calibration towards the tau-limited model (s = log P~, lmcal.memory).
+bound's calibration towards the tau-limited model (s = log P~, lmcal.memory). The k-statistic version (below:
+`row_terms_k`, `fit_theta`) fits several at once, e.g. the memory bound's P^^beta P~^a, and `onestep_replicates` /
+`jackknife_stderr` give block-jackknife standard errors of a quantity computed at the fitted parameters.
 
 Zeros are allowed. P(w) = 0 stays 0 for every a. s(w) = -inf (P~(w) = 0) gives w weight 0 for a > 0, but infinite
 weight for a < 0 where P(w) > 0: there a < 0 is undefined and the fit keeps a >= 0. s(y) = -inf at a true next word
@@ -187,3 +189,178 @@ def sandwich_stderr(g: torch.Tensor, d2: float, cluster_size: int = 1) -> float:
     if not d2 > 0:
         return math.inf
     return math.sqrt(block_sums(g, cluster_size).pow(2).sum().item()) / (g.numel() * d2)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# k statistics at once
+# ---------------------------------------------------------------------------------------------------------------------
+# The same family with a vector statistic s = (s_1, ..., s_k) and parameter theta in R^k:
+#     P_theta(w) = P(w) exp(theta . s(w)) / Z(theta),   CE' = mean_t (E_theta[s] - s(y)),   CE'' = mean_t Cov_theta(s),
+# still convex in theta. E.g. the memory bound's two-parameter calibration P^^beta P~^alpha is base P^ with
+# s = (log P^, log P~) and theta = (beta - 1, alpha). A group of rows is one flat tuple (so `blocks` cuts it):
+#     (log P [n, K], log P(y) [n], s(y) [n, k], s_1 [n, K], ..., s_k [n, K]).
+# A statistic that is -inf where P > 0 is allowed only with theta_j >= 0 (as above); `fit_theta` refuses it.
+
+RowsK = tuple[torch.Tensor, ...]
+
+
+def with_targets_k(logp: torch.Tensor, stats: tuple[torch.Tensor, ...], targets: torch.Tensor) -> RowsK:
+    """Full rows log P [n, V], statistics s_j [n, V] and next words [n] as one group of k-statistic rows."""
+    y = targets.to(logp.device).long()[:, None]  # [n, 1]
+    s_y = torch.stack([s.gather(1, y)[:, 0] for s in stats], dim=1)  # [n, k]
+    return (logp, logp.gather(1, y)[:, 0], s_y, *stats)
+
+
+def _rowdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """sum_w a[t, w] b[t, w] for rows [n, K] -> [n]: float64 rows as a batched matrix product (no [n, K]
+    temporary); lower precisions summed in float64 (a float32 sum of 10^4 terms drifts by ~1e-6)."""
+    if a.dtype == torch.float64:
+        return torch.bmm(a[:, None, :], b[:, :, None]).view(-1)
+    return (a * b).sum(-1, dtype=torch.float64)
+
+
+def row_terms_k(rows: RowsK, theta, entropy_terms: bool = True) -> tuple[torch.Tensor | None, ...]:
+    """Per-row terms at theta (k floats) of one group:
+    (log P_theta [n, K], CE_t [n], CE'_t [n, k], CE''_t [n, k, k], H_t [n], dH_t/dtheta [n, k]),
+    H_t the entropy of P_theta and dH_t/dtheta = -Cov_theta(log P_theta, s) (both None unless entropy_terms).
+
+    Computed in the rows' own precision, at least float32 (float64 rows: float64; the sums over a row's K entries are
+    then good to ~1e-7 relative for float32 rows, far below any sampling error, at half the memory traffic), and
+    returned in float64 but log P_theta."""
+    logp, logp_y, s_y, *stats = rows
+    base = logp
+    dt = torch.promote_types(torch.promote_types(logp.dtype, stats[0].dtype), torch.float32)
+    logp, logp_y, s_y = logp.to(dt), logp_y.to(dt), s_y.to(dt)
+    # -inf entries (zero probabilities) need masks so that 0 * -inf never appears; rows without any skip them
+    masked = any(x.amin().item() == -math.inf for x in (logp, *stats))  # (a reduction: no [n, K] temporary)
+    zero_p = torch.isneginf(logp) if masked else None
+    t, t_y, shifted = logp, logp_y, []
+    for j, (s, a) in enumerate(zip(stats, theta, strict=True)):
+        s = logp if s is base else s.to(dt)  # log P itself as a statistic (the temperature): converted once
+        top = s.amax(-1)  # [n]: a per-row constant changes nothing (Z absorbs it); subtracted, a * s never overflows
+        s, s_j = s - top[:, None], s_y[:, j] - top
+        if a != 0.0:  # a = 0 adds nothing (and no 0 * -inf)
+            if masked and a < 0 and (torch.isneginf(s) & ~zero_p).any():
+                raise ValueError(f"theta_{j} = {a} < 0 is undefined where statistic {j} is -inf (e.g. the limited "
+                                 "model gives probability 0) at a word the base model does not give probability 0")
+            t = torch.where(zero_p, logp, t + a * s) if masked else t + a * s
+            t_y = t_y + a * s_j
+        shifted.append((s, s_j))
+    top = t.amax(-1, keepdim=True)  # [n, 1]
+    p = (t - top).exp_()  # [n, K], unnormalised
+    z = p.sum(-1, keepdim=True)
+    p.div_(z)  # P_theta
+    log_z = (top + z.log())[:, 0]  # [n]
+    pos = p > 0 if masked else None  # where P_theta(w) = 0 every term is 0 (not 0 * -inf = nan)
+    fin = (lambda x: torch.where(pos, x, 0.0)) if masked else (lambda x: x)
+    grads, pcs, cents = [], [], []
+    for s, s_j in shifted:
+        c = fin(s)
+        mean = _rowdot(p, c)  # [n]: E_theta[s_j] (shifted)
+        grads.append(mean - s_j)
+        m = mean.to(c.dtype)[:, None]
+        c = c.sub_(m) if c is not s else c - m  # [n, K], centred: no cancellation
+        cents.append(fin(c))
+        pcs.append(p * cents[-1])
+    k = len(cents)
+    hess = logp.new_empty(logp.size(0), k, k)
+    for i in range(k):
+        for j in range(i, k):
+            hess[:, i, j] = hess[:, j, i] = _rowdot(pcs[i], cents[j])
+    entropy = d_entropy = None
+    if entropy_terms:
+        t_fin = fin(t)
+        entropy = log_z - _rowdot(p, t_fin)  # H = -E[log P_theta] = log Z - E[t]
+        d_entropy = torch.stack([-_rowdot(pc, t_fin) for pc in pcs], dim=1)  # -Cov(t, s_j): sum_w pc = 0
+    f64 = lambda x: None if x is None else x.double()
+    return t - log_z[:, None], f64(log_z - t_y), f64(torch.stack(grads, dim=1)), f64(hess), f64(entropy), f64(d_entropy)
+
+
+@torch.no_grad()
+def objective_k(groups: Iterable[RowsK], theta, elements: int = 1 << 22) -> tuple[float, torch.Tensor, torch.Tensor]:
+    """Means over all rows of (CE, CE' [k], CE'' [k, k]) at theta (float64, on CPU)."""
+    ce, grad, hess, n = 0.0, 0.0, 0.0, 0
+    for blk in blocks(groups, elements):
+        _, c, g, h, _, _ = row_terms_k(blk, theta, entropy_terms=False)
+        ce, grad, hess = ce + c.sum().item(), grad + g.sum(0).cpu(), hess + h.sum(0).cpu()
+        n += c.numel()
+    return ce / n, grad / n, hess / n
+
+
+def _pinv_solve(h: torch.Tensor, g: torch.Tensor, rtol: float = 1e-12) -> torch.Tensor:
+    """h^+ g for symmetric PSD h [..., k, k] and g [..., k]: directions where h is (numerically) 0 get no step, so
+    a statistic that is constant on every row, or two that are proportional, leave their parameters alone."""
+    w, v = torch.linalg.eigh(h)  # [..., k], [..., k, k]
+    keep = w > rtol * w.amax(-1, keepdim=True).clamp_min(0)
+    inv = torch.where(keep & (w > 0), 1.0 / w, 0.0)
+    coef = inv * (v.transpose(-1, -2) @ g[..., None])[..., 0]  # [..., k]: V^T g, scaled by 1 / eigenvalue
+    return (v @ coef[..., None])[..., 0]
+
+
+def fit_theta(groups: list[RowsK], k: int, bound: float = 100.0, elements: int = 1 << 22, tol: float = 1e-12,
+              max_iter: int = 100, what: str = "fit", start=None) -> list[float]:
+    """theta* minimising CE(theta) of the rows `groups` (k statistics), by damped Newton from `start` (k floats;
+    None: theta = 0).
+
+    Each Newton step (pseudo-inverse of CE'', so flat directions stay put) is halved until CE falls by at least
+    1e-4 of what its slope promises (Armijo backtracking); convexity makes this converge from any start. Stops when
+    |CE'| <= tol in every coordinate or the Newton decrement is below 1e-14 (then after one last step, which needs no
+    new pass) or stops falling at the rows' rounding level. Refuses a statistic that is -inf where P > 0 (theta_j < 0
+    would be undefined there), and a minimum outside |theta_j| < bound.
+    """
+    for logp, _, s_y, *stats in blocks(groups, elements):
+        if torch.isneginf(s_y).any() or any((torch.isneginf(s) & ~torch.isneginf(logp)).any() for s in stats):
+            raise ValueError(f"{what}: a statistic is -inf at a word the base model does not give probability 0 "
+                             "(e.g. the limited model gives it probability 0); the k-statistic fit needs finite "
+                             "statistics there")
+    theta = torch.zeros(k, dtype=torch.float64) if start is None else torch.tensor(start, dtype=torch.float64)
+    ce, g, h = objective_k(groups, theta.tolist(), elements)
+    last = math.inf  # the previous Newton decrement lambda^2 = g . h^+ g
+    for _ in range(max_iter):
+        if g.abs().max().item() <= tol:
+            break
+        step = -_pinv_solve(h, g)  # [k]
+        dec = -(g @ step).item()  # lambda^2 >= 0: CE falls by about dec / 2 along the full step
+        if dec <= 1e-14 * max(1.0, abs(ce)):  # converged: the last step, quadratic, leaves ~dec^2 (no more passes)
+            theta = theta + step
+            break
+        if dec < 1e-6 and dec > last / 4:  # no longer quadratic convergence: the rows' rounding level
+            break
+        last, t = dec, 1.0
+        while True:
+            new = theta + t * step
+            ce_new, g_new, h_new = objective_k(groups, new.tolist(), elements)
+            # Armijo; close to the minimum (dec < 1e-6) the full Newton step is safe, and CE differences there may
+            # be rounding (float32 rows)
+            if dec < 1e-6 or ce_new <= ce - 1e-4 * t * dec or t < 1e-8:
+                break
+            t *= 0.5
+        if t < 1e-8:  # no descent along the Newton direction: nothing left to gain
+            break
+        theta, ce, g, h = new, ce_new, g_new, h_new
+    if theta.abs().max().item() >= bound:
+        raise RuntimeError(f"{what}: CE(theta) has its minimum at or beyond |theta| = {bound}; degenerate rows?")
+    return theta.tolist()
+
+
+def jackknife_stderr(replicates: torch.Tensor) -> float:
+    """Delete-one-block jackknife standard error from the B replicates [B] (nan when B < 2 or any is not finite)."""
+    nb = replicates.numel()
+    if nb < 2 or not torch.isfinite(replicates).all():
+        return math.nan
+    return math.sqrt((nb - 1) / nb * (replicates - replicates.mean()).pow(2).sum().item())
+
+
+def onestep_replicates(x_b: torch.Tensor, n_b: torch.Tensor, g_b: torch.Tensor, h_b: torch.Tensor,
+                       dx_b: torch.Tensor) -> torch.Tensor:
+    """Delete-one-block replicates of mean_t x_t(theta*) with theta refitted on the other blocks, by one Newton
+    step from the full fit theta* and x linearised in theta: with the block sums x_b [B], rows n_b [B], CE
+    gradients g_b [B, k], Hessians h_b [B, k, k] and dx_t/dtheta sums dx_b [B, k], all at theta*,
+
+        theta_-b = theta* - (sum_{c != b} h_c)^+ sum_{c != b} g_c,
+        x_-b = (sum_{c != b} x_c + (sum_{c != b} dx_c) . (theta_-b - theta*)) / sum_{c != b} n_c.
+
+    Exact to first order in theta_-b - theta* (O(1 / B) of the spread); returns [B]."""
+    rest = lambda z: z.sum(0, keepdim=True) - z  # sums over the other blocks
+    delta = -_pinv_solve(rest(h_b), rest(g_b))  # [B, k]
+    return (rest(x_b) + (rest(dx_b) * delta).sum(-1)) / rest(n_b)

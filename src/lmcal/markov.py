@@ -288,35 +288,29 @@ class DriftingOracle:
 
 @torch.no_grad()
 def markov_oracle_memory(info: dict, valid_tokens: torch.Tensor, test_tokens: torch.Tensor, taus: list[int],
-                         cluster_size: int = 100) -> dict:
-    """The estimators run on the Markov source's exact oracles, where every answer is known: P^ = the true order-k
-    conditional, P~_tau = the exact order-tau conditional of the stationary chain. Returns the entropy-rate estimate
-    (the oracle's test CE ± se) and, per tau, the I_tau bound (alpha* fitted on validation, evaluated on test) beside
-    the exact I_tau. Positions t >= max(taus, k), so every context is complete."""
-    from lmcal.memory import memory_upper_bound  # here: memory's tests import this module
+                         cluster_size: int = 2000) -> dict:
+    """The estimators run on the Markov source's exact oracles, where every answer is known: P^ = the oracle reading
+    the test text with its whole past (the true order-k conditional), P~_tau = the same oracle fed only the last tau
+    tokens (lmcal.memory.context_rows: a window model, exactly the stationary chain's order-tau conditional). Returns
+    the entropy-rate estimate (the oracle's test CE ± se) and, per tau, the memory stage's numbers (alpha fitted on
+    the rows the bound is reported on, jackknife standard errors over blocks of cluster_size positions, cross-fit,
+    ΔCE, the two-parameter variant) beside the exact I_tau. Positions t >= max(taus, k), so every context is complete.
+    valid_tokens is not read: as in the memory stage, the fit is on the test rows."""
+    from lmcal.memory import context_rows, memory_summary, memory_upper_bound  # here: memory imports this module
 
-    chain = markov_chain_from_info(info)
-    v, k = info["vocab_size"], info["order"]
-    pi = markov_stationary(chain.probs, v, k)
-    start = max(*taus, k)
+    oracle = MarkovOracle.from_chain(markov_chain_from_info(info))
+    k = info["order"]
+    start = max([*taus, k])
+    tokens = test_tokens.long()
 
-    def rows(tokens: torch.Tensor, m: int) -> torch.Tensor:  # log P(. | last m tokens) at t = start..N-1: [n, V]
-        table = torch.from_numpy(markov_conditional(chain.probs, v, k, m, pi)).log()  # [v**m, v]
-        t = torch.arange(start, tokens.numel())
-        ctx = sum(tokens[t - m + j] * v ** (m - 1 - j) for j in range(m))  # [n]
-        return table[ctx]
+    def rows(tau: int | None) -> torch.Tensor:  # log P(. | context) at t = start..N-1: [n, V] float64
+        return torch.cat([lp for lp, _ in context_rows(oracle, tokens, tau, batch_size=4096)])[start - 1:]
 
-    out = {}
-    for name, tokens in (("valid", valid_tokens), ("test", test_tokens)):
-        tokens = tokens.long()
-        out[name] = ({m: rows(tokens, m) for m in {*taus, k}}, tokens[start:])
-    (fv, yv), (ft, yt) = out["valid"], out["test"]
-    full = memory_upper_bound(ft[k], ft[k], yt, alpha=0.0, cluster_size=cluster_size)  # just its CE and se
-    result = {"estimated_entropy_rate_nats": full.ce_full, "estimated_entropy_rate_stderr_nats": full.ce_full_stderr,
+    full, yt = rows(None), tokens[start:]
+    est = memory_upper_bound(full, full, yt, alpha=0.0, cluster_size=cluster_size)  # just its CE and se
+    result = {"estimated_entropy_rate_nats": est.ce_full, "estimated_entropy_rate_stderr_nats": est.ce_full_stderr,
               "test_tokens": int(yt.numel()), "memory": []}
     for tau in taus:
-        fit = memory_upper_bound(fv[k], fv[tau], yv, cluster_size=cluster_size)
-        ev = memory_upper_bound(ft[k], ft[tau], yt, alpha=fit.alpha, cluster_size=cluster_size)
-        result["memory"].append({"tau": tau, "mi_upper_bound_nats": ev.mi_upper_bound, "mi_stderr_nats": ev.mi_stderr,
-                                 "alpha": fit.alpha, "exact_mi_nats": markov_exact_mi(info, tau)})
+        result["memory"].append({"tau": tau, "limited": "window", "exact_mi_nats": markov_exact_mi(info, tau),
+                                 **memory_summary([(full, rows(tau), yt)], cluster_size=cluster_size)})
     return result

@@ -8,7 +8,7 @@ model (it sees only the last tau tokens), calibrate the full model P^ towards it
 
     P^_a(w | w_<t) = P^(w | w_<t) * P~(w | w_t-tau..t-1)^a / Z_t(a),
 
-and fit a* by minimising the held-out cross-entropy
+and fit a* by minimising the cross-entropy
 
     CE(a) = mean_t [ -log P^(w_t) - a log P~(w_t) + log Z_t(a) ],
 
@@ -17,23 +17,47 @@ mean of log P~ under P^_a matches its mean at the true next words. Then
 
     I_tau <= CE(P || P~) - H(W^cal_t | W_<t),
 
-the limited model's cross-entropy on the text minus the mean entropy of P^_a* along it (all in nats).
+the limited model's cross-entropy on the text minus the mean entropy of P^_a* along it (all in nats). On the rows a*
+is fitted on, the moment condition makes the bound the mean KL(P^_a* || P~) >= 0, so a* is fitted on the very rows
+the bound is reported on; its sampling error is carried by the standard error (below), and `crossfit` reports the
+bound with a* fitted on the other half of the text as a check of the in-sample optimism.
 
-The inputs are precomputed log-probability rows: log P^ [N, V], log P~ [N, V] and the next words [N], or an iterable
-of such chunk triples. Zeros (-inf log-probs) are allowed: P~(w) = 0 where P^(w) > 0 makes a < 0 meaningless (that
-word would get infinite weight), so the fit then keeps a >= 0, and evaluating at a given a < 0 raises.
+Two-parameter calibration (temperature=True): P^^beta P~^a / Z, fitted jointly (convex in (beta, a): base P^ and
+statistics (log P^, log P~), see lmcal.expfit). The bound then belongs to a model calibrated in temperature and in
+tau, so a mere sharpening of P^ no longer counts as memory.
+
+Standard errors: the text is cut into blocks of `cluster_size` consecutive rows (the independent units), and the
+standard error of the bound is a delete-one-block jackknife with a (and beta) refitted in every replicate, so the
+uncertainty of the fit is included. By default each refit is one Newton step from the full fit and the bound is
+linearised in the parameters (exact to first order; `jackknife="exact"` refits every replicate, B times the cost).
+
+Inputs are precomputed log-probability rows: log P^ [N, V], log P~ [N, V] and the next words [N], or an iterable of
+such chunk triples; `context_rows` makes them from any StepLM (a window P~: the model itself fed only the last tau
+tokens). Zeros (-inf log-probs) are allowed in the one-parameter fit: P~(w) = 0 where P^(w) > 0 makes a < 0
+meaningless (that word would get infinite weight), so the fit then keeps a >= 0, and evaluating at a given a < 0
+raises.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
 
-from lmcal.calibration import entropy
-from lmcal.expfit import block_sums, blocks, fit_alpha, row_terms, sandwich_stderr, tilted, with_targets
+from lmcal.expfit import (
+    block_sums,
+    blocks,
+    fit_alpha,
+    fit_theta,
+    jackknife_stderr,
+    onestep_replicates,
+    row_terms_k,
+    sandwich_stderr,
+    tilted,
+    with_targets_k,
+)
 
 Chunk = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (log P^ [n, V], log P~ [n, V], targets [n])
 
@@ -44,22 +68,102 @@ class MemoryBound:
 
     alpha: float  # a* fitted on these rows (fitted=True), or the a it was given
     ce_limited: float  # CE(P || P~): mean -log P~(w_t)
-    entropy_calibrated: float  # H(W^cal_t | W_<t): mean entropy of P^_a
+    entropy_calibrated: float  # H(W^cal_t | W_<t): mean entropy of the calibrated model
     mi_upper_bound: float  # ce_limited - entropy_calibrated
     ce_full: float  # mean -log P^(w_t)
-    ce_calibrated: float  # mean -log P^_a(w_t)
+    ce_calibrated: float  # mean -log P^cal(w_t)
     n_tokens: int
-    mi_stderr: float  # standard error of mi_upper_bound, a held fixed (blocks of cluster_size rows independent)
-    ce_full_stderr: float  # standard error of ce_full, likewise
+    mi_stderr: float  # of mi_upper_bound: jackknife over blocks with the fit redone (fitted), else batch means
+    ce_full_stderr: float  # standard error of ce_full (batch means over the blocks)
     alpha_stderr: float  # sandwich standard error of a* (inf when CE'' = 0, nan when a was given)
     fitted: bool
+    beta: float = 1.0  # the power of P^ (temperature=True), 1 in the one-parameter family
+    beta_stderr: float = 0.0  # sandwich standard error of beta* (0: pinned to 1)
+    mi_upper_bound_crossfit: float = math.nan  # the bound with the parameters fitted on the other half of the blocks
+    delta_ce: float = math.nan  # CE(P~) - CE(P^): how much worse the tau-limited model predicts
+    delta_ce_stderr: float = math.nan  # its standard error (batch means over the blocks)
+    n_blocks: int = 0  # blocks of cluster_size rows: the units of every standard error
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Rows
+# Rows from any StepLM
 # ---------------------------------------------------------------------------------------------------------------------
-# P^_a is the tilted family of lmcal.expfit with base P^ and statistic s = log P~ over the vocabulary; expfit holds the
-# objective, the -inf handling (the domain cuts) and the Newton fit.
+
+
+def _rechunk(chunks: Iterable[tuple[torch.Tensor, torch.Tensor]], size: int):
+    """(rows [n, V], targets [n]) chunks of any lengths, re-cut to exactly `size` rows each (the last may be short)."""
+    buf: list[tuple[torch.Tensor, torch.Tensor]] = []
+    have = 0
+    for lp, y in chunks:
+        while lp.size(0):
+            take = min(size - have, lp.size(0))
+            buf.append((lp[:take], y[:take]))
+            lp, y, have = lp[take:], y[take:], have + take
+            if have == size:
+                yield torch.cat([b[0] for b in buf]), torch.cat([b[1] for b in buf])
+                buf, have = [], 0
+    if have:
+        yield torch.cat([b[0] for b in buf]), torch.cat([b[1] for b in buf])
+
+
+@torch.no_grad()
+def _stream_rows(lm, tokens: torch.Tensor):
+    """log P(. | tokens[:t]) for t = 1..N-1: one stream of batch 1, each token fed once."""
+    state = lm.init_state(1)
+    for t in range(tokens.numel() - 1):
+        logp, state = lm.step(tokens[t:t + 1], state)  # [1, V]
+        yield logp, tokens[t + 1:t + 2]
+
+
+@torch.no_grad()
+def _window_rows(lm, tokens: torch.Tensor, tau: int, batch_size: int):
+    """log P(. | tokens[max(0, t-tau):t]) for t = 1..N-1, every context fed from lm.init_state."""
+    n = tokens.numel()
+    # t <= tau: the windows are the prefixes tokens[:t], so one stream of the first min(tau, n-1) tokens gives them all
+    yield from _stream_rows(lm, tokens[:min(tau, n - 1) + 1])
+    # t > tau: window tokens[s:s+tau] predicts t = s+tau, s = 1..n-1-tau; batch_size windows fed side by side
+    starts = torch.arange(1, max(1, n - tau))
+    offsets = torch.arange(tau)
+    for i in range(0, starts.numel(), batch_size):
+        s = starts[i:i + batch_size]
+        window = tokens[s[:, None] + offsets]  # [b, tau]
+        state = lm.init_state(s.numel())
+        for j in range(tau):
+            logp, state = lm.step(window[:, j], state)  # [b, V]
+        yield logp, tokens[s + tau]
+
+
+def context_rows(lm, tokens: torch.Tensor, tau: int | None = None,
+                 batch_size: int = 512) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Next-word log-probabilities of a StepLM along a 1-D stream tokens [N]: (log_probs [n, V], targets [n]) chunks
+    in order for t = 1..N-1, each exactly `batch_size` rows (the last may be shorter), so the chunks of two calls on
+    the same tokens line up (zip them into memory_upper_bound's chunk triples).
+
+    tau=None: log P(. | tokens[:t]), the stream read once with its whole past (batch 1). An int tau: log P(. |
+    tokens[max(0, t-tau):t]), every window fed from lm.init_state: the model itself as a tau-limited model, with no
+    training (tau steps of batch_size windows at a time). A trained LSTM (lmcal.lm.LSTMStepLM) takes the fused
+    paths of lmcal.model instead (the same rows, one forward per window batch, the decoder only where read).
+    """
+    from lmcal.lm import LSTMStepLM
+    from lmcal.model import full_context_log_probs, limited_context_log_probs
+
+    if tau is not None and int(tau) < 1:
+        raise ValueError(f"tau must be a positive integer or None, got {tau}")
+    tokens = tokens.reshape(-1).long()
+    if isinstance(lm, LSTMStepLM):
+        rows = (full_context_log_probs(lm.net, tokens, bptt=batch_size) if tau is None
+                else limited_context_log_probs(lm.net, tokens, int(tau), batch_size))
+        rows = ((lp.float(), y) for lp, y in rows)
+    else:
+        rows = _stream_rows(lm, tokens) if tau is None else _window_rows(lm, tokens, int(tau), batch_size)
+    return _rechunk(rows, batch_size)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Rows as expfit groups
+# ---------------------------------------------------------------------------------------------------------------------
+# The calibrated model is the k-statistic family of lmcal.expfit with base P^ and statistics (log P~,) or, with the
+# temperature, (log P^, log P~) and theta = (beta - 1, a); log P~(y) is always the last column of s(y).
 
 
 def _check(full: torch.Tensor, limited: torch.Tensor, targets: torch.Tensor) -> None:
@@ -68,18 +172,37 @@ def _check(full: torch.Tensor, limited: torch.Tensor, targets: torch.Tensor) -> 
                          f"{tuple(limited.shape)}, {tuple(targets.shape)}")
 
 
-def _groups(chunks: Iterable[Chunk]):
-    """Each checked chunk as expfit rows (log P^, log P~, log P^(y), log P~(y)), lazily."""
+def _groups(chunks: Iterable[Chunk], temperature: bool, size: float = math.inf):
+    """(segment index, k-statistic rows) of each chunk, cut into segments of `size` rows along the text (blocks of
+    the jackknife, halves of the cross-fit; inf: whole chunks), lazily."""
+    offset = 0
     for full, limited, targets in chunks:
         _check(full, limited, targets)
-        yield with_targets(full, limited, targets)
+        rows = with_targets_k(full, (full, limited) if temperature else (limited,), targets)
+        i = 0
+        while i < full.size(0):
+            seg = int((offset + i) // size)
+            j = int(min(full.size(0), (seg + 1) * size - offset))
+            yield seg, tuple(x[i:j] for x in rows)
+            i = j
+        offset += full.size(0)
+
+
+def _one_param(group):
+    """k-statistic rows with k = 1 as the (log P, s, log P(y), s(y)) rows of expfit.fit_alpha."""
+    logp, logp_y, s_y, s = group
+    return logp, s, logp_y, s_y[:, 0]
 
 
 @torch.no_grad()
-def calibrate_to_limited(full_log_probs: torch.Tensor, limited_log_probs: torch.Tensor, alpha: float) -> torch.Tensor:
-    """log P^_a [..., V]: log P^ + a log P~, renormalised (computed in float64, returned in the inputs' dtype)."""
+def calibrate_to_limited(full_log_probs: torch.Tensor, limited_log_probs: torch.Tensor, alpha: float,
+                         beta: float = 1.0) -> torch.Tensor:
+    """log P^_a [..., V]: beta log P^ + a log P~, renormalised (computed in float64, returned in the inputs' dtype)."""
     dtype = torch.promote_types(full_log_probs.dtype, limited_log_probs.dtype)
-    return tilted(full_log_probs, limited_log_probs, alpha).to(dtype)
+    if beta == 1.0:
+        return tilted(full_log_probs, limited_log_probs, alpha).to(dtype)
+    base = tilted(full_log_probs, full_log_probs, beta - 1.0)
+    return tilted(base, limited_log_probs, alpha).to(dtype)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -97,27 +220,116 @@ def _mean_stderr(x: torch.Tensor, cluster_size: int) -> float:
 
 
 @torch.no_grad()
+def _rows_at(groups, theta, elements: int, per_row: bool = True) -> dict[str, torch.Tensor]:
+    """Per-row float64 terms at theta on CPU, rows in order: ce_cal, entropy, ce_full, ce_limited [N]; with per_row
+    also grad [N, k], hess [N, k, k] and d_entropy [N, k] (the jackknife's)."""
+    parts: dict[str, list[torch.Tensor]] = {}
+    for _, group in groups:
+        for blk in blocks([group], elements):
+            _, ce, grad, hess, ent, d_ent = row_terms_k(blk, theta)
+            terms = {"ce_cal": ce, "entropy": ent, "ce_full": -blk[1].double(), "ce_limited": -blk[2][:, -1].double()}
+            if per_row:
+                terms.update(grad=grad, hess=hess, d_entropy=d_ent)
+            for k, v in terms.items():
+                parts.setdefault(k, []).append(v.cpu())
+    if not parts:
+        raise ValueError("no rows")
+    return {k: torch.cat(v) for k, v in parts.items()}
+
+
+def _fit(groups: list, k: int, bound: float, elements: int, start=None) -> list[float]:
+    """theta* of the calibrated family on `groups` ([(segment, rows)]) by expfit.fit_theta (damped Newton from
+    `start`, e.g. a nearby fit); a alone (k = 1) by expfit.fit_alpha where P^ or P~ has zeros (its domain cut keeps
+    a >= 0 where a < 0 is undefined)."""
+    rows = [g for _, g in groups]
+    if k == 1 and any(x.numel() and x.amin().item() == -math.inf for g in rows for x in (g[0], g[2], g[3])):
+        return [fit_alpha([_one_param(g) for g in rows], bound, elements, what="memory bound")]
+    return fit_theta(rows, k, bound, elements, what="memory bound", start=start)
+
+
+def _sandwich(grad: torch.Tensor, hess_mean: torch.Tensor, cluster_size: int) -> list[float]:
+    """Sandwich standard errors of theta* from per-row gradients grad [N, k] and mean Hessian [k, k]; blocks of
+    cluster_size rows independent. inf where the Hessian is singular (a flat direction)."""
+    k = grad.size(1)
+    if k == 1:
+        return [sandwich_stderr(grad[:, 0], hess_mean[0, 0].item(), cluster_size)]
+    w = torch.linalg.eigvalsh(hess_mean)
+    if not w.min() > 1e-12 * w.max().clamp_min(0):
+        return [math.inf] * k
+    gb = torch.stack([block_sums(grad[:, j], cluster_size) for j in range(k)], dim=1)  # [B, k]
+    inv = torch.linalg.inv(hess_mean)
+    cov = inv @ (gb.T @ gb) @ inv / grad.size(0) ** 2
+    return cov.diagonal().sqrt().tolist()
+
+
+def _jackknife(chunks: list, temperature: bool, rows: dict, theta: list[float], cluster_size: int, exact: bool,
+               bound: float, elements: int) -> float:
+    """Delete-one-block jackknife standard error of the bound, the fit redone in every replicate."""
+    x = rows["ce_limited"] - rows["entropy"]  # [N]: the bound's per-row terms
+    nb = -(-x.numel() // cluster_size)
+    if nb < 2:
+        return math.nan
+    if exact:
+        groups = list(_groups(chunks, temperature, cluster_size))
+        reps = []
+        for b in range(nb):
+            rest = [g for g in groups if g[0] != b]
+            r = _rows_at(rest, _fit(rest, len(theta), bound, elements, theta), elements, per_row=False)
+            reps.append((r["ce_limited"] - r["entropy"]).mean())
+        return jackknife_stderr(torch.stack(reps))
+    terms = [x, rows["grad"], rows["hess"], rows["d_entropy"]]
+    if not all(torch.isfinite(z).all() for z in terms):  # e.g. P~ = 0 at a true next word: CE(P || P~) = inf
+        return math.nan
+    block = torch.arange(x.numel()) // cluster_size  # [N]
+    sums = lambda z: torch.zeros((nb, *z.shape[1:]), dtype=z.dtype).index_add_(0, block, z)  # [B, ...] block sums
+    # x_t = -log P~(y) - H_t: dx_t / dtheta = -dH_t / dtheta
+    reps = onestep_replicates(sums(x), sums(torch.ones_like(x)), sums(rows["grad"]), sums(rows["hess"]),
+                              -sums(rows["d_entropy"]))
+    return jackknife_stderr(reps)
+
+
+def _crossfit(chunks: list, temperature: bool, n: int, cluster_size: int, bound: float, elements: int,
+              start: list[float]) -> float:
+    """The bound over all rows, each half of the blocks (the first B // 2 blocks, the rest) scored with the parameters
+    fitted on the other half: the in-sample optimism removed (nan with fewer than 2 blocks)."""
+    nb = -(-n // cluster_size)
+    if nb < 2:
+        return math.nan
+    groups = list(_groups(chunks, temperature, (nb // 2) * cluster_size))
+    halves = [[g for g in groups if g[0] == h] for h in (0, 1)]
+    k = 2 if temperature else 1
+    total = 0.0
+    for fit_on, score_on in ((halves[0], halves[1]), (halves[1], halves[0])):
+        r = _rows_at(score_on, _fit(fit_on, k, bound, elements, start), elements, per_row=False)
+        total += (r["ce_limited"] - r["entropy"]).sum().item()
+    return total / n
+
+
+@torch.no_grad()
 def memory_upper_bound(full_log_probs, limited_log_probs: torch.Tensor | None = None,
                        targets: torch.Tensor | None = None, alpha: float | None = None, *, cluster_size: int = 1,
                        bound: float = 100.0, store_dtype: torch.dtype | None = None, store_device="cpu",
-                       elements: int = 1 << 22) -> MemoryBound:
+                       elements: int = 1 << 22, temperature: bool = False, beta: float | None = None,
+                       jackknife: str = "onestep", crossfit: bool = True) -> MemoryBound:
     """The calibration upper bound on I_tau from log-probability rows.
 
     Inputs: log P^ [N, V], log P~ [N, V] (natural log, rows normalised) and targets [N] long, or, as the only
     positional argument, an iterable of (log P^ [n, V], log P~ [n, V], targets [n]) chunks, consumed once (a
-    generator is fine). Rows are positions in text order; `cluster_size` > 1 treats blocks of that many consecutive
-    rows as the independent units of the standard errors (batch means, for dependence along the text).
+    generator is fine). Rows are positions in text order; blocks of `cluster_size` consecutive rows are the
+    independent units of every standard error (for dependence along the text; 1 = positions independent).
 
-    alpha=None fits a* on these rows (Newton from 0 with a bracket on [-bound, bound]; a flat CE gives a* = 0).
-    A given alpha is only evaluated: fit on validation rows, then pass that a for the test rows.
+    alpha=None fits a* on these rows (temperature=True: beta* and a* jointly), and the bound is reported on the same
+    rows. mi_stderr is then the delete-one-block jackknife with the fit redone per replicate: `jackknife="onestep"`
+    (one Newton step from the full fit, the bound linearised; the default) or "exact" (B full refits). With crossfit,
+    also the bound fitted on the even blocks and scored on the odd ones and vice versa (two more fits).
+    A given alpha (and, with temperature=True, beta) is only evaluated, streaming the chunks: mi_stderr is then by
+    batch means, the parameters held fixed.
 
-    Memory: evaluating a given alpha streams the chunks, keeping 6 floats per row. The fit needs CE(a) at several a,
-    and log Z_t(a) is no finite statistic of the row, so chunks from an iterable are kept (moved to `store_device`,
-    cast to `store_dtype` if given): 2 * N * V * (bytes per element), e.g. 2 * 73,760 * 10,000 * 4 = 5.9 GB of
-    float32 for the PTB validation set; float16 halves that but rounds log-probs near -20 by up to ~0.008 nats. Whole
-    tensors are used in place. The reductions run in float64, about `elements` row entries at a time.
-
-    mi_stderr treats a as fixed: the sampling error of a fitted a* (alpha_stderr) is not propagated into it.
+    Memory: the fit needs CE at several parameters, and log Z_t is no finite statistic of a row, so chunks from an
+    iterable are kept (moved to `store_device`, cast to `store_dtype` if given): 2 * N * V * (bytes per element),
+    e.g. 2 * 82,430 * 10,000 * 4 = 6.6 GB of float32 for the PTB test set; float16 halves that but rounds log-probs
+    near -20 by up to ~0.008 nats. Whole tensors, or a list of chunks, are used in place. The reductions run in
+    float64, about `elements` row entries at a time. The two-parameter fit needs P~ > 0 wherever P^ > 0.
     """
     if isinstance(full_log_probs, torch.Tensor):
         if limited_log_probs is None or targets is None:
@@ -129,43 +341,77 @@ def memory_upper_bound(full_log_probs, limited_log_probs: torch.Tensor | None = 
         chunks = full_log_probs
     if cluster_size < 1:
         raise ValueError(f"cluster_size must be >= 1, got {cluster_size}")
-
+    if jackknife not in ("onestep", "exact"):
+        raise ValueError(f"jackknife must be 'onestep' or 'exact', got {jackknife!r}")
     fitted = alpha is None
+    if not fitted and temperature and beta is None:
+        raise ValueError("with temperature=True, a given alpha needs a given beta too")
+    k = 2 if temperature else 1
+
     if fitted:
         if not isinstance(chunks, list):  # one pass over the source; the Newton iterations reread the kept rows
             keep = lambda t, dtype: t.detach().to(device=store_device, dtype=dtype)
             chunks = [(keep(f, store_dtype), keep(q, store_dtype), keep(y, None)) for f, q, y in chunks]
-        groups = list(_groups(chunks))
-        if not any(g[2].numel() for g in groups):
+        groups = list(_groups(chunks, temperature))
+        if not any(g[1][1].numel() for g in groups):
             raise ValueError("no rows")
-        alpha = fit_alpha(groups, bound, elements, what="memory bound")
+        theta = _fit(groups, k, bound, elements)
     else:
-        groups = _groups(chunks)  # streamed: one pass
-    alpha = float(alpha)
+        groups = _groups(chunks, temperature)  # streamed: one pass
+        theta = [float(beta) - 1.0, float(alpha)] if temperature else [float(alpha)]
 
-    parts: dict[str, list[torch.Tensor]] = {}
-    for logp, logq, logp_y, logq_y in blocks(groups, elements):
-        logp_a, ce, d1, d2, _ = row_terms(logp, logq, logp_y, logq_y, alpha)  # float64, [n, V] and [n]
-        terms = {"ce_cal": ce, "entropy": entropy(logp_a), "d1": d1, "d2": d2, "ce_full": -logp_y.double(),
-                 "ce_limited": -logq_y.double()}
-        for k, v in terms.items():
-            parts.setdefault(k, []).append(v.cpu())
-    if not parts:
-        raise ValueError("no rows")
-    rows = {k: torch.cat(v) for k, v in parts.items()}  # each [N] float64
-    n = rows["ce_cal"].numel()
-    mean = {k: v.mean().item() for k, v in rows.items()}
-    alpha_stderr = sandwich_stderr(rows["d1"], mean["d2"], cluster_size) if fitted else math.nan
+    rows = _rows_at(groups, theta, elements, per_row=fitted)
+    mean = {key: rows[key].mean().item() for key in ("ce_cal", "entropy", "ce_full", "ce_limited")}
+    x = rows["ce_limited"] - rows["entropy"]  # [N]
+    if fitted:
+        stderr = _sandwich(rows["grad"], rows["hess"].mean(0), cluster_size)
+        mi_stderr = _jackknife(chunks, temperature, rows, theta, cluster_size, jackknife == "exact", bound, elements)
+        cross = (_crossfit(chunks, temperature, x.numel(), cluster_size, bound, elements, theta) if crossfit
+                 else math.nan)
+    else:
+        stderr = [math.nan] * k
+        mi_stderr, cross = _mean_stderr(x, cluster_size), math.nan
     return MemoryBound(
-        alpha=alpha,
+        alpha=theta[-1],
         ce_limited=mean["ce_limited"],
         entropy_calibrated=mean["entropy"],
         mi_upper_bound=mean["ce_limited"] - mean["entropy"],
         ce_full=mean["ce_full"],
         ce_calibrated=mean["ce_cal"],
-        n_tokens=n,
-        mi_stderr=_mean_stderr(rows["ce_limited"] - rows["entropy"], cluster_size),
+        n_tokens=x.numel(),
+        mi_stderr=mi_stderr,
         ce_full_stderr=_mean_stderr(rows["ce_full"], cluster_size),
-        alpha_stderr=alpha_stderr,
+        alpha_stderr=stderr[-1],
         fitted=fitted,
+        beta=1.0 + theta[0] if temperature else 1.0,
+        beta_stderr=stderr[0] if temperature else 0.0,
+        mi_upper_bound_crossfit=cross,
+        delta_ce=mean["ce_limited"] - mean["ce_full"],
+        delta_ce_stderr=_mean_stderr(rows["ce_limited"] - rows["ce_full"], cluster_size),
+        n_blocks=-(-x.numel() // cluster_size),
     )
+
+
+def memory_summary(chunks: list[Chunk], *, cluster_size: int, jackknife: str = "onestep", bound: float = 100.0,
+                   elements: int = 1 << 22) -> dict:
+    """The memory stage's numbers for one tau from kept chunks (log P^ [n, V], log P~ [n, V], targets [n]): the
+    one-parameter bound fitted on these rows with its jackknife standard error and cross-fit, ΔCE, and the
+    two-parameter variant (P^^beta P~^alpha), as the JSON keys of memory.json (nats)."""
+    one = memory_upper_bound(chunks, cluster_size=cluster_size, jackknife=jackknife, bound=bound, elements=elements)
+    two = memory_upper_bound(chunks, cluster_size=cluster_size, jackknife=jackknife, bound=bound, elements=elements,
+                             temperature=True, crossfit=False)
+    return {
+        "alpha": one.alpha, "alpha_stderr": one.alpha_stderr, "ce_limited_nats": one.ce_limited,
+        "mi_upper_bound_nats": one.mi_upper_bound, "mi_stderr_nats": one.mi_stderr,
+        "mi_upper_bound_crossfit_nats": one.mi_upper_bound_crossfit,
+        "delta_ce_nats": one.delta_ce, "delta_ce_stderr_nats": one.delta_ce_stderr,
+        "entropy_calibrated_nats": one.entropy_calibrated, "ce_full_nats": one.ce_full,
+        "ce_calibrated_nats": one.ce_calibrated, "ce_full_stderr_nats": one.ce_full_stderr,
+        "two_parameter": {"alpha": two.alpha, "beta": two.beta, "mi_upper_bound_nats": two.mi_upper_bound,
+                          "mi_stderr_nats": two.mi_stderr, "alpha_stderr": two.alpha_stderr,
+                          "beta_stderr": two.beta_stderr, "entropy_calibrated_nats": two.entropy_calibrated,
+                          "ce_calibrated_nats": two.ce_calibrated},
+        "test_tokens": one.n_tokens, "blocks": one.n_blocks, "cluster_size": cluster_size,
+        "stderr_method": f"delete-one-block jackknife over {one.n_blocks} blocks of {cluster_size} positions, the fit "
+                         + ("redone exactly" if jackknife == "exact" else "redone by one Newton step") + " per block",
+    }

@@ -17,12 +17,22 @@ from lmcal.utils import atomic_path, format_params  # noqa: E402
 
 def entropy_curve_figure(curves: dict[str, tuple[np.ndarray, np.ndarray]], path: str | Path,
                          reference_nats: dict[str, float] | None = None, title: str = "",
-                         legend_outside: bool = False) -> Path:
+                         legend_outside: bool = False, difference: dict | None = None,
+                         tail_differences: dict[str, tuple[float, float]] | None = None) -> Path:
     """One line per curve (label -> (mean, stderr), nats, t = 1..horizon) with a ±1.96 se band,
     and dotted horizontal reference lines (e.g. the model's test cross-entropy). Written atomically.
-    legend_outside: the legend to the right of the axes (for many curves)."""
+    legend_outside: the legend to the right of the axes (for many curves).
+
+    A second panel shows paired differences from the plain model (same prefixes and seeds), when given:
+    difference: {"label", "mean" [horizon], "stderr" [horizon], "tail", "tail_stderr", "tail_steps"}, the difference
+    at every t with its band and its mean over the last tail_steps words; tail_differences: label -> (the mean
+    difference over the last tenth of the horizon, its se), one error bar per label."""
     path = Path(path)
-    fig, ax = plt.subplots(figsize=(9.6 if legend_outside else 6.4, 4.0), dpi=120)
+    second = difference is not None or bool(tail_differences)
+    width = 9.6 if legend_outside else 6.4
+    fig, axes = plt.subplots(2 if second else 1, 1, figsize=(width, 7.0 if second else 4.0), dpi=120, squeeze=False,
+                             height_ratios=[1.4, 1] if second else None)
+    ax = axes[0, 0]
     for label, (mean, se) in curves.items():
         t = np.arange(1, len(mean) + 1)
         (line,) = ax.plot(t, mean, label=label, lw=1.4)
@@ -37,7 +47,43 @@ def entropy_curve_figure(curves: dict[str, tuple[np.ndarray, np.ndarray]], path:
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     else:
         ax.legend(fontsize=8)
+    if difference is not None:
+        _difference_axes(axes[1, 0], **difference)
+    elif tail_differences:
+        _tail_difference_axes(axes[1, 0], tail_differences)
     return _save(fig, path)
+
+
+def _difference_axes(ax, label: str, mean: np.ndarray, stderr: np.ndarray, tail: float, tail_stderr: float,
+                     tail_steps: int) -> None:
+    """The paired difference at every t (±1.96 se band) and its mean over the last tail_steps words."""
+    mean, stderr = np.asarray(mean, dtype=float), np.asarray(stderr, dtype=float)
+    t = np.arange(1, len(mean) + 1)
+    (line,) = ax.plot(t, mean, lw=1.2, label=label)
+    ax.fill_between(t, mean - 1.96 * stderr, mean + 1.96 * stderr, color=line.get_color(), alpha=0.2, lw=0)
+    lo = len(mean) - tail_steps + 0.5
+    ax.hlines(tail, lo, len(mean) + 0.5, color="k", lw=2,
+              label=f"last {tail_steps} words: {tail:+.3f} ± {tail_stderr:.3f} nats")
+    ax.fill_between([lo, len(mean) + 0.5], tail - 1.96 * tail_stderr, tail + 1.96 * tail_stderr, color="k",
+                    alpha=0.15, lw=0)
+    ax.axhline(0.0, color="k", lw=0.8)
+    ax.set_xlabel("t (generated words)")
+    ax.set_ylabel("paired difference (nats, ±1.96 se)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+
+
+def _tail_difference_axes(ax, diffs: dict[str, tuple[float, float]]) -> None:
+    """One horizontal error bar (±1.96 se) per label: the paired difference of the last tenth's mean entropy."""
+    labels = list(diffs)
+    y = np.arange(len(labels))[::-1]
+    x = np.array([diffs[k][0] for k in labels], dtype=float)
+    se = np.array([diffs[k][1] for k in labels], dtype=float)
+    ax.errorbar(x, y, xerr=1.96 * se, fmt="o", capsize=3, ms=4, lw=1)
+    ax.axvline(0.0, color="k", lw=0.8)
+    ax.set_yticks(y, labels, fontsize=7)
+    ax.set_xlabel("mean entropy over the last tenth of the horizon minus the plain model's, paired (nats, ±1.96 se)")
+    ax.grid(alpha=0.3, axis="x")
 
 
 def _save(fig, path: Path) -> Path:

@@ -35,21 +35,31 @@ def table1_markdown(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _tail_diff(r: dict) -> str:
+    """The paired difference from the plain model over the last tenth of the horizon, '± se' (– if not measured)."""
+    if r.get("tail_diff_nats") is None:
+        return "–"
+    return f"{r['tail_diff_nats']:+.3f} ± {r['tail_diff_stderr_nats']:.3f}"
+
+
 def decoders_table(rows: list[dict]) -> str:
-    """Markdown: one row per method, entropies of the t = 1 and last generated words, EntRate and held-out costs."""
-    lines = ["| method | parameters | entropy t=1 (nats) | entropy t=horizon (nats) | EntRate | test CE (nats) | "
-             "zero-prob. fraction | CE on kept words | CE, ε-mixed |", "|---|---|---|---|---|---|---|---|---|"]
+    """Markdown: one row per method, entropies of the t = 1 and last generated words, EntRate, the paired difference
+    of the last tenth's mean entropy from the plain model (± se, clustered by prefix) and held-out costs."""
+    lines = ["| method | parameters | entropy t=1 (nats) | entropy t=horizon (nats) | EntRate | "
+             "Δ entropy, last tenth, vs model (nats) | test CE (nats) | zero-prob. fraction | CE on kept words | "
+             "CE, ε-mixed |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['method']} | {format_params(r['params'])} | {r['entropy_t1_nats']:.3f} | "
-                     f"{r['entropy_last_nats']:.3f} | {r['entrate_ppl']:.1f} | {format_ce(r['test_ce_nats'])} | "
-                     f"{r['zero_prob_fraction']:.4f} | {format_ce(r['test_ce_kept_nats'])} | "
-                     f"{format_ce(r['test_ce_mixed_nats'])} |")
+                     f"{r['entropy_last_nats']:.3f} | {r['entrate_ppl']:.1f} | {_tail_diff(r)} | "
+                     f"{format_ce(r['test_ce_nats'])} | {r['zero_prob_fraction']:.4f} | "
+                     f"{format_ce(r['test_ce_kept_nats'])} | {format_ce(r['test_ce_mixed_nats'])} |")
     return "\n".join(lines) + "\n"
 
 
 def collect_memory(dirs: list[str | Path]) -> dict[str, list[dict]]:
-    """corpus -> memory.json results sorted by tau; of two results for one (corpus, tau) the newest file wins."""
-    found: dict[tuple[str, int], tuple[float, dict]] = {}
+    """corpus -> memory.json results sorted by tau, then P~ (trained before window); of two results for one (corpus,
+    tau, P~) the newest file wins."""
+    found: dict[tuple[str, int, str], tuple[float, dict]] = {}
     for d in dirs:
         d = Path(d)
         if not d.is_dir():
@@ -57,43 +67,67 @@ def collect_memory(dirs: list[str | Path]) -> dict[str, list[dict]]:
         for path in sorted(d.rglob("memory.json")):
             try:
                 r = json.loads(path.read_text())
-                key = (r["corpus"], int(r["tau"]))
+                key = (r["corpus"], int(r["tau"]), r.get("limited", "trained"))
             except (json.JSONDecodeError, KeyError, TypeError) as e:
                 raise LmcalError(f"{path} is not a memory-stage result ({e}); delete it or rerun that stage.") from None
             r["path"] = str(path)
             mtime = path.stat().st_mtime
             if key in found:
-                log.warning(f"two results for {key[0]} tau={key[1]}: keeping the newer of {found[key][1]['path']} "
-                            f"and {path}")
+                log.warning(f"two results for {key[0]} tau={key[1]} ({key[2]} P~): keeping the newer of "
+                            f"{found[key][1]['path']} and {path}")
             if key not in found or mtime >= found[key][0]:
                 found[key] = (mtime, r)
     by_corpus: dict[str, list[dict]] = {}
-    for (corpus, _), (_, r) in sorted(found.items()):
+    for (corpus, *_), (_, r) in sorted(found.items()):
         by_corpus.setdefault(corpus, []).append(r)
     return by_corpus
 
 
+def _pm(r: dict | None, key: str, se: str, digits: int = 4) -> str:
+    """'value ± se' of r[key] (– where the result does not have it: a memory.json from before the key existed)."""
+    if not r or r.get(key) is None:
+        return "–"
+    return f"{r[key]:.{digits}f}" + (f" ± {r[se]:.{digits}f}" if r.get(se) is not None else "")
+
+
 def memory_table(rows: list[dict]) -> str:
-    """Markdown: per tau, CE(P||P~), the I_tau bound (± 1 se) and alpha*, ours beside the paper's (PTB only)."""
+    """Markdown: per tau and limited model P~ (trained tau-model, or the base model on tau-token windows): CE(P||P~),
+    ΔCE, the I_tau bound (± 1 se) fitted on the reported rows, cross-fitted, alpha*, and the two-parameter variant
+    (beta*, alpha* and its bound); the paper's values beside ours (PTB), the exact I_tau beside (Markov source)."""
     ptb = rows[0]["corpus"] == "ptb"
-    head = "| tau | CE(P‖P̃) | I_tau upper bound | alpha* |"
-    sep = "|---|---|---|---|"
+    exact = any(r.get("exact_mi_nats") is not None for r in rows)
+    cols = ["tau", "P̃", "CE(P‖P̃)", "ΔCE", "I_tau upper bound", "cross-fitted", "alpha*", "with temperature",
+            "beta*, alpha*"]
+    after = (2, 4, 6)  # ours whose paper's value follows (PTB): CE(P‖P̃), the bound, alpha*
     if ptb:
-        head = "| tau | CE(P‖P̃) | paper | I_tau upper bound | paper | alpha* | paper |"
-        sep = "|---|---|---|---|---|---|---|"
-    lines = [head, sep]
+        cols = [c for i, col in enumerate(cols) for c in ([col, "paper"] if i in after else [col])]
+    if exact:
+        cols.append("exact I_tau")
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
-        ours = [f"{r['ce_limited_nats']:.4f}", f"{r['mi_upper_bound_nats']:.4f} ± {r['mi_stderr_nats']:.4f}",
-                f"{r['alpha']:.5f} ± {r['alpha_stderr']:.5f}"]
+        two = r.get("two_parameter")
+        cells = [str(r["tau"]), r.get("limited", "trained"), f"{r['ce_limited_nats']:.4f}", _pm(r, "delta_ce_nats",
+                 "delta_ce_stderr_nats"), _pm(r, "mi_upper_bound_nats", "mi_stderr_nats"),
+                 _pm(r, "mi_upper_bound_crossfit_nats", ""), _pm(r, "alpha", "alpha_stderr", 5),
+                 _pm(two, "mi_upper_bound_nats", "mi_stderr_nats"),
+                 f"{two['beta']:.4f}, {two['alpha']:.5f}" if two else "–"]
         if ptb:
             p = paper.MEMORY_PTB.get(int(r["tau"]))
             theirs = [f"{v:.4f}" if i < 2 else f"{v:.5f}" for i, v in enumerate(p)] if p else ["–"] * 3
-            ours = [ours[0], theirs[0], ours[1], theirs[1], ours[2], theirs[2]]
-        lines.append(f"| {r['tau']} | " + " | ".join(ours) + " |")
+            cells = [c for i, cell in enumerate(cells) for c in ([cell, theirs[after.index(i)]] if i in after
+                                                                  else [cell])]
+        if exact:
+            cells.append("–" if r.get("exact_mi_nats") is None else f"{r['exact_mi_nats']:.4f}")
+        lines.append("| " + " | ".join(cells) + " |")
     r0 = rows[0]
     lines.append("")
-    lines.append(f"Nats per token on {r0['test_tokens']:,} test tokens (alpha* fitted on {r0['valid']['tokens']:,} "
-                 f"validation tokens); ± is one standard error (batch means over {r0['cluster_size']} positions).")
+    lines.append(f"Nats per token on {r0['test_tokens']:,} test tokens. P̃: trained = the τ-model, window = the base "
+                 "model itself fed only the last τ tokens. alpha* of P̂·P̃^alpha is fitted on the rows the bound is "
+                 "reported on, so the bound is the mean KL(P̂_alpha*‖P̃) ≥ 0; ± is one standard error: a "
+                 f"delete-one-block jackknife over blocks of {r0['cluster_size']:,} positions with alpha refitted in "
+                 "each replicate. Cross-fitted: alpha* fitted on one half of the blocks, the bound scored on the "
+                 "other, both ways. ΔCE = CE(P‖P̃) − CE(P‖P̂). With temperature: P̂^beta·P̃^alpha fitted jointly, so "
+                 "a mere sharpening of P̂ does not count as memory.")
     return "\n".join(lines) + "\n"
 
 
@@ -155,8 +189,11 @@ def memory_report(dirs: list[str | Path], out: str | Path | None = None, wandb_m
     report = {}
     for corpus, rows in by_corpus.items():
         table = memory_table(rows)
-        series = {"ours": ([r["tau"] for r in rows], [r["mi_upper_bound_nats"] for r in rows],
-                           [r["mi_stderr_nats"] for r in rows])}
+        series = {}
+        for lim in dict.fromkeys(r.get("limited", "trained") for r in rows):  # trained first
+            mine = [r for r in rows if r.get("limited", "trained") == lim]
+            series[f"ours ({lim} P̃)"] = ([r["tau"] for r in mine], [r["mi_upper_bound_nats"] for r in mine],
+                                         [r["mi_stderr_nats"] for r in mine])
         if corpus == "ptb":
             taus = sorted(paper.MEMORY_PTB)
             series["paper (AWD-LSTM, 500 epochs)"] = (taus, [paper.MEMORY_PTB[t][1] for t in taus], None)
@@ -167,7 +204,10 @@ def memory_report(dirs: list[str | Path], out: str | Path | None = None, wandb_m
                                                        f"![I_tau bound against tau](memory_{corpus}.png)\n")
         report[corpus] = {"rows": [{k: r[k] for k in ("tau", "ce_limited_nats", "mi_upper_bound_nats",
                                                       "mi_stderr_nats", "alpha", "alpha_stderr",
-                                                      "entropy_calibrated_nats", "path")} for r in rows],
+                                                      "entropy_calibrated_nats", "path")}
+                                   | {k: r.get(k, "trained" if k == "limited" else None) for k in (
+                                       "limited", "mi_upper_bound_crossfit_nats", "delta_ce_nats",
+                                       "two_parameter")} for r in rows],
                           "table_md": str(out / f"memory_{corpus}.md"), "figure": str(png)}
         print(f"{corpus}:\n{table}")
     write_json_atomic(out / "memory_report.json", report)
@@ -183,7 +223,8 @@ def _log_wandb(report: dict, out: Path, mode: str, project: str, group: str | No
                      reinit="finish_previous")
     try:
         for corpus, r in report.items():
-            cols = ["tau", "ce_limited_nats", "mi_upper_bound_nats", "mi_stderr_nats", "alpha"]
+            cols = ["tau", "limited", "ce_limited_nats", "delta_ce_nats", "mi_upper_bound_nats", "mi_stderr_nats",
+                    "mi_upper_bound_crossfit_nats", "alpha"]
             data = [[x[c] for c in cols] for x in r["rows"]]
             run.log({f"memory/{corpus}/table": wandb.Table(columns=cols, data=data),
                      f"memory/{corpus}/figure": wandb.Image(r["figure"])})

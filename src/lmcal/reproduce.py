@@ -10,7 +10,9 @@ stage; `key=value` pairs override the profile (OmegaConf dot-list, e.g. `taus=[5
     entropy_rate      Table 1 row and Figure 2 (python -m lmcal.evaluate stages=[entropy_rate])
     calibration       alpha*, test ppl before/after, Figure 3
     decoders          temperature, top-k, top-p, typical, eta, min-p, Mirostat beside fitted temperature and calibration
-    memory_tau<T>     the I_tau bound for each tau; then the same four on data=markov (markov_*)
+    memory_tau<T>     the I_tau bound for each tau, P~ the tau-model
+    memory_window_tau<T>  the same with P~ the base model itself on tau-token windows (windows: true)
+                      then the same on data=markov (markov_*)
     report            results.json, REPORT.md, memory tables and Figure 4
 
 Each stage runs as its own process with its log in <out>/logs/<stage>.log and records completion in
@@ -151,6 +153,13 @@ def plan(cfg: DictConfig) -> list[dict]:
                            "cmd": py + ["lmcal.evaluate", f"ckpt={d / 'checkpoints' / 'best.ckpt'}",
                                         f"memory.base_ckpt={base_ckpt}", "stages=[memory]", *part.analysis, *lg,
                                         f"task_name={prefix}memory", f"hydra.run.dir={mdir}"]})
+        for t in taus if part.get("windows", False) else []:  # P~ = the base model itself on t-token windows
+            wdir = root / "memory" / f"window_tau_{t}"
+            stages.append({"name": f"{prefix}memory_window_tau{t}", "dir": wdir, "done": [wdir / "memory.json"],
+                           "deps": [f"{prefix}base"],
+                           "cmd": py + ["lmcal.evaluate", f"ckpt={base_ckpt}", "stages=[memory]",
+                                        "analysis.memory.limited=window", f"analysis.memory.tau={t}", *part.analysis,
+                                        *lg, f"task_name={prefix}memory_window", f"hydra.run.dir={wdir}"]})
     names = [st["name"] for st in stages] + ["report"]
     stages.append({"name": "report", "dir": out, "done": [out / "results.json", out / "REPORT.md"],
                    "fn": functools.partial(report, names=names), "deps": names[:-1]})
@@ -194,7 +203,8 @@ def stage_settings(stage: dict, cfg: DictConfig) -> dict:
     {tau: {key: value}}; for the report, the profile keys it reads). Paths inside the output folder are recorded
     relative to it ("<out>/..."), so a moved or copied reproduction still resumes."""
     if "fn" in stage:
-        return {"dataset": cfg.dataset, "taus": list(cfg.taus), "markov.taus": list(cfg.markov.taus)}
+        return {"dataset": cfg.dataset, "taus": list(cfg.taus), "markov.taus": list(cfg.markov.taus),
+                "windows": bool(cfg.get("windows", False)), "markov.windows": bool(cfg.markov.get("windows", False))}
     entry, overrides = stage["cmd"][2], [a for a in stage["cmd"][3:] if a != "-m"]
     out = str(Path(cfg.out).resolve())
 

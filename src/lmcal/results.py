@@ -31,9 +31,13 @@ def collect_results(cfg: DictConfig, out: Path, names: list[str]) -> dict:
     er = read_json(ptb / "entropy_rate" / "entropy_rate.json")
     cal = read_json(ptb / "calibration" / "calibration.json")
     dec = read_json(ptb / "decoders" / "decoders.json")
-    mem = [read_json(ptb / "memory" / f"tau_{t}" / "memory.json") for t in cfg.taus]
+    def memory_rows(root: Path, taus, windows: bool) -> list[dict]:  # trained, then window, for each tau
+        return [read_json(root / "memory" / f"{kind}tau_{t}" / "memory.json") for t in taus
+                for kind in ("", "window_")[:1 + bool(windows)]]
+
+    mem = memory_rows(ptb, cfg.taus, cfg.get("windows", False))
     mbase = read_json(mk / "base" / "metrics.json")
-    mmem = [read_json(mk / "memory" / f"tau_{t}" / "memory.json") for t in cfg.markov.taus]
+    mmem = memory_rows(mk, cfg.markov.taus, cfg.markov.get("windows", False))
     records = {n: read_json(out / "stages" / f"{n}.json") for n in names if (out / "stages" / f"{n}.json").is_file()}
     records = {n: r for n, r in records.items() if r.get("status") == "done"}
     def tail_ppl(curve: list[float]) -> float:  # exp of the mean entropy over the last tenth of the horizon
@@ -48,25 +52,30 @@ def collect_results(cfg: DictConfig, out: Path, names: list[str]) -> dict:
                          "entrate_ppl": er["entrate_ppl"], "test_ppl": er["test_ppl"],
                          "entrate_tail_ppl": tail_ppl(er["curve_nats"])},
         "calibration": {k: cal[k] for k in ("alpha", "alpha_stderr", "test_ppl_before", "test_ppl_after",
-                                            "curve_nats", "stderr_nats", "curve_nats_before",
-                                            "entrate_ppl_before", "entrate_ppl_after", "topk", "fit_tokens",
-                                            "test_tokens")}
+                                            "curve_nats", "stderr_nats", "curve_nats_before", "stderr_nats_before",
+                                            "entrate_ppl_before", "entrate_ppl_after", "topk", "tail_samples",
+                                            "min_context", "fit_tokens", "test_tokens", "tail_steps",
+                                            "tail_ppl_before", "tail_ppl_after", "tail_diff_nats",
+                                            "tail_diff_stderr_nats", "diff_curve_nats", "diff_stderr_nats")}
         | {"entrate_tail_ppl_before": tail_ppl(cal["curve_nats_before"]),
            "entrate_tail_ppl_after": tail_ppl(cal["curve_nats"])},
         "decoders": [{k: r[k] for k in ("method", "params", "entrate_ppl", "test_ce_nats", "zero_prob_fraction",
                                         "test_ce_kept_nats", "test_ce_mixed_nats", "entropy_t1_nats",
-                                        "entropy_last_nats")} | {"entrate_tail_ppl": tail_ppl(r["curve_nats"])}
+                                        "entropy_last_nats", "tail_diff_nats", "tail_diff_stderr_nats")}
+                     | {"entrate_tail_ppl": tail_ppl(r["curve_nats"])}
                      for r in dec["rows"]],
         "memory": [{k: m[k] for k in ("tau", "ce_limited_nats", "mi_upper_bound_nats", "mi_stderr_nats", "alpha",
-                                      "alpha_stderr", "entropy_calibrated_nats")} for m in mem],
+                                      "alpha_stderr", "entropy_calibrated_nats", "limited",
+                                      "mi_upper_bound_crossfit_nats", "delta_ce_nats", "delta_ce_stderr_nats",
+                                      "two_parameter")} for m in mem],
         "markov": {"order": mbase["markov_order"],
                    "true_entropy_rate_nats": mbase["true_entropy_rate_nats"],
                    "estimated_entropy_rate_nats": mmem[0]["ce_full_nats"],
                    "estimated_entropy_rate_stderr_nats": mmem[0]["ce_full_stderr_nats"],
                    "test_ce_nats": mbase["test_ce_nats"],
-                   "memory": [{"tau": m["tau"], "mi_upper_bound_nats": m["mi_upper_bound_nats"],
-                               "mi_stderr_nats": m["mi_stderr_nats"], "exact_mi_nats": m["exact_mi_nats"],
-                               "alpha": m["alpha"]} for m in mmem],
+                   "memory": [{k: m[k] for k in ("tau", "mi_upper_bound_nats", "mi_stderr_nats", "exact_mi_nats",
+                                                 "alpha", "limited", "mi_upper_bound_crossfit_nats", "delta_ce_nats",
+                                                 "two_parameter")} for m in mmem],
                    "oracle": markov_oracle(cfg, mk)},
         **{n: STAGES[n].summary(read_json(ptb / n / "evaluation.json")[n])
            for n in cfg.stages if n not in PAPER_STAGES},
@@ -104,13 +113,16 @@ def report(cfg: DictConfig, out: Path, names: list[str]) -> None:
                          out / "figure2_entropy_rate.png",
                          reference_nats={"test cross-entropy": math.log(results["base"]["test_ppl"])},
                          title=f"{results['base']['model']} on {cfg.dataset}: entropy of generated words")
-    before = np.array(cal["curve_nats_before"])
-    entropy_curve_figure({"uncalibrated": (before, np.zeros_like(before)),
+    entropy_curve_figure({"uncalibrated": (np.array(cal["curve_nats_before"]), np.array(cal["stderr_nats_before"])),
                           f"calibrated (alpha* = {cal['alpha']:.3g})": (np.array(cal["curve_nats"]),
                                                                         np.array(cal["stderr_nats"]))},
                          out / "figure3_calibration.png",
                          reference_nats={"test cross-entropy": math.log(cal["test_ppl_before"])},
-                         title="Lookahead calibration (Algorithm 2)")
+                         title="Lookahead calibration (Algorithm 2)",
+                         difference={"label": "calibrated minus uncalibrated, paired",
+                                     "mean": np.array(cal["diff_curve_nats"]),
+                                     "stderr": np.array(cal["diff_stderr_nats"]), "tail": cal["tail_diff_nats"],
+                                     "tail_stderr": cal["tail_diff_stderr_nats"], "tail_steps": cal["tail_steps"]})
     copy_atomic(out / cfg.dataset / "decoders" / "decoders.png", out / "figure_decoders.png")
     memory_report([out / cfg.dataset / "memory", out / "markov" / "memory"], out, wandb_mode="disabled")
     write_json_atomic(out / "results.json", results)
@@ -121,13 +133,22 @@ def report(cfg: DictConfig, out: Path, names: list[str]) -> None:
 
 def decoders_markdown(rows: list[dict]) -> list[str]:
     lines = ["| method | parameters | exp(entropy) t=1 | EntRate (last step) | exp(mean entropy, last tenth) | "
-             "test CE (nats) | zero-prob. fraction | CE, ε-mixed |", "|---|---|---|---|---|---|---|---|"]
+             "Δ entropy, last tenth, vs model (nats, paired) | test CE (nats) | zero-prob. fraction | CE, ε-mixed |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for d in rows:
         lines.append(f"| {d['method']} | {format_params(d['params'], drop=('stderr',))} | "
                      f"{exp_or_inf(d['entropy_t1_nats']):.1f} | "
-                     f"{d['entrate_ppl']:.1f} | {d['entrate_tail_ppl']:.1f} | {format_ce(d['test_ce_nats'])} | "
+                     f"{d['entrate_ppl']:.1f} | {d['entrate_tail_ppl']:.1f} | "
+                     f"{d['tail_diff_nats']:+.3f} ± {d['tail_diff_stderr_nats']:.3f} | "
+                     f"{format_ce(d['test_ce_nats'])} | "
                      f"{d['zero_prob_fraction']:.4f} | {format_ce(d['test_ce_mixed_nats'])} |")
     return lines
+
+
+def _bound(rows: list[dict], tau: int, limited: str) -> str:
+    """'bound ± se' of the memory row for (tau, limited), or – where the reproduction has none."""
+    m = next((m for m in rows if m["tau"] == tau and m.get("limited", "trained") == limited), None)
+    return f"{m['mi_upper_bound_nats']:.4f} ± {m['mi_stderr_nats']:.4f}" if m else "–"
 
 
 def report_markdown(cfg: DictConfig, r: dict, out: Path) -> str:
@@ -151,8 +172,15 @@ def report_markdown(cfg: DictConfig, r: dict, out: Path) -> str:
         f"{cal['entrate_tail_ppl_before']:.1f} |",
         f"| calibrated | {cal['alpha']:.4f} ± {cal['alpha_stderr']:.4f} | {cal['test_ppl_after']:.2f} | "
         f"{cal['entrate_ppl_after']:.1f} | {cal['entrate_tail_ppl_after']:.1f} |", "",
-        f"Standard error of the last step's entropy: {cal['stderr_nats'][-1]:.3f} nats (calibrated).", "",
-        f"alpha* fitted on {cal['fit_tokens']:,} validation tokens with top-{cal['topk'] or 'V (exact)'} lookahead; "
+        f"Standard error of the last step's entropy: {cal['stderr_nats'][-1]:.3f} nats (calibrated). Over the last "
+        f"tenth of the horizon ({cal['tail_steps']} words), paired generation by generation (same prefixes and "
+        f"seeds), calibration changes the mean entropy by {cal['tail_diff_nats']:+.4f} ± "
+        f"{cal['tail_diff_stderr_nats']:.4f} nats (± one standard error, clustered by prefix): exp of the mean "
+        f"{cal['tail_ppl_before']:.1f} → {cal['tail_ppl_after']:.1f}.", "",
+        f"alpha* fitted on {cal['fit_tokens']:,} validation positions, each after at least "
+        f"{max(1, cal['min_context'])} tokens of context, with "
+        + (f"top-{cal['topk']} lookahead (the true word exact, {cal['tail_samples']} sampled words for the rest); "
+           if cal["topk"] else "exact lookahead; ") +
         f"test perplexity on {cal['test_tokens']:,} test tokens. The paper: {paper.CALIBRATION_EFFECT}. "
         "![Figure 3](figure3_calibration.png)", "",
         "## Decoders beside calibration", "",
@@ -171,11 +199,11 @@ def report_markdown(cfg: DictConfig, r: dict, out: Path) -> str:
         f"The same estimators on the exact oracles (P̂ = the true conditional, P̃_τ = the exact order-τ "
         f"conditional), on the same test text: entropy rate {orc['estimated_entropy_rate_nats']:.4f} ± "
         f"{orc['estimated_entropy_rate_stderr_nats']:.4f}.", "",
-        "| tau | I_tau bound, trained LSTMs | I_tau bound, exact oracles | exact I_tau of the source |",
-        "|---|---|---|---|",
-        *[f"| {m['tau']} | {m['mi_upper_bound_nats']:.4f} ± {m['mi_stderr_nats']:.4f} | "
-          f"{o['mi_upper_bound_nats']:.4f} ± {o['mi_stderr_nats']:.4f} | {m['exact_mi_nats']:.4f} |"
-          for m, o in zip(mk["memory"], orc["memory"], strict=True)], "",
+        "| tau | I_tau bound, trained τ-LSTMs | I_tau bound, the LSTM on τ-token windows | I_tau bound, exact "
+        "oracles | exact I_tau of the source |", "|---|---|---|---|---|",
+        *[f"| {o['tau']} | {_bound(mk['memory'], o['tau'], 'trained')} | {_bound(mk['memory'], o['tau'], 'window')} | "
+          f"{o['mi_upper_bound_nats']:.4f} ± {o['mi_stderr_nats']:.4f} | {o['exact_mi_nats']:.4f} |"
+          for o in orc["memory"]], "",
         "± is one standard error. The oracle rows check the estimators; the LSTM rows add the trained models' own "
         "error (their bound is on the information *they* draw from beyond tau, and their excess cross-entropy "
         "over the source enters it).", "",
@@ -205,7 +233,8 @@ def _log_report(cfg: DictConfig, results: dict, out: Path) -> None:
                             "entrate_ppl": results["entropy_rate"]["entrate_ppl"],
                             "calibration/alpha": results["calibration"]["alpha"]})
         run.log({p.stem: wandb.Image(str(p)) for p in sorted([*out.glob("figure*.png"), *out.glob("memory_*.png")])})
-        cols = ["tau", "ce_limited_nats", "mi_upper_bound_nats", "mi_stderr_nats", "alpha"]
+        cols = ["tau", "limited", "ce_limited_nats", "delta_ce_nats", "mi_upper_bound_nats", "mi_stderr_nats",
+                "mi_upper_bound_crossfit_nats", "alpha"]
         run.log({"memory": wandb.Table(columns=cols, data=[[m[c] for c in cols] for m in results["memory"]])})
         cols = ["method", "params", "entrate_ppl", "test_ce_nats", "zero_prob_fraction", "test_ce_mixed_nats"]
         run.log({"decoders": wandb.Table(columns=cols, data=[[json.dumps(d[c]) if c == "params" else d[c]

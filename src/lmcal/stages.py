@@ -28,10 +28,18 @@ from lmcal import paper
 from lmcal.calibration import calibrated, fit_lookahead_calibration, fit_temperature
 from lmcal.data import batchify
 from lmcal.decoders import decoder_params, heldout_cost, make_decoder
-from lmcal.entropy_rate import generation_entropy_curve, random_prefixes
+from lmcal.entropy_rate import (
+    clustered_mean,
+    generation_entropy_curve,
+    paired_difference_curve,
+    paired_tail_difference,
+    random_prefixes,
+    tail_steps,
+)
 from lmcal.errors import LmcalError
-from lmcal.memory import memory_upper_bound
-from lmcal.model import full_context_log_probs, limited_context_log_probs, zip_rows
+from lmcal.lm import LSTMStepLM
+from lmcal.memory import context_rows, memory_summary
+from lmcal.model import AWDLSTM, zip_rows
 from lmcal.plots import entropy_curve_figure
 from lmcal.report import decoders_table, table1_markdown
 from lmcal.utils import exp_or_inf, format_params, write_json_atomic, write_text_atomic
@@ -90,32 +98,43 @@ def entropy_rate_stage(lm, valid_tokens: torch.Tensor, test_ce_nats: float, out_
 
 def calibration_stage(lm, valid_tokens: torch.Tensor, test_tokens: torch.Tensor, out_dir: str | Path, *,
                       fit_tokens: int = 20_000, fit_streams: int = 20, score_tokens: int | None = None,
-                      score_streams: int = 10, topk: int | None = 64, uniform_weight: float = 0.0,
-                      num_prefixes: int = 100, samples_per_prefix: int = 5, prefix_len: int = 100, horizon: int = 700,
-                      seed: int = 0, max_batch: int = 1024, model_name: str = "model", corpus: str = "ptb",
-                      logger=None, name: str = "calibration", unit: str = "word") -> dict:
+                      score_streams: int = 10, topk: int | None = 64, tail_samples: int = 16, min_context: int = 100,
+                      uniform_weight: float = 0.0, num_prefixes: int = 100, samples_per_prefix: int = 5,
+                      prefix_len: int = 100, horizon: int = 700, seed: int = 0, max_batch: int = 1024,
+                      model_name: str = "model", corpus: str = "ptb", logger=None, name: str = "calibration",
+                      unit: str = "word") -> dict:
     """Lookahead calibration (Algorithm 2, Figure 3): fit alpha* on the first `fit_tokens` validation tokens
-    (as `fit_streams` parallel streams), score test CE before and after on the first `score_tokens` test tokens
-    (all when null), and the generation entropy curves of both models from the same prefixes and seeds."""
+    (as `fit_streams` parallel streams, each reading `min_context` tokens before its positions count; top-k lookahead
+    with `tail_samples` draws for the rest, seeded by `seed`), score test CE before and after on the first
+    `score_tokens` test tokens (all when null), and the generation entropy curves of both models from the same
+    prefixes and seeds, compared generation by generation over the last tenth of the horizon.
+
+    "Before" is the eps-mixture (1 - w) P + w uniform, w = uniform_weight, for the cross-entropy and the curve alike
+    (with w = 0, the model itself)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     fit = fit_lookahead_calibration(lm, batchify(valid_tokens[:fit_tokens], fit_streams), topk=topk,
-                                    epsilon=uniform_weight, progress=True)
+                                    epsilon=uniform_weight, tail_samples=tail_samples, min_context=min_context,
+                                    seed=seed, progress=True)
     t_fit = time.perf_counter() - t0
-    cal = calibrated(lm, fit.alpha, topk=topk, epsilon=uniform_weight)
+    plain = calibrated(lm, 0.0, epsilon=uniform_weight)  # the eps-mixed base model, bit for bit lm itself at w = 0
+    cal = calibrated(lm, fit.alpha, topk=topk, epsilon=uniform_weight, tail_samples=tail_samples, seed=seed)
     test = batchify(test_tokens[:score_tokens] if score_tokens else test_tokens, score_streams)
-    cost_before = heldout_cost(calibrated(lm, 0.0, epsilon=uniform_weight), test)
+    cost_before = heldout_cost(plain, test)
     cost_after = heldout_cost(cal, test)
     ce_before, ce_after, n_scored = cost_before["test_ce_nats"], cost_after["test_ce_nats"], cost_after["test_tokens"]
     prefixes = random_prefixes(valid_tokens, num_prefixes, prefix_len, seed=seed)
     curves = {}
-    for label, model in (("before", lm), ("after", cal)):
+    for label, model in (("before", plain), ("after", cal)):  # the same prefixes and uniforms: paired generations
         curves[label] = generation_entropy_curve(model, prefixes, horizon, samples_per_prefix, seed=seed,
                                                  max_batch=max_batch, progress=True)
+    tail_diff, tail_se = paired_tail_difference(curves["after"], curves["before"])
+    diff_curve, diff_se = paired_difference_curve(curves["after"], curves["before"])
     result = {
         "model": model_name, "corpus": corpus, "alpha": fit.alpha, "alpha_stderr": fit.alpha_stderr,
         "fit_ce_before_nats": fit.ce_before, "fit_ce_after_nats": fit.ce_after, "fit_tokens": fit.n_tokens,
+        "fit_streams": fit_streams, "min_context": min_context, "cluster_size": fit.cluster_size,
         "test_ce_before_nats": ce_before, "test_ce_after_nats": ce_after,
         "test_ppl_before": exp_or_inf(ce_before), "test_ppl_after": exp_or_inf(ce_after), "test_tokens": n_scored,
         "test_ce_mixed_nats_before": cost_before["test_ce_mixed_nats"],
@@ -125,8 +144,15 @@ def calibration_stage(lm, valid_tokens: torch.Tensor, test_tokens: torch.Tensor,
         "curve_nats": curves["after"].mean.tolist(), "stderr_nats": curves["after"].stderr.tolist(),
         "entrate_ppl_before": exp_or_inf(curves["before"].mean[-1]),
         "entrate_ppl_after": exp_or_inf(curves["after"].mean[-1]),
-        "topk": topk, "epsilon": uniform_weight, "uniform_weight": uniform_weight, "horizon": horizon,
-        "num_prefixes": prefixes.size(0),
+        "tail_steps": tail_steps(horizon),
+        "tail_ppl_before": exp_or_inf(curves["before"].tail_mean),
+        "tail_ppl_after": exp_or_inf(curves["after"].tail_mean),
+        "tail_diff_nats": tail_diff, "tail_diff_stderr_nats": tail_se,
+        "diff_curve_nats": diff_curve.tolist(), "diff_stderr_nats": diff_se.tolist(),
+        "tail_nats_per_generation_before": curves["before"].tail.tolist(),
+        "tail_nats_per_generation": curves["after"].tail.tolist(),
+        "topk": topk, "tail_samples": tail_samples if topk is not None else None, "epsilon": uniform_weight,
+        "uniform_weight": uniform_weight, "horizon": horizon, "num_prefixes": prefixes.size(0),
         "samples_per_prefix": samples_per_prefix, "prefix_len": prefix_len, "seed": seed,
         "fit_seconds": t_fit, "seconds": time.perf_counter() - t0, "unit": unit,
     }
@@ -135,14 +161,21 @@ def calibration_stage(lm, valid_tokens: torch.Tensor, test_tokens: torch.Tensor,
                                out / f"{name}.png", reference_nats={"test cross-entropy": ce_before},
                                title=f"{model_name} on {corpus}: EntRate {result['entrate_ppl_before']:.1f} -> "
                                      f"{result['entrate_ppl_after']:.1f}, test ppl {result['test_ppl_before']:.1f} -> "
-                                     f"{result['test_ppl_after']:.1f}")
+                                     f"{result['test_ppl_after']:.1f}",
+                               difference={"label": "calibrated minus plain, paired", "mean": diff_curve,
+                                           "stderr": diff_se, "tail": tail_diff, "tail_stderr": tail_se,
+                                           "tail_steps": tail_steps(horizon)})
     write_json_atomic(out / f"{name}.json", result)
     wandb_log(logger, scalars={f"{name}/{k}": result[k] for k in ("alpha", "test_ppl_before", "test_ppl_after",
-                                                                   "entrate_ppl_before", "entrate_ppl_after")},
+                                                                   "entrate_ppl_before", "entrate_ppl_after",
+                                                                   "tail_ppl_before", "tail_ppl_after",
+                                                                   "tail_diff_nats", "tail_diff_stderr_nats")},
               images={f"{name}/figure": png})
     log.info(f"{name}: alpha* {fit.alpha:.4f} +- {fit.alpha_stderr:.4f}; test ppl {result['test_ppl_before']:.2f} -> "
              f"{result['test_ppl_after']:.2f}; EntRate {result['entrate_ppl_before']:.1f} -> "
-             f"{result['entrate_ppl_after']:.1f} ({result['seconds']:.0f} s)")
+             f"{result['entrate_ppl_after']:.1f}; last tenth {result['tail_ppl_before']:.1f} -> "
+             f"{result['tail_ppl_after']:.1f} (paired difference {tail_diff:+.4f} +- {tail_se:.4f} nats; "
+             f"{result['seconds']:.0f} s)")
     return result
 
 
@@ -150,7 +183,8 @@ def decoders_stage(lm, valid_tokens: torch.Tensor, test_tokens: torch.Tensor, ou
                    methods: list[dict] | None = None, fitted: list[str] = ("temperature", "calibration"),
                    calibration: dict | None = None, fit_tokens: int = 20_000, fit_streams: int = 20,
                    score_tokens: int | None = None, score_streams: int = 10, topk: int | None = 64,
-                   mix_epsilon: float = 1e-6, num_prefixes: int = 100, samples_per_prefix: int = 5,
+                   tail_samples: int = 16, min_context: int = 100, mix_epsilon: float = 1e-6,
+                   num_prefixes: int = 100, samples_per_prefix: int = 5,
                    prefix_len: int = 100, horizon: int = 700, seed: int = 0, max_batch: int = 1024,
                    model_name: str = "model", corpus: str = "ptb", logger=None, name: str = "decoders",
                    unit: str = "word") -> dict:
@@ -158,7 +192,9 @@ def decoders_stage(lm, valid_tokens: torch.Tensor, test_tokens: torch.Tensor, ou
     model, each of `methods` ({"name": ..., **params}, see lmcal.decoders), and the fitted ones: `temperature`
     (P^(1/T), T* by validation CE) and `calibration` (lookahead, Algorithm 2; taken from the calibration stage's
     result `calibration` when its settings match, else fitted here). Held-out cost on the first `score_tokens` test
-    tokens read as `score_streams` streams. Writes `<name>.json`, `.md` and `.png`."""
+    tokens read as `score_streams` streams. Each row's generations are paired with the plain model's (same prefixes
+    and uniforms): tail_diff_nats is the mean difference of their entropy over the last tenth of the horizon, with
+    its standard error clustered by prefix. Writes `<name>.json`, `.md` and `.png`."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
@@ -178,20 +214,32 @@ def decoders_stage(lm, valid_tokens: torch.Tensor, test_tokens: torch.Tensor, ou
                 "horizon": horizon, "seed": seed, "test_tokens": (test.size(0) - 1) * test.size(1),
                 "score_streams": score_streams}
     reuse = calibration if calibration and all(calibration.get(k) == v for k, v in settings.items()) else None
+    if reuse and ("tail_nats_per_generation_before" not in reuse  # from before paired tails: its pairs are unknown
+                  or reuse.get("uniform_weight")):  # its "before" is the eps-mixture, not the plain model here
+        reuse = None
     if calibration and not reuse:
         log.info(f"{name}: the calibration result has other generation or scoring settings; refitting here")
+
+    plain_tail = []  # the plain model's per-generation tail entropies [N, S], what every row is paired with
 
     def measure(method: str, params: dict, model) -> dict:
         t = time.perf_counter()
         curve = generation_entropy_curve(model, prefixes, horizon, samples_per_prefix, seed=seed,
                                          max_batch=max_batch, progress=True)
         cost = heldout_cost(model, test, mix_epsilon)
-        return row(method, params, curve.mean.tolist(), curve.stderr.tolist(), cost, time.perf_counter() - t)
+        return row(method, params, curve.mean.tolist(), curve.stderr.tolist(), cost, time.perf_counter() - t,
+                   curve.tail)
 
-    def row(method, params, curve, stderr, cost, seconds) -> dict:
+    def row(method, params, curve, stderr, cost, seconds, tail) -> dict:
+        tail = np.asarray(tail, dtype=np.float64)  # [N, S]
+        if not plain_tail:
+            plain_tail.append(tail)
+        diff, diff_se = clustered_mean(tail - plain_tail[0])
         r = {"method": method, "params": params, "entropy_t1_nats": curve[0], "entropy_last_nats": curve[-1],
-             "entrate_ppl": exp_or_inf(curve[-1]), **{k: cost[k] for k in ("test_ce_nats", "zero_prob_fraction",
-                                                                          "test_ce_kept_nats", "test_ce_mixed_nats")},
+             "entrate_ppl": exp_or_inf(curve[-1]), "tail_ppl": exp_or_inf(tail.mean()),
+             "tail_diff_nats": float(diff), "tail_diff_stderr_nats": float(diff_se),
+             **{k: cost[k] for k in ("test_ce_nats", "zero_prob_fraction", "test_ce_kept_nats",
+                                     "test_ce_mixed_nats")},
              "curve_nats": curve, "stderr_nats": stderr, "seconds": seconds}
         log.info(f"{name}: {method} ({format_params(params)}): EntRate {r['entrate_ppl']:.1f}, test CE "
                  f"{'inf' if r['test_ce_nats'] is None else format(r['test_ce_nats'], '.4f')}, zero-prob "
@@ -206,7 +254,7 @@ def decoders_stage(lm, valid_tokens: torch.Tensor, test_tokens: torch.Tensor, ou
     rows = []
     if reuse:  # the plain model's curve and cost from the calibration stage: same prefixes, seeds and test text
         rows.append(row("model", {}, reuse["curve_nats_before"], reuse["stderr_nats_before"], reused_cost("before"),
-                        0.0))
+                        0.0, reuse["tail_nats_per_generation_before"]))
     else:
         rows.append(measure("model", {}, lm))
     for method, params in specs:
@@ -223,11 +271,12 @@ def decoders_stage(lm, valid_tokens: torch.Tensor, test_tokens: torch.Tensor, ou
         if reuse:
             rows.append(row("calibration", {"alpha": reuse["alpha"], "alpha_stderr": reuse["alpha_stderr"],
                                             "topk": reuse["topk"]}, reuse["curve_nats"], reuse["stderr_nats"],
-                            reused_cost("after"), 0.0))
+                            reused_cost("after"), 0.0, reuse["tail_nats_per_generation"]))
         else:
-            fit = fit_lookahead_calibration(lm, fit_text, topk=topk, progress=True)
+            fit = fit_lookahead_calibration(lm, fit_text, topk=topk, tail_samples=tail_samples,
+                                            min_context=min_context, seed=seed, progress=True)
             rows.append(measure("calibration", {"alpha": fit.alpha, "alpha_stderr": fit.alpha_stderr, "topk": topk},
-                                calibrated(lm, fit.alpha, topk=topk)))
+                                calibrated(lm, fit.alpha, topk=topk, tail_samples=tail_samples, seed=seed)))
     ref = rows[0]["test_ce_nats"]
     result = {"model": model_name, "corpus": corpus, "rows": rows, "reference_test_ce_nats": ref,
               "mix_epsilon": mix_epsilon, "fit_tokens": fit_text.numel() - fit_text.size(1),
@@ -235,12 +284,14 @@ def decoders_stage(lm, valid_tokens: torch.Tensor, test_tokens: torch.Tensor, ou
     label = lambda r: r["method"] + (f" ({format_params(r['params'], drop=('stderr',))})" if r["params"] else "")
     png = entropy_curve_figure({label(r): (np.asarray(r["curve_nats"]), np.asarray(r["stderr_nats"])) for r in rows},
                                out / f"{name}.png", reference_nats={"test cross-entropy (true text)": ref},
-                               title=f"{model_name} on {corpus}: decoders and calibration", legend_outside=True)
+                               title=f"{model_name} on {corpus}: decoders and calibration", legend_outside=True,
+                               tail_differences={label(r): (r["tail_diff_nats"], r["tail_diff_stderr_nats"])
+                                                 for r in rows[1:]})
     write_text_atomic(out / f"{name}.md", decoders_table(rows) + f"\nEntropies and cross-entropies in nats per {unit}; "
                       f"ε-mixed: (1 - ε) q + ε uniform, ε = {mix_epsilon:g}.\n")
     write_json_atomic(out / f"{name}.json", result)
-    cols = ["method", "params", "entropy_t1_nats", "entropy_last_nats", "entrate_ppl", "test_ce_nats",
-            "zero_prob_fraction", "test_ce_kept_nats", "test_ce_mixed_nats"]
+    cols = ["method", "params", "entropy_t1_nats", "entropy_last_nats", "entrate_ppl", "tail_ppl", "tail_diff_nats",
+            "tail_diff_stderr_nats", "test_ce_nats", "zero_prob_fraction", "test_ce_kept_nats", "test_ce_mixed_nats"]
     wandb_log(logger, scalars={f"{name}/{r['method']}/{k}": r[k] for r in rows for k in
                                ("entrate_ppl", "zero_prob_fraction", "test_ce_mixed_nats") if r[k] is not None},
               images={f"{name}/figure": png},
@@ -251,67 +302,93 @@ def decoders_stage(lm, valid_tokens: torch.Tensor, test_tokens: torch.Tensor, ou
     return result
 
 
-def _memory_rows(full_net, limited_net, tau: int, tokens: torch.Tensor, windows_per_batch: int, bptt: int,
-                 desc: str):
-    """(log P^ [n, V], log P~_tau [n, V], targets [n]) chunks along `tokens`, with a progress bar."""
+def _memory_rows(full, limited, tau: int, tokens: torch.Tensor, windows_per_batch: int, store_dtype: torch.dtype,
+                 desc: str) -> list:
+    """(log P^ [n, V], log P~_tau [n, V], targets [n]) chunks along `tokens`, kept on the CPU in store_dtype (the fit
+    rereads them): P^ the model `full` with the whole past, P~ the model `limited` fed only the last tau tokens (each
+    a StepLM or an AWDLSTM; see lmcal.memory.context_rows), with a progress bar."""
     from tqdm.auto import tqdm
 
+    as_lm = lambda m: LSTMStepLM(m) if isinstance(m, AWDLSTM) else m
     bar = tqdm(total=max(0, tokens.numel() - 1), desc=desc, unit="tok", leave=False)
-    for f, q, y in zip_rows(full_context_log_probs(full_net, tokens, bptt),
-                            limited_context_log_probs(limited_net, tokens, tau, windows_per_batch)):
+    kept = []
+    for f, q, y in zip_rows(context_rows(as_lm(full), tokens, None, windows_per_batch),
+                            context_rows(as_lm(limited), tokens, tau, windows_per_batch)):
+        kept.append((f.to("cpu", store_dtype), q.to("cpu", store_dtype), y.cpu()))
         bar.update(y.numel())
-        yield f, q, y
     bar.close()
+    return kept
 
 
 def memory_stage(full_net, limited_net, valid_tokens: torch.Tensor, test_tokens: torch.Tensor, out_dir: str | Path,
-                 *, tau: int | None = None, fit_tokens: int | None = None, score_tokens: int | None = None,
-                 cluster_size: int = 100, windows_per_batch: int = 512, bptt: int = 70,
-                 store_dtype: str = "float32", model_name: str = "model", corpus: str = "ptb",
+                 *, limited: str = "trained", tau: int | None = None, score_tokens: int | None = None,
+                 cluster_size: int = 2000, windows_per_batch: int = 512, store_dtype: str = "float32",
+                 jackknife: str = "onestep", model_name: str = "model", corpus: str = "ptb",
                  base_ckpt: str | None = None, ckpt: str | None = None, exact_mi_nats: float | None = None,
                  logger=None, name: str = "memory") -> dict:
-    """The memory bound for one tau (Section 5): fit alpha* of P^ * P~_tau^alpha on the first `fit_tokens`
-    validation tokens (all when null), then evaluate CE(P||P~_tau), H(P^_alpha*) and the I_tau bound on the first
-    `score_tokens` test tokens (all when null), each split read as one stream: P^ with its full past, P~_tau with
-    exactly the last tau tokens. `exact_mi_nats` (the source's true I_tau, on the Markov corpus) is stored beside.
-    Writes `<name>.json`."""
-    tau = tau or getattr(limited_net, "memory_tau", None)
-    if not tau:
-        raise LmcalError("The memory stage needs a tau-limited model (one trained with model.memory_tau=TAU); "
-                         "this checkpoint is an ordinary full-context model.")
-    if full_net.decoder.weight.size(0) != limited_net.decoder.weight.size(0):
-        raise LmcalError(f"The base model's vocabulary ({full_net.decoder.weight.size(0)} words) differs from the "
-                         f"tau-model's ({limited_net.decoder.weight.size(0)}): they were trained on different corpora.")
+    """The memory bound for one tau (Section 5) on the first `score_tokens` test tokens (all when null), read as one
+    stream: P^ (`full_net`) with its whole past, P~_tau with exactly the last tau tokens. limited="trained": P~ is
+    the trained tau-model `limited_net`; "window": the base model itself fed tau-token windows (no tau-model needed;
+    tau from the setting, else `limited_net`'s). Both nets may be AWDLSTMs or any StepLM.
+
+    alpha* is fitted on the very rows the bound is reported on (so the bound is >= 0), with standard errors from a
+    delete-one-block jackknife over blocks of `cluster_size` positions that refits alpha per block (`jackknife`:
+    "onestep" or "exact"); also the bound cross-fitted over two halves of the blocks, ΔCE = CE(P~) - CE(P^), and the
+    two-parameter calibration P^^beta P~^alpha. The rows are kept: 2 x N x V floats of `store_dtype`.
+    `exact_mi_nats` (the source's true I_tau, on the Markov corpus) is stored beside. Writes `<name>.json`.
+    valid_tokens is not read (kept so that every stage takes the same texts)."""
+    if limited not in ("trained", "window"):
+        raise LmcalError(f"analysis.memory.limited={limited!r}: choose trained (the tau-model checkpoint as the "
+                         "limited model) or window (the base model itself on tau-token windows).")
+    own_tau = getattr(limited_net, "memory_tau", None)
+    if limited == "trained":
+        if not own_tau:
+            raise LmcalError("The memory stage needs a tau-limited model (one trained with model.memory_tau=TAU); "
+                             "this checkpoint is an ordinary full-context model. To run the model itself on "
+                             "tau-token windows instead, set analysis.memory.limited=window analysis.memory.tau=TAU.")
+        if tau and int(tau) != own_tau:
+            raise LmcalError(f"analysis.memory.tau={tau} but the tau-model was trained with memory_tau={own_tau}; "
+                             "leave analysis.memory.tau unset with limited=trained (it is only for limited=window).")
+        tau, lim = own_tau, limited_net
+    else:
+        tau, lim = tau or own_tau, full_net
+        if not tau:
+            raise LmcalError("analysis.memory.limited=window needs the window length: set analysis.memory.tau=TAU "
+                             "(a positive integer).")
+    tau = int(tau)
+    if lim.vocab_size != full_net.vocab_size:
+        raise LmcalError(f"The base model's vocabulary ({full_net.vocab_size} words) differs from the "
+                         f"tau-model's ({lim.vocab_size}): they were trained on different corpora.")
+    test = test_tokens[:score_tokens] if score_tokens else test_tokens
+    limit = getattr(full_net, "max_positions", None)  # a Hugging Face model reads at most this many tokens
+    if limit and test.numel() - 1 > limit:
+        raise LmcalError(f"The model reads at most {limit} tokens of context, and the memory bound reads the test text "
+                         f"({test.numel()} tokens) as one stream; set analysis.memory.score_tokens <= {limit + 1}.")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    valid = valid_tokens[:fit_tokens] if fit_tokens else valid_tokens
-    test = test_tokens[:score_tokens] if score_tokens else test_tokens
-    fit = memory_upper_bound(_memory_rows(full_net, limited_net, tau, valid, windows_per_batch, bptt, "memory fit"),
-                             cluster_size=cluster_size, store_dtype=getattr(torch, store_dtype))
-    t_fit = time.perf_counter() - t0
-    ev = memory_upper_bound(_memory_rows(full_net, limited_net, tau, test, windows_per_batch, bptt, "memory test"),
-                            alpha=fit.alpha, cluster_size=cluster_size)
+    rows = _memory_rows(full_net, lim, tau, test, windows_per_batch, getattr(torch, store_dtype),
+                        f"memory tau={tau} ({limited})")
+    t_rows = time.perf_counter() - t0
+    bound = memory_summary(rows, cluster_size=cluster_size, jackknife=jackknife)
+    del rows
     ref = paper.MEMORY_PTB.get(tau) if corpus == "ptb" else None
     result = {
-        "tau": tau, "model": model_name, "corpus": corpus, "alpha": fit.alpha, "alpha_stderr": fit.alpha_stderr,
-        "ce_limited_nats": ev.ce_limited, "mi_upper_bound_nats": ev.mi_upper_bound, "mi_stderr_nats": ev.mi_stderr,
-        "entropy_calibrated_nats": ev.entropy_calibrated, "ce_full_nats": ev.ce_full,
-        "ce_calibrated_nats": ev.ce_calibrated, "ce_full_stderr_nats": ev.ce_full_stderr, "test_tokens": ev.n_tokens,
+        "tau": tau, "limited": limited, "model": model_name, "corpus": corpus, **bound,
         "exact_mi_nats": exact_mi_nats,
-        "valid": {"ce_limited_nats": fit.ce_limited, "mi_upper_bound_nats": fit.mi_upper_bound,
-                  "entropy_calibrated_nats": fit.entropy_calibrated, "ce_full_nats": fit.ce_full,
-                  "ce_calibrated_nats": fit.ce_calibrated, "tokens": fit.n_tokens},
         "paper": dict(zip(("ce_limited_nats", "mi_upper_bound_nats", "alpha"), ref, strict=True)) if ref else None,
-        "cluster_size": cluster_size, "base_ckpt": base_ckpt, "ckpt": ckpt,
-        "fit_seconds": t_fit, "seconds": time.perf_counter() - t0,
+        "base_ckpt": base_ckpt, "ckpt": ckpt, "rows_seconds": t_rows, "seconds": time.perf_counter() - t0,
     }
     write_json_atomic(out / f"{name}.json", result)
-    wandb_log(logger, scalars={f"{name}/{k}": result[k] for k in ("tau", "alpha", "ce_limited_nats",
-                                                                   "mi_upper_bound_nats", "entropy_calibrated_nats")})
-    log.info(f"{name} tau={tau}: alpha* {fit.alpha:.5f} +- {fit.alpha_stderr:.5f}; CE(P||P~) {ev.ce_limited:.4f}, "
-             f"H(cal) {ev.entropy_calibrated:.4f}, I_tau <= {ev.mi_upper_bound:.4f} +- {ev.mi_stderr:.4f} nats "
-             f"({result['seconds']:.0f} s)")
+    wandb_log(logger, scalars={f"{name}/{k}": result[k] for k in (
+        "tau", "alpha", "ce_limited_nats", "mi_upper_bound_nats", "mi_upper_bound_crossfit_nats", "delta_ce_nats",
+        "entropy_calibrated_nats")})
+    two = result["two_parameter"]
+    log.info(f"{name} tau={tau} ({limited}): alpha* {result['alpha']:.5f} +- {result['alpha_stderr']:.5f}; "
+             f"CE(P||P~) {result['ce_limited_nats']:.4f}, ΔCE {result['delta_ce_nats']:.4f}; I_tau <= "
+             f"{result['mi_upper_bound_nats']:.4f} +- {result['mi_stderr_nats']:.4f} nats (cross-fit "
+             f"{result['mi_upper_bound_crossfit_nats']:.4f}; with the temperature, beta* {two['beta']:.4f}: "
+             f"{two['mi_upper_bound_nats']:.4f} +- {two['mi_stderr_nats']:.4f}) ({result['seconds']:.0f} s)")
     return result
 
 
@@ -322,7 +399,7 @@ def memory_stage(full_net, limited_net, valid_tokens: torch.Tensor, test_tokens:
 KINDS = {"full": "full-context model", "tau": "tau-limited model (model.memory_tau)", "hf": "Hugging Face model"}
 # Keyword arguments a stage function gets from the target and the entry point, never from its settings node.
 CONTEXT = ("model_name", "corpus", "unit", "logger", "name", "calibration", "base_ckpt", "ckpt", "exact_mi_nats",
-           "bptt", "tau")
+           "bptt")
 
 
 @dataclass(frozen=True)
@@ -338,6 +415,8 @@ class Stage:
     summary: Callable[[dict], dict]
     entry_settings: tuple[str, ...] = ()  # read by the entry points or `call`, not passed to `fn`
     uses: tuple[str, ...] = ()  # stages whose result it reads: run before it, and given as analysis.<name>.<use>_json
+    kinds_with: Callable[[dict], frozenset[str]] | None = None  # its kinds given its settings, where these matter
+    kinds_note: str = ""  # says how its settings widen its kinds (in the error for a kind it does not apply to)
 
 
 def _common(target: dict, logger) -> dict:
@@ -356,8 +435,20 @@ def _decoders_call(t, out, logger, earlier, calibration_json=None, **s):
 
 
 def _memory_call(t, out, logger, earlier, **s):
-    return memory_stage(t["base"], t["net"], t["valid"], t["test"], out, bptt=t["bptt"], base_ckpt=t.get("base_ckpt"),
-                        ckpt=t.get("ckpt"), exact_mi_nats=t.get("exact_mi"), **_common(t, logger), **s)
+    # a tau-model is compared with its base; a full-context or Hugging Face model (limited=window) is its own base
+    base = t["base"] if "base" in t else t.get("net", t["lm"])
+    return memory_stage(base, t["net"] if t["kind"] == "tau" else None, t["valid"], t["test"], out,
+                        base_ckpt=t.get("base_ckpt"), ckpt=t.get("ckpt"), exact_mi_nats=t.get("exact_mi"),
+                        **_common(t, logger), **s)
+
+
+def _memory_kinds(settings: dict) -> frozenset[str]:
+    """limited=window runs the model itself on tau-token windows, so any model will do; trained needs a tau-model."""
+    limited = settings.get("limited", "trained")
+    if limited not in ("trained", "window"):
+        raise LmcalError(f"analysis.memory.limited={limited!r}: choose trained (a tau-model checkpoint against its "
+                         "base) or window (the model itself on tau-token windows).")
+    return frozenset({"tau", "full", "hf"}) if limited == "window" else frozenset({"tau"})
 
 
 def _pick(*keys):
@@ -373,13 +464,17 @@ STAGES: dict[str, Stage] = {s.name: s for s in [
           lambda t, out, logger, earlier, **s: calibration_stage(t["lm"], t["valid"], t["test"], out, unit=t["unit"],
                                                                  **_common(t, logger), **s),
           frozenset({"full", "hf"}),
-          _pick("alpha", "test_ppl_before", "test_ppl_after", "entrate_ppl_before", "entrate_ppl_after")),
+          _pick("alpha", "test_ppl_before", "test_ppl_after", "entrate_ppl_before", "entrate_ppl_after",
+                "tail_ppl_before", "tail_ppl_after", "tail_diff_nats", "tail_diff_stderr_nats")),
     Stage("decoders", decoders_stage, _decoders_call, frozenset({"full", "hf"}),
           lambda r: {"decoders": {row["method"]: {k: row[k] for k in ("entrate_ppl", "test_ce_nats",
-                                                                      "zero_prob_fraction")} for row in r["rows"]}},
+                                                                      "zero_prob_fraction", "tail_diff_nats",
+                                                                      "tail_diff_stderr_nats")} for row in r["rows"]}},
           entry_settings=("calibration_json",), uses=("calibration",)),
     Stage("memory", memory_stage, _memory_call, frozenset({"tau"}),
-          _pick("alpha", "mi_upper_bound_nats", "mi_stderr_nats")),
+          _pick("alpha", "mi_upper_bound_nats", "mi_stderr_nats", "mi_upper_bound_crossfit_nats", "delta_ce_nats"),
+          kinds_with=_memory_kinds, kinds_note="or, with analysis.memory.limited=window analysis.memory.tau=TAU, on "
+                                               "any model, fed tau-token windows"),
 ]}
 
 
@@ -397,18 +492,26 @@ def settings_keys(stage: Stage) -> list[str]:
     return [p.name for p in params if p.kind == p.KEYWORD_ONLY and p.name not in CONTEXT] + list(stage.entry_settings)
 
 
-def check_stages(names: list[str], kind: str | None) -> None:
+def stage_kinds(name: str, settings: dict | None = None) -> frozenset[str]:
+    """The kinds of model stage `name` applies to with its settings (analysis.<name>; None: its defaults)."""
+    s = STAGES[name]
+    return s.kinds_with(settings or {}) if s.kinds_with else s.kinds
+
+
+def check_stages(names: list[str], kind: str | None, settings: dict[str, dict] | None = None) -> None:
     """One rule for every entry point: unknown stages, and stages that do not apply to this kind of model (None: not
-    known yet), are one paragraph naming the stages that do."""
+    known yet) with their settings ({name: analysis.<name>}; None: the defaults), are one paragraph naming the stages
+    that do."""
     unknown = [n for n in names if n not in STAGES]
     if unknown:
         raise LmcalError(f"Unknown analysis stage{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}; the stages "
                          f"are {', '.join(STAGES)}.")
-    wrong = [n for n in names if kind is not None and kind not in STAGES[n].kinds]
+    kinds = {n: stage_kinds(n, (settings or {}).get(n) if n in names else None) for n in STAGES}
+    wrong = [n for n in names if kind is not None and kind not in kinds[n]]
     if wrong:
-        fits = [n for n, s in STAGES.items() if kind in s.kinds]
-        needs = "; ".join(f"{n} runs on a {' or a '.join(KINDS[k] for k in KINDS if k in STAGES[n].kinds)}"
-                          for n in wrong)
+        fits = [n for n in STAGES if kind in kinds[n]]
+        needs = "; ".join(f"{n} runs on a {' or a '.join(KINDS[k] for k in KINDS if k in kinds[n])}"
+                          + (f", {STAGES[n].kinds_note}" if STAGES[n].kinds_note else "") for n in wrong)
         raise LmcalError(f"Stage{'s' if len(wrong) > 1 else ''} {', '.join(wrong)} do{'es' if len(wrong) == 1 else ''}"
                          f" not apply to a {KINDS[kind]} ({needs}); the stages that do: {', '.join(fits)}.")
 
@@ -428,7 +531,7 @@ def check_settings(name: str, settings: dict) -> dict:
 def check_plan(names: list[str], kind: str | None, settings: dict[str, dict]) -> dict[str, dict]:
     """The checks every entry point makes before any work: the stages exist and apply to `kind`, and each one's
     settings (analysis.<name>) are its own. Returns {name: settings}."""
-    check_stages(names, kind)
+    check_stages(names, kind, settings)
     return {n: check_settings(n, settings.get(n) or {}) for n in names}
 
 

@@ -134,7 +134,7 @@ def _train(cfg: DictConfig, out: Path) -> dict:
     settings = {n: OmegaConf.to_container(cfg.analysis[n], resolve=True) for n in STAGES if n in cfg.analysis}
     check_plan(stages, "tau" if tau else "full", settings)  # before training: a misspelt stage or key costs nothing
     base_ckpt = cfg.get("memory", {}).get("base_ckpt")
-    if "memory" in stages:
+    if "memory" in stages and tau:  # (a full model's memory stage, limited=window, is its own base)
         load_base_net(base_ckpt, "cpu", cfg.data.name)  # fail now, not after training
     if cfg.get("init_ckpt") and not resume:
         init_from(module, cfg.init_ckpt)

@@ -66,6 +66,7 @@ class Range:
 COUNT = Range(lo=1, integer=True)             # 1, 2, 3, ...
 OPT_COUNT = Range(lo=1, integer=True, optional=True)
 SEED = Range(lo=0, integer=True)
+NONNEG_INT = Range(lo=0, integer=True)
 POSITIVE = Range(lo=0, lo_open=True)
 NONNEG = Range(lo=0)
 PROB_OPEN_HI = Range(lo=0, hi=1, hi_open=True)  # dropouts, epsilons: [0, 1)
@@ -123,6 +124,12 @@ RULES: dict[str, tuple[Range, str]] = {
     "analysis.*.uniform_weight": (PROB_OPEN_HI, "weight of the uniform distribution mixed in"),
     "analysis.decoders.mix_epsilon": (Range(lo=0, hi=1, lo_open=True, hi_open=True),
                                       "uniform mass mixed in for a finite held-out cross-entropy"),
+    "analysis.*.tail_samples": (COUNT, "words drawn for the lookahead entropies outside the top-k"),
+    "analysis.*.min_context": (NONNEG_INT, "tokens each fit stream reads before its positions count"),
+    "analysis.memory.limited": (Range(choices=("trained", "window")),
+                                "the tau-limited model: trained (a tau-model) or window (the model on tau tokens)"),
+    "analysis.memory.tau": (OPT_COUNT, "the window length of limited=window"),
+    "analysis.memory.jackknife": (Range(choices=("onestep", "exact")), "the refit of alpha in each jackknife replicate"),
     "analysis.memory.cluster_size": (COUNT, "consecutive positions per unit of the standard error"),
     "analysis.memory.windows_per_batch": (COUNT, "tau-windows per forward of the limited model"),
     "analysis.memory.store_dtype": (Range(choices=("float32", "float16", "bfloat16")), "dtype of the kept fit rows"),
