@@ -129,7 +129,7 @@ RULES: dict[str, tuple[Range, str]] = {
     "analysis.memory.limited": (Range(choices=("trained", "window")),
                                 "the tau-limited model: trained (a tau-model) or window (the model on tau tokens)"),
     "analysis.memory.tau": (OPT_COUNT, "the window length of limited=window"),
-    "analysis.memory.jackknife": (Range(choices=("onestep", "exact")), "the refit of alpha in each jackknife replicate"),
+    "analysis.memory.jackknife": (Range(choices=("onestep", "exact")), "alpha's refit per jackknife replicate"),
     "analysis.memory.cluster_size": (COUNT, "consecutive positions per unit of the standard error"),
     "analysis.memory.windows_per_batch": (COUNT, "tau-windows per forward of the limited model"),
     "analysis.memory.store_dtype": (Range(choices=("float32", "float16", "bfloat16")), "dtype of the kept fit rows"),
