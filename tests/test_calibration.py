@@ -339,7 +339,7 @@ def test_exact_markov_oracle_needs_no_calibration():
 def test_calibration_stage_before_is_the_mixture_and_tails_are_paired(lm, tmp_path):
     """With uniform_weight > 0 the "before" curve and cross-entropy are both the eps-mixture's; the tail keys are the
     paired difference of the two models' generations."""
-    from lmcal.stages import calibration_stage
+    from lmcal.analysis import calibration_stage
 
     valid = torch.randint(0, V, (300,), generator=torch.Generator().manual_seed(3))
     test = torch.randint(0, V, (60,), generator=torch.Generator().manual_seed(4))

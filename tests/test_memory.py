@@ -442,8 +442,8 @@ def test_crossfit():
 
 def test_memory_stage_with_window_rows_on_any_step_lm(tmp_path):
     """The stage itself on the oracle StepLM (no network): limited=window gives the oracle's exact answers."""
+    from lmcal.analysis import memory_stage
     from lmcal.markov import MarkovOracle
-    from lmcal.stages import memory_stage
 
     chain = make_markov_chain(vocab_size=MV, order=ORDER, support=3, smoothing=0.02, seed=0)
     pi = markov_stationary(chain.probs, MV, ORDER)

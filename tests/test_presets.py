@@ -73,3 +73,51 @@ def test_every_experiment_preset_trains_a_few_batches(experiment, tmp_path):
             cfg.data.corpus_kwargs.n_train = 20000
     m = train(cfg)
     assert m["epochs"] == 1 and Path(m["best_ckpt"]).is_file()
+
+
+@pytest.fixture(scope="module")
+def tiny_ckpt(tmp_path_factory):
+    """A smoke-sized model on real PTB when found, else on the synthetic corpus (one short epoch)."""
+    out = tmp_path_factory.mktemp("tiny")
+    data = [f"data.root={DATA_ROOT}"] if DATA_ROOT else [
+        "data.name=synthetic", "+data.corpus_kwargs={vocab_size: 60, n_train: 20000, n_valid: 3000, n_test: 3000}"]
+    cfg = _compose("train", ["experiment=smoke", "logger=none", "analysis.stages=[]", "trainer.max_epochs=1",
+                             "data.max_train_tokens=4000", "trainer.enable_progress_bar=false", *data])
+    with open_dict(cfg):
+        cfg.paths.output_dir = str(out)
+    return train(cfg)["best_ckpt"]
+
+
+def _shrunk(analysis: str) -> list[str]:
+    """Overrides that keep the preset's choices (lookahead k and tail draws, context, decoders, blocks' role) and
+    cut only how much is done: a few generations, positions and test tokens."""
+    node = _compose("evaluate", [f"analysis={analysis}", "ckpt=unused.ckpt"]).analysis
+    out = []
+    for stage in ("entropy_rate", "calibration", "decoders"):
+        out += [f"analysis.{stage}.{k}={v}" for k, v in (("num_prefixes", 2), ("samples_per_prefix", 2),
+                                                          ("prefix_len", 5), ("horizon", 4))]
+    for stage in ("calibration", "decoders"):
+        streams, ctx = 2, node[stage].min_context
+        out += [f"analysis.{stage}.fit_streams={streams}", f"analysis.{stage}.fit_tokens={streams * (ctx + 6)}",
+                f"analysis.{stage}.score_tokens=200"]
+    return out + ["analysis.memory.limited=window", "analysis.memory.tau=2", "analysis.memory.score_tokens=400",
+                  "analysis.memory.cluster_size=100"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("analysis", ANALYSES)
+def test_every_analysis_preset_runs_every_stage_on_a_few_positions(analysis, tiny_ckpt, tmp_path):
+    """Each preset's own settings (top-k, tail draws, min_context, the decoders list, jackknife) through every stage
+    of `python -m lmcal.evaluate`, on a tiny model: a preset whose settings no longer fit its stages fails here."""
+    from lmcal.evaluate import evaluate
+
+    cfg = _compose("evaluate", [f"ckpt={tiny_ckpt}", f"analysis={analysis}", "logger=none",
+                                "stages=[entropy_rate,calibration,decoders,memory]", *_shrunk(analysis),
+                                *([f"data_root={DATA_ROOT}"] if DATA_ROOT else [])])
+    with open_dict(cfg):
+        cfg.paths.output_dir = str(tmp_path)
+    res = evaluate(cfg)
+    assert len(res["entropy_rate"]["curve_nats"]) == 4
+    assert res["calibration"]["topk"] == cfg.analysis.calibration.topk
+    assert {r["method"] for r in res["decoders"]["rows"]} >= {m.name for m in cfg.analysis.decoders.methods}
+    assert res["memory"]["limited"] == "window" and res["memory"]["mi_upper_bound_nats"] >= 0

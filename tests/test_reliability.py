@@ -243,3 +243,14 @@ def test_written_files_get_the_umasks_permissions(umask, mode, tmp_path):
     finally:
         os.umask(old)
     assert stat.S_IMODE((tmp_path / "results.json").stat().st_mode) == mode
+
+
+def test_progress_line_gives_elapsed_time_and_etas_from_the_reference_run():
+    from lmcal.reproduce import clock, progress_line
+
+    assert (clock(12.4), clock(245), clock(3725)) == ("12s", "4m05s", "1h02m")
+    ref = {"base": 600.0, "tau_models": 300.0}
+    assert progress_line("base", 1, 22, 250, ref, 300.0) == \
+        "[1/22] base: 4m10s, about 5m50s left; the pipeline about 10m50s left"
+    assert progress_line("base", 1, 22, 700, ref, None) == "[1/22] base: 11m40s (the reference run took 10m00s)"
+    assert progress_line("new_stage", 3, 22, 5, ref, None) == "[3/22] new_stage: 5s"  # no reference: elapsed only

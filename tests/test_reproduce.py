@@ -181,3 +181,33 @@ def test_a_new_stage_runs_through_the_pipeline(uninterrupted, tmp_path):
     assert ran == ["toy", "report"], r.stdout
     res = json.loads((out / "results.json").read_text())
     assert res["toy"]["toy_mean_entropy"] > 0 and "## Stage toy" in (out / "REPORT.md").read_text()
+
+
+TIMING = {"seconds", "fit_seconds", "rows_seconds", "wall_seconds", "train_seconds", "tokens_per_s",
+          "generated_tokens_per_s", "profile", "provenance", "stages", "_runtime", "_timestamp"}
+
+
+def _without_timing(obj, out: str):
+    """A result file's content less its wall times, with its own folder's path as <out>."""
+    if isinstance(obj, dict):
+        return {k: _without_timing(v, out) for k, v in obj.items() if k not in TIMING}
+    if isinstance(obj, list):
+        return [_without_timing(v, out) for v in obj]
+    return obj.replace(out, "<out>") if isinstance(obj, str) else obj
+
+
+def test_stages_side_by_side_write_the_same_results_as_one_at_a_time(uninterrupted, tmp_path):
+    """The smoke profile runs independent stages two at a time (jobs: 2); one at a time (jobs=1) every result file
+    of every stage is the same but for its wall times."""
+    straight, _ = uninterrupted
+    out = tmp_path / "sequential"
+    r = subprocess.run(_cmd(out, "jobs=1"), env=_env(), capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    names = sorted(str(p.relative_to(straight)) for p in straight.rglob("*.json")
+                   if "wandb" not in p.parts and p.parts[len(straight.parts)] != "stages")
+    assert len(names) > 20 and names == sorted(str(p.relative_to(out)) for p in out.rglob("*.json")
+                                               if "wandb" not in p.parts and p.parts[len(out.parts)] != "stages")
+    for name in names:
+        a = _without_timing(json.loads((straight / name).read_text()), str(straight))
+        b = _without_timing(json.loads((out / name).read_text()), str(out))
+        assert a == b, name

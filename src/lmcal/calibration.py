@@ -55,6 +55,7 @@ import torch
 
 from lmcal.errors import LmcalError
 from lmcal.expfit import fit_alpha, objective
+from lmcal.profiling import timed
 
 # ---------------------------------------------------------------------------------------------------------------------
 # The lookahead
@@ -84,6 +85,7 @@ def entropy(logp: torch.Tensor, p: torch.Tensor | None = None) -> torch.Tensor:
     return -(p * logp.clamp(min=torch.finfo(logp.dtype).min)).sum(-1)
 
 
+@timed("lookahead")
 def _candidate_entropies(lm, state, cand: torch.Tensor, epsilon: float, chunk: int) -> torch.Tensor:
     """H of the (eps-mixed) next distribution after feeding candidate cand[b, k] to state row b. cand [B, K] -> [B, K].
 
@@ -281,6 +283,7 @@ def lookahead_statistics(lm, tokens: torch.Tensor, topk: int | None = None, epsi
     return torch.cat(logw), torch.cat(h), torch.cat(logq_y), torch.cat(h_y)
 
 
+@timed("fit")
 def fit_lookahead_calibration(lm, tokens: torch.Tensor, topk: int | None = None, epsilon: float = 0.0, *,
                               tail_samples: int = 16, min_context: int = 0, seed: int = 0, cluster_size: int = 100,
                               chunk: int = 8192, bound: float = 100.0, progress: bool = False) -> CalibrationFit:
@@ -384,6 +387,7 @@ def target_log_probs(lm, tokens: torch.Tensor) -> torch.Tensor:
     return torch.cat(out)
 
 
+@timed("scoring")
 def score(lm, tokens: torch.Tensor) -> tuple[float, int]:
     """Mean next-token cross-entropy (nats) of any StepLM on time-major streams tokens [S, B] (first token context
     only); returns (ce, (S-1)*B)."""
@@ -427,6 +431,7 @@ def next_token_rows(lm, tokens: torch.Tensor, progress: bool = False) -> tuple[t
     return torch.cat(rows), torch.cat(ys)
 
 
+@timed("fit")
 def fit_temperature(lm, tokens: torch.Tensor, bound: float = 100.0, progress: bool = False) -> TemperatureFit:
     """Fit T* of P^(1/T) by held-out cross-entropy on time-major streams tokens [S, B] (first token context only),
     exactly as fit_lookahead_calibration fits a*: one pass collects the rows, Newton's method runs on them.

@@ -26,6 +26,7 @@ import torch
 
 from lmcal.calibration import entropy, mix_uniform, target_log_probs
 from lmcal.errors import LmcalError
+from lmcal.profiling import timed
 from lmcal.validate import decoder_problems, renamed_note
 
 LOG2 = math.log(2.0)
@@ -260,6 +261,7 @@ def make_decoder(name: str, lm, **params):
 # ---------------------------------------------------------------------------------------------------------------------
 
 
+@timed("scoring")
 def heldout_cost(lm, tokens: torch.Tensor, mix_epsilon: float = 1e-6) -> dict:
     """What a (decoded) StepLM costs on held-out time-major streams tokens [S, B] (first token context only):
 

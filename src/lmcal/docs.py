@@ -50,6 +50,10 @@ def provenance(command: str | None = None) -> dict:
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                                 timeout=10).stdout.strip() or None
+        changed = subprocess.run(["git", "status", "--porcelain", "--", "src", "conf", "bench"], cwd=ROOT,
+                                 capture_output=True, text=True, timeout=10).stdout.strip()
+        if commit and changed:  # the code that ran is not that commit's: say so
+            commit += " with uncommitted changes"
     except (OSError, subprocess.SubprocessError):
         commit = None
     if command is None:  # this process's own command line, the script relative to the project

@@ -15,6 +15,7 @@ from tqdm.auto import tqdm
 
 from lmcal.calibration import entropy
 from lmcal.lm import StepLM
+from lmcal.profiling import span, timed
 from lmcal.utils import exp_or_inf
 
 
@@ -121,6 +122,7 @@ def _uniforms(seed: int, gen_ids: torch.Tensor, t: int) -> torch.Tensor:
     return ((hi >> 5) * 2**26 + (lo >> 6)).double() * 2.0**-53  # like numpy's random doubles: 27 + 26 bits
 
 
+@timed("generation")
 @torch.no_grad()
 def generation_entropy_curve(lm: StepLM, prefixes: torch.Tensor, horizon: int, samples_per_prefix: int,
                              seed: int = 0, max_batch: int = 4096, progress: bool = False) -> EntropyCurve:
@@ -169,16 +171,18 @@ def generation_entropy_curve(lm: StepLM, prefixes: torch.Tensor, horizon: int, s
         gen_ids = lo * S + torch.arange(n * S, device=logp.device)  # global generation index: seeds its uniforms
         ent = torch.empty(horizon, n * S, dtype=torch.float64, device=logp.device)
         for t in range(horizon):
-            lp = logp.double()
-            p = lp.exp()  # [n*S, V]
-            ent[t] = entropy(lp, p)
+            with span("entropy"):
+                lp = logp.double()
+                p = lp.exp()  # [n*S, V]
+                ent[t] = entropy(lp, p)
             bar.update()
             if t == horizon - 1:
                 break  # the last word's entropy is all we need from it
-            cdf = p.cumsum(-1)  # [n*S, V]
-            u = _uniforms(seed, gen_ids, t) * cdf[:, -1]  # [n*S], scaled to the row's (rounded) total mass
-            # first token whose cumulative mass exceeds u: zero-probability tokens (flat cdf) are never chosen
-            tokens = torch.searchsorted(cdf, u[:, None], right=True)[:, 0].clamp_(max=cdf.size(1) - 1)
+            with span("sampling"):
+                cdf = p.cumsum(-1)  # [n*S, V]
+                u = _uniforms(seed, gen_ids, t) * cdf[:, -1]  # [n*S], scaled to the row's (rounded) total mass
+                # first token whose cumulative mass exceeds u: zero-probability tokens (flat cdf) are never chosen
+                tokens = torch.searchsorted(cdf, u[:, None], right=True)[:, 0].clamp_(max=cdf.size(1) - 1)
             logp, state = lm.step(tokens, state)
         ent = ent.view(horizon, n, S).cpu().numpy()
         per_prefix[lo:lo + n] = ent.mean(axis=2).T

@@ -58,6 +58,7 @@ from lmcal.expfit import (
     tilted,
     with_targets_k,
 )
+from lmcal.profiling import timed
 
 Chunk = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (log P^ [n, V], log P~ [n, V], targets [n])
 
@@ -392,6 +393,7 @@ def memory_upper_bound(full_log_probs, limited_log_probs: torch.Tensor | None = 
     )
 
 
+@timed("fit")
 def memory_summary(chunks: list[Chunk], *, cluster_size: int, jackknife: str = "onestep", bound: float = 100.0,
                    elements: int = 1 << 22) -> dict:
     """The memory stage's numbers for one tau from kept chunks (log P^ [n, V], log P~ [n, V], targets [n]): the

@@ -12,9 +12,11 @@ import matplotlib.pyplot as plt  # noqa: E402
 import matplotlib.ticker  # noqa: E402
 import numpy as np  # noqa: E402
 
+from lmcal.profiling import timed  # noqa: E402
 from lmcal.utils import atomic_path, format_params  # noqa: E402
 
 
+@timed("io")
 def entropy_curve_figure(curves: dict[str, tuple[np.ndarray, np.ndarray]], path: str | Path,
                          reference_nats: dict[str, float] | None = None, title: str = "",
                          legend_outside: bool = False, difference: dict | None = None,

@@ -79,8 +79,49 @@ def collect_results(cfg: DictConfig, out: Path, names: list[str]) -> dict:
                    "oracle": markov_oracle(cfg, mk)},
         **{n: STAGES[n].summary(read_json(ptb / n / "evaluation.json")[n])
            for n in cfg.stages if n not in PAPER_STAGES},
-        "stages": {name: {"seconds": r["seconds"], "status": r["status"]} for name, r in records.items()},
+        "stages": {name: {"seconds": r["seconds"], "status": r["status"]} | stage_profile(Path(r["dir"]))
+                   for name, r in records.items()},
     }
+
+
+OPERATIONS = ("forward", "select", "lookahead", "sampling", "entropy", "scoring", "fit", "io")
+
+
+def stage_profile(folder: Path) -> dict:
+    """{"profile": seconds per operation, "forward_gflop"} of the analysis stage whose run folder is `folder` (from
+    its evaluation.json; lmcal.profiling), or {} for a stage without one (training)."""
+    from lmcal.profiling import by_operation
+
+    try:
+        ev = read_json(folder / "evaluation.json")
+    except (OSError, ValueError):
+        return {}
+    prof = next((v["profile"] for v in ev.values() if isinstance(v, dict) and "profile" in v), None)
+    if not prof:
+        return {}
+    ops = by_operation(prof["spans"])
+    shown = {k: ops.get(k, 0.0) for k in OPERATIONS}
+    shown["other"] = max(0.0, prof["seconds"] - sum(shown.values()))
+    gflop = sum(v["gflop"] for p, v in prof["spans"].items() if p.rsplit("/", 1)[-1] == "forward")
+    return {"profile": shown, "analysis_seconds": prof["seconds"], "forward_gflop": gflop}
+
+
+def profile_markdown(stages: dict, peak_flops: float) -> list[str]:
+    """Where each analysis stage's time went, by operation, and the model forward's FLOP rate as a share of this
+    machine's float32 matmul rate measured in the same run (MFU). Start-up: the process's time before and after the
+    stage itself (imports, loading the model and the text, scoring its test CE)."""
+    lines = ["| stage | seconds | start-up | " + " | ".join(OPERATIONS) + " | other | forward GFLOP/s | MFU |",
+             "|---|---|---|" + "---|" * (len(OPERATIONS) + 3)]
+    for name, s in stages.items():
+        if "profile" not in s:
+            continue
+        p, total = s["profile"], max(s["seconds"], 1e-9)
+        rate = s["forward_gflop"] / p["forward"] if p["forward"] > 0 and s["forward_gflop"] > 0 else None
+        lines.append(f"| {name} | {s['seconds']:.0f} | {100 * (1 - s['analysis_seconds'] / total):.0f}% | "
+                     + " | ".join(f"{100 * p[k] / total:.0f}%" for k in
+                                                                       (*OPERATIONS, "other")) +
+                     (f" | {rate:.1f} | {100 * rate * 1e9 / peak_flops:.0f}% |" if rate else " | – | – |"))
+    return lines
 
 
 def markov_oracle(cfg: DictConfig, mk: Path) -> dict:
@@ -106,6 +147,9 @@ def report(cfg: DictConfig, out: Path, names: list[str]) -> None:
     results = collect_results(cfg, out, names)
     results["stages"]["report"] = {"seconds": 0.0, "status": "done"}
     results["provenance"] = provenance("python -m lmcal.reproduce " + shlex.join(sys.argv[1:]))
+    from lmcal.profiling import matmul_flops
+
+    results["provenance"]["matmul_gflop_per_s"] = matmul_flops(seconds=2.0) / 1e9  # the MFU's denominator
     import numpy as np
 
     er, cal = results["entropy_rate"], results["calibration"]
@@ -210,6 +254,13 @@ def report_markdown(cfg: DictConfig, r: dict, out: Path) -> str:
         "![Figure 4 on the Markov source](memory_markov.png)", "",
         *[line for n in cfg.stages if n not in PAPER_STAGES for line in
           (f"## Stage {n}", "", *(f"- {k}: {v}" for k, v in r[n].items()), "")],
+        "## Where the time goes", "",
+        "Each analysis stage's wall time by operation (lmcal.profiling; a share of the stage's seconds): forward = "
+        "the model's steps, lookahead = the candidate entropies of calibration beyond their forwards, scoring = "
+        "held-out cost beyond its forwards, fit = the exponential-family fits, io = files and figures. MFU: the "
+        "forward's FLOP rate (2 x parameters per token) against this machine's float32 matmul rate, "
+        f"{r['provenance'].get('matmul_gflop_per_s', float('nan')):.0f} GFLOP/s, measured in the report stage.", "",
+        *profile_markdown(r["stages"], r["provenance"].get("matmul_gflop_per_s", float("nan")) * 1e9), "",
         "## Stages", "", "| stage | seconds | run folder |", "|---|---|---|",
     ]
     for name, s in r["stages"].items():

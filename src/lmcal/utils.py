@@ -15,6 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from lmcal.errors import LmcalError
+from lmcal.profiling import timed
 
 log = logging.getLogger("lmcal")
 
@@ -40,6 +41,7 @@ def atomic_path(path: str | Path):
         raise
 
 
+@timed("io")
 def write_text_atomic(path: str | Path, text: str) -> None:
     """Write to a temporary file beside `path`, then rename: readers never see half a file."""
     with atomic_path(path) as tmp:
@@ -73,6 +75,7 @@ def strict_json(obj):
     return fixed
 
 
+@timed("io")
 def write_json_atomic(path: str | Path, obj) -> None:
     """Strict JSON (see `strict_json`), written atomically."""
     write_text_atomic(path, json.dumps(strict_json(obj), indent=2, allow_nan=False) + "\n")
