@@ -11,6 +11,7 @@ from lmcal.entropy_rate import (
     EntropyCurve,
     _uniforms,
     clustered_mean,
+    draw,
     entrate_ppl,
     generation_entropy_curve,
     paired_difference_curve,
@@ -46,6 +47,32 @@ def test_random_prefixes_are_seeded_distinct_windows():
     assert torch.equal(p, random_prefixes(stream, 30, 8, seed=3))
     assert not torch.equal(p, random_prefixes(stream, 30, 8, seed=4))
     assert random_prefixes(stream, 500, 8).shape == (500, 8)  # more than there are: with replacement
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_two_level_draw_is_the_exact_inverse_cdf(dtype):
+    """`draw` maps a fine grid of uniforms onto each word in proportion to its probability (three full blocks and a
+    short one), never onto a zero-probability word, not even at u just below 1 or in an all-zero block."""
+    g = torch.Generator().manual_seed(0)
+    V = 3 * 128 + 50
+    p = torch.rand(2, V, generator=g, dtype=torch.float64) ** 4
+    p[:, ::7] = 0.0  # scattered zeros
+    p[1, 128:256] = 0.0  # a whole empty block
+    p[:, -1] = 0.0  # the last word, where a clamp would land
+    p = (p / p.sum(-1, keepdim=True)).to(dtype)
+    n = 200_000
+    u = (torch.arange(n, dtype=torch.float64) + 0.5) / n
+    for row in range(2):
+        words, mass = draw(p[row].expand(n, V), u)
+        assert mass[0].item() == pytest.approx(1.0, abs=1e-5)
+        freq = torch.bincount(words, minlength=V).double() / n
+        assert (freq[p[row] == 0] == 0).all()
+        assert (freq - p[row].double()).abs().max().item() <= 1.5 / n  # the grid's resolution
+        top, _ = draw(p[row][None], torch.tensor([1 - 2**-53], dtype=torch.float64))
+        assert p[row, top.item()] > 0
+    tiny = torch.tensor([[0.0, 0.3, 0.0, 0.7]], dtype=dtype)  # fewer words than a block
+    assert [draw(tiny, torch.tensor([x], dtype=torch.float64))[0].item() for x in (0.0, 0.29, 0.31, 0.999)] == \
+        [1, 1, 3, 3]
 
 
 def test_uniforms_look_uniform_and_independent():

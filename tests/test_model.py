@@ -4,7 +4,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lmcal.model import AWDLSTM, WeightDropLSTM, ar_tar, embedding_dropout, evaluate_ce, locked_dropout, repackage
+from lmcal.model import (
+    AWDLSTM,
+    WeightDropLSTM,
+    ar_tar,
+    drop_connect,
+    embedding_dropout,
+    evaluate_ce,
+    locked_dropout,
+    repackage,
+)
 
 
 def tiny(**kw):
@@ -31,7 +40,9 @@ def test_weight_drop_is_one_mask_per_forward_on_the_matrix():
     out, _ = layer(x, h)
     # the same RNG draw, applied by hand to a plain LSTM: one mask for all steps and rows
     torch.manual_seed(7)
-    mask = F.dropout(torch.ones_like(layer.lstm.weight_hh_l0), 0.5, training=True)
+    mask = drop_connect(torch.ones_like(layer.lstm.weight_hh_l0), 0.5)
+    kept = (mask > 0).float().mean().item()
+    assert torch.all((mask == 0) | (mask == 2.0)) and 0.3 < kept < 0.7  # 0 or 1 / (1 - p)
     ref = copy.deepcopy(layer.lstm)
     with torch.no_grad():
         ref.weight_hh_l0.mul_(mask)
@@ -40,6 +51,18 @@ def test_weight_drop_is_one_mask_per_forward_on_the_matrix():
     # eval: the full weight, deterministic
     layer.eval()
     torch.testing.assert_close(layer(x, h)[0], layer.lstm(x, h)[0])
+
+
+def test_drop_connect_keeps_the_mean_and_drops_at_rate_p():
+    torch.manual_seed(0)
+    w = torch.full((400, 500), 3.0, requires_grad=True)
+    for p in (0.1, 0.5, 0.75):
+        d = drop_connect(w, p)
+        kept = (d > 0).double().mean().item()
+        assert abs(kept - (1 - p)) < 4 * (p * (1 - p) / d.numel()) ** 0.5
+        assert torch.allclose(d[d > 0], torch.tensor(3.0 / (1 - p)))
+    d.sum().backward()  # the gradient is the mask
+    assert torch.equal(w.grad, d.detach() / 3.0)
 
 
 def test_locked_dropout_shares_the_mask_over_time():

@@ -55,7 +55,7 @@ import torch
 
 from lmcal.errors import LmcalError
 from lmcal.expfit import fit_alpha, objective
-from lmcal.profiling import timed
+from lmcal.profiling import span, timed
 
 # ---------------------------------------------------------------------------------------------------------------------
 # The lookahead
@@ -80,29 +80,62 @@ def mix_uniform(logp: torch.Tensor, epsilon: float, vocab_size: int | None = Non
 def entropy(logp: torch.Tensor, p: torch.Tensor | None = None) -> torch.Tensor:
     """Entropy in nats of each row of log-probs [..., V] -> [...] (0 log 0 = 0); p: logp.exp() if already at hand."""
     p = logp.exp() if p is None else p
-    # clamp: p * -inf would be nan where p = 0, and finite log-probs lie far above the dtype's minimum. No branch on
-    # the values, so no device sync inside generation loops.
-    return -(p * logp.clamp(min=torch.finfo(logp.dtype).min)).sum(-1)
+    # 0 log 0: p * -inf is nan where p = 0, and nansum drops it (one pass; a clamp first costs ten times as much). A
+    # nan or +inf log-prob still shows: it makes the row's mass, added times 0, nan. No branch, so no device sync.
+    return -(p * logp).nansum(-1) + 0.0 * p.sum(-1)
+
+
+def linear_entropy(f: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                   block: int = 1024) -> torch.Tensor:
+    """Entropy (nats) of softmax(f @ weight.T + bias) for each row of f [c, E] -> [c] float32, weight [V, E].
+
+    The logits are made `block` words at a time and folded into running sums (the online softmax): with m the
+    running max, s = sum exp(z - m) and t = sum exp(z - m) z, H = log s + m - t / s. Each [c, block] piece is
+    reduced while it is in cache, so the [c, V] logits are never written out and read back, as log_softmax and an
+    entropy pass over them would do (three times the memory traffic of the product itself)."""
+    c, V = f.size(0), weight.size(0)
+    f = f.float()
+    m = torch.full((c,), -math.inf, device=f.device)
+    s, t = torch.zeros(c, device=f.device), torch.zeros(c, device=f.device)
+    for j in range(0, V, block):
+        w = weight[j:j + block].float()
+        z = f @ w.T if bias is None else torch.addmm(bias[j:j + block].float(), f, w.T)  # [c, block]
+        m_new = torch.maximum(m, z.amax(-1))
+        e = torch.exp(z - m_new[:, None])
+        shrink = torch.exp(m - m_new)  # 0 on the first block (m = -inf)
+        s = s * shrink + e.sum(-1)
+        t = t * shrink + (e * z).sum(-1)
+        m = m_new
+    return s.log() + m - t / s
 
 
 @timed("lookahead")
 def _candidate_entropies(lm, state, cand: torch.Tensor, epsilon: float, chunk: int) -> torch.Tensor:
     """H of the (eps-mixed) next distribution after feeding candidate cand[b, k] to state row b. cand [B, K] -> [B, K].
 
-    All B*K (row, candidate) pairs are flattened and stepped `chunk` at a time from copies of their row's state.
+    All B*K (row, candidate) pairs are flattened and stepped `chunk` at a time from copies of their row's state. A
+    StepLM with a linear last layer (`features` and `head`, see lmcal.lm) gets its entropies from linear_entropy
+    when eps = 0.
     """
     B, K = cand.shape
     rows = torch.arange(B, device=cand.device).repeat_interleave(K)  # [B*K]: row b repeated K times
     toks = cand.reshape(-1)  # [B*K]
+    fused = epsilon == 0.0 and hasattr(lm, "features") and hasattr(lm, "head")
     h = []
     for i in range(0, B * K, chunk):
-        lp, _ = lm.step(toks[i:i + chunk], lm.select(state, rows[i:i + chunk]))  # [c, V]
-        h.append(entropy(mix_uniform(lp, epsilon)))  # [c]
+        st = lm.select(state, rows[i:i + chunk])
+        if fused:
+            f, _ = lm.features(toks[i:i + chunk], st)  # [c, E]
+            with span("forward", 2.0 * lm.head[0].numel() * f.size(0)):  # the output layer, fused with its entropy
+                h.append(linear_entropy(f, *lm.head))
+        else:
+            lp, _ = lm.step(toks[i:i + chunk], st)  # [c, V]
+            h.append(entropy(mix_uniform(lp, epsilon)))  # [c]
     return torch.cat(h).view(B, K)
 
 
 @torch.no_grad()
-def lookahead_entropies(lm, state, logp: torch.Tensor, epsilon: float = 0.0, chunk: int = 8192) -> torch.Tensor:
+def lookahead_entropies(lm, state, logp: torch.Tensor, epsilon: float = 0.0, chunk: int = 512) -> torch.Tensor:
     """H_next(w) of every word w of every row, exactly: [B, V], V forwards per row, at most `chunk` per forward.
 
     state: the lm state of B rows; logp [B, V]: the lm's next-token log-probs in that state (raw, eps is applied here,
@@ -253,7 +286,7 @@ def _atoms(lm, state, logq: torch.Tensor, y: torch.Tensor, keys: torch.Tensor, t
 
 @torch.no_grad()
 def lookahead_statistics(lm, tokens: torch.Tensor, topk: int | None = None, epsilon: float = 0.0, *,
-                         tail_samples: int = 16, min_context: int = 0, seed: int = 0, chunk: int = 8192,
+                         tail_samples: int = 16, min_context: int = 0, seed: int = 0, chunk: int = 512,
                          progress: bool = False):
     """One pass over time-major streams tokens [S, B] -> atoms (logw [n, K], h [n, K], logq_y [n], h_y [n]) on CPU,
     in position order t = t0..S-1 (B streams each), t0 = max(1, min_context): the first t0 tokens of every stream are
@@ -286,7 +319,7 @@ def lookahead_statistics(lm, tokens: torch.Tensor, topk: int | None = None, epsi
 @timed("fit")
 def fit_lookahead_calibration(lm, tokens: torch.Tensor, topk: int | None = None, epsilon: float = 0.0, *,
                               tail_samples: int = 16, min_context: int = 0, seed: int = 0, cluster_size: int = 100,
-                              chunk: int = 8192, bound: float = 100.0, progress: bool = False) -> CalibrationFit:
+                              chunk: int = 512, bound: float = 100.0, progress: bool = False) -> CalibrationFit:
     """Fit a* on held-out time-major streams tokens [S, B]: each stream starts from lm.init_state(B) and its first
     max(1, min_context) tokens are context only, so (S - max(1, min_context)) * B next words are scored
     ((S - 1) * B with min_context 0).
@@ -329,7 +362,7 @@ class CalibratedLM:
     tilt of the module docstring. a = 0 skips the lookahead and is the (eps-mixed) base model exactly."""
 
     def __init__(self, lm, alpha: float, topk: int | None = None, epsilon: float = 0.0, *, tail_samples: int = 16,
-                 seed: int = 0, chunk: int = 8192):
+                 seed: int = 0, chunk: int = 512):
         _check_tail(topk, tail_samples)
         self.lm, self.alpha, self.topk, self.epsilon = lm, float(alpha), topk, float(epsilon)
         self.tail_samples, self.seed, self.chunk = tail_samples, seed, chunk
@@ -369,7 +402,7 @@ class CalibratedLM:
 
 
 def calibrated(lm, alpha: float, topk: int | None = None, epsilon: float = 0.0, *, tail_samples: int = 16,
-               seed: int = 0, chunk: int = 8192) -> CalibratedLM:
+               seed: int = 0, chunk: int = 512) -> CalibratedLM:
     """The lookahead-calibrated StepLM P_a of `lm` (see CalibratedLM)."""
     return CalibratedLM(lm, alpha, topk, epsilon, tail_samples=tail_samples, seed=seed, chunk=chunk)
 

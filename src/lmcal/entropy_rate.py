@@ -13,7 +13,6 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from lmcal.calibration import entropy
 from lmcal.lm import StepLM
 from lmcal.profiling import span, timed
 from lmcal.utils import exp_or_inf
@@ -122,6 +121,40 @@ def _uniforms(seed: int, gen_ids: torch.Tensor, t: int) -> torch.Tensor:
     return ((hi >> 5) * 2**26 + (lo >> 6)).double() * 2.0**-53  # like numpy's random doubles: 27 + 26 bits
 
 
+BLOCK = 128  # words per block of the two-level inverse CDF
+
+
+def draw(p: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse-CDF sampling of rows p [B, V] (probabilities, unnormalised is fine) at uniforms u [B] in [0, 1):
+    returns (words [B], each row's total mass [B] float64). Zero-probability words are never drawn.
+
+    Two levels, so the [B, V] rows are read once (block sums, in p's dtype: 128 terms each) and only [B, 128] is
+    summed in float64: the cumulative block masses pick a block, then the uniform's position inside that block's
+    mass picks the word from the block's own float64 cumulative sum. Each word is drawn with its probability up to
+    the block sum's rounding (about 1e-7 relative in float32), against a full float64 cumsum's 8 passes over [B, V]."""
+    B, V = p.shape
+    blk = min(BLOCK, V)
+    full = V // blk
+    mass = p[:, :full * blk].view(B, full, blk).sum(-1)  # [B, full]
+    if full * blk < V:
+        mass = torch.cat([mass, p[:, full * blk:].sum(-1, keepdim=True)], 1)  # [B, nb]: the short last block
+    cum = mass.double().cumsum(-1)  # [B, nb]
+    total = cum[:, -1]
+    below = lambda x: torch.nextafter(x, torch.zeros_like(x))
+    r = u * total
+    r = torch.where(r < total, r, below(total))  # strictly inside the mass: a block with mass is always found
+    b = torch.searchsorted(cum, r[:, None], right=True)[:, 0].clamp_(max=cum.size(1) - 1)  # first cum > r
+    before = torch.where(b > 0, cum.gather(1, (b - 1).clamp(min=0)[:, None])[:, 0], 0.0)
+    frac = ((r - before) / mass.gather(1, b[:, None])[:, 0].double()).clamp_(0.0, 1.0)  # position in the block
+    cols = b[:, None] * blk + torch.arange(blk, device=p.device)  # [B, blk]
+    inside = cols < V
+    within = torch.where(inside, p.gather(1, cols.clamp(max=V - 1)), 0).double().cumsum(-1)  # [B, blk]
+    r2 = frac * within[:, -1]
+    r2 = torch.where(r2 < within[:, -1], r2, below(within[:, -1]))
+    j = torch.searchsorted(within, r2[:, None], right=True)[:, 0].clamp_(max=blk - 1)
+    return b * blk + j, total
+
+
 @timed("generation")
 @torch.no_grad()
 def generation_entropy_curve(lm: StepLM, prefixes: torch.Tensor, horizon: int, samples_per_prefix: int,
@@ -137,8 +170,9 @@ def generation_entropy_curve(lm: StepLM, prefixes: torch.Tensor, horizon: int, s
 
     Each prefix is fed once and its state fanned out to its samples with lm.select; all generations advance together,
     in chunks of whole prefixes of at most max_batch rows (one prefix per chunk if samples_per_prefix > max_batch).
-    Sampling is exact inverse-CDF in float64 on counter-based uniforms, so results depend on `seed` only, not on
-    max_batch (up to the model's own batch-size-dependent rounding).
+    Sampling is inverse-CDF on counter-based uniforms (`draw`), so results depend on `seed` only, not on max_batch
+    (up to the model's own batch-size-dependent rounding). Entropies are summed in the model's dtype (float32 for
+    the networks: about 1e-6 nats from float64).
 
     stderr treats the generations of one prefix as a cluster (they share the prefix, so they are correlated): it is
     std over prefixes of the per-prefix means / sqrt(N). With N = 1 it falls back to std over generations / sqrt(S).
@@ -170,20 +204,21 @@ def generation_entropy_curve(lm: StepLM, prefixes: torch.Tensor, horizon: int, s
         logp, state = logp[rows], lm.select(state, rows)
         gen_ids = lo * S + torch.arange(n * S, device=logp.device)  # global generation index: seeds its uniforms
         ent = torch.empty(horizon, n * S, dtype=torch.float64, device=logp.device)
+        finite = torch.ones(n * S, dtype=torch.bool, device=logp.device)  # checked once, after the loop: no syncs
         for t in range(horizon):
             with span("entropy"):
-                lp = logp.double()
-                p = lp.exp()  # [n*S, V]
-                ent[t] = entropy(lp, p)
+                p = logp.exp()  # [n*S, V], the model's dtype
+                # 0 log 0 = 0: a zero-probability word's 0 * -inf is nan, which nansum drops (one pass, no clamp)
+                ent[t] = -(p * logp).nansum(-1).double()
             bar.update()
             if t == horizon - 1:
                 break  # the last word's entropy is all we need from it
             with span("sampling"):
-                cdf = p.cumsum(-1)  # [n*S, V]
-                u = _uniforms(seed, gen_ids, t) * cdf[:, -1]  # [n*S], scaled to the row's (rounded) total mass
-                # first token whose cumulative mass exceeds u: zero-probability tokens (flat cdf) are never chosen
-                tokens = torch.searchsorted(cdf, u[:, None], right=True)[:, 0].clamp_(max=cdf.size(1) - 1)
+                tokens, mass = draw(p, _uniforms(seed, gen_ids, t))
+                finite &= torch.isfinite(mass)  # a nan log-prob would hide in nansum; it shows in the mass
             logp, state = lm.step(tokens, state)
+        if not bool(finite.all()):
+            raise ValueError("the model gave non-finite log-probabilities (nan or +inf) during generation")
         ent = ent.view(horizon, n, S).cpu().numpy()
         per_prefix[lo:lo + n] = ent.mean(axis=2).T
         tail[lo:lo + n] = ent[-last:].mean(axis=0)  # [n, S]

@@ -38,6 +38,11 @@ class StepLM(Protocol):
 
     # Optional: start_generation(logp [B, V], state) -> (logp, state), called by generation_entropy_curve once the
     # prefix is fed, before the first generated word; samplers with a running state (Mirostat) reset it there.
+    #
+    # Optional, for models whose last layer is linear (the networks): features(tokens, state) -> (f [B, E], state)
+    # and head = (weight [V, E], bias [V] or None), with step's log-probs = log_softmax(f @ weight.T + bias). The
+    # lookahead then computes a candidate's next entropy from f in vocabulary blocks that stay in cache, without
+    # the [B, V] log-probs (lmcal.calibration.linear_entropy); the future-entropy heads read f.
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -57,9 +62,19 @@ class LSTMStepLM:
         return self.net.init_hidden(batch_size)
 
     @torch.no_grad()
-    def step(self, tokens, state):
+    def features(self, tokens, state):
+        """The last layer's output f [B, E] after feeding tokens [B], and the new state."""
         output, _, state = self.net(tokens.to(self.device)[None], state)  # [1, B, E]
-        return self.net.logits(output[0]).float().log_softmax(-1), state  # [B, V]
+        return output[0], state
+
+    @property
+    def head(self):
+        return self.net.decoder.weight, self.net.decoder.bias  # [V, E], [V]
+
+    @torch.no_grad()
+    def step(self, tokens, state):
+        f, state = self.features(tokens, state)
+        return self.net.logits(f).float().log_softmax(-1), state  # [B, V]
 
     def select(self, state, index):
         index = index.to(self.device)

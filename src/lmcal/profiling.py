@@ -98,7 +98,15 @@ class _Profiled:
             return self._lm.select(state, index)
 
     def __getattr__(self, name):
-        return getattr(self._lm, name)
+        attr = getattr(self._lm, name)  # AttributeError where the model has none (features is optional)
+        if name != "features":
+            return attr
+        per_token = self._fpt - 2.0 * self._lm.head[0].numel()  # the step less its output layer, timed by the caller
+
+        def features(tokens, state):
+            with span("forward", per_token * tokens.numel()):
+                return attr(tokens, state)
+        return features
 
 
 def profiled(lm):
