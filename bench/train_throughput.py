@@ -1,28 +1,38 @@
-"""Training throughput of the AWD-LSTM, against a per-step LSTMCell baseline and the machine's matmul limit.
+"""Training throughput of the AWD-LSTM against a plain nn.LSTM stack and the machine's matmul limit, in one run.
 
-    python bench/train_throughput.py [--steps 8] [--models awd_lstm_small awd_lstm] [--device cpu]
+    python bench/train_throughput.py [--models small paper] [--reps 3] [--steps 20] [--taus 5 30]
+        [--out docs/bench/train_throughput.md]
 
-For each model: tokens/s of a full training step (forward, loss with AR/TAR, backward,
-clipping, SGD update) at batch 20, bptt 70, on our fused-kernel weight-dropped LSTM and on
-a baseline that runs the same model one time step at a time in Python (LSTM cell equations) (what a
-weight-drop LSTM falls back to when the fused kernel cannot take the dropped weight).
-Model FLOP utilisation = 6 x (parameters in matrix multiplies) x tokens/s over the
-measured float32 matmul FLOP/s of this machine.
+The configurations and the step are those of ../shared/peers/ (which adds fastai's AWD_LSTM; run it for that
+column): paper = 400/1150/3 at batch 20, BPTT 70; small = 200/400/3 at batch 32, BPTT 35; V = 10,000; one step =
+forward, full-softmax cross-entropy, backward, gradient-norm clipping (0.25), SGD. Implementations:
+- plain: stacked torch.nn.LSTM layers, tied decoder, no regularisation (the kernel's ceiling);
+- ours: lmcal.model.AWDLSTM with the AWD dropouts (weight drop, locked, embedding), cross-entropy only (equal work);
+- ours + AR/TAR: the training loss lmcal.module uses;
+- tau = T: the limited-memory model's training forward (lmcal.model.forward_chunked: the window cut into T-token
+  chunks, each from a zero state), the window rounded to a multiple of T.
+Repetitions are interleaved (A B C A B C ...) to spread machine noise; the table gives medians. MFU = 6 x
+(parameters in matrix multiplies) x tokens/s over the float32 matmul rate.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
 from lmcal.docs import add_out_option, save_bench, tee
-from lmcal.model import AWDLSTM, ar_tar, embedding_dropout, forward_chunked, locked_dropout, matmul_params, repackage
+from lmcal.model import AWDLSTM, ar_tar, forward_chunked, matmul_params, repackage
 from lmcal.train import CONF_DIR
+
+CONFIGS = {"paper": ("awd_lstm", 20, 70), "small": ("awd_lstm_small", 32, 35)}  # model preset, batch, BPTT
+PEER_DROPOUTS = dict(dropout=0.4, dropouth=0.25, dropouti=0.4, dropoute=0.1, wdrop=0.5)  # the peers' "paper" set
 
 
 def matmul_flops(device: str, n: int = 2048, reps: int = 10) -> float:
@@ -45,51 +55,54 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def build(model: str, vocab: int) -> AWDLSTM:
+def build(model: str, vocab: int, **overrides) -> AWDLSTM:
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose(config_name="train", overrides=[f"model={model}"])
-    return instantiate(cfg.model, vocab_size=vocab)
+    return instantiate(cfg.model, vocab_size=vocab, **overrides)
 
 
-def cell_forward(net: AWDLSTM, x: torch.Tensor, hidden):
-    """The same AWD-LSTM forward, one time step at a time in Python (the baseline)."""
-    emb = locked_dropout(embedding_dropout(net.encoder.weight, x, net.dropoute, True), net.dropouti, True)
-    inp, new_hidden = emb, []
-    for i, rnn in enumerate(net.rnns):
-        w_hh = F.dropout(rnn.lstm.weight_hh_l0, rnn.weight_drop, training=True)  # one mask per forward
-        h, c = hidden[i][0][0], hidden[i][1][0]
-        outs = []
-        for t in range(inp.size(0)):
-            gates = inp[t] @ rnn.lstm.weight_ih_l0.t() + rnn.lstm.bias_ih_l0 + h @ w_hh.t() + rnn.lstm.bias_hh_l0
-            ig, fg, gg, og = gates.chunk(4, 1)
-            c = torch.sigmoid(fg) * c + torch.sigmoid(ig) * torch.tanh(gg)
-            h = torch.sigmoid(og) * torch.tanh(c)
-            outs.append(h)
-        raw = torch.stack(outs)
-        new_hidden.append((h[None], c[None]))
-        inp = locked_dropout(raw, net.dropouth if i < net.num_layers - 1 else net.dropout, True)
-    return inp, raw, new_hidden
+class PlainLSTM(nn.Module):
+    """Unregularised nn.LSTM layers of the same sizes as an AWDLSTM, tied decoder: the fused kernel's ceiling."""
+
+    def __init__(self, net: AWDLSTM):
+        super().__init__()
+        self.encoder = nn.Embedding(net.vocab_size, net.emb_size)
+        self.rnns = nn.ModuleList(nn.LSTM(r.lstm.input_size, r.lstm.hidden_size) for r in net.rnns)
+        self.decoder = nn.Linear(net.emb_size, net.vocab_size)
+        self.decoder.weight = self.encoder.weight
+
+    def forward(self, x, hidden):
+        out, new = self.encoder(x), []
+        for rnn, h in zip(self.rnns, hidden, strict=True):
+            out, h = rnn(out, h)
+            new.append(h)
+        return out, out, new
+
+    def logits(self, out):
+        return self.decoder(out)
 
 
-def throughput(net: AWDLSTM, steps: int, batch: int, bptt: int, device: str, baseline: bool = False,
-               tau: int | None = None) -> float:
+def throughput(net, steps: int, batch: int, bptt: int, device: str, tau: int | None = None,
+               artar: bool = False) -> float:
     net.to(device).train()
-    opt = torch.optim.SGD(net.parameters(), lr=1.0, weight_decay=1.2e-6)
-    hidden = net.init_hidden(batch)
-    x = torch.randint(0, net.vocab_size, (bptt, batch), device=device)
-    y = torch.randint(0, net.vocab_size, (bptt, batch), device=device)
+    opt = torch.optim.SGD(net.parameters(), lr=1.0)
+    hidden = [(torch.zeros(1, batch, r.hidden_size, device=device),) * 2 for r in net.rnns] \
+        if isinstance(net, PlainLSTM) else net.init_hidden(batch)
+    V = net.decoder.weight.size(0)
+    x = torch.randint(0, V, (bptt, batch), device=device)
+    y = torch.randint(0, V, (bptt, batch), device=device)
     for i in range(steps + 2):  # two warm-up steps
         if i == 2:
             sync(device)
             t = time.perf_counter()
-        if baseline:
-            output, raw, hidden = cell_forward(net, x, repackage(hidden))
-        elif tau:
+        if tau:
             output, raw = forward_chunked(net, x, tau)
         else:
             output, raw, hidden = net(x, repackage(hidden))
-        loss = F.cross_entropy(net.logits(output).flatten(0, 1), y.flatten()) + ar_tar(output, raw, 2.0, 1.0)
-        opt.zero_grad()
+        loss = F.cross_entropy(net.logits(output).flatten(0, 1), y.flatten())
+        if artar:
+            loss = loss + ar_tar(output, raw, 2.0, 1.0)
+        opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(net.parameters(), 0.25)
         opt.step()
@@ -99,11 +112,9 @@ def throughput(net: AWDLSTM, steps: int, batch: int, bptt: int, device: str, bas
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--models", nargs="+", default=["awd_lstm_small", "awd_lstm"])
-    ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--baseline-steps", type=int, default=3)
-    ap.add_argument("--batch", type=int, default=20)
-    ap.add_argument("--bptt", type=int, default=70)
+    ap.add_argument("--models", nargs="+", default=["small", "paper"], choices=sorted(CONFIGS))
+    ap.add_argument("--steps", type=int, default=0, help="timed steps per repetition (0: 60 small, 20 paper)")
+    ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--vocab", type=int, default=10_000)
     ap.add_argument("--taus", type=int, nargs="*", default=[5, 30],
                     help="also time limited-memory training at these tau (window bptt rounded to a multiple)")
@@ -113,26 +124,31 @@ def main():
     emit, lines = tee()
     torch.manual_seed(0)
     peak = matmul_flops(args.device)
-    emit(f"device {args.device}, {torch.get_num_threads()} threads, torch {torch.__version__}")
-    emit(f"float32 matmul (2048^3): {peak / 1e9:.1f} GFLOP/s")
-    emit("| model | params | matmul params | implementation | tokens/s | GFLOP/s | MFU | vs per-step loop |")
-    emit("|---|---|---|---|---|---|---|---|")
-    for name in args.models:
-        net = build(name, args.vocab)
-        n_mm = matmul_params(net)
-        n_all = sum(p.numel() for p in net.parameters())
-        ours = throughput(net, args.steps, args.batch, args.bptt, args.device)
-        base = throughput(net, args.baseline_steps, args.batch, args.bptt, args.device, baseline=True)
-        rows = [("fused (ours)", ours), ("per-step loop", base)]
+    emit(f"device {args.device}, {torch.get_num_threads()} threads, torch {torch.__version__}; float32 matmul "
+         f"(2048^3, best of 3): {peak / 1e9:.1f} GFLOP/s")
+    emit("")
+    emit("| config | implementation | batch x BPTT | tokens/s (median) | runs | GFLOP/s | MFU | vs plain | vs ours |")
+    emit("|---|---|---|---|---|---|---|---|---|")
+    for cfg in args.models:
+        preset, batch, bptt = CONFIGS[cfg]
+        steps = args.steps or (20 if cfg == "paper" else 60)
+        net = build(preset, args.vocab, **PEER_DROPOUTS)
+        impls = {"plain": (PlainLSTM(net), bptt, {}), "ours": (net, bptt, {}),
+                 "ours + AR/TAR": (net, bptt, {"artar": True})}
         for tau in args.taus:
-            window = max(tau, round(args.bptt / tau) * tau)
-            rows.append((f"fused, memory_tau={tau}", throughput(net, args.steps, args.batch, window, args.device,
-                                                                tau=tau)))
-        for impl, tps in rows:
-            flops = 6 * n_mm * tps
-            emit(f"| {name} | {n_all / 1e6:.2f}M | {n_mm / 1e6:.2f}M | {impl} | {tps:,.0f} | {flops / 1e9:.1f} | "
-                  f"{flops / peak:.1%} | {tps / base:.2f}x |")
-
+            impls[f"ours, tau = {tau}"] = (net, max(tau, round(bptt / tau) * tau), {"tau": tau})
+        runs = {k: [] for k in impls}
+        for _ in range(args.reps):
+            for k, (model, window, kw) in impls.items():
+                runs[k].append(throughput(model, steps, batch, window, args.device, **kw))
+        med = {k: statistics.median(v) for k, v in runs.items()}
+        n_mm = matmul_params(net)
+        for k, v in med.items():
+            flops = 6 * n_mm * v
+            emit(f"| {cfg} | {k} | {batch} x {impls[k][1]} | {v:,.0f} | {', '.join(f'{x:,.0f}' for x in runs[k])} | "
+                 f"{flops / 1e9:.1f} | {flops / peak:.1%} | {v / med['plain']:.3f} | {v / med['ours']:.3f} |")
+    emit("")
+    emit("fastai's AWD_LSTM is measured beside plain and ours by ../shared/peers/run_all.sh (same configurations).")
     save_bench(args.out, "Training throughput", "\n".join(lines))
 
 

@@ -34,7 +34,7 @@ def test_every_experiment_preset_composes_and_is_valid(experiment):
     cfg = _compose("train", [f"experiment={experiment}"])
     check_config(cfg)
     _check_analysis(cfg)
-    assert cfg.model.emb_size > 0 and cfg.trainer.max_epochs
+    assert (cfg.model.get("emb_size") or cfg.model.get("n_embd")) > 0 and cfg.trainer.max_epochs
 
 
 @pytest.mark.parametrize("analysis", ANALYSES)

@@ -181,7 +181,10 @@ def test_each_range_rule_rejects_a_bad_value_before_a_wandb_folder_exists(patter
         assert not (tmp_path / "out").exists()
         return
     hf = pattern in ("model.score_tokens", "model.context", "model.max_tokens", "model.dtype")
+    transformer = pattern in ("model.n_positions", "model.n_embd", "model.n_layer", "model.n_head",
+                              "model.attn_dropout", "model.embd_dropout")
     cfg = _cfg("train", tmp_path, ["experiment=smoke", "logger=wandb", *(["model=hf"] if hf else []),
+                                   *(["model=transformer_small"] if transformer else []),
                                    f"{key}={_hydra(value)}", *data_overrides])
     with pytest.raises(LmcalError, match=rf"{key.replace('.', '[.]')}={'null' if value is None else ''}"):
         train(cfg)

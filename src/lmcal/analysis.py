@@ -25,8 +25,8 @@ from lmcal.entropy_rate import (
     tail_steps,
 )
 from lmcal.errors import LmcalError
-from lmcal.lm import LSTMStepLM
-from lmcal.memory import context_rows, memory_summary
+from lmcal.lm import as_step_lm
+from lmcal.memory import context_rows, full_context_span, memory_summary
 from lmcal.model import AWDLSTM, zip_rows
 from lmcal.plots import entropy_curve_figure
 from lmcal.profiling import add_flops, flops_per_token, span
@@ -291,13 +291,14 @@ def decoders_stage(lm, valid_tokens: torch.Tensor, test_tokens: torch.Tensor, ou
     return result
 
 
-def _row_flops(model, tau: int | None) -> float:
-    """FLOPs of one row of context_rows: an AWD-LSTM runs its recurrent core on every token of the window and its
-    decoder once (the fused paths); a StepLM computes its whole step for every token fed."""
-    if isinstance(model, AWDLSTM):
-        dec = 2.0 * model.decoder.weight.numel()
-        return (2.0 * sum(p.numel() for p in model.parameters()) - dec) * (tau or 1) + dec
-    return flops_per_token(model) * (tau or 1)
+def _row_flops(lm, tau: int | None) -> float:
+    """FLOPs of one row of context_rows: an AWD-LSTM, or a model read by whole windows, runs its body on every token
+    of the window and its output layer once; another StepLM computes its whole step for every token fed."""
+    head = getattr(lm, "head", None)
+    if head is not None and (isinstance(getattr(lm, "net", None), AWDLSTM) or hasattr(lm, "window_log_probs")):
+        dec = 2.0 * head[0].numel()
+        return (flops_per_token(lm) - dec) * (tau or 1) + dec
+    return flops_per_token(lm) * (tau or 1)
 
 
 def _memory_rows(full, limited, tau: int, tokens: torch.Tensor, windows_per_batch: int, store_dtype: torch.dtype,
@@ -307,11 +308,10 @@ def _memory_rows(full, limited, tau: int, tokens: torch.Tensor, windows_per_batc
     a StepLM or an AWDLSTM; see lmcal.memory.context_rows), with a progress bar."""
     from tqdm.auto import tqdm
 
-    as_lm = lambda m: LSTMStepLM(m) if isinstance(m, AWDLSTM) else m
     bar = tqdm(total=max(0, tokens.numel() - 1), desc=desc, unit="tok", leave=False)
     kept = []
-    rows = zip_rows(context_rows(as_lm(full), tokens, None, windows_per_batch),
-                    context_rows(as_lm(limited), tokens, tau, windows_per_batch))
+    rows = zip_rows(context_rows(full, tokens, None, windows_per_batch),
+                    context_rows(limited, tokens, tau, windows_per_batch))
     per_row = _row_flops(full, None) + _row_flops(limited, tau)
     while True:
         with span("forward"):  # both models' rows for one chunk
@@ -365,10 +365,10 @@ def memory_stage(full_net, limited_net, valid_tokens: torch.Tensor, test_tokens:
         raise LmcalError(f"The base model's vocabulary ({full_net.vocab_size} words) differs from the "
                          f"tau-model's ({lim.vocab_size}): they were trained on different corpora.")
     test = test_tokens[:score_tokens] if score_tokens else test_tokens
-    limit = getattr(full_net, "max_positions", None)  # a Hugging Face model reads at most this many tokens
-    if limit and test.numel() - 1 > limit:
-        raise LmcalError(f"The model reads at most {limit} tokens of context, and the memory bound reads the test text "
-                         f"({test.numel()} tokens) as one stream; set analysis.memory.score_tokens <= {limit + 1}.")
+    full_net, lim = as_step_lm(full_net), as_step_lm(lim)
+    if getattr(lim, "max_positions", None) and tau >= lim.max_positions:
+        raise LmcalError(f"analysis.memory.tau={tau}: the model reads at most {lim.max_positions} tokens; a window "
+                         f"must be shorter.")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
@@ -380,6 +380,7 @@ def memory_stage(full_net, limited_net, valid_tokens: torch.Tensor, test_tokens:
     ref = paper.MEMORY_PTB.get(tau) if corpus == "ptb" else None
     result = {
         "tau": tau, "limited": limited, "model": model_name, "corpus": corpus, **bound,
+        "full_context": full_context_span(full_net, test.numel()),
         "exact_mi_nats": exact_mi_nats,
         "paper": dict(zip(("ce_limited_nats", "mi_upper_bound_nats", "alpha"), ref, strict=True)) if ref else None,
         "base_ckpt": base_ckpt, "ckpt": ckpt, "rows_seconds": t_rows, "seconds": time.perf_counter() - t0,

@@ -120,7 +120,7 @@ def _candidate_entropies(lm, state, cand: torch.Tensor, epsilon: float, chunk: i
     B, K = cand.shape
     rows = torch.arange(B, device=cand.device).repeat_interleave(K)  # [B*K]: row b repeated K times
     toks = cand.reshape(-1)  # [B*K]
-    fused = epsilon == 0.0 and hasattr(lm, "features") and hasattr(lm, "head")
+    fused = epsilon == 0.0 and getattr(lm, "head", None) is not None
     h = []
     for i in range(0, B * K, chunk):
         st = lm.select(state, rows[i:i + chunk])

@@ -11,7 +11,7 @@ import pytorch_lightning as pl
 
 from lmcal.analysis import entropy_rate_stage
 from lmcal.errors import LmcalError
-from lmcal.lm import LSTMStepLM
+from lmcal.lm import as_step_lm
 from lmcal.markov import markov_exact_mi
 from lmcal.model import evaluate_ce, limited_context_ce
 from lmcal.module import load_base_net, load_net
@@ -78,6 +78,9 @@ class MetricsCallback(pl.Callback):
             "best_ckpt": str(Path(s["path"]).resolve()),
             "device": str(module.device),
         }
+        if hasattr(net, "save_hf"):  # a transformer: also a Hugging Face folder, loadable with model=hf
+            folder = net.save_hf(self.out_dir / "hf", trainer.datamodule.prepare().itos)
+            self.metrics["hf_folder"] = str(folder.resolve())
         write_json_atomic(self.out_dir / "metrics.json", self.metrics)
         if trainer.logger:
             trainer.logger.log_metrics({f"final/{k}": v for k, v in self.metrics.items()
@@ -99,7 +102,7 @@ class EpochEntropyRateCallback(pl.Callback):
         val_ce = float(trainer.callback_metrics["val_loss"])
         was_training = module.net.training
         with module.averaged_weights():
-            entropy_rate_stage(LSTMStepLM(module.net), trainer.datamodule.tokens("valid"), val_ce,
+            entropy_rate_stage(as_step_lm(module.net), trainer.datamodule.tokens("valid"), val_ce,
                                self.out_dir / "entropy_rate_epochs", logger=trainer.logger,
                                name=f"entropy_rate_epoch{trainer.current_epoch}", **self.settings)
         module.net.train(was_training)
@@ -119,7 +122,7 @@ class StagesCallback(pl.Callback):
         s = best_model_scores(trainer, trainer.datamodule)
         dm = trainer.datamodule
         net, tau = s["net"], s["net"].memory_tau
-        target = {"lm": LSTMStepLM(net), "net": net, "kind": "tau" if tau else "full", "name": self.model_name,
+        target = {"lm": as_step_lm(net), "net": net, "kind": "tau" if tau else "full", "name": self.model_name,
                   "corpus": dm.name, "unit": "word", "valid": dm.tokens("valid"), "test": dm.tokens("test"),
                   "test_ce": s["test_ce"], "bptt": dm.bptt, "ckpt": s["path"]}
         if "memory" in self.stages:  # a full model (limited=window) is its own base

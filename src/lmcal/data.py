@@ -227,17 +227,25 @@ def sample_seq_len(bptt: int, generator: torch.Generator, min_len: int = 5) -> i
     return max(min_len, seq_len)
 
 
-def bptt_spans(n_steps: int, bptt: int, generator: torch.Generator | None = None, multiple_of: int | None = None):
+def bptt_spans(n_steps: int, bptt: int, generator: torch.Generator | None = None, multiple_of: int | None = None,
+               variable: bool = True):
     """(start, seq_len) windows covering time steps 0..n_steps-2 of a batchified stream.
 
     With a generator the lengths follow `sample_seq_len` (training); without, they are
     fixed at bptt (evaluation). Each window predicts tokens start+1..start+seq_len.
     `multiple_of=tau` (limited-memory models) rounds every length to a multiple of tau, so
     windows start on tau boundaries of the stream; a last remainder shorter than tau is dropped.
+    `variable=False` (transformers, whose windows may not exceed their context): with a generator, windows of
+    exactly bptt after a first one of random length 1..bptt, so each epoch cuts the text at other places.
     """
     i = 0
+    first = int(torch.randint(1, bptt + 1, (1,), generator=generator)) if generator is not None and not variable \
+        else None
     while i < n_steps - 1:
-        seq_len = bptt if generator is None else sample_seq_len(bptt, generator)
+        if first is not None:
+            seq_len, first = first, None
+        else:
+            seq_len = bptt if generator is None or not variable else sample_seq_len(bptt, generator)
         if multiple_of:
             seq_len = max(multiple_of, round(seq_len / multiple_of) * multiple_of)
         seq_len = min(seq_len, n_steps - 1 - i)

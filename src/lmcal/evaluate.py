@@ -19,7 +19,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from lmcal.errors import LmcalError
-from lmcal.lm import LSTMStepLM
+from lmcal.lm import as_step_lm
 from lmcal.markov import markov_exact_mi
 from lmcal.model import evaluate_ce
 from lmcal.module import LMDataModule, load_base_net, load_net
@@ -92,7 +92,7 @@ def checkpoint_target(cfg: DictConfig, settings: dict[str, dict] | None = None) 
     name = model_name(OmegaConf.create(ckpt["hyper_parameters"]["net"]))
     tau = net.memory_tau
     check_stages(list(cfg.stages), "tau" if tau else "full", settings)
-    target = {"lm": LSTMStepLM(net), "net": net, "kind": "tau" if tau else "full", "unit": "word", "name": name,
+    target = {"lm": as_step_lm(net), "net": net, "kind": "tau" if tau else "full", "unit": "word", "name": name,
               "corpus": dm.name, "test_ce": None, "ckpt": str(Path(cfg.ckpt).resolve()),
               "results": {"ckpt": str(Path(cfg.ckpt).resolve()), "model": name, "dataset": dm.name}}
     if "memory" in cfg.stages:

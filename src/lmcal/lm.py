@@ -81,6 +81,16 @@ class LSTMStepLM:
         return [(h[:, index], c[:, index]) for h, c in state]
 
 
+def as_step_lm(net):
+    """A trained network as a StepLM: an AWDLSTM as LSTMStepLM, a network with its own adapter (lmcal.transformer.GPTLM:
+    an HFCausalLM) through its step_lm(); a StepLM is returned as it is."""
+    if isinstance(net, AWDLSTM):
+        return LSTMStepLM(net)
+    if hasattr(net, "step_lm"):
+        return net.step_lm()
+    return net
+
+
 def lstm_from_checkpoint(path, device="cpu") -> LSTMStepLM:
     """The validated network of a training checkpoint (see lmcal.module.load_net) as a StepLM on `device`."""
     from lmcal.module import load_net  # Lightning and Hydra load only when a checkpoint is read
@@ -182,21 +192,56 @@ class HFCausalLM:
         cfg = model.config
         self.max_positions = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
 
+    # Architectures whose logits are exactly the output embedding applied to the base model's last hidden state (no
+    # logit scaling or soft-capping): for these, `features` and `head` give the fused lookahead entropies.
+    _PLAIN_HEAD = frozenset({"gpt2"})
+
     def init_state(self, batch_size: int):
         return None, 0
 
-    @torch.no_grad()
-    def step(self, tokens, state):
-        past, n = state
+    def _check_position(self, n: int) -> None:
         if self.max_positions is not None and n >= self.max_positions:
             raise LmcalError(f"The model takes at most {self.max_positions} tokens of context "
                              f"(config max_position_embeddings/n_positions) and was asked for token {n + 1}. Use "
                              "shorter prefixes or a shorter generation horizon.")
+
+    @torch.no_grad()
+    def step(self, tokens, state):
+        past, n = state
+        self._check_position(n)
         tokens = tokens.to(self.device)[:, None]  # [B, 1]
         positions = torch.full_like(tokens, n)  # [B, 1]: explicit, so no model has to infer it from the cache
         out = self.model(input_ids=tokens, position_ids=positions, use_cache=True,
                          past_key_values=None if past is None else _fork_cache(past))
         return out.logits[:, -1].float().log_softmax(-1), (out.past_key_values, n + 1)  # [B, V]
+
+    @property
+    def head(self):
+        """(weight [V, E], bias or None) of the output layer where the logits are exactly that layer applied to the
+        last hidden state (see _PLAIN_HEAD), else None."""
+        if getattr(self.model.config, "model_type", None) not in self._PLAIN_HEAD:
+            return None
+        out = self.model.get_output_embeddings()
+        return out.weight, getattr(out, "bias", None)
+
+    @torch.no_grad()
+    def features(self, tokens, state):
+        """The base model's last hidden state f [B, E] after feeding tokens [B] (step's log-probs are
+        log_softmax(head(f))), and the new state; only where `head` is not None."""
+        past, n = state
+        self._check_position(n)
+        tokens = tokens.to(self.device)[:, None]  # [B, 1]
+        out = self.model.base_model(input_ids=tokens, position_ids=torch.full_like(tokens, n), use_cache=True,
+                                    past_key_values=None if past is None else _fork_cache(past))
+        return out.last_hidden_state[:, -1], (out.past_key_values, n + 1)
+
+    @torch.no_grad()
+    def window_log_probs(self, windows: torch.Tensor, keep: int = 1) -> torch.Tensor:
+        """Log-probabilities [b, keep, V] of the token after each of the last `keep` positions of windows [b, T], each
+        window read from scratch in one uncached forward (positions 0..T-1)."""
+        self._check_position(windows.size(1) - 1)
+        out = self.model(input_ids=windows.to(self.device), use_cache=False, logits_to_keep=keep)
+        return out.logits[:, -keep:].float().log_softmax(-1)
 
     def select(self, state, index):
         past, n = state

@@ -67,7 +67,7 @@ class LMDataModule(pl.LightningDataModule):
     def __init__(self, name: str = "ptb", root: str | None = None, download: bool = False, batch_size: int = 20,
                  eval_batch_size: int = 10, test_batch_size: int = 1, bptt: int = 70, seed: int = 141,
                  max_train_tokens: int | None = None, max_eval_tokens: int | None = None,
-                 corpus_kwargs: dict | None = None, memory_tau: int | None = None):
+                 corpus_kwargs: dict | None = None, memory_tau: int | None = None, variable_length: bool = True):
         super().__init__()
         self.name, self.root, self.download = name, root, download
         self.batch_size, self.eval_batch_size, self.test_batch_size = batch_size, eval_batch_size, test_batch_size
@@ -75,6 +75,7 @@ class LMDataModule(pl.LightningDataModule):
         self.max_train_tokens, self.max_eval_tokens = max_train_tokens, max_eval_tokens
         self.corpus_kwargs = dict(corpus_kwargs or {})
         self.memory_tau = memory_tau  # windows start on tau boundaries for limited-memory models
+        self.variable_length = variable_length  # False: training windows of exactly bptt (transformers)
         self.corpus: D.Corpus | None = None
 
     def prepare(self) -> D.Corpus:
@@ -97,7 +98,8 @@ class LMDataModule(pl.LightningDataModule):
     def train_dataloader(self):
         source = D.batchify(self.tokens("train"), self.batch_size)
         epoch = self.trainer.current_epoch if self.trainer is not None else 0
-        spans = list(D.bptt_spans(source.size(0), self.bptt, D.epoch_generator(self.seed, epoch), self.memory_tau))
+        spans = list(D.bptt_spans(source.size(0), self.bptt, D.epoch_generator(self.seed, epoch), self.memory_tau,
+                                  variable=self.variable_length))
         return DataLoader(SpanDataset(source, spans), batch_size=None, shuffle=False)
 
     def val_dataloader(self):
@@ -122,7 +124,8 @@ class LMModule(pl.LightningModule):
     def __init__(self, net: dict, vocab_size: int, lr: float = 30.0, weight_decay: float = 1.2e-6,
                  clip: float = 0.25, ar_weight: float = 2.0, tar_weight: float = 1.0, bptt: int = 70, nonmono: int = 5,
                  optimizer: str = "sgd", asgd: bool = True, schedule: str | None = None,
-                 divergence_factor: float | None = 3.0, data_cfg: dict | None = None, seed: int = 141):
+                 divergence_factor: float | None = 3.0, data_cfg: dict | None = None, seed: int = 141,
+                 warmup_steps: int = 0, betas: tuple[float, float] = (0.9, 0.999)):
         super().__init__()
         self.save_hyperparameters()  # data_cfg too: analysis of a checkpoint reloads the corpus it was trained on
         self.net = instantiate(net, vocab_size=vocab_size)
@@ -140,8 +143,15 @@ class LMModule(pl.LightningModule):
         if hp.optimizer == "sgd":
             return torch.optim.SGD(self.net.parameters(), lr=hp.lr, weight_decay=hp.weight_decay)
         if hp.optimizer == "adam":
-            return torch.optim.Adam(self.net.parameters(), lr=hp.lr, weight_decay=hp.weight_decay)
-        raise ValueError(f"optim.optimizer must be 'sgd' or 'adam', got {hp.optimizer!r}")
+            return torch.optim.Adam(self.net.parameters(), lr=hp.lr, weight_decay=hp.weight_decay,
+                                    betas=tuple(hp.betas))
+        if hp.optimizer == "adamw":  # decoupled weight decay on the matrices only (not biases, norms, positions' bias)
+            named = [(n, p) for n, p in self.net.named_parameters() if p.requires_grad]
+            decay = [p for n, p in named if p.dim() >= 2]
+            rest = [p for n, p in named if p.dim() < 2]
+            return torch.optim.AdamW([{"params": decay, "weight_decay": hp.weight_decay},
+                                      {"params": rest, "weight_decay": 0.0}], lr=hp.lr, betas=tuple(hp.betas))
+        raise ValueError(f"optim.optimizer must be 'sgd', 'adam' or 'adamw', got {hp.optimizer!r}")
 
     def on_train_epoch_start(self):
         self._hidden = None  # a new pass over the streams starts from a zero state
@@ -195,15 +205,17 @@ class LMModule(pl.LightningModule):
 
     def lr_factor(self, batch_idx: int) -> float:
         """The schedule's multiplier: 1 (the AWD recipe), or a cosine decay to 0 over max_epochs
-        (`optim.schedule=cosine`, for fixed short budgets)."""
-        sched = self.hparams.schedule
+        (`optim.schedule=cosine`, for fixed short budgets); times a linear warm-up over the first
+        `optim.warmup_steps` steps (transformers)."""
+        sched, warm = self.hparams.schedule, self.hparams.get("warmup_steps") or 0
+        factor = min(1.0, (self.global_step + 1) / warm) if warm else 1.0
         if sched is None:
-            return 1.0
+            return factor
         if sched != "cosine":
             raise ValueError(f"optim.schedule must be null or 'cosine', got {sched!r}")
         trainer = self.trainer
         progress = (self.current_epoch + batch_idx / max(1, trainer.num_training_batches)) / trainer.max_epochs
-        return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
+        return factor * 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
 
     def forward_window(self, x: torch.Tensor, state_attr: str, detach: bool):
         """One window [T, B]: the state carried over from the previous window (kept in

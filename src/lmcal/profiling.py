@@ -99,7 +99,7 @@ class _Profiled:
 
     def __getattr__(self, name):
         attr = getattr(self._lm, name)  # AttributeError where the model has none (features is optional)
-        if name != "features":
+        if name != "features" or self._lm.head is None:
             return attr
         per_token = self._fpt - 2.0 * self._lm.head[0].numel()  # the step less its output layer, timed by the caller
 

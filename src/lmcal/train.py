@@ -49,10 +49,16 @@ def finish_logger(logger) -> None:
         wandb.finish()
 
 
+TRAINABLE = ("AWDLSTM", "GPTLM")  # the networks python -m lmcal.train builds (lmcal.model, lmcal.transformer)
+
+
 def model_name(model_cfg) -> str:
     if model_cfg.get("_target_", "").endswith("AWDLSTM"):
         tau = f", tau={model_cfg.memory_tau}" if model_cfg.get("memory_tau") else ""
         return f"AWD-LSTM {model_cfg.emb_size}/{model_cfg.hidden_size}/{model_cfg.num_layers}{tau}"
+    if model_cfg.get("_target_", "").endswith("GPTLM"):
+        return (f"Transformer {model_cfg.get('n_layer')}x{model_cfg.get('n_embd')}, "
+                f"context {model_cfg.get('n_positions')}")
     return str(model_cfg.get("_target_"))
 
 
@@ -107,10 +113,11 @@ def train(cfg: DictConfig) -> dict:
 
 def _train(cfg: DictConfig, out: Path) -> dict:
     t_start = time.perf_counter()
-    if not str(cfg.model.get("_target_") or "").endswith("AWDLSTM"):
-        raise LmcalError("python -m lmcal.train trains AWD-LSTMs (model=awd_lstm or awd_lstm_small); a Hugging Face "
-                         "model (model=hf) is analysed as it is: python -m lmcal.evaluate model=hf "
-                         "model.name_or_path=FOLDER stages=[entropy_rate,calibration,decoders].")
+    if not str(cfg.model.get("_target_") or "").endswith(TRAINABLE):
+        raise LmcalError("python -m lmcal.train trains AWD-LSTMs (model=awd_lstm or awd_lstm_small) and transformers "
+                         "(model=transformer_small or transformer); a Hugging Face model (model=hf) is analysed as "
+                         "it is: python -m lmcal.evaluate model=hf model.name_or_path=FOLDER "
+                         "stages=[entropy_rate,calibration,decoders].")
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
 
     dm = instantiate(cfg.data)
