@@ -87,6 +87,21 @@ def test_select_with_repeats_and_no_mutation(lm):
                                    atol=1e-5, rtol=1e-5)
 
 
+def test_two_children_of_one_state_both_stay_valid(lm):
+    """A step writes into the buffer it shares with its parent only while nobody else has: the first child's keys
+    survive a second child stepped from the same parent, and each grandchild sees its own line."""
+    x = torch.randint(0, V, (2, 70))  # past the first buffer's capacity: the cache grows while stepping
+    _, state = feed(lm, x)
+    a, b = torch.tensor([1, 2]), torch.tensor([3, 4])
+    _, child_a = lm.step(a, state)
+    _, child_b = lm.step(b, state)
+    z = torch.tensor([5, 6])
+    for child, w in ((child_a, a), (child_b, b), (child_a, a)):
+        got, _ = lm.step(z, child)
+        ref = full_log_probs(lm.model, torch.cat([x, w[:, None], z[:, None]], 1))[:, -1]
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+
+
 def test_select_of_the_empty_state(lm):
     state = lm.select(lm.init_state(2), torch.tensor([1, 1, 0]))
     lp, _ = lm.step(torch.tensor([4, 4, 9]), state)

@@ -58,9 +58,15 @@ def test_smoke_profile_writes_every_result(uninterrupted):
     assert (dec[-1]["tail_diff_nats"], dec[-1]["tail_diff_stderr_nats"]) == (cal["tail_diff_nats"],
                                                                              cal["tail_diff_stderr_nats"])
     assert dec[2]["test_ce_nats"] is None and dec[2]["zero_prob_fraction"] > 0  # top-k 50 cuts test words
-    assert [(m["tau"], m["limited"]) for m in res["memory"]] == [(2, "trained"), (2, "window"), (4, "trained"),
-                                                                  (4, "window")]
+    assert [(m["model"], m["tau"], m["limited"]) for m in res["memory"]] == [
+        ("awd_lstm", 2, "trained"), ("awd_lstm", 2, "window"), ("awd_lstm", 4, "trained"), ("awd_lstm", 4, "window"),
+        ("transformer", 2, "window")]
     assert all(m["mi_upper_bound_nats"] >= 0 for m in res["memory"])  # alpha* fitted on the reported rows
+    t1 = res["table1"]  # the AWD-LSTM's row and the transformer's
+    assert [r["model"].split(" ")[0] for r in t1] == ["AWD-LSTM", "Transformer"]
+    assert all(set(r) == {"model", "corpus", "test_ppl", "entrate_ppl", "horizon", "unit"} for r in t1)
+    assert t1[0]["entrate_ppl"] == res["entropy_rate"]["entrate_ppl"] and t1[1]["unit"] == "word"
+    assert res["transformer"]["base"]["test_ppl"] == pytest.approx(t1[1]["test_ppl"])
     assert all({"ce_limited_nats", "mi_upper_bound_nats", "alpha"} <= set(m) for m in res["memory"])
     mk = res["markov"]
     assert mk["order"] == 2 and mk["true_entropy_rate_nats"] == pytest.approx(0.9192, abs=1e-4)
@@ -78,7 +84,8 @@ def test_smoke_profile_writes_every_result(uninterrupted):
     for fig in ("figure2_entropy_rate.png", "figure3_calibration.png", "figure_decoders.png", "memory_ptb.png",
                 "memory_markov.png"):
         assert f"({fig})" in report and (out / fig).stat().st_size > 1000
-    assert "| AWD-LSTM (paper) | ptb | 58.3 | 93.1 |" in report
+    assert "| AWD-LSTM (paper) | ptb | 58.3 | 93.1 |" in report and "| Transformer (ours, PTB)" in report
+    assert "transformer, window P̃" in report
     for name in ("results.json", "REPORT.md", "ptb/base/metrics.json", "figure2_entropy_rate.png"):
         assert stat.S_IMODE((out / name).stat().st_mode) == 0o644, name  # readable by others under umask 022
     assert not list(out.rglob("*.tmp")) and not list(out.rglob(".lmcal.lock"))

@@ -10,6 +10,7 @@ lmcal.markov.
 from __future__ import annotations
 
 import copy
+import functools
 import re
 from pathlib import Path
 from typing import Protocol
@@ -141,6 +142,97 @@ class LimitedContextStepLM:
 _REBINDING_LAYERS = frozenset({"DynamicLayer", "DynamicSlidingWindowLayer"})
 
 
+class _Store:
+    """Key/value buffers [B, heads, capacity, head_dim] shared by the cache layers of one line of states; `frontier`:
+    how many positions the latest writer filled."""
+
+    __slots__ = ("keys", "values", "frontier")
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, frontier: int):
+        self.keys, self.values, self.frontier = keys, values, frontier
+
+
+def _store_from(keys: torch.Tensor, values: torch.Tensor, n: int, extra: int) -> _Store:
+    """A new store holding keys/values[:, :, :n] with room for at least `extra` more positions (capacity doubled)."""
+    B, H, _, D = keys.shape
+    cap = max(64, 2 * (n + extra))
+    k, v = keys.new_empty(B, H, cap, D), values.new_empty(B, H, cap, values.size(-1))
+    k[:, :, :n], v[:, :, :n] = keys[:, :, :n], values[:, :, :n]
+    return _Store(k, v, n)
+
+
+@functools.lru_cache(maxsize=1)
+def _forkable_layer_class():
+    """A transformers (>= 5) cache layer that writes each step's keys and values into a preallocated buffer instead
+    of concatenating (a growing cache's torch.cat copies the whole past every step: quadratic in the horizon).
+
+    States share buffers safely: a layer owns positions [0, n) of its store. A step writes in place when nobody has
+    written past n (store.frontier == n); otherwise, or when the buffer is full, it first copies its n positions to
+    a new buffer. So a state stepped twice (the lookahead steps one state once per candidate) never sees another
+    state's keys, and a chain of steps (generation) writes in place."""
+    from transformers.cache_utils import DynamicLayer
+
+    class ForkableLayer(DynamicLayer):
+        def __init__(self, store: _Store | None = None, n: int = 0):
+            super().__init__()
+            self.store, self.n = store, n
+            self.is_initialized = store is not None
+
+        @property
+        def keys(self):
+            return None if self.store is None else self.store.keys[:, :, :self.n]
+
+        @keys.setter
+        def keys(self, value):  # the base class's __init__ sets None; nothing else writes it
+            if value is not None:
+                raise AttributeError("a ForkableLayer's keys live in its store")
+
+        @property
+        def values(self):
+            return None if self.store is None else self.store.values[:, :, :self.n]
+
+        @values.setter
+        def values(self, value):
+            if value is not None:
+                raise AttributeError("a ForkableLayer's values live in its store")
+
+        def lazy_initialization(self, key_states, value_states):
+            self.store, self.n = _store_from(key_states, value_states, 0, key_states.size(-2)), 0
+            self.dtype, self.device, self.is_initialized = key_states.dtype, key_states.device, True
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            q, st, n = key_states.size(-2), self.store, self.n
+            if st.frontier != n or n + q > st.keys.size(-2):  # another state wrote past n, or no room: copy first
+                st = self.store = _store_from(st.keys, st.values, n, q)
+            st.keys[:, :, n:n + q], st.values[:, :, n:n + q] = key_states, value_states
+            st.frontier = self.n = n + q
+            return self.keys, self.values
+
+        def get_seq_length(self) -> int:
+            return self.n
+
+        def fork(self, index: torch.Tensor | None = None):
+            """This layer's state for another line of steps; with `index`, of batch rows `index` (copied)."""
+            if self.store is None or index is None:
+                return ForkableLayer(self.store, self.n)
+            st = self.store
+            return ForkableLayer(_store_from(st.keys[index], st.values[index], self.n, 1), self.n)
+
+    return ForkableLayer
+
+
+def _new_cache():
+    """An empty cache of ForkableLayers (transformers >= 5), or None: the model makes its own (older versions)."""
+    try:
+        from transformers.cache_utils import Cache, CacheLayerMixin  # noqa: F401  (>= 5: per-layer caches)
+        layer = _forkable_layer_class()
+        return Cache(layer_class_to_replicate=layer)
+    except (ImportError, TypeError, ValueError):
+        return None
+
+
 def _fork_cache(past, index: torch.Tensor | None = None):
     """A cache that the model may extend without touching `past`; with `index` [B'], of batch rows `index` only.
 
@@ -152,6 +244,10 @@ def _fork_cache(past, index: torch.Tensor | None = None):
     if isinstance(past, (tuple, list)):  # legacy format: tuples are immutable, the model builds new ones
         return past if index is None else tuple(tuple(t[index] for t in layer) for layer in past)
     layers = getattr(past, "layers", None)
+    if layers and all(hasattr(layer, "fork") for layer in layers):  # ours: forks share or copy their buffers
+        new = copy.copy(past)
+        new.layers = [layer.fork(index) for layer in layers]
+        return new
     if layers is not None and all(type(layer).__name__ in _REBINDING_LAYERS for layer in layers):
         new = copy.copy(past)
         new.layers = [copy.copy(layer) for layer in layers]
@@ -212,7 +308,7 @@ class HFCausalLM:
         tokens = tokens.to(self.device)[:, None]  # [B, 1]
         positions = torch.full_like(tokens, n)  # [B, 1]: explicit, so no model has to infer it from the cache
         out = self.model(input_ids=tokens, position_ids=positions, use_cache=True,
-                         past_key_values=None if past is None else _fork_cache(past))
+                         past_key_values=_new_cache() if past is None else _fork_cache(past))
         return out.logits[:, -1].float().log_softmax(-1), (out.past_key_values, n + 1)  # [B, V]
 
     @property
@@ -232,7 +328,7 @@ class HFCausalLM:
         self._check_position(n)
         tokens = tokens.to(self.device)[:, None]  # [B, 1]
         out = self.model.base_model(input_ids=tokens, position_ids=torch.full_like(tokens, n), use_cache=True,
-                                    past_key_values=None if past is None else _fork_cache(past))
+                                    past_key_values=_new_cache() if past is None else _fork_cache(past))
         return out.last_hidden_state[:, -1], (out.past_key_values, n + 1)
 
     @torch.no_grad()

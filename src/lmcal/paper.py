@@ -11,6 +11,7 @@ TABLE1 = [
     {"model": "GPT-2 (paper)", "corpus": "WebText", "test_ppl": 23.7, "entrate_ppl": 61.2},
 ]
 AWD_LSTM_PTB = TABLE1[0]
+GPT2 = TABLE1[1]
 
 # The paper's AWD-LSTM after 500 epochs (validation / test perplexity), quoted in the text.
 AWD_LSTM_PTB_VAL_TEST = (64.3, 58.3)

@@ -161,6 +161,28 @@ def plan(cfg: DictConfig) -> list[dict]:
                            "cmd": py + ["lmcal.evaluate", f"ckpt={base_ckpt}", "stages=[memory]",
                                         "analysis.memory.limited=window", f"analysis.memory.tau={t}", *part.analysis,
                                         *lg, f"task_name={prefix}memory_window", f"hydra.run.dir={wdir}"]})
+    tr = cfg.get("transformer")
+    if tr:  # a transformer trained here: Table 1's row, its stages, and its memory profile without tau-models
+        root = out / "transformer"
+        base_ckpt = root / "base" / "checkpoints" / "best.ckpt"
+        stages.append({"name": "transformer_base", "dir": root / "base", "done": [root / "base" / "metrics.json"],
+                       "deps": [], "cmd": py + ["lmcal.train", f"data={cfg.dataset}", *tr.base, "analysis.stages=[]",
+                                                *lg, "task_name=transformer_base", f"hydra.run.dir={root / 'base'}"]})
+        ev = py + ["lmcal.evaluate", f"ckpt={base_ckpt}", *tr.analysis, *lg]
+        for stage in [n for n in STAGES if n in tr.stages]:
+            uses = [u for u in STAGES[stage].uses if u in tr.stages]
+            extra = [f"analysis.{stage}.{u}_json={root / u / (u + '.json')}" for u in uses]
+            stages.append({"name": f"transformer_{stage}", "dir": root / stage,
+                           "done": [root / stage / "evaluation.json"],
+                           "deps": ["transformer_base", *[f"transformer_{u}" for u in uses]],
+                           "cmd": ev + [f"stages=[{stage}]", *extra, f"task_name=transformer_{stage}",
+                                        f"hydra.run.dir={root / stage}"]})
+        for t in tr.window_taus:
+            wdir = root / "memory" / f"window_tau_{t}"
+            stages.append({"name": f"transformer_memory_window_tau{t}", "dir": wdir, "done": [wdir / "memory.json"],
+                           "deps": ["transformer_base"],
+                           "cmd": ev + ["stages=[memory]", "analysis.memory.limited=window", f"analysis.memory.tau={t}",
+                                        "task_name=transformer_memory_window", f"hydra.run.dir={wdir}"]})
     names = [st["name"] for st in stages] + ["report"]
     stages.append({"name": "report", "dir": out, "done": [out / "results.json", out / "REPORT.md"],
                    "fn": functools.partial(report, names=names), "deps": names[:-1]})
@@ -397,6 +419,8 @@ def schedule(stages: list[dict], cfg: DictConfig, out: Path, current: dict, jobs
 def reproduce(cfg: DictConfig) -> dict:
     check_config(cfg)  # the profile's own values (taus), before the folder is touched
     check_stages(list(cfg.stages), "full")
+    if cfg.get("transformer"):
+        check_stages(list(cfg.transformer.stages), "full")
     missing = [n for n in PAPER_STAGES if n not in cfg.stages]
     if missing:
         raise LmcalError(f"stages= must include {', '.join(PAPER_STAGES)}: the report is built on them (missing: "

@@ -35,7 +35,9 @@ def collect_results(cfg: DictConfig, out: Path, names: list[str]) -> dict:
         return [read_json(root / "memory" / f"{kind}tau_{t}" / "memory.json") for t in taus
                 for kind in ("", "window_")[:1 + bool(windows)]]
 
-    mem = memory_rows(ptb, cfg.taus, cfg.get("windows", False))
+    mem = [m | {"model": "awd_lstm"} for m in memory_rows(ptb, cfg.taus, cfg.get("windows", False))]
+    tr = transformer_results(cfg, out / "transformer")
+    mem += tr.pop("memory", [])
     mbase = read_json(mk / "base" / "metrics.json")
     mmem = memory_rows(mk, cfg.markov.taus, cfg.markov.get("windows", False))
     records = {n: read_json(out / "stages" / f"{n}.json") for n in names if (out / "stages" / f"{n}.json").is_file()}
@@ -64,10 +66,14 @@ def collect_results(cfg: DictConfig, out: Path, names: list[str]) -> dict:
                                         "entropy_last_nats", "tail_diff_nats", "tail_diff_stderr_nats")}
                      | {"entrate_tail_ppl": tail_ppl(r["curve_nats"])}
                      for r in dec["rows"]],
-        "memory": [{k: m[k] for k in ("tau", "ce_limited_nats", "mi_upper_bound_nats", "mi_stderr_nats", "alpha",
-                                      "alpha_stderr", "entropy_calibrated_nats", "limited",
+        "table1": [{"model": base["model"], "corpus": cfg.dataset, "test_ppl": er["test_ppl"],
+                    "entrate_ppl": er["entrate_ppl"], "horizon": er["horizon"], "unit": er.get("unit", "word")},
+                   *tr.pop("table1", [])],
+        "memory": [{k: m[k] for k in ("model", "tau", "ce_limited_nats", "mi_upper_bound_nats", "mi_stderr_nats",
+                                      "alpha", "alpha_stderr", "entropy_calibrated_nats", "limited",
                                       "mi_upper_bound_crossfit_nats", "delta_ce_nats", "delta_ce_stderr_nats",
-                                      "two_parameter")} for m in mem],
+                                      "two_parameter", "test_tokens", "cluster_size")} for m in mem],
+        **({"transformer": tr} if tr else {}),
         "markov": {"order": mbase["markov_order"],
                    "true_entropy_rate_nats": mbase["true_entropy_rate_nats"],
                    "estimated_entropy_rate_nats": mmem[0]["ce_full_nats"],
@@ -82,6 +88,30 @@ def collect_results(cfg: DictConfig, out: Path, names: list[str]) -> dict:
         "stages": {name: {"seconds": r["seconds"], "status": r["status"]} | stage_profile(Path(r["dir"]))
                    for name, r in records.items()},
     }
+
+
+def transformer_results(cfg: DictConfig, root: Path) -> dict:
+    """The transformer part of a reproduction (profile key `transformer`): its training metrics, Table 1 row, the
+    summaries of its stages, and its memory rows ("model": "transformer"); {} when the profile has none."""
+    tr = cfg.get("transformer")
+    if not tr:
+        return {}
+    base = read_json(root / "base" / "metrics.json")
+    out = {"base": {k: base.get(k) for k in ("model", "val_ppl", "test_ppl", "test_ce_nats", "epochs", "params",
+                                             "tokens_per_s", "train_seconds", "hf_folder")}}
+    evals = {n: read_json(root / n / "evaluation.json")[n] for n in STAGES if n in tr.stages}
+    for n, r in evals.items():
+        out[n] = STAGES[n].summary(r)
+    if "entropy_rate" in evals:
+        er = evals["entropy_rate"]
+        out["entropy_rate"] |= {"horizon": er["horizon"], "num_generations": er["num_generations"],
+                                "curve_nats": er["curve_nats"], "stderr_nats": er["stderr_nats"],
+                                "test_ppl": er["test_ppl"]}
+        out["table1"] = [{"model": "Transformer (ours, PTB)", "corpus": cfg.dataset, "test_ppl": er["test_ppl"],
+                          "entrate_ppl": er["entrate_ppl"], "horizon": er["horizon"], "unit": er["unit"]}]
+    out["memory"] = [read_json(root / "memory" / f"window_tau_{t}" / "memory.json") | {"model": "transformer"}
+                     for t in tr.window_taus]
+    return out
 
 
 OPERATIONS = ("forward", "select", "lookahead", "sampling", "entropy", "scoring", "fit", "io")
@@ -121,6 +151,44 @@ def profile_markdown(stages: dict, peak_flops: float) -> list[str]:
                      + " | ".join(f"{100 * p[k] / total:.0f}%" for k in
                                                                        (*OPERATIONS, "other")) +
                      (f" | {rate:.1f} | {100 * rate * 1e9 / peak_flops:.0f}% |" if rate else " | – | – |"))
+    return lines
+
+
+def transformer_table1(r: dict) -> list[str]:
+    """Table 1's transformer row, where the reproduction trained one."""
+    t = r.get("transformer", {})
+    if "entropy_rate" not in t:
+        return []
+    er = t["entropy_rate"]
+    tail = exp_or_inf(sum(er["curve_nats"][-max(1, len(er["curve_nats"]) // 10):])
+                      / max(1, len(er["curve_nats"]) // 10))
+    return [f"| Transformer (ours, PTB): {t['base']['model']} | ptb | {er['test_ppl']:.1f} | {er['entrate_ppl']:.1f} | "
+            f"{tail:.1f} |"]
+
+
+def transformer_memory_markdown(r: dict) -> list[str]:
+    """The bound at each tau for the AWD-LSTM (trained tau-models and windows) beside the transformer on windows, and
+    the transformer's own full memory table."""
+    rows = [m for m in r["memory"] if m.get("model") == "transformer"]
+    if not rows:
+        return []
+    from lmcal.report import memory_table
+
+    lstm = [m for m in r["memory"] if m.get("model") != "transformer"]
+    taus = sorted({m["tau"] for m in r["memory"]})
+    lines = ["### The AWD-LSTM beside the transformer", "",
+             "| tau | AWD-LSTM, trained P̃ | AWD-LSTM, window P̃ | transformer, window P̃ | paper (AWD-LSTM) |",
+             "|---|---|---|---|---|"]
+    for t in taus:
+        p = paper.MEMORY_PTB.get(int(t))
+        lines.append(f"| {t} | {_bound(lstm, t, 'trained')} | {_bound(lstm, t, 'window')} | "
+                     f"{_bound(rows, t, 'window')} | {f'{p[1]:.4f}' if p else '–'} |")
+    full = r["transformer"]["base"]["model"]
+    lines += ["", f"I_τ upper bounds in nats (± one standard error). The transformer ({full}) sees at most its "
+              "context: its P̂ conditions on the tokens within it (see full_context in its memory.json), so its "
+              "bound is the information it draws from between τ and its context back.", "",
+              "### The transformer's memory table", "",
+              memory_table([{**m, "corpus": "transformer"} for m in rows]), ""]
     return lines
 
 
@@ -208,8 +276,14 @@ def report_markdown(cfg: DictConfig, r: dict, out: Path) -> str:
         "| model | corpus | test ppl | EntRate = exp(entropy at the last step) | exp(mean entropy, last tenth) |",
         "|---|---|---|---|---|",
         entrate_row + f" {er['entrate_tail_ppl']:.1f} |",
-        f"| AWD-LSTM (paper) | ptb | {paper.AWD_LSTM_PTB['test_ppl']} | {paper.AWD_LSTM_PTB['entrate_ppl']} | |", "",
-        f"{er['num_generations']} generations of {er['horizon']} words. ![Figure 2](figure2_entropy_rate.png)", "",
+        *transformer_table1(r),
+        f"| AWD-LSTM (paper) | ptb | {paper.AWD_LSTM_PTB['test_ppl']} | {paper.AWD_LSTM_PTB['entrate_ppl']} | |",
+        f"| GPT-2 (paper) | WebText | {paper.GPT2['test_ppl']} | {paper.GPT2['entrate_ppl']} | |", "",
+        f"{er['num_generations']} generations of {er['horizon']} words"
+        + (f" (the transformer: {r['transformer']['entropy_rate']['num_generations']} of "
+           f"{r['transformer']['entropy_rate']['horizon']}, within its context)"
+           if "entropy_rate" in r.get("transformer", {}) else "")
+        + ". ![Figure 2](figure2_entropy_rate.png)", "",
         "## Lookahead calibration (Algorithm 2, Figure 3)", "",
         "| | alpha* | test ppl | EntRate (last step) | exp(mean entropy, last tenth) |", "|---|---|---|---|---|",
         f"| uncalibrated | 0 | {cal['test_ppl_before']:.2f} | {cal['entrate_ppl_before']:.1f} | "
@@ -236,6 +310,7 @@ def report_markdown(cfg: DictConfig, r: dict, out: Path) -> str:
         "![decoders](figure_decoders.png)", "",
         "## Memory (Section 5, Figure 4)", "",
         (out / f"memory_{cfg.dataset}.md").read_text().split("\n", 2)[2],
+        *transformer_memory_markdown(r),
         "## The exact check: an order-k Markov source", "",
         f"Order {mk['order']}. Entropy rate: exact {mk['true_entropy_rate_nats']:.4f} nats, estimated (the trained "
         f"LSTM's test cross-entropy) {mk['estimated_entropy_rate_nats']:.4f} ± "
