@@ -1,14 +1,16 @@
-"""Generation speed of a GPT-2-small-sized Hugging Face model through HFCausalLM: batched vs one at a time.
+"""Generation speed of a GPT-2-small-sized Hugging Face model through HFCausalLM, by batch size.
 
-    python bench/hf_generation.py [--prefixes 4] [--samples 8] [--serial 2] [--horizon 32] [--prefix-len 32]
-                                  [--threads N]
+    python bench/hf_generation.py [--batches 1 16 32 64 128] [--horizon 64] [--prefix-len 32] [--threads N]
+        [--out docs/bench/hf_generation.md]
 
 A randomly initialised GPT2LMHeadModel(GPT2Config()) (12 layers, 768 wide, vocabulary 50257, 124M parameters; speed
-does not depend on the weights) on the CPU, driven by lmcal's own generation_entropy_curve: prefixes x samples
-generations in one batch, then a few generations with batch 1, measured in the same run. Time per 1,000 generated
-tokens includes feeding the prefixes (not counted as generated tokens), as in bench/generation_speed.py.
-FLOP/s = 2 x (parameters in matrix multiplies, the tied LM head included, embedding lookups excluded) x generated
-tokens/s; utilisation = that over the float32 matmul FLOP/s of a big torch.mm measured in the same run.
+does not depend on the weights) on the CPU, driven by lmcal's own generation_entropy_curve (entropy recorded,
+inverse-CDF sampling): for each batch size, that many generations of --horizon tokens after --prefix-len tokens,
+with lmcal's cache (ForkableLayer: keys and values written in place into a preallocated buffer) and, as the
+reference, transformers' own growing cache (torch.cat of the whole past every step). Time includes feeding the
+prefixes (not counted as generated tokens). FLOP/s = 2 x (parameters in matrix multiplies, the tied LM head
+included, embedding lookups excluded) x generated tokens/s; MFU = that over the float32 matmul rate of a big
+torch.mm measured in the same run.
 """
 
 from __future__ import annotations
@@ -34,11 +36,11 @@ def hf_matmul_params(model) -> int:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--prefixes", type=int, default=4)
-    ap.add_argument("--samples", type=int, default=8, help="generations per prefix in the batched run")
-    ap.add_argument("--serial", type=int, default=2, help="generations timed one at a time (batch 1)")
-    ap.add_argument("--horizon", type=int, default=32)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 32, 64, 128])
+    ap.add_argument("--horizon", type=int, default=64)
     ap.add_argument("--prefix-len", type=int, default=32)
+    ap.add_argument("--reference", type=int, nargs="*", default=[64],
+                    help="batch sizes also run with transformers' growing cache")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch threads (default: torch's choice); on a machine busy with other work, fewer threads "
                          "than cores avoid threads that wait on each other")
@@ -49,6 +51,8 @@ def main():
         torch.set_num_threads(args.threads)  # before the matmul peak too: both are measured on the same threads
     from transformers import GPT2Config, GPT2LMHeadModel, __version__
 
+    import lmcal.hf as L
+
     torch.manual_seed(0)
     t = time.perf_counter()
     model = GPT2LMHeadModel(GPT2Config())
@@ -57,24 +61,28 @@ def main():
     n_params, n_mm = sum(p.numel() for p in model.parameters()), hf_matmul_params(model)
     peak = matmul_flops("cpu")
     V = lm.vocab_size
-    prefixes = torch.randint(0, V, (args.prefixes, args.prefix_len))
-    generated_per_s(lm, prefixes[:1, :4], 2, 1, max_batch=1)  # warm-up: first-call allocations and lazy imports
-    n_batch = args.prefixes * args.samples
-    batched = generated_per_s(lm, prefixes, args.horizon, args.samples, max_batch=n_batch)
-    serial = generated_per_s(lm, prefixes[: args.serial], args.horizon, 1, max_batch=1)
-
     emit(f"{torch.get_num_threads()} threads, torch {torch.__version__}, transformers {__version__}; "
-          f"float32 matmul {peak / 1e9:.1f} GFLOP/s (2048^3 torch.mm)")
+         f"float32 matmul {peak / 1e9:.1f} GFLOP/s (2048^3 torch.mm)")
     emit(f"GPT-2 small, random weights: {n_params / 1e6:.1f}M parameters, {n_mm / 1e6:.1f}M in matrix multiplies "
-          f"(LM head included); built in {build_s:.0f} s. Prefix {args.prefix_len} tokens, horizon {args.horizon}.")
-    emit(f"FLOP/s = 2 x {n_mm / 1e6:.1f}M x generated tokens/s; MFU = FLOP/s / measured matmul FLOP/s.")
-    emit('')
-    emit("| mode | generations | batch | generated tokens | s / 1,000 tokens | tokens/s | GFLOP/s | MFU | speed-up |")
-    emit("|---|---|---|---|---|---|---|---|---|")
-    for mode, n, batch, tps in (("one batch", n_batch, n_batch, batched), ("one at a time", args.serial, 1, serial)):
-        emit(f"| {mode} | {n} | {batch} | {n * args.horizon:,} | {1000 / tps:.1f} | {tps:,.1f} | "
-              f"{2 * n_mm * tps / 1e9:.1f} | {2 * n_mm * tps / peak:.1%} | {tps / serial:.1f}x |")
-
+         f"(LM head included); built in {build_s:.0f} s. Prefix {args.prefix_len} tokens, horizon {args.horizon}.")
+    emit("")
+    emit("| cache | batch | generated tokens | s / 1,000 tokens | tokens/s | GFLOP/s | MFU | vs batch 1 |")
+    emit("|---|---|---|---|---|---|---|---|")
+    prefixes = torch.randint(0, V, (max(args.batches), args.prefix_len))
+    generated_per_s(lm, prefixes[:1, :4], 2, 1, max_batch=1)  # warm-up: first-call allocations and lazy imports
+    runs = [("lmcal (in place)", b) for b in args.batches] + [("transformers (torch.cat)", b) for b in args.reference]
+    one = None
+    for cache, b in runs:
+        new_cache = L._new_cache
+        if cache.startswith("transformers"):
+            L._new_cache = lambda: None  # the model makes its own DynamicCache
+        try:
+            tps = generated_per_s(lm, prefixes[:b], args.horizon, 1, max_batch=b)
+        finally:
+            L._new_cache = new_cache
+        one = one or tps
+        emit(f"| {cache} | {b} | {b * args.horizon:,} | {1000 / tps:.2f} | {tps:,.1f} | {2 * n_mm * tps / 1e9:.1f} | "
+             f"{2 * n_mm * tps / peak:.1%} | {tps / one:.1f}x |")
     save_bench(args.out, "Hugging Face generation speed", "\n".join(lines))
 
 

@@ -105,7 +105,7 @@ def checkpoint_target(cfg: DictConfig, settings: dict[str, dict] | None = None) 
             target["base_ckpt"], target["base"] = target["ckpt"], net
         mtau = settings["memory"].get("tau") or tau  # the window length, else the tau-model's own
         target["exact_mi"] = markov_exact_mi(dm.prepare().info, mtau) if dm.name == "markov" and mtau else None
-    if "memory" not in cfg.stages or not tau:  # scores of a tau-model are the memory stage's
+    if not cfg.stages or set(cfg.stages) - {"memory"}:  # the memory stage scores both models itself, on its rows
         test_ce, _ = evaluate_ce(net, dm.tokens("test"), dm.test_batch_size, dm.bptt)
         log.info(f"{name} on {dm.name}: test ppl {exp_or_inf(test_ce):.2f}")
         target["test_ce"] = test_ce

@@ -150,7 +150,8 @@ class LMModule(pl.LightningModule):
             decay = [p for n, p in named if p.dim() >= 2]
             rest = [p for n, p in named if p.dim() < 2]
             return torch.optim.AdamW([{"params": decay, "weight_decay": hp.weight_decay},
-                                      {"params": rest, "weight_decay": 0.0}], lr=hp.lr, betas=tuple(hp.betas))
+                                      {"params": rest, "weight_decay": 0.0}], lr=hp.lr, betas=tuple(hp.betas),
+                                     fused=True)  # one kernel per step instead of a chain of foreach ops
         raise ValueError(f"optim.optimizer must be 'sgd', 'adam' or 'adamw', got {hp.optimizer!r}")
 
     def on_train_epoch_start(self):
