@@ -75,7 +75,7 @@ def main():
     for cache, b in runs:
         new_cache = L._new_cache
         if cache.startswith("transformers"):
-            L._new_cache = lambda: None  # the model makes its own DynamicCache
+            L._new_cache = lambda limit=None: None  # the model makes its own DynamicCache
         try:
             tps = generated_per_s(lm, prefixes[:b], args.horizon, 1, max_batch=b)
         finally:

@@ -29,10 +29,13 @@ class _Store:
         self.keys, self.values, self.frontier = keys, values, frontier
 
 
-def _store_from(keys: torch.Tensor, values: torch.Tensor, n: int, extra: int) -> _Store:
-    """A new store holding keys/values[:, :, :n] with room for at least `extra` more positions (capacity doubled)."""
+def _store_from(keys: torch.Tensor, values: torch.Tensor, n: int, extra: int, limit: int | None = None) -> _Store:
+    """A new store holding keys/values[:, :, :n] with room for at least `extra` more positions (capacity doubled, but
+    never past `limit`, the model's context, when it is known)."""
     B, H, _, D = keys.shape
     cap = max(64, 2 * (n + extra))
+    if limit:
+        cap = max(n + extra, min(cap, limit))
     k, v = keys.new_empty(B, H, cap, D), values.new_empty(B, H, cap, values.size(-1))
     k[:, :, :n], v[:, :, :n] = keys[:, :, :n], values[:, :, :n]
     return _Store(k, v, n)
@@ -50,9 +53,9 @@ def _forkable_layer_class():
     from transformers.cache_utils import DynamicLayer
 
     class ForkableLayer(DynamicLayer):
-        def __init__(self, store: _Store | None = None, n: int = 0):
+        def __init__(self, store: _Store | None = None, n: int = 0, limit: int | None = None):
             super().__init__()
-            self.store, self.n = store, n
+            self.store, self.n, self.limit = store, n, limit
             self.is_initialized = store is not None
 
         @property
@@ -74,7 +77,7 @@ def _forkable_layer_class():
                 raise AttributeError("a ForkableLayer's values live in its store")
 
         def lazy_initialization(self, key_states, value_states):
-            self.store, self.n = _store_from(key_states, value_states, 0, key_states.size(-2)), 0
+            self.store, self.n = _store_from(key_states, value_states, 0, key_states.size(-2), self.limit), 0
             self.dtype, self.device, self.is_initialized = key_states.dtype, key_states.device, True
 
         def update(self, key_states, value_states, *args, **kwargs):
@@ -82,7 +85,7 @@ def _forkable_layer_class():
                 self.lazy_initialization(key_states, value_states)
             q, st, n = key_states.size(-2), self.store, self.n
             if st.frontier != n or n + q > st.keys.size(-2):  # another state wrote past n, or no room: copy first
-                st = self.store = _store_from(st.keys, st.values, n, q)
+                st = self.store = _store_from(st.keys, st.values, n, q, self.limit)
             st.keys[:, :, n:n + q], st.values[:, :, n:n + q] = key_states, value_states
             st.frontier = self.n = n + q
             return self.keys, self.values
@@ -93,19 +96,20 @@ def _forkable_layer_class():
         def fork(self, index: torch.Tensor | None = None):
             """This layer's state for another line of steps; with `index`, of batch rows `index` (copied)."""
             if self.store is None or index is None:
-                return ForkableLayer(self.store, self.n)
+                return ForkableLayer(self.store, self.n, self.limit)
             st = self.store
-            return ForkableLayer(_store_from(st.keys[index], st.values[index], self.n, 1), self.n)
+            return ForkableLayer(_store_from(st.keys[index], st.values[index], self.n, 1, self.limit), self.n,
+                                 self.limit)
 
     return ForkableLayer
 
 
-def _new_cache():
+def _new_cache(limit: int | None = None):
     """An empty cache of ForkableLayers (transformers >= 5), or None: the model makes its own (older versions)."""
     try:
         from transformers.cache_utils import Cache, CacheLayerMixin  # noqa: F401  (>= 5: per-layer caches)
         layer = _forkable_layer_class()
-        return Cache(layer_class_to_replicate=layer)
+        return Cache(layer_class_to_replicate=functools.partial(layer, limit=limit))
     except (ImportError, TypeError, ValueError):
         return None
 
@@ -172,6 +176,10 @@ class HFCausalLM:
     def init_state(self, batch_size: int):
         return None, 0
 
+    def _past(self, past):
+        """The cache to hand the model: a fork of `past` (which stays as it is), or a new one."""
+        return _new_cache(self.max_positions) if past is None else _fork_cache(past)
+
     def _check_position(self, n: int) -> None:
         if self.max_positions is not None and n >= self.max_positions:
             raise LmcalError(f"The model takes at most {self.max_positions} tokens of context "
@@ -185,7 +193,7 @@ class HFCausalLM:
         tokens = tokens.to(self.device)[:, None]  # [B, 1]
         positions = torch.full_like(tokens, n)  # [B, 1]: explicit, so no model has to infer it from the cache
         out = self.model(input_ids=tokens, position_ids=positions, use_cache=True,
-                         past_key_values=_new_cache() if past is None else _fork_cache(past))
+                         past_key_values=self._past(past))
         return out.logits[:, -1].float().log_softmax(-1), (out.past_key_values, n + 1)  # [B, V]
 
     @property
@@ -205,7 +213,7 @@ class HFCausalLM:
         self._check_position(n)
         tokens = tokens.to(self.device)[:, None]  # [B, 1]
         out = self.model.base_model(input_ids=tokens, position_ids=torch.full_like(tokens, n), use_cache=True,
-                                    past_key_values=_new_cache() if past is None else _fork_cache(past))
+                                    past_key_values=self._past(past))
         return out.last_hidden_state[:, -1], (out.past_key_values, n + 1)
 
     @torch.no_grad()
