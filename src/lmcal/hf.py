@@ -98,7 +98,8 @@ def _forkable_layer_class():
             if self.store is None or index is None:
                 return ForkableLayer(self.store, self.n, self.limit)
             st = self.store
-            return ForkableLayer(_store_from(st.keys[index], st.values[index], self.n, 1, self.limit), self.n,
+            n = self.n  # only the positions this state owns are gathered
+            return ForkableLayer(_store_from(st.keys[index, :, :n], st.values[index, :, :n], n, 1, self.limit), n,
                                  self.limit)
 
     return ForkableLayer

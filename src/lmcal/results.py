@@ -97,8 +97,9 @@ def transformer_results(cfg: DictConfig, root: Path) -> dict:
     if not tr:
         return {}
     base = read_json(root / "base" / "metrics.json")
-    out = {"base": {k: base.get(k) for k in ("model", "val_ppl", "test_ppl", "test_ce_nats", "epochs", "params",
-                                             "tokens_per_s", "train_seconds", "hf_folder")}}
+    # training speed lives with the stage's wall time (results.json "stages"); the folder is relative to the run
+    out = {"base": {k: base.get(k) for k in ("model", "val_ppl", "test_ppl", "test_ce_nats", "epochs", "params")}
+           | {"hf_folder": str(Path("transformer", "base", "hf"))}}
     evals = {n: read_json(root / n / "evaluation.json")[n] for n in STAGES if n in tr.stages}
     for n, r in evals.items():
         out[n] = STAGES[n].summary(r)
@@ -119,13 +120,17 @@ OPERATIONS = ("forward", "select", "lookahead", "sampling", "entropy", "scoring"
 
 def stage_profile(folder: Path) -> dict:
     """{"profile": seconds per operation, "forward_gflop"} of the analysis stage whose run folder is `folder` (from
-    its evaluation.json; lmcal.profiling), or {} for a stage without one (training)."""
+    its evaluation.json; lmcal.profiling), a training stage's {"tokens_per_s", "train_seconds"}, or {}."""
     from lmcal.profiling import by_operation
 
     try:
         ev = read_json(folder / "evaluation.json")
     except (OSError, ValueError):
-        return {}
+        try:  # a training stage: its measured training speed
+            m = read_json(folder / "metrics.json")
+        except (OSError, ValueError):
+            return {}
+        return {k: m[k] for k in ("tokens_per_s", "train_seconds") if m.get(k) is not None}
     prof = next((v["profile"] for v in ev.values() if isinstance(v, dict) and "profile" in v), None)
     if not prof:
         return {}
@@ -336,13 +341,15 @@ def report_markdown(cfg: DictConfig, r: dict, out: Path) -> str:
         "forward's FLOP rate (2 x parameters per token) against this machine's float32 matmul rate, "
         f"{r['provenance'].get('matmul_gflop_per_s', float('nan')):.0f} GFLOP/s, measured in the report stage.", "",
         *profile_markdown(r["stages"], r["provenance"].get("matmul_gflop_per_s", float("nan")) * 1e9), "",
-        "## Stages", "", "| stage | seconds | run folder |", "|---|---|---|",
+        "## Stages", "", "Training stages add their training speed (tokens per second of optimiser steps).", "",
+        "| stage | seconds | training tokens/s | run folder |", "|---|---|---|---|",
     ]
     for name, s in r["stages"].items():
         rec = out / "stages" / f"{name}.json"
         folder = read_json(rec)["dir"] if rec.is_file() else str(out)
         rel = os.path.relpath(folder, out)
-        lines.append(f"| {name} | {s['seconds']:.0f} | [{rel}]({rel}) |")
+        tps = f"{s['tokens_per_s']:.0f}" if s.get("tokens_per_s") else "–"
+        lines.append(f"| {name} | {s['seconds']:.0f} | {tps} | [{rel}]({rel}) |")
     total = sum(s["seconds"] for s in r["stages"].values())
     lines += ["", f"Total: {total / 60:.1f} minutes. Settings: [profile.yaml](profile.yaml); logs in [logs/](logs)."]
     return "\n".join(lines) + "\n"
