@@ -11,6 +11,10 @@ reference, transformers' own growing cache (torch.cat of the whole past every st
 prefixes (not counted as generated tokens). FLOP/s = 2 x (parameters in matrix multiplies, the tied LM head
 included, embedding lookups excluded) x generated tokens/s; MFU = that over the float32 matmul rate of a big
 torch.mm measured in the same run.
+
+Where a step's time goes (--profile-batch): one cached step of the whole batch under torch.profiler, its time by
+operator, beside the matmul rate this machine reaches on that step's own shapes (M = batch rows against GPT-2's
+weight matrices), which bounds what the step can reach.
 """
 
 from __future__ import annotations
@@ -34,6 +38,53 @@ def hf_matmul_params(model) -> int:
                if isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D")
 
 
+def shape_rate(batch: int, d: int, vocab: int, reps: int = 20) -> float:
+    """FLOP/s of the matrix multiplies of one GPT-2 step at `batch` rows (per layer: qkv, out, fc, proj; then the
+    LM head), timed as torch.addmm / torch.mm on those shapes; the layers' products repeat 12 times."""
+    shapes = [(d, 3 * d), (d, d), (d, 4 * d), (4 * d, d)]
+    mats = [(torch.randn(batch, k), torch.randn(k, n), torch.randn(n)) for k, n in shapes]
+    head = torch.randn(d, vocab)
+    x = torch.randn(batch, d)
+
+    def step():
+        for _ in range(12):
+            for a, w, b in mats:
+                torch.addmm(b, a, w)
+        x @ head
+    step()
+    t = time.perf_counter()
+    for _ in range(reps):
+        step()
+    flops = 2 * batch * (12 * sum(k * n for k, n in shapes) + d * vocab)
+    return flops * reps / (time.perf_counter() - t)
+
+
+def step_profile(lm, prefixes: torch.Tensor, emit) -> None:
+    """One cached step of len(prefixes) generations, by operator (torch.profiler self CPU time)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    b = prefixes.size(0)
+    with torch.no_grad():
+        logp, state = lm.step(prefixes[:, 0], lm.init_state(b))
+        for t in range(1, prefixes.size(1)):
+            logp, state = lm.step(prefixes[:, t], state)
+        tok = logp.argmax(-1)
+        _, state = lm.step(tok, state)  # warm: the same shapes once outside the profile (a new state: stepping
+        # one state twice would write its cache slot twice, which copies the cache, as it must)
+        t0 = time.perf_counter()
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            lm.step(tok, state)
+        wall = time.perf_counter() - t0
+    rows = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+    total = sum(e.self_cpu_time_total for e in rows)
+    emit(f"One step at batch {b} after {prefixes.size(1)} tokens: {1000 * wall:.1f} ms under the profiler.")
+    emit("")
+    emit("| operator | calls | self CPU ms | share |")
+    emit("|---|---|---|---|")
+    for e in rows[:10]:
+        emit(f"| `{e.key}` | {e.count} | {e.self_cpu_time_total / 1000:.2f} | {e.self_cpu_time_total / total:.0%} |")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 32, 64, 128])
@@ -44,6 +95,7 @@ def main():
     ap.add_argument("--threads", type=int, default=None,
                     help="torch threads (default: torch's choice); on a machine busy with other work, fewer threads "
                          "than cores avoid threads that wait on each other")
+    ap.add_argument("--profile-batch", type=int, default=64, help="profile one step at this batch (0: none)")
     add_out_option(ap, "hf_generation")
     args = ap.parse_args()
     emit, lines = tee()
@@ -83,6 +135,13 @@ def main():
         one = one or tps
         emit(f"| {cache} | {b} | {b * args.horizon:,} | {1000 / tps:.2f} | {tps:,.1f} | {2 * n_mm * tps / 1e9:.1f} | "
              f"{2 * n_mm * tps / peak:.1%} | {tps / one:.1f}x |")
+    if args.profile_batch:
+        rate, rate128 = shape_rate(args.profile_batch, 768, V), shape_rate(128, 768, V)
+        emit("")
+        emit(f"Matrix multiplies on one step's own shapes ({args.profile_batch} rows; torch.addmm alone, no model): "
+             f"{rate / 1e9:.1f} GFLOP/s, {rate / peak:.0%} of the 2048^3 rate; at 128 rows {rate128 / peak:.0%}.")
+        emit("")
+        step_profile(lm, torch.randint(0, V, (args.profile_batch, args.prefix_len + args.horizon // 2)), emit)
     save_bench(args.out, "Hugging Face generation speed", "\n".join(lines))
 
 

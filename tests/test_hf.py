@@ -67,6 +67,20 @@ def test_steps_equal_one_uncached_forward(lm):
     torch.testing.assert_close(lp, full_log_probs(model, x), atol=1e-5, rtol=1e-5)
 
 
+def test_prefill_equals_steps_and_leaves_its_state_usable(lm):
+    x = torch.randint(0, V, (3, 12))
+    lp_steps, st_steps = feed(lm, x)
+    lp, st = lm.prefill(x[:, :5], lm.init_state(3))  # a prompt in one forward, then more of it, then steps
+    lp, st = lm.prefill(x[:, 5:9], st)
+    torch.testing.assert_close(lp, lp_steps[:, 8], atol=1e-5, rtol=1e-5)
+    for t in range(9, 12):
+        lp, st = lm.step(x[:, t], st)
+        torch.testing.assert_close(lp, lp_steps[:, t], atol=1e-5, rtol=1e-5)
+    assert st[1] == st_steps[1] == 12 and st[0].get_seq_length() == 12
+    with pytest.raises(LmcalError, match="at most 128 tokens"):
+        lm.prefill(torch.zeros(1, 129, dtype=torch.long), lm.init_state(1))
+
+
 def test_select_with_repeats_and_no_mutation(lm):
     x = torch.randint(0, V, (3, 9))
     _, state = feed(lm, x)

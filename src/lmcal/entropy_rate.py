@@ -196,8 +196,11 @@ def generation_entropy_curve(lm: StepLM, prefixes: torch.Tensor, horizon: int, s
         chunk = prefixes[lo:lo + per_chunk]  # [n, L]
         n = chunk.size(0)
         state = lm.init_state(n)
-        for i in range(L):
-            logp, state = lm.step(chunk[:, i], state)  # [n, V]
+        if hasattr(lm, "prefill"):  # the prefix in one forward (HFCausalLM: and one row of logits)
+            logp, state = lm.prefill(chunk, state)  # [n, V]
+        else:
+            for i in range(L):
+                logp, state = lm.step(chunk[:, i], state)  # [n, V]
         if hasattr(lm, "start_generation"):  # samplers with a running state start it after the prompt (Mirostat)
             logp, state = lm.start_generation(logp, state)
         rows = torch.arange(n, device=logp.device).repeat_interleave(S)  # [n*S]: prefix of each generation

@@ -197,6 +197,19 @@ class HFCausalLM:
                          past_key_values=self._past(past))
         return out.logits[:, -1].float().log_softmax(-1), (out.past_key_values, n + 1)  # [B, V]
 
+    @torch.no_grad()
+    def prefill(self, tokens, state):
+        """`step` over tokens [B, L] in one cached forward: (log-probs [B, V] after the last token, the state after
+        all L). Only the last position's logits are computed (the prompt's others would be thrown away)."""
+        past, n = state
+        L = tokens.size(1)
+        self._check_position(n + L - 1)
+        tokens = tokens.to(self.device)  # [B, L]
+        positions = (n + torch.arange(L, device=self.device)).expand_as(tokens)  # [B, L]
+        out = self.model(input_ids=tokens, position_ids=positions, use_cache=True, past_key_values=self._past(past),
+                         logits_to_keep=1)
+        return out.logits[:, -1].float().log_softmax(-1), (out.past_key_values, n + L)
+
     @property
     def head(self):
         """(weight [V, E], bias or None) of the output layer where the logits are exactly that layer applied to the
