@@ -65,9 +65,7 @@ def step_profile(lm, prefixes: torch.Tensor, emit) -> None:
 
     b = prefixes.size(0)
     with torch.no_grad():
-        logp, state = lm.step(prefixes[:, 0], lm.init_state(b))
-        for t in range(1, prefixes.size(1)):
-            logp, state = lm.step(prefixes[:, t], state)
+        logp, state = lm.prefill(prefixes, lm.init_state(b))
         tok = logp.argmax(-1)
         _, state = lm.step(tok, state)  # warm: the same shapes once outside the profile (a new state: stepping
         # one state twice would write its cache slot twice, which copies the cache, as it must)

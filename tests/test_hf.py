@@ -77,6 +77,14 @@ def test_prefill_equals_steps_and_leaves_its_state_usable(lm):
         lp, st = lm.step(x[:, t], st)
         torch.testing.assert_close(lp, lp_steps[:, t], atol=1e-5, rtol=1e-5)
     assert st[1] == st_steps[1] == 12 and st[0].get_seq_length() == 12
+    from lmcal import profiling  # a profiled model times its prefill as a forward: the body for every token, the
+    profiling.reset()  # output layer for the one decoded row per sequence
+    with profiling.span("generation"):
+        lp_prof, _ = profiling.profiled(lm).prefill(x[:, :9], lm.init_state(3))
+    torch.testing.assert_close(lp_prof, lp_steps[:, 8], atol=1e-5, rtol=1e-5)
+    params, out = sum(p.numel() for p in lm.model.parameters()), lm.head[0].numel()
+    assert profiling.snapshot()["generation/forward"]["gflop"] * 1e9 == pytest.approx(2 * (params - out) * 27
+                                                                                       + 2 * out * 3)
     with pytest.raises(LmcalError, match="at most 128 tokens"):
         lm.prefill(torch.zeros(1, 129, dtype=torch.long), lm.init_state(1))
 

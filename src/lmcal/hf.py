@@ -187,15 +187,8 @@ class HFCausalLM:
                              f"(config max_position_embeddings/n_positions) and was asked for token {n + 1}. Use "
                              "shorter prefixes or a shorter generation horizon.")
 
-    @torch.no_grad()
     def step(self, tokens, state):
-        past, n = state
-        self._check_position(n)
-        tokens = tokens.to(self.device)[:, None]  # [B, 1]
-        positions = torch.full_like(tokens, n)  # [B, 1]: explicit, so no model has to infer it from the cache
-        out = self.model(input_ids=tokens, position_ids=positions, use_cache=True,
-                         past_key_values=self._past(past))
-        return out.logits[:, -1].float().log_softmax(-1), (out.past_key_values, n + 1)  # [B, V]
+        return self.prefill(tokens[:, None], state)  # [B, V]
 
     @torch.no_grad()
     def prefill(self, tokens, state):
@@ -205,6 +198,7 @@ class HFCausalLM:
         L = tokens.size(1)
         self._check_position(n + L - 1)
         tokens = tokens.to(self.device)  # [B, L]
+        # positions explicit, so no model has to infer them from the cache
         positions = (n + torch.arange(L, device=self.device)).expand_as(tokens)  # [B, L]
         out = self.model(input_ids=tokens, position_ids=positions, use_cache=True, past_key_values=self._past(past),
                          logits_to_keep=1)

@@ -98,15 +98,17 @@ class _Profiled:
             return self._lm.select(state, index)
 
     def __getattr__(self, name):
-        attr = getattr(self._lm, name)  # AttributeError where the model has none (features is optional)
-        if name != "features" or self._lm.head is None:
+        attr = getattr(self._lm, name)  # AttributeError where the model has none (features, prefill are optional)
+        if name not in ("features", "prefill") or (name == "features" and self._lm.head is None):
             return attr
-        per_token = self._fpt - 2.0 * self._lm.head[0].numel()  # the step less its output layer, timed by the caller
+        # the output layer's FLOPs per decoded row (0 where unknown: prefill then counts it for every token)
+        out = 2.0 * self._lm.head[0].numel() if self._lm.head is not None else 0.0
 
-        def features(tokens, state):
-            with span("forward", per_token * tokens.numel()):
+        def forward(tokens, state):  # features decodes no row (the caller times its head), prefill one per sequence
+            rows = tokens.size(0) if name == "prefill" else 0
+            with span("forward", (self._fpt - out) * tokens.numel() + out * rows):
                 return attr(tokens, state)
-        return features
+        return forward
 
 
 def profiled(lm):

@@ -99,7 +99,7 @@ def transformer_results(cfg: DictConfig, root: Path) -> dict:
     base = read_json(root / "base" / "metrics.json")
     # training speed lives with the stage's wall time (results.json "stages"); the folder is relative to the run
     out = {"base": {k: base.get(k) for k in ("model", "val_ppl", "test_ppl", "test_ce_nats", "epochs", "params")}
-           | {"hf_folder": str(Path("transformer", "base", "hf"))}}
+           | {"hf_folder": str((root / "base" / "hf").relative_to(root.parent))}}
     evals = {n: read_json(root / n / "evaluation.json")[n] for n in STAGES if n in tr.stages}
     for n, r in evals.items():
         out[n] = STAGES[n].summary(r)
