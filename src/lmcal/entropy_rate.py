@@ -7,6 +7,7 @@ before each generated word. A calibrated model keeps it flat at the entropy rate
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,6 +28,7 @@ class EntropyCurve:
     samples_per_prefix: int
     per_prefix: np.ndarray  # [N, horizon] float64: the mean over each prefix's generations
     tail: np.ndarray  # [N, S] float64: each generation's mean entropy over the last tenth of the horizon (tail_steps)
+    generation_seconds: float = 0.0  # wall time of the generated words (the prefixes' feeding left out)
 
     @property
     def tail_mean(self) -> float:
@@ -192,6 +194,7 @@ def generation_entropy_curve(lm: StepLM, prefixes: torch.Tensor, horizon: int, s
     tail = np.empty((N, S))
     last = tail_steps(horizon)
     bar = tqdm(total=horizon * math.ceil(N / per_chunk), desc="generating", disable=not progress)
+    gen_seconds = 0.0
     for lo in range(0, N, per_chunk):
         chunk = prefixes[lo:lo + per_chunk]  # [n, L]
         n = chunk.size(0)
@@ -208,6 +211,7 @@ def generation_entropy_curve(lm: StepLM, prefixes: torch.Tensor, horizon: int, s
         gen_ids = lo * S + torch.arange(n * S, device=logp.device)  # global generation index: seeds its uniforms
         ent = torch.empty(horizon, n * S, dtype=torch.float64, device=logp.device)
         finite = torch.ones(n * S, dtype=torch.bool, device=logp.device)  # checked once, after the loop: no syncs
+        t_gen = time.perf_counter()
         for t in range(horizon):
             with span("entropy"):
                 p = logp.exp()  # [n*S, V], the model's dtype
@@ -222,7 +226,8 @@ def generation_entropy_curve(lm: StepLM, prefixes: torch.Tensor, horizon: int, s
             logp, state = lm.step(tokens, state)
         if not bool(finite.all()):
             raise ValueError("the model gave non-finite log-probabilities (nan or +inf) during generation")
-        ent = ent.view(horizon, n, S).cpu().numpy()
+        ent = ent.view(horizon, n, S).cpu().numpy()  # (a device sync: the generation time below is complete)
+        gen_seconds += time.perf_counter() - t_gen
         per_prefix[lo:lo + n] = ent.mean(axis=2).T
         tail[lo:lo + n] = ent[-last:].mean(axis=0)  # [n, S]
     bar.close()
@@ -233,4 +238,4 @@ def generation_entropy_curve(lm: StepLM, prefixes: torch.Tensor, horizon: int, s
         stderr = ent[:, 0, :].std(axis=1, ddof=1) / math.sqrt(S)  # the one chunk's generations
     else:
         stderr = np.full(horizon, np.nan)
-    return EntropyCurve(per_prefix.mean(axis=0), stderr, N * S, N, S, per_prefix, tail)
+    return EntropyCurve(per_prefix.mean(axis=0), stderr, N * S, N, S, per_prefix, tail, gen_seconds)

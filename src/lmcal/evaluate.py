@@ -71,7 +71,8 @@ def hf_target(cfg: DictConfig, settings: dict[str, dict] | None = None) -> dict:
     device = cfg.get("device") or ("cuda" if torch.cuda.is_available() else "cpu")
     lm = load_hf_model(m.name_or_path, device=device, dtype=m.get("dtype"))
     root = cfg.get("data_root")
-    texts = {split: Path(m.get(f"{split}_text") or ptb_text_file(split, root)) for split in ("valid", "test")}
+    splits = ("train", "valid", "test") if "future_entropy" in cfg.stages else ("valid", "test")  # heads need train
+    texts = {split: Path(m.get(f"{split}_text") or ptb_text_file(split, root)) for split in splits}
     tokens = {split: hf_text_tokens(path, lm.tokenizer, m.get("max_tokens")) for split, path in texts.items()}
     test_ce, n = hf_cross_entropy(lm, tokens["test"][:m.get("score_tokens")], m.get("context"))
     name = m.get("label") or Path(str(m.name_or_path)).name
@@ -81,7 +82,8 @@ def hf_target(cfg: DictConfig, settings: dict[str, dict] | None = None) -> dict:
                "test_text": str(texts["test"]), "test_ce_nats": test_ce, "test_ppl": exp_or_inf(test_ce),
                "test_tokens": n, "unit": "model token"}
     return {"lm": lm, "kind": "hf", "unit": "model token", "name": name, "corpus": corpus, "valid": tokens["valid"],
-            "test": tokens["test"], "test_ce": test_ce, "results": results}
+            "test": tokens["test"], "test_ce": test_ce, "results": results,
+            **({"train": tokens["train"]} if "train" in tokens else {})}
 
 
 def checkpoint_target(cfg: DictConfig, settings: dict[str, dict] | None = None) -> dict:
@@ -110,7 +112,7 @@ def checkpoint_target(cfg: DictConfig, settings: dict[str, dict] | None = None) 
         log.info(f"{name} on {dm.name}: test ppl {exp_or_inf(test_ce):.2f}")
         target["test_ce"] = test_ce
         target["results"].update({"test_ce_nats": test_ce, "test_ppl": exp_or_inf(test_ce)})
-    target.update(valid=dm.tokens("valid"), test=dm.tokens("test"), bptt=dm.bptt)
+    target.update(train=dm.tokens("train"), valid=dm.tokens("valid"), test=dm.tokens("test"), bptt=dm.bptt)
     return target
 
 

@@ -224,6 +224,15 @@ class MarkovOracle:
         ctx, n = state
         return ctx[index.to(self.device)], n
 
+    def state_features(self, state) -> torch.Tensor:
+        """The state as a one-hot vector [B, 1 + V + ... + V**order] (one block per context length): what a
+        future-entropy head (lmcal.future_entropy) reads, in place of a network's hidden state."""
+        ctx, n = state
+        m = min(n, self.order)
+        offset = sum(self.vocab_size ** i for i in range(m))
+        size = sum(self.vocab_size ** i for i in range(self.order + 1))
+        return torch.nn.functional.one_hot(ctx + offset, size).double()
+
 
 class DriftingOracle:
     """An exact LM that is almost perfect on true text yet whose generations drift: the paper's sharpness remark.
@@ -270,6 +279,11 @@ class DriftingOracle:
         mstate, switched = state
         return self.markov.select(mstate, index), switched[index.to(self.device)]
 
+    def state_features(self, state) -> torch.Tensor:
+        """[B, F]: the Markov state's one-hot and the switched flag."""
+        mstate, switched = state
+        return torch.cat([self.markov.state_features(mstate), switched[:, None].double()], 1)
+
     def expected_generation_entropy(self, horizon: int, markov_entropy: float) -> np.ndarray:
         """E[entropy before generated word t], t = 1..horizon [horizon], nats, for a prefix of true Markov text
         (so not switched before word 1) whose context is stationary.
@@ -284,6 +298,153 @@ class DriftingOracle:
         h2 = -q * math.log(q) - (1 - q) * math.log1p(-q)
         s = 1 - (1 - q) ** np.arange(horizon, dtype=np.float64)  # [horizon]: s[t-1] = P(switched before word t)
         return s * log_noise + (1 - s) * (h2 + (1 - q) * markov_entropy + q * log_noise)
+
+
+class DelayedDriftOracle:
+    """A drifting LM whose drift one-step lookahead cannot see: a word starts a countdown, and the noise comes later.
+
+    Vocabulary: the chain's V_M words, then `triggers` trigger words, then `noise_vocab` noise words. Phases: 0 normal;
+    c = 1..delay, a countdown with c Markov words still to come; delay + 1, noise for good. The predictive law:
+        normal:     (1 - q) P_Markov(. | ctx) on the Markov words, q / triggers on each trigger word;
+        countdown:  P_Markov(. | ctx) (no trigger);
+        noise:      uniform over the noise words.
+    A trigger moves normal to countdown `delay` (to noise at once when delay = 0); a Markov word moves countdown c to
+    c - 1, and countdown 1 to noise. Trigger and noise words leave the Markov context as it was.
+
+    True Markov text has no trigger, so it costs log 1/(1 - q) nats per word over the chain's own entropy. A free
+    generation draws a trigger at rate q, and `delay` words later its entropy jumps to log(noise_vocab) for good. The
+    entropy after a trigger is that of the countdown's Markov law, a little below the normal one: one-step lookahead
+    (H_next) sees nothing wrong with a trigger, while the discounted future entropy G_K(trigger) of a horizon
+    K > delay includes the noise (`future_entropies` gives every G_K exactly).
+
+    State = (MarkovOracle state, phase [B] long). The Markov state's token count n is shared by the rows; it only
+    matters (lower-order tables) while n < order, at the start of a stream, where a row that read a trigger or noise
+    word is then one step off.
+    """
+
+    def __init__(self, chain: MarkovChain, trigger_rate: float, delay: int, noise_vocab: int, triggers: int = 1,
+                 device="cpu"):
+        if not 0 < trigger_rate < 1 or delay < 0 or noise_vocab < 1 or triggers < 1:
+            raise ValueError(f"need 0 < trigger_rate < 1, delay >= 0, noise_vocab >= 1 and triggers >= 1; got "
+                             f"{trigger_rate}, {delay}, {noise_vocab}, {triggers}")
+        self.markov = MarkovOracle.from_chain(chain, device)
+        self.chain, self.q, self.delay = chain, float(trigger_rate), int(delay)
+        self.triggers, self.noise_vocab = int(triggers), int(noise_vocab)
+        self.markov_vocab = chain.vocab_size
+        self.vocab_size = chain.vocab_size + triggers + noise_vocab
+        self.noise_phase = self.delay + 1
+        self.device = self.markov.device
+
+    def init_state(self, batch_size: int):
+        return self.markov.init_state(batch_size), torch.zeros(batch_size, dtype=torch.long, device=self.device)
+
+    def _law(self, mlogp: torch.Tensor, phase: torch.Tensor) -> torch.Tensor:
+        """log-probs [B, V] from the Markov log-probs [B, V_M] and the phases [B]."""
+        B, f64 = mlogp.size(0), dict(dtype=torch.float64, device=self.device)
+        ninf = lambda n: torch.full((B, n), -math.inf, **f64)  # noqa: E731
+        trig = torch.full((B, self.triggers), math.log(self.q / self.triggers), **f64)
+        normal = torch.cat([mlogp + math.log1p(-self.q), trig, ninf(self.noise_vocab)], 1)
+        countdown = torch.cat([mlogp, ninf(self.triggers + self.noise_vocab)], 1)
+        noise = torch.cat([ninf(self.markov_vocab + self.triggers),
+                           torch.full((B, self.noise_vocab), -math.log(self.noise_vocab), **f64)], 1)
+        p = phase[:, None]
+        return torch.where(p == 0, normal, torch.where(p == self.noise_phase, noise, countdown))
+
+    def step(self, tokens, state):
+        (ctx, n), phase = state
+        tokens = tokens.to(self.device)
+        markov = tokens < self.markov_vocab
+        trigger = ~markov & (tokens < self.markov_vocab + self.triggers)
+        mlogp, (new_ctx, n) = self.markov.step(torch.where(markov, tokens, 0), (ctx, n))
+        ctx = torch.where(markov, new_ctx, ctx)  # trigger and noise words leave the Markov context alone
+        if not markov.all():
+            mlogp = self.markov.tables[min(n, self.markov.order)][ctx]
+        counted = torch.where(phase == 1, self.noise_phase, phase - 1)  # a Markov word read in the countdown
+        phase = torch.where(trigger & (phase == 0), self.delay if self.delay else self.noise_phase,
+                            torch.where(markov & (phase >= 1) & (phase <= self.delay), counted, phase))
+        phase = torch.where(~markov & ~trigger, self.noise_phase, phase)  # a noise word: noise for good
+        return self._law(mlogp, phase), ((ctx, n), phase)
+
+    def select(self, state, index):
+        mstate, phase = state
+        return self.markov.select(mstate, index), phase[index.to(self.device)]
+
+    def state_features(self, state) -> torch.Tensor:
+        """[B, F]: the Markov state's one-hot and the phase's."""
+        mstate, phase = state
+        return torch.cat([self.markov.state_features(mstate),
+                          torch.nn.functional.one_hot(phase, self.delay + 2).double()], 1)
+
+    # The exact answers, on the augmented chain of (full Markov context, phase) states
+
+    def _augmented(self):
+        """(entropy [S], transition probabilities [S, S], next state [S, V]) of the S = V_M**order * (delay + 2)
+        states s = phase * V_M**order + ctx (full contexts): the law in s, where each word leads, and their product."""
+        VM, k, P = self.markov_vocab, self.chain.order, self.chain.probs  # P [C, V_M]
+        C, D = VM ** k, self.delay + 2
+        S, V = C * D, self.vocab_size
+        ctx = np.arange(S) % C
+        phase = np.arange(S) // C
+        nxt = np.empty((S, V), dtype=np.int64)
+        law = np.zeros((S, V))
+        shifted = (ctx[:, None] % VM ** (k - 1)) * VM + np.arange(VM)  # [S, V_M]: the context after a Markov word
+        after_markov = np.where(phase == 0, 0, np.where(phase == 1, self.noise_phase,
+                                                          np.where(phase == self.noise_phase, phase, phase - 1)))
+        nxt[:, :VM] = after_markov[:, None] * C + shifted
+        trig_phase = np.where(phase == 0, self.delay if self.delay else self.noise_phase, phase)
+        nxt[:, VM:VM + self.triggers] = (trig_phase * C + ctx)[:, None]
+        nxt[:, VM + self.triggers:] = (self.noise_phase * C + ctx)[:, None]
+        normal, noise = phase == 0, phase == self.noise_phase
+        law[:, :VM] = P[ctx] * np.where(normal, 1 - self.q, np.where(noise, 0.0, 1.0))[:, None]
+        law[normal, VM:VM + self.triggers] = self.q / self.triggers
+        law[noise, VM + self.triggers:] = 1.0 / self.noise_vocab
+        ent = _entropy_np(law)
+        trans = np.zeros((S, S))
+        np.add.at(trans, (np.repeat(np.arange(S), V), nxt.ravel()), law.ravel())
+        return ent, trans, nxt
+
+    def future_entropies(self, horizon: int, discount: float = 1.0) -> np.ndarray:
+        """G_K(w | s) = E[sum_{j=1..K} discount**(j-1) H(law after word j of the continuation that starts with w)]
+        for every state s (see `state_index`) and word w: [S, V] float64, exact (K = horizon)."""
+        ent, trans, nxt = self._augmented()
+        v = ent.copy()  # v_1 = H
+        for _ in range(horizon - 1):
+            v = ent + discount * trans @ v  # v_j(s) = H(s) + discount * E[v_{j-1}(next state)]
+        return v[nxt]
+
+    def state_index(self, state) -> torch.Tensor:
+        """[B] the augmented-chain index of each row's state (full contexts: at least `order` Markov words read)."""
+        (ctx, n), phase = state
+        if n < self.chain.order:
+            raise ValueError(f"state_index needs full contexts: {n} tokens read, order {self.chain.order}")
+        return phase * self.markov_vocab ** self.chain.order + ctx
+
+    def augmented_states(self):
+        """The state of every augmented-chain index as a batch of S rows (full contexts), for `state_features` or a
+        model of the state (e.g. a future-entropy head's g in every state)."""
+        C = self.markov_vocab ** self.chain.order
+        idx = torch.arange(C * (self.delay + 2), device=self.device)
+        return (idx % C, self.chain.order), idx // C
+
+    def expected_generation_entropy(self, horizon: int, log_law: torch.Tensor | None = None) -> np.ndarray:
+        """E[entropy before generated word t], t = 1..horizon, for generations from a stationary context in the
+        normal phase (a prefix of true text): [horizon] float64, nats, exactly. log_law [S, V]: the generations
+        draw from this law in each augmented state instead (any reweighting of the oracle's, e.g. a calibrated one:
+        its support must be the oracle's, so the states move as they do), its entropy the one averaged."""
+        ent, trans, nxt = self._augmented()
+        if log_law is not None:
+            law = torch.as_tensor(log_law).detach().double().exp().cpu().numpy()  # [S, V]
+            ent = _entropy_np(law)
+            trans = np.zeros_like(trans)
+            np.add.at(trans, (np.repeat(np.arange(law.shape[0]), law.shape[1]), nxt.ravel()), law.ravel())
+        pi = markov_stationary(self.chain.probs, self.markov_vocab, self.chain.order)
+        mu = np.zeros(ent.size)
+        mu[:pi.size] = pi  # phase 0
+        out = np.empty(horizon)
+        for t in range(horizon):
+            out[t] = mu @ ent
+            mu = mu @ trans
+        return out
 
 
 @torch.no_grad()

@@ -142,7 +142,8 @@ def plan(cfg: DictConfig) -> list[dict]:
         ev = py + ["lmcal.evaluate", f"ckpt={base_ckpt}", *part.analysis, *lg]
         if not prefix:  # the full model's stages on PTB; on the Markov source the memory bound is what is checked
             for stage in [n for n in STAGES if n in cfg.stages]:  # each in its own run, in the registry's order
-                uses = STAGES[stage].uses  # e.g. decoders take their calibration row from the calibration stage
+                # e.g. decoders take their calibration row from the calibration stage, when it runs
+                uses = [u for u in STAGES[stage].uses if u in cfg.stages]
                 extra = [f"analysis.{stage}.{u}_json={root / u / (u + '.json')}" for u in uses]
                 stages.append({"name": stage, "dir": root / stage, "done": [root / stage / "evaluation.json"],
                                "deps": ["base", *uses],

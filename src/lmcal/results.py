@@ -83,11 +83,17 @@ def collect_results(cfg: DictConfig, out: Path, names: list[str]) -> dict:
                                                  "alpha", "limited", "mi_upper_bound_crossfit_nats", "delta_ce_nats",
                                                  "two_parameter")} for m in mmem],
                    "oracle": markov_oracle(cfg, mk)},
-        **{n: STAGES[n].summary(read_json(ptb / n / "evaluation.json")[n])
+        **{n: _unwrap(n, STAGES[n].summary(read_json(ptb / n / "evaluation.json")[n]))
            for n in cfg.stages if n not in PAPER_STAGES},
         "stages": {name: {"seconds": r["seconds"], "status": r["status"]} | stage_profile(Path(r["dir"]))
                    for name, r in records.items()},
     }
+
+
+def _unwrap(name: str, summary: dict):
+    """A stage's summary under its own name: the value itself where the summary is that one key (future_entropy's
+    rows), else the summary."""
+    return summary[name] if set(summary) == {name} else summary
 
 
 def transformer_results(cfg: DictConfig, root: Path) -> dict:
@@ -241,6 +247,8 @@ def report(cfg: DictConfig, out: Path, names: list[str]) -> None:
                                      "stderr": np.array(cal["diff_stderr_nats"]), "tail": cal["tail_diff_nats"],
                                      "tail_stderr": cal["tail_diff_stderr_nats"], "tail_steps": cal["tail_steps"]})
     copy_atomic(out / cfg.dataset / "decoders" / "decoders.png", out / "figure_decoders.png")
+    if "future_entropy" in cfg.stages:
+        copy_atomic(out / cfg.dataset / "future_entropy" / "future_entropy.png", out / "figure_future_entropy.png")
     memory_report([out / cfg.dataset / "memory", out / "markov" / "memory"], out, wandb_mode="disabled")
     write_json_atomic(out / "results.json", results)
     write_text_atomic(out / "REPORT.md", report_markdown(cfg, results, out))
@@ -260,6 +268,32 @@ def decoders_markdown(rows: list[dict]) -> list[str]:
                      f"{format_ce(d['test_ce_nats'])} | "
                      f"{d['zero_prob_fraction']:.4f} | {format_ce(d['test_ce_mixed_nats'])} |")
     return lines
+
+
+def future_entropy_markdown(cfg: DictConfig, out: Path) -> list[str]:
+    """REPORT.md's section of the future_entropy stage (none where the profile does not run it)."""
+    if "future_entropy" not in cfg.stages:
+        return []
+    from lmcal.analysis import future_entropy_table
+
+    fe = read_json(out / cfg.dataset / "future_entropy" / "future_entropy.json")
+    heads = [r for r in fe["rows"] if r["method"].startswith("future_entropy")]
+    best = min(heads, key=lambda r: abs(math.log(r["tail_ppl"] / fe["reference_test_ppl"])), default=None)
+    return [
+        "## Calibrating against future entropy (beyond one-step lookahead)", "",
+        f"Heads on the frozen model's state predict each next word's discounted future entropy G_K (K words, "
+        f"discount γ), trained on {fe['rollouts']} rollouts from the training text ({fe['rollout_examples']:,} "
+        f"examples, one rollout each); P ∝ P̂ exp(α g) and P̂^β exp(α g) fitted by the cross-entropy of "
+        f"{fe['fit_tokens']:,} validation positions. Rows from the decoders stage are on the same prefixes, seeds "
+        "and test words. Δ test CE is paired with the model word by word (± one standard error, blocks of "
+        f"{fe['cluster_size']} positions); ms / word: one generated word in {fe['timing_prefixes']} x "
+        f"{fe['samples_per_prefix']} generations of {fe['timing_horizon']} words, the same run for every method.", "",
+        future_entropy_table(fe["rows"], fe["reference_test_ce_nats"]).rstrip("\n"), "",
+        *([f"Closest to the test perplexity over the last tenth: {best['method']} "
+           f"({format_params(best['params'], drop=('stderr',))}), {best['tail_ppl']:.1f} against "
+           f"{fe['reference_test_ppl']:.1f}."] if best else []), "",
+        "![future entropy](figure_future_entropy.png)", "",
+    ]
 
 
 def _bound(rows: list[dict], tau: int, limited: str) -> str:
@@ -313,6 +347,7 @@ def report_markdown(cfg: DictConfig, r: dict, out: Path) -> str:
         "chosen by held-out cross-entropy.", "",
         *decoders_markdown(r["decoders"]), "",
         "![decoders](figure_decoders.png)", "",
+        *future_entropy_markdown(cfg, out),
         "## Memory (Section 5, Figure 4)", "",
         (out / f"memory_{cfg.dataset}.md").read_text().split("\n", 2)[2],
         *transformer_memory_markdown(r),
@@ -332,7 +367,7 @@ def report_markdown(cfg: DictConfig, r: dict, out: Path) -> str:
         "error (their bound is on the information *they* draw from beyond tau, and their excess cross-entropy "
         "over the source enters it).", "",
         "![Figure 4 on the Markov source](memory_markov.png)", "",
-        *[line for n in cfg.stages if n not in PAPER_STAGES for line in
+        *[line for n in cfg.stages if n not in (*PAPER_STAGES, "future_entropy") for line in
           (f"## Stage {n}", "", *(f"- {k}: {v}" for k, v in r[n].items()), "")],
         "## Where the time goes", "",
         "Each analysis stage's wall time by operation (lmcal.profiling; a share of the stage's seconds): forward = "

@@ -21,7 +21,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lmcal import profiling
-from lmcal.analysis import calibration_stage, decoders_stage, entropy_rate_stage, memory_stage
+from lmcal.analysis import (
+    calibration_stage,
+    decoders_stage,
+    entropy_rate_stage,
+    future_entropy_stage,
+    memory_stage,
+)
 from lmcal.errors import LmcalError
 from lmcal.validate import renamed_note
 
@@ -31,8 +37,8 @@ from lmcal.validate import renamed_note
 
 KINDS = {"full": "full-context model", "tau": "tau-limited model (model.memory_tau)", "hf": "Hugging Face model"}
 # Keyword arguments a stage function gets from the target and the entry point, never from its settings node.
-CONTEXT = ("model_name", "corpus", "unit", "logger", "name", "calibration", "base_ckpt", "ckpt", "exact_mi_nats",
-           "bptt")
+CONTEXT = ("model_name", "corpus", "unit", "logger", "name", "calibration", "decoders", "base_ckpt", "ckpt",
+           "exact_mi_nats", "bptt")
 
 
 @dataclass(frozen=True)
@@ -65,6 +71,20 @@ def _decoders_call(t, out, logger, earlier, calibration_json=None, **s):
         cal = json.loads(Path(calibration_json).read_text())
     return decoders_stage(t["lm"], t["valid"], t["test"], out, calibration=cal, unit=t["unit"], **_common(t, logger),
                           **s)
+
+
+def _future_call(t, out, logger, earlier, decoders_json=None, **s):
+    dec = earlier.get("decoders")  # this run's decoders rows, else a decoders stage's file
+    if dec is None and decoders_json:
+        if not Path(decoders_json).is_file():
+            raise LmcalError(f"analysis.future_entropy.decoders_json={decoders_json} does not exist; run "
+                             "stages=[decoders] first, or drop the setting to leave the decoders' rows out.")
+        dec = json.loads(Path(decoders_json).read_text())
+    if "train" not in t:
+        raise LmcalError("The future_entropy stage trains its heads on rollouts from the training text, which this "
+                         "model's target does not carry.")
+    return future_entropy_stage(t["lm"], t["train"], t["valid"], t["test"], out, decoders=dec, unit=t["unit"],
+                                **_common(t, logger), **s)
 
 
 def _memory_call(t, out, logger, earlier, **s):
@@ -104,6 +124,12 @@ STAGES: dict[str, Stage] = {s.name: s for s in [
                                                                       "zero_prob_fraction", "tail_diff_nats",
                                                                       "tail_diff_stderr_nats")} for row in r["rows"]}},
           entry_settings=("calibration_json",), uses=("calibration",)),
+    Stage("future_entropy", future_entropy_stage, _future_call, frozenset({"full", "hf"}),
+          lambda r: {"future_entropy": [{k: row.get(k) for k in (
+              "method", "params", "entrate_ppl", "tail_ppl", "test_ce_nats", "ms_per_token", "entropy_t1_nats",
+              "tail_diff_nats", "tail_diff_stderr_nats", "test_ce_diff_nats", "test_ce_diff_stderr_nats",
+              "zero_prob_fraction", "cost_ratio", "source")} for row in r["rows"]]},
+          entry_settings=("decoders_json",), uses=("decoders",)),
     Stage("memory", memory_stage, _memory_call, frozenset({"tau"}),
           _pick("alpha", "mi_upper_bound_nats", "mi_stderr_nats", "mi_upper_bound_crossfit_nats", "delta_ce_nats"),
           kinds_with=_memory_kinds, kinds_note="or, with analysis.memory.limited=window analysis.memory.tau=TAU, on "
