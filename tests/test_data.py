@@ -113,11 +113,13 @@ def test_download_checks_sums_and_leaves_nothing_on_failure(tmp_path, monkeypatc
     dest2 = tmp_path / "root2" / "ptb"
     with pytest.raises(D.DataError, match="nothing was written"):
         D.download_ptb(dest2, url=bad.as_uri())
-    assert list(dest2.iterdir()) == []
+    assert not (tmp_path / "root2").exists()  # not even the folders it made for the files
 
-    # an unreachable address: a clear error, not a traceback
+    # an unreachable address: a clear error, not a traceback; a folder that was there stays, empty
+    (tmp_path / "root3").mkdir()
     with pytest.raises(D.DataError, match="Could not download"):
         D.download_ptb(tmp_path / "root3" / "ptb", url=(tmp_path / "nope.tgz").as_uri())
+    assert list((tmp_path / "root3").iterdir()) == []
 
 
 def test_load_ptb_with_download_flag_fetches_then_reads(tmp_path, monkeypatch):

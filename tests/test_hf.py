@@ -231,6 +231,25 @@ def test_windowed_cross_entropy_scores_every_token_once(lm):
     assert n == 39 and ce == pytest.approx(manual / 39, abs=1e-5)
 
 
+def test_future_entropy_calibration_steps_the_tilted_law(lm):
+    """FutureCalibratedLM on a Hugging Face model: its fused product (the last hidden state against [lm_head, U])
+    equals log_softmax(beta log P + alpha g), g the head on the last hidden state."""
+    from lmcal.future_entropy import FutureCalibratedLM, FutureEntropyHead, step_features, word_vectors
+
+    torch.manual_seed(0)
+    head = FutureEntropyHead(32, V, hidden=8, rank=4, words=word_vectors(lm)).eval()
+    with torch.no_grad():
+        for p in head.parameters():
+            p.normal_(0, 0.3)
+    x = torch.randint(0, V, (3, 5))
+    logp, state = feed(lm, x[:, :4])
+    want_logp, f, _ = step_features(lm, x[:, 4], state)
+    torch.testing.assert_close(want_logp, lm.step(x[:, 4], state)[0], atol=1e-5, rtol=0)
+    want = (0.9 * want_logp - 0.4 * head(f).detach()).log_softmax(-1)
+    got, _ = FutureCalibratedLM(lm, head, -0.4, 0.9).step(x[:, 4], state)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
 def test_evaluate_model_hf_runs_the_generation_stages(tmp_path):
     """python -m lmcal.evaluate model=hf ... stages=[entropy_rate,calibration,decoders], through Hydra's compose."""
     from hydra import compose, initialize_config_dir
@@ -243,12 +262,14 @@ def test_evaluate_model_hf_runs_the_generation_stages(tmp_path):
     tiny_gpt2(vocab_size=len(WORDS)).save_pretrained(folder)
     tiny_tokenizer().save_pretrained(folder)
     g = np.random.default_rng(0)
-    for split in ("valid", "test"):
+    for split in ("valid", "test", "train"):  # valid and test as before: a fit known to be finite
         lines = [" ".join(g.choice(WORDS[1:], size=8)) for _ in range(60)]
         (tmp_path / f"{split}.txt").write_text("\n".join(lines) + "\n")
     overrides = ["model=hf", f"model.name_or_path={folder}", f"model.valid_text={tmp_path / 'valid.txt'}",
-                 f"model.test_text={tmp_path / 'test.txt'}", "model.context=64", "analysis=smoke", "logger=none",
-                 "stages=[entropy_rate,calibration,decoders]", "analysis.decoders.methods=[{name: top_p, p: 0.9}]"]
+                 f"model.test_text={tmp_path / 'test.txt'}", f"model.train_text={tmp_path / 'train.txt'}",
+                 "model.context=64", "analysis=smoke", "logger=none",
+                 "stages=[entropy_rate,calibration,decoders,future_entropy]",
+                 "analysis.decoders.methods=[{name: top_p, p: 0.9}]"]
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose("evaluate", overrides=overrides)
     with open_dict(cfg):
@@ -261,8 +282,16 @@ def test_evaluate_model_hf_runs_the_generation_stages(tmp_path):
     assert list(rows) == ["model", "top_p", "fitted_temperature", "calibration"]
     assert res["decoders"]["calibration_reused"]  # same settings: the calibration stage's row, not a refit
     assert rows["calibration"]["entrate_ppl"] == res["calibration"]["entrate_ppl_after"]
+    fe = [(r["method"], r["params"].get("horizon_k"), r["source"]) for r in res["future_entropy"]["rows"]]
+    assert fe == [("model", None, "future_entropy"), ("future_entropy", 1, "future_entropy"),
+                  ("future_entropy_temperature", 1, "future_entropy"), ("future_entropy", 5, "future_entropy"),
+                  ("future_entropy_temperature", 5, "future_entropy"), ("lookahead_exact", None, "future_entropy"),
+                  ("top_p", None, "decoders"), ("fitted_temperature", None, "decoders"),
+                  ("calibration", None, "decoders")]  # smoke: K in {1, 5}; V = 12, so exact lookahead runs too
+    assert all(r["ms_per_token"] > 0 and r["test_ce_nats"] is not None for r in res["future_entropy"]["rows"]
+               if r["method"] != "top_p")
     for name in ("entropy_rate.json", "calibration.json", "decoders.json", "decoders.md", "decoders.png",
-                 "evaluation.json"):
+                 "future_entropy.json", "future_entropy.md", "future_entropy.png", "evaluation.json"):
         assert (tmp_path / "eval" / name).is_file()
     for md in ("entropy_rate.md", "decoders.md"):
         assert "per model token" in (tmp_path / "eval" / md).read_text()

@@ -138,7 +138,18 @@ def download_ptb(folder: Path, url: str | None = None) -> None:
     Nothing is left in `folder` unless all three files arrived with their expected sums.
     """
     url = url or PTB_URL
+    made = [p for p in [folder, *folder.parents] if not p.exists()]  # the folders this call creates
     folder.mkdir(parents=True, exist_ok=True)
+    try:
+        _fetch_ptb(folder, url)
+    except BaseException:
+        for p in made:  # a failed download leaves no empty folders behind either (innermost first)
+            if p.is_dir() and not any(p.iterdir()):
+                p.rmdir()
+        raise
+
+
+def _fetch_ptb(folder: Path, url: str) -> None:
     with tempfile.TemporaryDirectory(dir=folder, prefix=".download-") as tmp:
         archive = Path(tmp) / "simple-examples.tgz"
         try:
