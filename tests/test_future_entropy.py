@@ -177,3 +177,21 @@ def test_fused_step_is_the_tilted_law_and_the_fits_are_minima():
     assert ce(one.alpha) == pytest.approx(one.ce_after, abs=1e-6)  # float32 rows: ~1e-7 relative
     assert ce(two.alpha, two.beta) == pytest.approx(two.ce_after, abs=1e-6)  # float32 rows: ~1e-7 relative
     assert two.ce_after <= one.ce_after + 1e-12 and one.ce_after <= one.ce_before
+
+
+def test_bad_settings_and_missing_inputs_are_one_paragraph(tmp_path):
+    from lmcal.analysis import _heads_of
+    from lmcal.errors import LmcalError
+    from lmcal.stages import STAGES
+
+    assert _heads_of([1, 5], [1.0, 0.95]) == [(1, 1.0), (5, 1.0), (5, 0.95)]  # K = 1 once: it has no discount
+    for k, d in ((0, 1.0), (2.5, 1.0), (5, 0.0), (5, 1.5), ("5", 1.0), (5, "x"), (True, 1.0)):
+        with pytest.raises(LmcalError, match="horizon_k a positive integer and 0 < discount <= 1"):
+            _heads_of([k], [d])
+    target = {"lm": None, "valid": None, "test": None, "unit": "word", "name": "m", "corpus": "c"}
+    call = STAGES["future_entropy"].call
+    with pytest.raises(LmcalError, match=r"decoders_json=.*no\.json does not exist; run stages=\[decoders\] first"):
+        call(target, tmp_path, None, {}, decoders_json=str(tmp_path / "no.json"))
+    with pytest.raises(LmcalError, match="rollouts from the training text"):
+        call(target, tmp_path, None, {})
+    assert not any(tmp_path.iterdir())  # nothing written

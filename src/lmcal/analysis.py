@@ -405,8 +405,9 @@ def _heads_of(horizon_k, discount) -> list[tuple[int, float]]:
     """The (K, discount) pairs of the settings: every K with every discount, K = 1 once (it has no discount)."""
     ks = list(horizon_k) if isinstance(horizon_k, (list, tuple)) else [horizon_k]
     ds = list(discount) if isinstance(discount, (list, tuple)) else [discount]
-    pairs = [(1, 1.0)] if 1 in ks else []
-    pairs += [(int(k), float(d)) for k in ks if k != 1 for d in ds]
+    one = [k for k in ks if k == 1 and not isinstance(k, bool)]
+    pairs = [(1, 1.0)] if one else []
+    pairs += [(k, d) for k in ks if not (k == 1 and not isinstance(k, bool)) for d in ds]  # checked by _check_horizons
     return _check_horizons(pairs)
 
 
@@ -446,7 +447,7 @@ def future_entropy_stage(lm, train_tokens: torch.Tensor, valid_tokens: torch.Ten
     `score_tokens` test tokens (paired with the plain model's, blocks of cluster_size positions as units); the
     zero-probability fraction; and ms_per_token, the wall time of one generated word in a run of
     timing_prefixes x samples_per_prefix generations of timing_horizon words (the same protocol for every method,
-    best of timing_repeats), with cost_ratio, its ratio to the plain model's.
+    best of timing_repeats), with cost_ratio, its ratio to the plain model's timed in between.
     Writes `<name>.json`, `.md` and `.png`."""
     from lmcal.calibration import target_log_probs
     from lmcal.future_entropy import (
@@ -480,15 +481,21 @@ def future_entropy_stage(lm, train_tokens: torch.Tensor, valid_tokens: torch.Ten
     if decoders and not reuse:
         log.info(f"{name}: the decoders result has other generation or scoring settings; its rows are left out")
 
-    def timing(model) -> float:
-        """ms per generated word on the timing protocol: the best of `timing_repeats` runs (the machine's own
-        noise only ever adds time)."""
-        best = math.inf
+    def timing(model) -> tuple[float, float]:
+        """(ms per generated word on the timing protocol, its ratio to the plain model's): each the best of
+        `timing_repeats` runs (the machine's own noise only ever adds time), the plain model's runs interleaved with
+        the method's so that both see the same machine."""
+        def run(m) -> float:
+            c = generation_entropy_curve(m, prefixes[:timing_prefixes], timing_horizon, samples_per_prefix, seed=seed,
+                                         max_batch=max_batch)
+            return 1000.0 * c.generation_seconds / (c.num_generations * timing_horizon)
+
+        best, best_plain = math.inf, math.inf
         for _ in range(timing_repeats):
-            c = generation_entropy_curve(model, prefixes[:timing_prefixes], timing_horizon, samples_per_prefix,
-                                         seed=seed, max_batch=max_batch)
-            best = min(best, 1000.0 * c.generation_seconds / (c.num_generations * timing_horizon))
-        return best
+            best = min(best, run(model))
+            if model is not lm:
+                best_plain = min(best_plain, run(lm))
+        return best, (1.0 if model is lm else best / best_plain)
 
     plain_tail, plain_logq = [], []
 
@@ -510,7 +517,7 @@ def future_entropy_stage(lm, train_tokens: torch.Tensor, valid_tokens: torch.Ten
              "test_ce_diff_nats": ce_diff, "test_ce_diff_stderr_nats": ce_diff_se,
              "zero_prob_fraction": zero.double().mean().item(),
              "test_ce_mixed_nats": -mix_uniform(logq, mix_epsilon, lm.vocab_size).mean().item(),
-             "ms_per_token": timing(model), "generation_ms_per_token":
+             **dict(zip(("ms_per_token", "cost_ratio"), timing(model), strict=True)), "generation_ms_per_token":
                  1000.0 * curve.generation_seconds / (curve.num_generations * horizon),
              "curve_nats": curve.mean.tolist(), "stderr_nats": curve.stderr.tolist(), "source": name,
              "seconds": time.perf_counter() - t, **(extra or {})}
@@ -573,14 +580,12 @@ def future_entropy_stage(lm, train_tokens: torch.Tensor, valid_tokens: torch.Ten
                                                   "entrate_ppl", "tail_ppl", "tail_diff_nats", "tail_diff_stderr_nats",
                                                   "test_ce_nats", "zero_prob_fraction", "test_ce_mixed_nats",
                                                   "curve_nats", "stderr_nats")},
-                         "ms_per_token": timing(model), "source": "decoders"})
+                         **dict(zip(("ms_per_token", "cost_ratio"), timing(model), strict=True)), "source": "decoders"})
     else:
         tf = fit_temperature(lm, fit_text, progress=True)
         rows.append(measure("fitted_temperature", {"temperature": tf.temperature,
                                                    "temperature_stderr": tf.temperature_stderr},
                             make_decoder("temperature", lm, temperature=tf.temperature)))
-    for r in rows:
-        r["cost_ratio"] = r["ms_per_token"] / rows[0]["ms_per_token"]
     ref_ce = rows[0]["test_ce_nats"]
     result = {"model": model_name, "corpus": corpus, "rows": rows, "reference_test_ce_nats": ref_ce,
               "reference_test_ppl": exp_or_inf(ref_ce), "heads": [list(h) for h in heads_spec],
@@ -590,14 +595,7 @@ def future_entropy_stage(lm, train_tokens: torch.Tensor, valid_tokens: torch.Ten
               "exact_lookahead": do_exact, "timing_prefixes": timing_prefixes, "timing_horizon": timing_horizon,
               "timing_repeats": timing_repeats,
               "mix_epsilon": mix_epsilon, **settings, "unit": unit, "seconds": time.perf_counter() - t0}
-    label = lambda r: r["method"] + (f" ({format_params(r['params'], drop=('stderr',))})" if r["params"] else "")
-    shown = [r for r in rows if r["source"] == name or r["method"] in ("calibration", "fitted_temperature")]
-    png = entropy_curve_figure({label(r): (np.asarray(r["curve_nats"]), np.asarray(r["stderr_nats"])) for r in shown},
-                               out / f"{name}.png", reference_nats={"test cross-entropy (true text)": ref_ce},
-                               title=f"{model_name} on {corpus}: calibration against future entropy",
-                               legend_outside=True,
-                               tail_differences={label(r): (r["tail_diff_nats"], r["tail_diff_stderr_nats"])
-                                                 for r in shown[1:]})
+    png = future_entropy_figure(result, out / f"{name}.png")
     write_text_atomic(out / f"{name}.md", future_entropy_table(rows, ref_ce) + f"\nEntropies and cross-entropies in "
                       f"nats per {unit}; ms per generated {unit} on {timing_prefixes * samples_per_prefix} "
                       f"generations of {timing_horizon}.\n")
@@ -608,6 +606,29 @@ def future_entropy_stage(lm, train_tokens: torch.Tensor, valid_tokens: torch.Ten
     log.info(f"{name}: {len(rows)} methods in {result['seconds']:.0f} s; {out / (name + '.json')}\n"
              f"{future_entropy_table(rows, ref_ce)}")
     return result
+
+
+def _short_label(r: dict) -> str:
+    """A row's name in the figure: the heads by K, γ (and β), the others by method and their main parameter."""
+    p = r["params"]
+    if "horizon_k" in p:
+        return f"head K={p['horizon_k']}, γ={p['discount']:g}" + (", with β" if "beta" in p else "")
+    return {"model": "model", "lookahead_exact": "exact one-step lookahead",
+            "calibration": f"top-{p.get('topk')} lookahead", "fitted_temperature": "fitted temperature"}.get(
+        r["method"], r["method"])
+
+
+def future_entropy_figure(result: dict, path: str | Path) -> Path:
+    """The future_entropy stage's figure from its result: the plain model, each head's calibrated model, exact and
+    top-k lookahead and the fitted temperature (the truncating decoders are on the decoders' figure), with the paired
+    differences over the last tenth."""
+    rows = result["rows"]
+    shown = [r for r in rows if r.get("source") != "decoders" or r["method"] in ("calibration", "fitted_temperature")]
+    return entropy_curve_figure(
+        {_short_label(r): (np.asarray(r["curve_nats"]), np.asarray(r["stderr_nats"])) for r in shown}, path,
+        reference_nats={"test cross-entropy (true text)": result["reference_test_ce_nats"]},
+        title=f"{result['model']} on {result['corpus']}: calibration against future entropy", legend_outside=True,
+        tail_differences={_short_label(r): (r["tail_diff_nats"], r["tail_diff_stderr_nats"]) for r in shown[1:]})
 
 
 def _suffix(r: dict) -> str:

@@ -140,7 +140,8 @@ def _check_horizons(horizons) -> list[tuple[int, float]]:
     out = []
     for h in horizons:
         k, d = (h["horizon_k"], h.get("discount", 1.0)) if isinstance(h, dict) else h
-        if isinstance(k, bool) or int(k) != k or k < 1 or not 0 < float(d) <= 1:
+        numbers = all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in (k, d))
+        if not numbers or int(k) != k or k < 1 or not 0 < d <= 1:
             raise LmcalError(f"A future-entropy horizon needs horizon_k a positive integer and 0 < discount <= 1; "
                              f"got {h}.")
         out.append((int(k), float(d)))

@@ -287,7 +287,8 @@ def future_entropy_markdown(cfg: DictConfig, out: Path) -> list[str]:
         f"{fe['fit_tokens']:,} validation positions. Rows from the decoders stage are on the same prefixes, seeds "
         "and test words. Δ test CE is paired with the model word by word (± one standard error, blocks of "
         f"{fe['cluster_size']} positions); ms / word: one generated word in {fe['timing_prefixes']} x "
-        f"{fe['samples_per_prefix']} generations of {fe['timing_horizon']} words, the same run for every method.", "",
+        f"{fe['samples_per_prefix']} generations of {fe['timing_horizon']} words, the same run for every method, the "
+        f"best of {fe.get('timing_repeats', 1)}; × model: that time over the plain model's, timed in between.", "",
         future_entropy_table(fe["rows"], fe["reference_test_ce_nats"]).rstrip("\n"), "",
         *([f"Closest to the test perplexity over the last tenth: {best['method']} "
            f"({format_params(best['params'], drop=('stderr',))}), {best['tail_ppl']:.1f} against "

@@ -62,24 +62,26 @@ def _common(target: dict, logger) -> dict:
     return {"model_name": target["name"], "corpus": target["corpus"], "logger": logger}
 
 
+def _used(earlier: dict, stage: str, use: str, path: str | None, otherwise: str) -> dict | None:
+    """The result of stage `use` that `stage` reads: this run's, else the file analysis.<stage>.<use>_json names
+    (None without either); `otherwise` says what the stage does without it."""
+    r = earlier.get(use)
+    if r is None and path:
+        if not Path(path).is_file():
+            raise LmcalError(f"analysis.{stage}.{use}_json={path} does not exist; run stages=[{use}] first, or drop "
+                             f"the setting to {otherwise}.")
+        r = json.loads(Path(path).read_text())
+    return r
+
+
 def _decoders_call(t, out, logger, earlier, calibration_json=None, **s):
-    cal = earlier.get("calibration")  # this run's calibration row, else a calibration stage's file
-    if cal is None and calibration_json:
-        if not Path(calibration_json).is_file():
-            raise LmcalError(f"analysis.decoders.calibration_json={calibration_json} does not exist; run "
-                             "stages=[calibration] first, or drop the setting to fit the calibration row here.")
-        cal = json.loads(Path(calibration_json).read_text())
+    cal = _used(earlier, "decoders", "calibration", calibration_json, "fit the calibration row here")
     return decoders_stage(t["lm"], t["valid"], t["test"], out, calibration=cal, unit=t["unit"], **_common(t, logger),
                           **s)
 
 
 def _future_call(t, out, logger, earlier, decoders_json=None, **s):
-    dec = earlier.get("decoders")  # this run's decoders rows, else a decoders stage's file
-    if dec is None and decoders_json:
-        if not Path(decoders_json).is_file():
-            raise LmcalError(f"analysis.future_entropy.decoders_json={decoders_json} does not exist; run "
-                             "stages=[decoders] first, or drop the setting to leave the decoders' rows out.")
-        dec = json.loads(Path(decoders_json).read_text())
+    dec = _used(earlier, "future_entropy", "decoders", decoders_json, "leave the decoders' rows out")
     if "train" not in t:
         raise LmcalError("The future_entropy stage trains its heads on rollouts from the training text, which this "
                          "model's target does not carry.")
