@@ -29,8 +29,14 @@ def _env():
 
 
 def _numbers(results: dict) -> dict:
-    """results.json without the wall times and the provenance (date, command), which differ from run to run."""
-    return {k: v for k, v in results.items() if k not in ("stages", "provenance")}
+    """results.json without the wall times (at any depth: future_entropy's ms per word) and the provenance (date,
+    command), which differ from run to run."""
+    def strip(obj):
+        if isinstance(obj, dict):
+            return {k: strip(v) for k, v in obj.items() if k not in TIMING}
+        return [strip(v) for v in obj] if isinstance(obj, list) else obj
+
+    return strip(results)
 
 
 @pytest.fixture(scope="module")
@@ -123,20 +129,22 @@ def test_killed_and_rerun_gives_the_same_results(uninterrupted, tmp_path):
 
 
 def test_changed_settings_are_reported_and_force_redoes_them_and_what_uses_them(uninterrupted, tmp_path):
-    """A copy of the finished reproduction (paths are recorded relative to it), rerun with another decoders setting:
-    one paragraph naming the stage and the key, nothing run; with force=true only decoders and the report rerun."""
+    """A copy of the finished reproduction (paths are recorded relative to it), rerun with another decoders setting
+    (which future_entropy shares, for its rows beside the decoders'): one paragraph naming the stages and the keys,
+    nothing run; with force=true only they and the report rerun."""
     out = tmp_path / "copy"
     shutil.copytree(uninterrupted[0], out)
     changed = "analysis=[analysis=smoke,analysis.decoders.mix_epsilon=1e-4]"
     r = subprocess.run(_cmd(out, changed), env=_env(), capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
     msg = r.stderr.strip().splitlines()[-1]
-    assert "The settings of 1 stage in" in msg and "decoders (analysis.decoders.mix_epsilon: 1e-06 -> 0.0001)" in msg
+    assert "The settings of 2 stages in" in msg and "decoders (analysis.decoders.mix_epsilon: 1e-06 -> 0.0001)" in msg
+    assert "future_entropy (analysis.future_entropy.mix_epsilon: 1e-06 -> 0.0001)" in msg
     assert "(report)" in msg and "FORCE=1" in msg and "running" not in r.stdout
     r = subprocess.run(_cmd(out, changed, "force=true"), env=_env(), capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     ran = [line.split("]")[1].split(":")[0].strip() for line in r.stdout.splitlines() if ": running (log" in line]
-    assert ran == ["decoders", "report"], r.stdout
+    assert ran == ["decoders", "future_entropy", "report"], r.stdout
     res = json.loads((out / "results.json").read_text())
     assert _numbers(res)["calibration"] == _numbers(uninterrupted[1])["calibration"]
     assert res["decoders"] != uninterrupted[1]["decoders"]  # the mixed CE moved with epsilon
@@ -191,7 +199,8 @@ def test_a_new_stage_runs_through_the_pipeline(uninterrupted, tmp_path):
 
 
 TIMING = {"seconds", "fit_seconds", "rows_seconds", "wall_seconds", "train_seconds", "tokens_per_s",
-          "generated_tokens_per_s", "profile", "provenance", "stages", "_runtime", "_timestamp"}
+          "generated_tokens_per_s", "profile", "provenance", "stages", "_runtime", "_timestamp", "ms_per_token",
+          "cost_ratio", "generation_ms_per_token", "rollout_seconds"}
 
 
 def _without_timing(obj, out: str):
