@@ -414,13 +414,13 @@ def _heads_of(horizon_k, discount) -> list[tuple[int, float]]:
 def _paired_ce(logq: torch.Tensor, logq_ref: torch.Tensor, streams: int, cluster_size: int) -> tuple[float, float]:
     """Mean of -log q + log q_ref over the test words (t-major, `streams` streams) and its standard error with blocks
     of cluster_size positions of a stream as units."""
-    from lmcal.future_entropy import _block_sums
+    from lmcal.expfit import stream_block_sums
 
     d = (logq_ref - logq).double()
     if not torch.isfinite(d).all():
         return math.inf, math.nan
     c = d - d.mean()
-    return d.mean().item(), math.sqrt(_block_sums(c, streams, cluster_size).pow(2).sum().item()) / d.numel()
+    return d.mean().item(), math.sqrt(stream_block_sums(c, streams, cluster_size).pow(2).sum().item()) / d.numel()
 
 
 def future_entropy_stage(lm, train_tokens: torch.Tensor, valid_tokens: torch.Tensor, test_tokens: torch.Tensor,
@@ -535,14 +535,14 @@ def future_entropy_stage(lm, train_tokens: torch.Tensor, valid_tokens: torch.Ten
              f"{time.perf_counter() - t_roll:.0f} s)")
     logp, feats, y = fit_rows(lm, fit_text, min_context, progress=True)
     words = word_vectors(lm)
+    words = None if words is None else words.cpu()  # the heads train and fit on the CPU rows
     heads = []
     for j, (k, d) in enumerate(heads_spec):
         t = time.perf_counter()
         head, stats = train_head(ex, j, lm.vocab_size, words, hidden=hidden, rank=rank, epochs=epochs,
                                  batch_size=batch_size, lr=lr, weight_decay=weight_decay, seed=seed)
-        head = head.to(logp.device if words is None else words.device)
         stats["train_seconds"] = time.perf_counter() - t
-        g = head_rows(head.cpu(), feats)  # [n, V]
+        g = head_rows(head, feats)  # [n, V]
         fit = None
         for two in ([False, True] if temperature else [False]):
             fit = fit_future_calibration(logp, g, y, temperature=two, streams=fit_streams, cluster_size=cluster_size,

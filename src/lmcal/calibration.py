@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lmcal.errors import LmcalError
-from lmcal.expfit import fit_alpha, objective
+from lmcal.expfit import fit_alpha, objective, stream_block_sums
 from lmcal.lookahead import (  # noqa: F401  (entropy, mix_uniform, linear_entropy, lookahead_entropies: public here too)
     _advance_keys,
     _candidate_entropies,
@@ -87,11 +87,7 @@ def _stream_block_stderr(g: torch.Tensor, d2: float, streams: int, cluster_size:
     (n CE'')^2; inf when d2 = 0."""
     if not d2 > 0:
         return math.inf
-    x = g.view(-1, streams).T  # [B, T]: each stream's positions in order
-    T = x.size(1)
-    nb = -(-T // cluster_size)
-    x = torch.nn.functional.pad(x, (0, nb * cluster_size - T)).view(streams, nb, cluster_size).sum(-1)  # [B, nb]
-    return math.sqrt(x.pow(2).sum().item()) / (g.numel() * d2)
+    return math.sqrt(stream_block_sums(g, streams, cluster_size).pow(2).sum().item()) / (g.numel() * d2)
 
 
 def _fit(stats: tuple, bound: float, what: str, streams: int = 1, cluster_size: int = 1):

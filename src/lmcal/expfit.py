@@ -180,6 +180,19 @@ def block_sums(x: torch.Tensor, size: int) -> torch.Tensor:
     return torch.cat([x, x.new_zeros(nb * size - x.numel())]).view(nb, size).sum(1)
 
 
+def stream_block_sums(x: torch.Tensor, streams: int, size: int) -> torch.Tensor:
+    """x [n, ...] in t-major order of `streams` parallel streams -> sums over blocks of `size` consecutive positions
+    of one stream [streams * ceil(T / size), ...] (the last block of a stream may be shorter): the independent units
+    of a standard error when the text is read as several streams."""
+    rest = x.shape[1:]
+    x = x.reshape(-1, streams, *rest).transpose(0, 1)  # [streams, T, ...]: each stream's positions in order
+    T = x.size(1)
+    nb = -(-T // size)
+    if nb * size > T:
+        x = torch.cat([x, x.new_zeros(streams, nb * size - T, *rest)], 1)
+    return x.reshape(streams * nb, size, *rest).sum(1)
+
+
 def sandwich_stderr(g: torch.Tensor, d2: float, cluster_size: int = 1) -> float:
     """Standard error of a* from the per-row gradients g = CE'_t(a*) [N] and d2 = CE''(a*) (inf when d2 = 0).
 

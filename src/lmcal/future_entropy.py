@@ -31,14 +31,14 @@ Everything here runs on the StepLM interface; the state features come from `feat
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from lmcal.entropy_rate import _uniforms, draw, random_prefixes
 from lmcal.errors import LmcalError
-from lmcal.expfit import fit_theta, objective_k, row_terms_k, with_targets_k
+from lmcal.expfit import blocks, fit_theta, objective_k, row_terms_k, stream_block_sums, with_targets_k
 from lmcal.lookahead import entropy
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -46,15 +46,18 @@ from lmcal.lookahead import entropy
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def has_features(lm) -> bool:
-    return (getattr(lm, "head", None) is not None and hasattr(lm, "features")) or hasattr(lm, "state_features")
+def _linear_head(lm):
+    """(weight [V, E], bias [V] or None) of a model whose step is log_softmax(features @ weight.T + bias) (lmcal.lm's
+    `features` and `head`), else None."""
+    head = getattr(lm, "head", None)
+    return head if head is not None and hasattr(lm, "features") else None
 
 
 def step_features(lm, tokens: torch.Tensor, state):
     """Feed tokens [B]: (log-probs [B, V] float32+, state features f [B, F], new state). A network with a linear
     last layer gives its last layer's input (lmcal.lm's `features`); an oracle its `state_features`."""
-    head = getattr(lm, "head", None)
-    if head is not None and hasattr(lm, "features"):
+    head = _linear_head(lm)
+    if head is not None:
         f, state = lm.features(tokens, state)  # [B, E]
         w, b = head
         z = f.float() @ w.float().T if b is None else torch.addmm(b.float(), f.float(), w.float().T)
@@ -68,8 +71,8 @@ def step_features(lm, tokens: torch.Tensor, state):
 
 def word_vectors(lm) -> torch.Tensor | None:
     """The model's output embedding [V, E] (None for a model without a linear last layer)."""
-    head = getattr(lm, "head", None)
-    return None if head is None or not hasattr(lm, "features") else head[0].detach()
+    head = _linear_head(lm)
+    return None if head is None else head[0].detach()
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -96,19 +99,10 @@ class FutureEntropyHead(nn.Module):
             self.words = nn.Parameter(torch.randn(vocab_size, rank) * 0.01)
         self.register_buffer("shift", torch.zeros(()))  # targets are standardised for training: g = shift + scale * .
         self.register_buffer("scale", torch.ones(()))
-        self._frozen = None  # U [V, r], formed once in eval mode
 
     def word_matrix(self) -> torch.Tensor:
-        if not self.training and self._frozen is not None:
-            return self._frozen
-        u = self.proj(self.basis) if self.basis is not None else self.words  # [V, r]
-        if not self.training:
-            self._frozen = u.detach()
-        return u
-
-    def train(self, mode: bool = True):
-        self._frozen = None
-        return super().train(mode)
+        """U [V, r] (FutureCalibratedLM forms it once; a full g [B, V] forms it per call)."""
+        return self.proj(self.basis) if self.basis is not None else self.words
 
     def forward(self, f: torch.Tensor, words: torch.Tensor | None = None) -> torch.Tensor:
         """g [B, V] (words None), or g at the given words [B] -> [B]."""
@@ -175,9 +169,8 @@ def rollout_examples(lm, text: torch.Tensor, horizons, *, contexts: int = 400, p
         for i in range(prefix_len):
             logp, f, state = step_features(lm, chunk[:, i], state)
         bar.update(B * prefix_len)
-        gen = lo + torch.arange(B)  # row ids: seed their uniforms (counter-based, like generation)
-        gen = gen.to(logp.device)
-        true_word = (lo + torch.arange(B) < contexts).to(logp.device)  # [B]
+        gen = (lo + torch.arange(B)).to(logp.device)  # row ids: seed their uniforms (counter-based, like generation)
+        true_word = gen < contexts  # [B]: the first half of the rows take the true next word
         f_buf, w_buf, h_buf = [], [], []
         for i in range(length + 1):
             w, _ = draw(logp.exp(), _uniforms(seed + 1, gen, i))  # [B]
@@ -276,19 +269,6 @@ def head_rows(head: FutureEntropyHead, f: torch.Tensor, rows: int = 4096) -> tor
     return torch.cat([head(x) for x in f.split(rows)])
 
 
-def _block_sums(x: torch.Tensor, streams: int, cluster_size: int) -> torch.Tensor:
-    """x [n, ...] in t-major order of `streams` streams -> sums over blocks of cluster_size positions of a stream
-    [blocks, ...]: the independent units of the standard errors (dependence along the text)."""
-    rest = x.shape[1:]
-    x = x.reshape(-1, streams, *rest).transpose(0, 1)  # [B, T, ...]
-    T = x.size(1)
-    nb = -(-T // cluster_size)
-    pad = nb * cluster_size - T
-    if pad:
-        x = torch.cat([x, x.new_zeros(streams, pad, *rest)], 1)
-    return x.reshape(streams * nb, cluster_size, *rest).sum(1)
-
-
 @dataclass
 class FutureFit:
     """a* (and b* with the temperature) of P ∝ P^b exp(a g) on held-out rows, with sandwich standard errors (blocks
@@ -302,7 +282,6 @@ class FutureFit:
     ce_after: float
     n_tokens: int
     two_parameter: bool
-    extra: dict = field(default_factory=dict)
 
 
 def fit_future_calibration(logp: torch.Tensor, g: torch.Tensor, targets: torch.Tensor, *, temperature: bool = False,
@@ -321,21 +300,14 @@ def fit_future_calibration(logp: torch.Tensor, g: torch.Tensor, targets: torch.T
     ce0 = objective_k(rows, [0.0] * len(stats))[0]
     ce1, _, hess = objective_k(rows, theta)
     grads = torch.cat([row_terms_k(blk, theta, entropy_terms=False)[2].cpu()
-                       for blk in _row_blocks(rows[0], 1 << 22)])  # [n, k]: the per-position gradients
-    meat = _block_sums(grads, streams, cluster_size)  # [blocks, k]
+                       for blk in blocks(rows, 1 << 22)])  # [n, k]: the per-position gradients
+    meat = stream_block_sums(grads, streams, cluster_size)  # [blocks, k]
     hinv = torch.linalg.pinv(hess)
     cov = hinv @ (meat.T @ meat) @ hinv / n ** 2  # the sandwich, blocks of a stream as units
     se = cov.diagonal().sqrt().tolist()
     if temperature:
         return FutureFit(theta[1], 1.0 + theta[0], se[1], se[0], ce0, ce1, n, True)
     return FutureFit(theta[0], 1.0, se[0], None, ce0, ce1, n, False)
-
-
-def _row_blocks(rows, elements: int):
-    n, k = rows[0].shape
-    step = max(1, elements // max(1, k))
-    for i in range(0, n, step):
-        yield tuple(x[i:i + step] for x in rows)
 
 
 class FutureCalibratedLM:
@@ -351,8 +323,8 @@ class FutureCalibratedLM:
         self.lm, self.head, self.alpha, self.beta = lm, head.eval(), float(alpha), float(beta)
         self.vocab_size = lm.vocab_size
         self.device = getattr(lm, "device", None)
-        out = getattr(lm, "head", None)
-        self.fused = out is not None and hasattr(lm, "features")
+        out = _linear_head(lm)
+        self.fused = out is not None
         if self.fused:
             w, b = out
             with torch.no_grad():
