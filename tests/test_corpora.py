@@ -11,7 +11,7 @@ import torch
 
 from lmcal import data as D
 from lmcal import markov as MK
-from lmcal.module import load_corpus
+from lmcal.data import load_corpus
 
 # ---------------------------------------------------------------------------------------------------------------------
 # WikiText-2

@@ -2,7 +2,8 @@ import pytest
 import pytorch_lightning as pl
 import torch
 
-from lmcal.module import LMDataModule, LMModule, load_net, nt_asgd_should_switch
+from lmcal.checkpoint import load_net
+from lmcal.module import LMDataModule, LMModule, nt_asgd_should_switch
 
 NET = {"_target_": "lmcal.model.AWDLSTM", "emb_size": 8, "hidden_size": 16, "num_layers": 2}
 

@@ -15,9 +15,9 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import open_dict
 
+from lmcal.checkpoint import read_checkpoint
 from lmcal.errors import LmcalError
 from lmcal.evaluate import evaluate
-from lmcal.module import read_checkpoint
 from lmcal.reproduce import load_profile, reproduce
 from lmcal.train import CONF_DIR, train
 from lmcal.utils import LOCK_NAME, exp_or_inf, run_lock, temp_path, write_json_atomic

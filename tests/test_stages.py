@@ -9,10 +9,10 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import open_dict
 
+from lmcal.checkpoint import load_net
 from lmcal.errors import LmcalError
 from lmcal.evaluate import evaluate
 from lmcal.model import limited_context_ce
-from lmcal.module import load_net
 from lmcal.report import memory_report, table1_markdown
 from lmcal.train import CONF_DIR, train
 from tests.conftest import HAVE_PTB

@@ -103,8 +103,9 @@ def test_training_writes_metrics_and_a_complete_hugging_face_folder(trained):
 def test_the_folder_reloads_through_model_hf_with_the_checkpoints_test_cross_entropy(trained, tmp_path):
     """The word-level tokenizer turns PTB's test text into the corpus's own ids, and windows of the context score
     it exactly as the Lightning checkpoint's test evaluation does."""
+    from lmcal.checkpoint import load_net
     from lmcal.evaluate import evaluate
-    from lmcal.module import LMDataModule, load_net
+    from lmcal.module import LMDataModule
 
     m, out = trained
     net, ckpt = load_net(m["best_ckpt"])

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytorch_lightning as pl
 
 from lmcal.analysis import entropy_rate_stage
+from lmcal.checkpoint import load_base_net, load_net
 from lmcal.errors import LmcalError
 from lmcal.lm import as_step_lm
 from lmcal.markov import markov_exact_mi
 from lmcal.model import evaluate_ce, limited_context_ce
-from lmcal.module import load_base_net, load_net
 from lmcal.stages import run_stages
 from lmcal.utils import exp_or_inf, write_json_atomic
 

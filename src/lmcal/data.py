@@ -410,3 +410,52 @@ def hf_text_tokens(path: str | Path, tokenizer, max_tokens: int | None = None) -
     if not ids:
         raise DataError(f"{path} gives no tokens (the file is empty or only whitespace).")
     return torch.tensor(ids, dtype=torch.long)
+
+
+def load_corpus(name: str = "ptb", root: str | None = None, download: bool = False, **kwargs) -> Corpus:
+    """The corpus `name`; `kwargs` (data.corpus_kwargs) configure the generated ones (markov, synthetic)."""
+    if name == "ptb":
+        return load_ptb(root, download=download)
+    if name == "wikitext2":
+        return load_wikitext2(root, download=download)
+    if name == "markov":
+        from lmcal.markov import markov_corpus  # lmcal.markov imports lmcal.data
+
+        return markov_corpus(**kwargs)
+    if name == "synthetic":
+        return synthetic_corpus(**kwargs)
+    raise DataError(f"Unknown corpus {name!r}: choose data=ptb, data=wikitext2 or data=markov "
+                    "(or name=synthetic in tests).")
+
+
+class CorpusData:
+    """A corpus and its splits as a data config (conf/data) describes them: the batch settings, and the token limits
+    that training applied. lmcal.module.LMDataModule adds Lightning's loaders; the analysis entry points use this
+    alone, so that they never import Lightning."""
+
+    def __init__(self, name: str = "ptb", root: str | None = None, download: bool = False, batch_size: int = 20,
+                 eval_batch_size: int = 10, test_batch_size: int = 1, bptt: int = 70, seed: int = 141,
+                 max_train_tokens: int | None = None, max_eval_tokens: int | None = None,
+                 corpus_kwargs: dict | None = None, memory_tau: int | None = None, variable_length: bool = True):
+        self.name, self.root, self.download = name, root, download
+        self.batch_size, self.eval_batch_size, self.test_batch_size = batch_size, eval_batch_size, test_batch_size
+        self.bptt, self.seed = bptt, seed
+        self.max_train_tokens, self.max_eval_tokens = max_train_tokens, max_eval_tokens
+        self.corpus_kwargs = dict(corpus_kwargs or {})
+        self.memory_tau = memory_tau  # windows start on tau boundaries for limited-memory models
+        self.variable_length = variable_length  # False: training windows of exactly bptt (transformers)
+        self.corpus: Corpus | None = None
+
+    def prepare(self) -> Corpus:
+        if self.corpus is None:
+            self.corpus = load_corpus(self.name, self.root, self.download, **self.corpus_kwargs)
+        return self.corpus
+
+    @property
+    def vocab_size(self) -> int:
+        return self.prepare().vocab_size
+
+    def tokens(self, split: str) -> torch.Tensor:
+        t = self.prepare().split(split)
+        limit = self.max_train_tokens if split == "train" else self.max_eval_tokens
+        return t[:limit] if limit else t

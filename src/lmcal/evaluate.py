@@ -18,13 +18,14 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from lmcal.analysis import finish_run, wandb_run
+from lmcal.checkpoint import checkpoint_data, load_base_net, load_net, model_name
 from lmcal.errors import LmcalError
 from lmcal.lm import as_step_lm
 from lmcal.markov import markov_exact_mi
 from lmcal.model import evaluate_ce
-from lmcal.module import LMDataModule, load_base_net, load_net
-from lmcal.stages import check_plan, check_stages, run_stages
-from lmcal.train import finish_logger, make_logger, model_name
+from lmcal.settings import CONF_DIR  # noqa: F401  (it registers the configs' lmcal_root resolver)
+from lmcal.stages import STAGES, check_plan, check_stages, run_stages
 from lmcal.utils import exp_or_inf, run_lock, write_json_atomic
 from lmcal.validate import check_config
 
@@ -32,19 +33,13 @@ log = logging.getLogger("lmcal")
 
 
 def load_checkpoint_and_data(ckpt_path: str, data_root: str | None = None, device: str | None = None):
-    """The checkpoint's network (eval mode, on `device`) and the data module of the corpus it was trained on."""
+    """The checkpoint's network (eval mode, on `device`) and the corpus it was trained on (lmcal.data.CorpusData,
+    loaded)."""
     path = Path(ckpt_path).expanduser()
     net, ckpt = load_net(path)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     net.to(device)
-    data_cfg = dict(ckpt["hyper_parameters"].get("data_cfg") or {})
-    if not data_cfg:  # checkpoints from before lmcal recorded their corpus: PTB with its default settings
-        log.warning(f"{path} does not record its corpus; assuming data=ptb with the default batch settings.")
-        data_cfg = {"name": "ptb"}
-    data_cfg.pop("_target_", None)
-    if data_root:
-        data_cfg["root"] = data_root
-    dm = LMDataModule(**data_cfg)
+    dm = checkpoint_data(ckpt, data_root, path)
     dm.prepare()
     return net, ckpt, dm
 
@@ -107,7 +102,7 @@ def checkpoint_target(cfg: DictConfig, settings: dict[str, dict] | None = None) 
             target["base_ckpt"], target["base"] = target["ckpt"], net
         mtau = settings["memory"].get("tau") or tau  # the window length, else the tau-model's own
         target["exact_mi"] = markov_exact_mi(dm.prepare().info, mtau) if dm.name == "markov" and mtau else None
-    if not cfg.stages or set(cfg.stages) - {"memory"}:  # the memory stage scores both models itself, on its rows
+    if not cfg.stages or any(STAGES[n].needs_test_ce for n in cfg.stages):  # the others score their own test words
         test_ce, _ = evaluate_ce(net, dm.tokens("test"), dm.test_batch_size, dm.bptt)
         log.info(f"{name} on {dm.name}: test ppl {exp_or_inf(test_ce):.2f}")
         target["test_ce"] = test_ce
@@ -137,13 +132,13 @@ def _evaluate(cfg: DictConfig, out: Path) -> dict:
                          "model.name_or_path=FOLDER (a Hugging Face causal LM).")
     target = hf_target(cfg, settings) if hf else checkpoint_target(cfg, settings)
     results = target["results"]
-    logger = make_logger(cfg)
+    logger = wandb_run(cfg.get("logger"), OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False))
     try:
         results.update(run_stages(list(cfg.stages), target, settings, out, logger))
         write_json_atomic(out / "evaluation.json", results)
         return results
     finally:
-        finish_logger(logger)
+        finish_run(logger)
 
 
 @hydra.main(version_base="1.3", config_path="../../conf", config_name="evaluate")

@@ -300,7 +300,7 @@ def fit_future_calibration(logp: torch.Tensor, g: torch.Tensor, targets: torch.T
     ce0 = objective_k(rows, [0.0] * len(stats))[0]
     ce1, _, hess = objective_k(rows, theta)
     grads = torch.cat([row_terms_k(blk, theta, entropy_terms=False)[2].cpu()
-                       for blk in blocks(rows, 1 << 22)])  # [n, k]: the per-position gradients
+                       for blk in blocks(rows)])  # [n, k]: the per-position gradients
     meat = stream_block_sums(grads, streams, cluster_size)  # [blocks, k]
     hinv = torch.linalg.pinv(hess)
     cov = hinv @ (meat.T @ meat) @ hinv / n ** 2  # the sandwich, blocks of a stream as units

@@ -88,8 +88,8 @@ def as_step_lm(net):
 
 
 def lstm_from_checkpoint(path, device="cpu") -> LSTMStepLM:
-    """The validated network of a training checkpoint (see lmcal.module.load_net) as a StepLM on `device`."""
-    from lmcal.module import load_net  # Lightning and Hydra load only when a checkpoint is read
+    """The validated network of a training checkpoint (see lmcal.checkpoint.load_net) as a StepLM on `device`."""
+    from lmcal.checkpoint import load_net  # Hydra loads only when a checkpoint is read
 
     net, _ = load_net(path, map_location=device)
     return LSTMStepLM(net.to(device))

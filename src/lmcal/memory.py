@@ -148,7 +148,7 @@ def _mean_stderr(x: torch.Tensor, cluster_size: int) -> float:
 
 
 @torch.no_grad()
-def _rows_at(groups, theta, elements: int, per_row: bool = True) -> dict[str, torch.Tensor]:
+def _rows_at(groups, theta, elements: int | None, per_row: bool = True) -> dict[str, torch.Tensor]:
     """Per-row float64 terms at theta on CPU, rows in order: ce_cal, entropy, ce_full, ce_limited [N]; with per_row
     also grad [N, k], hess [N, k, k] and d_entropy [N, k] (the jackknife's)."""
     parts: dict[str, list[torch.Tensor]] = {}
@@ -165,7 +165,7 @@ def _rows_at(groups, theta, elements: int, per_row: bool = True) -> dict[str, to
     return {k: torch.cat(v) for k, v in parts.items()}
 
 
-def _fit(groups: list, k: int, bound: float, elements: int, start=None) -> list[float]:
+def _fit(groups: list, k: int, bound: float, elements: int | None, start=None) -> list[float]:
     """theta* of the calibrated family on `groups` ([(segment, rows)]) by expfit.fit_theta (damped Newton from
     `start`, e.g. a nearby fit); a alone (k = 1) by expfit.fit_alpha where P^ or P~ has zeros (its domain cut keeps
     a >= 0 where a < 0 is undefined)."""
@@ -191,7 +191,7 @@ def _sandwich(grad: torch.Tensor, hess_mean: torch.Tensor, cluster_size: int) ->
 
 
 def _jackknife(chunks: list, temperature: bool, rows: dict, theta: list[float], cluster_size: int, exact: bool,
-               bound: float, elements: int) -> float:
+               bound: float, elements: int | None) -> float:
     """Delete-one-block jackknife standard error of the bound, the fit redone in every replicate."""
     x = rows["ce_limited"] - rows["entropy"]  # [N]: the bound's per-row terms
     nb = -(-x.numel() // cluster_size)
@@ -216,7 +216,7 @@ def _jackknife(chunks: list, temperature: bool, rows: dict, theta: list[float], 
     return jackknife_stderr(reps)
 
 
-def _crossfit(chunks: list, temperature: bool, n: int, cluster_size: int, bound: float, elements: int,
+def _crossfit(chunks: list, temperature: bool, n: int, cluster_size: int, bound: float, elements: int | None,
               start: list[float]) -> float:
     """The bound over all rows, each half of the blocks (the first B // 2 blocks, the rest) scored with the parameters
     fitted on the other half: the in-sample optimism removed (nan with fewer than 2 blocks)."""
@@ -237,8 +237,9 @@ def _crossfit(chunks: list, temperature: bool, n: int, cluster_size: int, bound:
 def memory_upper_bound(full_log_probs, limited_log_probs: torch.Tensor | None = None,
                        targets: torch.Tensor | None = None, alpha: float | None = None, *, cluster_size: int = 1,
                        bound: float = 100.0, store_dtype: torch.dtype | None = None, store_device="cpu",
-                       elements: int = 1 << 22, temperature: bool = False, beta: float | None = None,
-                       jackknife: str = "onestep", crossfit: bool = True) -> MemoryBound:
+                       elements: int | None = None, temperature: bool = False, beta: float | None = None,
+                       jackknife: str = "onestep", crossfit: bool = True, start: list[float] | None = None
+                       ) -> MemoryBound:
     """The calibration upper bound on I_tau from log-probability rows.
 
     Inputs: log P^ [N, V], log P~ [N, V] (natural log, rows normalised) and targets [N] long, or, as the only
@@ -250,6 +251,7 @@ def memory_upper_bound(full_log_probs, limited_log_probs: torch.Tensor | None = 
     rows. mi_stderr is then the delete-one-block jackknife with the fit redone per replicate: `jackknife="onestep"`
     (one Newton step from the full fit, the bound linearised; the default) or "exact" (B full refits). With crossfit,
     also the bound fitted on the even blocks and scored on the odd ones and vice versa (two more fits).
+    `start`: the fit's first parameters ([beta - 1, alpha] with temperature), e.g. a nearby fit's; None: zeros.
     A given alpha (and, with temperature=True, beta) is only evaluated, streaming the chunks: mi_stderr is then by
     batch means, the parameters held fixed.
 
@@ -283,7 +285,7 @@ def memory_upper_bound(full_log_probs, limited_log_probs: torch.Tensor | None = 
         groups = list(_groups(chunks, temperature))
         if not any(g[1][1].numel() for g in groups):
             raise ValueError("no rows")
-        theta = _fit(groups, k, bound, elements)
+        theta = _fit(groups, k, bound, elements, start)
     else:
         groups = _groups(chunks, temperature)  # streamed: one pass
         theta = [float(beta) - 1.0, float(alpha)] if temperature else [float(alpha)]
@@ -322,13 +324,13 @@ def memory_upper_bound(full_log_probs, limited_log_probs: torch.Tensor | None = 
 
 @timed("fit")
 def memory_summary(chunks: list[Chunk], *, cluster_size: int, jackknife: str = "onestep", bound: float = 100.0,
-                   elements: int = 1 << 22) -> dict:
+                   elements: int | None = None) -> dict:
     """The memory stage's numbers for one tau from kept chunks (log P^ [n, V], log P~ [n, V], targets [n]): the
     one-parameter bound fitted on these rows with its jackknife standard error and cross-fit, ΔCE, and the
     two-parameter variant (P^^beta P~^alpha), as the JSON keys of memory.json (nats)."""
     one = memory_upper_bound(chunks, cluster_size=cluster_size, jackknife=jackknife, bound=bound, elements=elements)
     two = memory_upper_bound(chunks, cluster_size=cluster_size, jackknife=jackknife, bound=bound, elements=elements,
-                             temperature=True, crossfit=False)
+                             temperature=True, crossfit=False, start=[0.0, one.alpha])  # Newton from the nearby fit
     return {
         "alpha": one.alpha, "alpha_stderr": one.alpha_stderr, "ce_limited_nats": one.ce_limited,
         "mi_upper_bound_nats": one.mi_upper_bound, "mi_stderr_nats": one.mi_stderr,

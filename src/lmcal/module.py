@@ -7,11 +7,8 @@ from __future__ import annotations
 
 import logging
 import math
-import pickle
-import re
 import time
 from contextlib import contextmanager
-from pathlib import Path
 
 import pytorch_lightning as pl
 import torch
@@ -40,60 +37,21 @@ class SpanDataset(Dataset):
         return D.get_batch(self.source, *self.spans[i])
 
 
-def load_corpus(name: str = "ptb", root: str | None = None, download: bool = False, **kwargs) -> D.Corpus:
-    """The corpus `name`; `kwargs` (data.corpus_kwargs) configure the generated ones (markov, synthetic)."""
-    if name == "ptb":
-        return D.load_ptb(root, download=download)
-    if name == "wikitext2":
-        return D.load_wikitext2(root, download=download)
-    if name == "markov":
-        from lmcal.markov import markov_corpus  # lmcal.markov imports lmcal.data
-
-        return markov_corpus(**kwargs)
-    if name == "synthetic":
-        return D.synthetic_corpus(**kwargs)
-    raise D.DataError(f"Unknown corpus {name!r}: choose data=ptb, data=wikitext2 or data=markov "
-                      "(or name=synthetic in tests).")
-
-
-class LMDataModule(pl.LightningDataModule):
-    """Batchified streams; a fresh variable-length BPTT schedule per epoch.
+class LMDataModule(D.CorpusData, pl.LightningDataModule):
+    """Batchified streams; a fresh variable-length BPTT schedule per epoch (the corpus and its splits:
+    lmcal.data.CorpusData, which the analysis entry points use without Lightning).
 
     The schedule is a function of (seed, epoch) only, so a run resumed at an epoch
     boundary sees the same batches as an uninterrupted one. It needs the trainer to
     rebuild the train loader each epoch (trainer.reload_dataloaders_every_n_epochs=1).
     """
 
-    def __init__(self, name: str = "ptb", root: str | None = None, download: bool = False, batch_size: int = 20,
-                 eval_batch_size: int = 10, test_batch_size: int = 1, bptt: int = 70, seed: int = 141,
-                 max_train_tokens: int | None = None, max_eval_tokens: int | None = None,
-                 corpus_kwargs: dict | None = None, memory_tau: int | None = None, variable_length: bool = True):
-        super().__init__()
-        self.name, self.root, self.download = name, root, download
-        self.batch_size, self.eval_batch_size, self.test_batch_size = batch_size, eval_batch_size, test_batch_size
-        self.bptt, self.seed = bptt, seed
-        self.max_train_tokens, self.max_eval_tokens = max_train_tokens, max_eval_tokens
-        self.corpus_kwargs = dict(corpus_kwargs or {})
-        self.memory_tau = memory_tau  # windows start on tau boundaries for limited-memory models
-        self.variable_length = variable_length  # False: training windows of exactly bptt (transformers)
-        self.corpus: D.Corpus | None = None
-
-    def prepare(self) -> D.Corpus:
-        if self.corpus is None:
-            self.corpus = load_corpus(self.name, self.root, self.download, **self.corpus_kwargs)
-        return self.corpus
+    def __init__(self, **kwargs):
+        pl.LightningDataModule.__init__(self)
+        D.CorpusData.__init__(self, **kwargs)
 
     def setup(self, stage=None):
         self.prepare()
-
-    @property
-    def vocab_size(self) -> int:
-        return self.prepare().vocab_size
-
-    def tokens(self, split: str) -> torch.Tensor:
-        t = self.prepare().split(split)
-        limit = self.max_train_tokens if split == "train" else self.max_eval_tokens
-        return t[:limit] if limit else t
 
     def train_dataloader(self):
         source = D.batchify(self.tokens("train"), self.batch_size)
@@ -331,72 +289,3 @@ class LMModule(pl.LightningModule):
             averaged = checkpoint["state_dict"]
             self.avg = {n: averaged[prefix + n].clone() for n, _ in self.net.named_parameters()}
             checkpoint["state_dict"] = checkpoint["raw_state_dict"]
-
-
-def read_checkpoint(path: str | Path, map_location="cpu") -> dict:
-    """A checkpoint of `python -m lmcal.train`, read safely: `torch.load(weights_only=True)` unpickles tensors, plain
-    containers and numbers only, so a crafted file cannot run code. An unreadable, truncated, foreign or unsafe file
-    is one `LmcalError` naming the path and what to do."""
-    path = Path(path).expanduser()
-    if not path.is_file():
-        raise LmcalError(f"Checkpoint not found: {path}. Pass the best.ckpt or last.ckpt in a training run's "
-                         "checkpoints/ folder.")
-    try:
-        ckpt = torch.load(path, map_location=map_location, weights_only=True)
-    except pickle.UnpicklingError as e:
-        refused = re.search(r"unsupported GLOBAL (\S+)", str(e), re.IGNORECASE)
-        if refused:
-            raise LmcalError(f"{path} was not loaded: it asks to unpickle {refused.group(1)}, which a checkpoint of "
-                             "lmcal never holds (only tensors, numbers and plain containers), and unpickling it could "
-                             "run code. Use a checkpoint written by python -m lmcal.train, from a source you trust."
-                             ) from None
-        raise _unreadable(path, "not a pickle of tensors") from None
-    except Exception as e:  # truncated zip, random bytes, empty file, I/O error
-        raise _unreadable(path, type(e).__name__ + (f": {_first_sentence(e)}" if str(e).strip() else "")) from None
-    hp = ckpt.get("hyper_parameters") if isinstance(ckpt, dict) else None
-    if not isinstance(hp, dict) or "net" not in hp or "vocab_size" not in hp or "state_dict" not in ckpt:
-        raise LmcalError(f"{path} is a PyTorch file but not a checkpoint of python -m lmcal.train (it lacks the "
-                         "network's settings or weights). Pass the best.ckpt or last.ckpt in a training run's "
-                         "checkpoints/ folder; a Hugging Face model is analysed with model=hf model.name_or_path=.")
-    return ckpt
-
-
-def _first_sentence(e: Exception) -> str:
-    return str(e).strip().splitlines()[0].split(". ")[0].rstrip(".")
-
-
-def _unreadable(path: Path, why: str) -> LmcalError:
-    return LmcalError(f"{path} is not a readable checkpoint ({why}): it is truncated, corrupt or not a PyTorch file. "
-                      "If a run was killed while writing it, rerun the training to write it again; otherwise pass "
-                      "the best.ckpt or last.ckpt in a training run's checkpoints/ folder.")
-
-
-def load_net(ckpt_path: str | Path, map_location="cpu"):
-    """The network of a training checkpoint, with the weights that were validated
-    (the averaged ones after an NT-ASGD switch), in eval mode. No Lightning needed."""
-    ckpt = read_checkpoint(ckpt_path, map_location)
-    hp = ckpt["hyper_parameters"]
-    net = instantiate(hp["net"], vocab_size=hp["vocab_size"])
-    try:
-        net.load_state_dict({k[len("net."):]: v for k, v in ckpt["state_dict"].items() if k.startswith("net.")})
-    except RuntimeError as e:
-        raise LmcalError(f"{ckpt_path}: its weights do not fit the network its settings describe "
-                         f"({str(e).splitlines()[0]}); the file is damaged or was edited.") from None
-    return net.eval(), ckpt
-
-
-def load_base_net(path: str | Path | None, device, corpus: str | None = None):
-    """The full-context base model for the memory stage, with a clear error when it is missing or mismatched."""
-    if not path:
-        raise LmcalError("The memory stage needs the full-context base model: pass memory.base_ckpt=PATH (a "
-                         "checkpoint of the same corpus trained with model.memory_tau=null).")
-    if not Path(path).is_file():
-        raise LmcalError(f"memory.base_ckpt={path} does not exist; train the base model first "
-                         "(python -m lmcal.train with model.memory_tau=null) and point at its checkpoints/best.ckpt.")
-    net, ckpt = load_net(path, map_location="cpu")
-    if net.memory_tau:
-        raise LmcalError(f"memory.base_ckpt={path} is itself a tau={net.memory_tau} model; it must be full-context.")
-    base_corpus = (ckpt["hyper_parameters"].get("data_cfg") or {}).get("name")
-    if corpus and base_corpus and base_corpus != corpus:
-        raise LmcalError(f"memory.base_ckpt={path} was trained on {base_corpus}, this model on {corpus}.")
-    return net.to(device)

@@ -38,9 +38,8 @@ from omegaconf import DictConfig, OmegaConf
 from lmcal.errors import LmcalError
 from lmcal.pipeline import clock, progress_line, reference_seconds, schedule  # noqa: F401  (clock, progress_line: public)
 from lmcal.results import PAPER_STAGES, read_json, report
-from lmcal.settings import composed, differences, settings_of
+from lmcal.settings import CONF_DIR, composed, differences, settings_of
 from lmcal.stages import STAGES, check_stages
-from lmcal.train import CONF_DIR
 from lmcal.utils import (
     run_lock,
     write_json_atomic,

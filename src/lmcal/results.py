@@ -205,15 +205,10 @@ def transformer_memory_markdown(r: dict) -> list[str]:
 
 def markov_oracle(cfg: DictConfig, mk: Path) -> dict:
     """The same estimators on the Markov source's exact oracles (same corpus and test text as the trained models)."""
+    from lmcal.checkpoint import checkpoint_data, read_checkpoint
     from lmcal.markov import markov_oracle_memory
-    from lmcal.module import load_net
 
-    _, ckpt = load_net(mk / "base" / "checkpoints" / "best.ckpt")
-    data_cfg = dict(ckpt["hyper_parameters"]["data_cfg"])
-    data_cfg.pop("_target_", None)
-    from lmcal.module import LMDataModule
-
-    dm = LMDataModule(**data_cfg)
+    dm = checkpoint_data(read_checkpoint(mk / "base" / "checkpoints" / "best.ckpt"))
     corpus = dm.prepare()
     return markov_oracle_memory(corpus.info, dm.tokens("valid"), dm.tokens("test"), list(cfg.markov.taus))
 

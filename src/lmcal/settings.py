@@ -9,12 +9,16 @@ they changed, and what is validated before any stage starts.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from lmcal.errors import LmcalError
-from lmcal.train import CONF_DIR
+
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+CONF_DIR = PROJECT_ROOT / "conf"
+OmegaConf.register_new_resolver("lmcal_root", lambda: str(PROJECT_ROOT), replace=True)  # conf/*: paths.root_dir
 
 # Keys that do not change any result: where things are read from and written to, and how progress is shown
 # (the same list Hydra's override_dirname leaves out, in conf/train.yaml, plus the run's own bookkeeping).

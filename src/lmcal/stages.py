@@ -56,6 +56,7 @@ class Stage:
     uses: tuple[str, ...] = ()  # stages whose result it reads: run before it, and given as analysis.<name>.<use>_json
     kinds_with: Callable[[dict], frozenset[str]] | None = None  # its kinds given its settings, where these matter
     kinds_note: str = ""  # says how its settings widen its kinds (in the error for a kind it does not apply to)
+    needs_test_ce: bool = False  # reads target["test_ce"], the model's test CE that the entry point computes for it
 
 
 def _common(target: dict, logger) -> dict:
@@ -114,7 +115,7 @@ STAGES: dict[str, Stage] = {s.name: s for s in [
     Stage("entropy_rate", entropy_rate_stage,
           lambda t, out, logger, earlier, every_n_epochs=None, **s:  # every_n_epochs: train's, during training
           entropy_rate_stage(t["lm"], t["valid"], t["test_ce"], out, unit=t["unit"], **_common(t, logger), **s),
-          frozenset({"full", "hf"}), _pick("entrate_ppl"), entry_settings=("every_n_epochs",)),
+          frozenset({"full", "hf"}), _pick("entrate_ppl"), entry_settings=("every_n_epochs",), needs_test_ce=True),
     Stage("calibration", calibration_stage,
           lambda t, out, logger, earlier, **s: calibration_stage(t["lm"], t["valid"], t["test"], out, unit=t["unit"],
                                                                  **_common(t, logger), **s),

@@ -22,16 +22,15 @@ from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.plugins.io import TorchCheckpointIO
 
 from lmcal.callbacks import EpochEntropyRateCallback, MetricsCallback, StagesCallback
+from lmcal.checkpoint import load_base_net, load_net, model_name, read_checkpoint
 from lmcal.errors import LmcalError
-from lmcal.module import LMModule, load_base_net, load_net, read_checkpoint
+from lmcal.module import LMModule
+from lmcal.settings import CONF_DIR  # noqa: F401  (the tests' and benches' import)
 from lmcal.stages import STAGES, check_plan, check_stages, summary
 from lmcal.utils import atomic_path, run_lock, write_json_atomic
 from lmcal.validate import check_config
 
 log = logging.getLogger("lmcal")
-PROJECT_ROOT = Path(__file__).resolve().parents[2]
-CONF_DIR = PROJECT_ROOT / "conf"
-OmegaConf.register_new_resolver("lmcal_root", lambda: str(PROJECT_ROOT), replace=True)
 
 
 def make_logger(cfg: DictConfig):
@@ -50,16 +49,6 @@ def finish_logger(logger) -> None:
 
 
 TRAINABLE = ("AWDLSTM", "GPTLM")  # the networks python -m lmcal.train builds (lmcal.model, lmcal.transformer)
-
-
-def model_name(model_cfg) -> str:
-    if model_cfg.get("_target_", "").endswith("AWDLSTM"):
-        tau = f", tau={model_cfg.memory_tau}" if model_cfg.get("memory_tau") else ""
-        return f"AWD-LSTM {model_cfg.emb_size}/{model_cfg.hidden_size}/{model_cfg.num_layers}{tau}"
-    if model_cfg.get("_target_", "").endswith("GPTLM"):
-        return (f"Transformer {model_cfg.get('n_layer')}x{model_cfg.get('n_embd')}, "
-                f"context {model_cfg.get('n_positions')}")
-    return str(model_cfg.get("_target_"))
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
