@@ -20,7 +20,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from lmcal.analysis import future_entropy_table
+from lmcal.analysis_future import future_entropy_table
 from lmcal.docs import save_bench
 
 

@@ -4,6 +4,7 @@ the held-out cost."""
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -289,3 +290,25 @@ def test_mirostat_starts_each_generation_from_two_tau():
     want = entropy(mirostat_cut(logp, torch.full((4,), 1.0))).double()  # [4]
     curve = generation_entropy_curve(dec, prefixes, horizon=3, samples_per_prefix=2)
     assert curve.mean[0] == pytest.approx(want.mean().item(), abs=1e-6)
+
+
+@pytest.mark.parametrize("name", list(DECODERS))
+def test_rules_on_blocks_of_rows_are_the_rules_on_the_whole_batch(name, monkeypatch):
+    """The StepLMs apply each rule to blocks of rows on the CPU (lmcal.decoders.by_rows): the same bit for bit, and
+    the same generations, as on the whole batch at once."""
+    import lmcal.decoders as D
+
+    lm = TinyLSTM()
+    params = {"temperature": {"temperature": 0.7}, "top_k": {"k": 5}, "top_p": {"p": 0.8}, "typical": {"mass": 0.8},
+              "eta": {"eta_cutoff": 0.01}, "min_p": {"min_p": 0.1},
+              "mirostat": {"target_surprise": 2.0, "learning_rate": 0.5}}[name]
+    prefixes = torch.randint(0, lm.vocab_size, (6, 5), generator=torch.Generator().manual_seed(3))
+    whole = generation_entropy_curve(make_decoder(name, lm, **params), prefixes, horizon=6, samples_per_prefix=3)
+    monkeypatch.setattr(D, "CPU_CHUNK", 2 * lm.vocab_size)  # blocks of 2 rows, a short last one
+    blocks = generation_entropy_curve(make_decoder(name, lm, **params), prefixes, horizon=6, samples_per_prefix=3)
+    assert np.array_equal(blocks.per_prefix, whole.per_prefix)
+    logp = torch.randn(7, 11, dtype=torch.float64).log_softmax(-1)
+    rule = DECODERS[name][0] or mirostat_cut
+    extra = (torch.full((7,), 1.5, dtype=torch.float64),) if name == "mirostat" else ()
+    call = (lambda lp, *a: rule(lp, *a)) if name == "mirostat" else (lambda lp: rule(lp, **params))
+    assert torch.equal(D.by_rows(call, logp, *extra), call(logp, *extra))

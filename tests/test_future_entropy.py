@@ -180,7 +180,7 @@ def test_fused_step_is_the_tilted_law_and_the_fits_are_minima():
 
 
 def test_bad_settings_and_missing_inputs_are_one_paragraph(tmp_path):
-    from lmcal.analysis import _heads_of
+    from lmcal.analysis_future import _heads_of
     from lmcal.errors import LmcalError
     from lmcal.stages import STAGES
 

@@ -297,3 +297,33 @@ def test_one_gating_rule_in_both_entry_points(tmp_path, data_overrides):
     assert not (tmp_path / "run" / "checkpoints").exists()
     with pytest.raises(LmcalError, match="Unknown analysis stage entropy; the stages are entropy_rate"):
         evaluate(_compose("evaluate", tmp_path / "eval", ["ckpt=/not/read.ckpt", "stages=[entropy]", "logger=none"]))
+
+
+def test_the_analysis_entry_points_never_import_lightning():
+    """`python -m lmcal.evaluate` runs once per stage of a reproduction: without Lightning's import it starts ~5 s
+    sooner (lmcal.checkpoint reads checkpoints, data.CorpusData their corpus, analysis.wandb_run opens W&B)."""
+    code = ("import sys, lmcal.evaluate, lmcal.reproduce, lmcal.stages; "
+            "print(sorted(m for m in sys.modules if 'lightning' in m))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]"
+
+
+def test_an_analysis_wandb_run_is_written_offline_and_finished(tmp_path):
+    import wandb
+
+    from lmcal.analysis import finish_run, wandb_log, wandb_run
+
+    assert wandb_run({"_target_": "pytorch_lightning.loggers.CSVLogger", "save_dir": str(tmp_path)}) is False
+    assert wandb_run(None) is False
+    node = {"_target_": "pytorch_lightning.loggers.WandbLogger", "project": "lmcal-test", "group": "g", "name": None,
+            "offline": True, "save_dir": str(tmp_path / "run")}
+    run = wandb_run(node, {"stages": ["entropy_rate"]})
+    try:
+        wandb_log(run, scalars={"entropy_rate/entrate_ppl": 1.5})
+        assert run.config["stages"] == ["entropy_rate"] and run.group == "g"
+    finally:
+        finish_run(run)
+    assert wandb.run is None
+    assert list((tmp_path / "run" / "wandb").glob("offline-run-*"))
+    wandb_log(False, scalars={"x": 1.0})  # any other logger: nothing

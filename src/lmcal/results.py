@@ -269,7 +269,7 @@ def future_entropy_markdown(cfg: DictConfig, out: Path) -> list[str]:
     """REPORT.md's section of the future_entropy stage (none where the profile does not run it)."""
     if "future_entropy" not in cfg.stages:
         return []
-    from lmcal.analysis import future_entropy_table
+    from lmcal.analysis_future import future_entropy_table
 
     fe = read_json(out / cfg.dataset / "future_entropy" / "future_entropy.json")
     heads = [r for r in fe["rows"] if r["method"].startswith("future_entropy")]

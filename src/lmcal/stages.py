@@ -2,8 +2,9 @@
 settings node under conf/analysis/, and the summary it adds to metrics.json. `train` (through one Lightning callback),
 `evaluate` and `make reproduce` all run stages through `run_stages`.
 
-The stage functions live in lmcal.analysis: each takes what it analyses, an output folder and keyword settings, writes
-its files and returns its result as a dict. No Lightning, no Hydra.
+The stage functions live in lmcal.analysis (the future_entropy stage in lmcal.analysis_future): each takes what it
+analyses, an output folder and keyword settings, writes its files and returns its result as a dict. No Lightning, no
+Hydra.
 
 Adding a stage: one function, one `Stage` entry below (or `register` from a plugin), and one node in
 conf/analysis/default.yaml.
@@ -25,9 +26,9 @@ from lmcal.analysis import (
     calibration_stage,
     decoders_stage,
     entropy_rate_stage,
-    future_entropy_stage,
     memory_stage,
 )
+from lmcal.analysis_future import future_entropy_stage
 from lmcal.errors import LmcalError
 from lmcal.validate import renamed_note
 
