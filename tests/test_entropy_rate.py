@@ -165,21 +165,6 @@ def test_clustered_mean_closed_form():
     assert np.isnan(paired_tail_difference(one, one)[1])
 
 
-def test_each_step_on_blocks_of_rows_changes_nothing(chain, prefixes, monkeypatch):
-    """On the CPU a step's entropy and draw run on blocks of rows (entropy_rate._entropy_draw): the curves and the
-    generations are the same bit for bit as with the whole batch at once, for an oracle and for a network."""
-    import lmcal.entropy_rate as E
-
-    torch.manual_seed(0)
-    net_lm = LSTMStepLM(AWDLSTM(vocab_size=16, emb_size=8, hidden_size=12, num_layers=3))
-    for lm in (DriftingOracle(chain, T=5, noise_vocab=8), net_lm):
-        whole = generation_entropy_curve(lm, prefixes[:12], horizon=9, samples_per_prefix=4)
-        with monkeypatch.context() as m:
-            m.setattr(E, "CPU_CHUNK", 5 * lm.vocab_size)  # blocks of 5 of the 48 rows
-            blocks = generation_entropy_curve(lm, prefixes[:12], horizon=9, samples_per_prefix=4)
-        assert np.array_equal(blocks.per_prefix, whole.per_prefix) and np.array_equal(blocks.tail, whole.tail)
-
-
 def test_generation_builds_no_autograd_graph(prefixes):
     """Generation runs under no_grad: a network's steps along 200-word generations would otherwise chain their
     graphs through the state (time and memory growing with the horizon)."""

@@ -124,7 +124,6 @@ def _uniforms(seed: int, gen_ids: torch.Tensor, t: int) -> torch.Tensor:
 
 
 BLOCK = 128  # words per block of the two-level inverse CDF
-CPU_CHUNK = 1 << 19  # row entries the entropy and the draw of one step work on at once on the CPU (see _entropy_draw)
 
 
 def draw(p: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -156,30 +155,6 @@ def draw(p: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     r2 = torch.where(r2 < within[:, -1], r2, below(within[:, -1]))
     j = torch.searchsorted(within, r2[:, None], right=True)[:, 0].clamp_(max=blk - 1)
     return b * blk + j, total
-
-
-def _entropy_draw(logp: torch.Tensor, u: torch.Tensor | None, ent: torch.Tensor):
-    """One generation step: writes the entropy of each row of logp [B, V] into ent [B] (float64) and, given uniforms
-    u [B], draws the next words (`draw`): (words [B], mass [B]), else (None, None). On the CPU in blocks of about
-    CPU_CHUNK entries, whose [rows, V] temporaries stay in cache: faster than whole batches of 500 x 10,000,
-    and the same bit for bit, since every operation works row by row."""
-    B, V = logp.shape
-    rows = B if logp.is_cuda else max(1, CPU_CHUNK // max(1, V))
-    words, masses = [], []
-    for i in range(0, B, rows):
-        lp = logp[i:i + rows]
-        with span("entropy"):
-            p = lp.exp()  # [rows, V], the model's dtype
-            # 0 log 0 = 0: a zero-probability word's 0 * -inf is nan, which nansum drops (one pass, no clamp)
-            ent[i:i + rows] = -(p * lp).nansum(-1).double()
-        if u is not None:
-            with span("sampling"):
-                w, m = draw(p, u[i:i + rows])
-            words.append(w)
-            masses.append(m)
-    if u is None:
-        return None, None
-    return (words[0], masses[0]) if len(words) == 1 else (torch.cat(words), torch.cat(masses))
 
 
 @timed("generation")
@@ -238,12 +213,16 @@ def generation_entropy_curve(lm: StepLM, prefixes: torch.Tensor, horizon: int, s
         finite = torch.ones(n * S, dtype=torch.bool, device=logp.device)  # checked once, after the loop: no syncs
         t_gen = time.perf_counter()
         for t in range(horizon):
-            last_step = t == horizon - 1  # the last word's entropy is all we need from it
-            tokens, mass = _entropy_draw(logp, None if last_step else _uniforms(seed, gen_ids, t), ent[t])
+            with span("entropy"):
+                p = logp.exp()  # [n*S, V], the model's dtype
+                # 0 log 0 = 0: a zero-probability word's 0 * -inf is nan, which nansum drops (one pass, no clamp)
+                ent[t] = -(p * logp).nansum(-1).double()
             bar.update()
-            if last_step:
-                break
-            finite &= torch.isfinite(mass)  # a nan log-prob would hide in nansum; it shows in the mass
+            if t == horizon - 1:
+                break  # the last word's entropy is all we need from it
+            with span("sampling"):
+                tokens, mass = draw(p, _uniforms(seed, gen_ids, t))
+                finite &= torch.isfinite(mass)  # a nan log-prob would hide in nansum; it shows in the mass
             logp, state = lm.step(tokens, state)
         if not bool(finite.all()):
             raise ValueError("the model gave non-finite log-probabilities (nan or +inf) during generation")
