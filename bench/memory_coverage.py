@@ -26,8 +26,9 @@ import numpy as np
 import torch
 
 from lmcal.docs import save_bench
-from lmcal.markov import MarkovOracle, make_markov_chain, markov_conditional_entropy, markov_stationary, sample_markov
+from lmcal.markov import make_markov_chain, markov_conditional_entropy, markov_stationary, sample_markov
 from lmcal.memory import context_rows, memory_summary
+from lmcal.oracles import MarkovOracle
 
 # the default Markov corpus (conf/data/markov.yaml corpus_kwargs)
 CHAIN = {"vocab_size": 16, "order": 2, "support": 3, "smoothing": 0.01, "seed": 0}

@@ -18,8 +18,9 @@ from lmcal.data import batchify
 from lmcal.entropy_rate import generation_entropy_curve, paired_tail_difference, random_prefixes
 from lmcal.errors import LmcalError
 from lmcal.expfit import calibration_objective, fit_alpha, newton_minimize, objective, sandwich_stderr
-from lmcal.markov import DriftingOracle, MarkovOracle, make_markov_chain, markov_entropy_rate, sample_markov
+from lmcal.markov import make_markov_chain, markov_entropy_rate, sample_markov
 from lmcal.model import AWDLSTM
+from lmcal.oracles import DriftingOracle, MarkovOracle
 
 V = 13
 

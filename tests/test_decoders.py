@@ -24,7 +24,8 @@ from lmcal.decoders import (
 )
 from lmcal.entropy_rate import generation_entropy_curve, random_prefixes
 from lmcal.errors import LmcalError
-from lmcal.markov import MarkovOracle, make_markov_chain, markov_entropy_rate, sample_markov
+from lmcal.markov import make_markov_chain, markov_entropy_rate, sample_markov
+from lmcal.oracles import MarkovOracle
 
 from .test_calibration import TinyLSTM
 

@@ -20,8 +20,8 @@ from lmcal.entropy_rate import (
     tail_steps,
 )
 from lmcal.lm import LSTMStepLM
-from lmcal.markov import DriftingOracle, MarkovOracle
 from lmcal.model import AWDLSTM
+from lmcal.oracles import DriftingOracle, MarkovOracle
 
 
 @pytest.fixture(scope="module")

@@ -22,14 +22,9 @@ from lmcal.future_entropy import (
     train_head,
 )
 from lmcal.lm import LSTMStepLM
-from lmcal.markov import (
-    DelayedDriftOracle,
-    DriftingOracle,
-    make_markov_chain,
-    markov_entropy_rate,
-    sample_markov,
-)
+from lmcal.markov import make_markov_chain, markov_entropy_rate, sample_markov
 from lmcal.model import AWDLSTM
+from lmcal.oracles import DelayedDriftOracle, DriftingOracle
 
 CHAIN = make_markov_chain(vocab_size=8, order=1, support=3, smoothing=0.05, seed=1)
 H = markov_entropy_rate(CHAIN.probs, 8, 1)  # the true source's entropy rate

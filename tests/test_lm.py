@@ -8,8 +8,8 @@ import torch
 
 from lmcal import markov as MK
 from lmcal.lm import LimitedContextStepLM, LSTMStepLM, lstm_from_checkpoint
-from lmcal.markov import DriftingOracle, MarkovOracle
 from lmcal.model import AWDLSTM, limited_context_log_probs
+from lmcal.oracles import DriftingOracle, MarkovOracle
 
 
 def tiny():

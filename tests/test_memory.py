@@ -241,7 +241,8 @@ def test_full_context_rows_align_with_limited_rows_and_score_like_evaluate_ce():
 def test_markov_oracle_estimates_match_the_exact_answers():
     """The pipeline's Markov check (`markov_oracle_memory`): entropy rate and I_tau from the exact oracles agree with
     the closed forms within 3 standard errors, on the default corpus (order 2)."""
-    from lmcal.markov import markov_corpus, markov_oracle_memory
+    from lmcal.markov import markov_corpus
+    from lmcal.oracles import markov_oracle_memory
 
     corpus = markov_corpus(n_train=1000, n_valid=50_000, n_test=50_000)
     r = markov_oracle_memory(corpus.info, corpus.split("valid"), corpus.split("test"), [1, 2, 3])
@@ -267,8 +268,8 @@ def _cat(chunks):
 def test_context_rows_on_the_markov_oracle_are_the_exact_conditionals(tau):
     """Windows fed from init_state: for tau >= order the chain's own rows, for tau < order the stationary chain's
     order-tau rows; tau=None: the whole past (the first order-1 positions have shorter contexts)."""
-    from lmcal.markov import MarkovOracle
     from lmcal.memory import context_rows
+    from lmcal.oracles import MarkovOracle
 
     chain = make_markov_chain(vocab_size=MV, order=ORDER, support=3, smoothing=0.02, seed=0)
     pi = markov_stationary(chain.probs, MV, ORDER)
@@ -347,8 +348,8 @@ def test_context_rows_on_a_hugging_face_model():
 @pytest.fixture(scope="module")
 def oracle_rows():
     """Rows of the oracle along a 40k-token stationary sample: {None: whole past, tau: tau-token windows}."""
-    from lmcal.markov import MarkovOracle
     from lmcal.memory import context_rows
+    from lmcal.oracles import MarkovOracle
 
     chain = make_markov_chain(vocab_size=MV, order=ORDER, support=3, smoothing=0.02, seed=0)
     pi = markov_stationary(chain.probs, MV, ORDER)
@@ -443,7 +444,7 @@ def test_crossfit():
 def test_memory_stage_with_window_rows_on_any_step_lm(tmp_path):
     """The stage itself on the oracle StepLM (no network): limited=window gives the oracle's exact answers."""
     from lmcal.analysis import memory_stage
-    from lmcal.markov import MarkovOracle
+    from lmcal.oracles import MarkovOracle
 
     chain = make_markov_chain(vocab_size=MV, order=ORDER, support=3, smoothing=0.02, seed=0)
     pi = markov_stationary(chain.probs, MV, ORDER)

@@ -3,8 +3,8 @@
 A `StepLM` is fed one token per row at a time and answers with the log-probabilities of the next token. Trained
 LSTMs (full or tau-limited context), any Hugging Face causal LM (HFCausalLM, with the optional transformers) and
 exact oracles (the Markov source, and a deliberately drifting model) all implement it, so the entropy-rate and
-calibration code is written once and checked against known truths. The oracles live with their source in
-lmcal.markov.
+calibration code is written once and checked against known truths. The oracles are lmcal.oracles, on the source
+of lmcal.markov.
 """
 
 from __future__ import annotations

@@ -206,7 +206,7 @@ def transformer_memory_markdown(r: dict) -> list[str]:
 def markov_oracle(cfg: DictConfig, mk: Path) -> dict:
     """The same estimators on the Markov source's exact oracles (same corpus and test text as the trained models)."""
     from lmcal.checkpoint import checkpoint_data, read_checkpoint
-    from lmcal.markov import markov_oracle_memory
+    from lmcal.oracles import markov_oracle_memory
 
     dm = checkpoint_data(read_checkpoint(mk / "base" / "checkpoints" / "best.ckpt"))
     corpus = dm.prepare()
