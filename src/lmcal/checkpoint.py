@@ -5,6 +5,7 @@ seconds rather than after Lightning's import.
 
 from __future__ import annotations
 
+import logging
 import pickle
 import re
 from pathlib import Path
@@ -14,6 +15,8 @@ from hydra.utils import instantiate
 
 from lmcal.data import CorpusData
 from lmcal.errors import LmcalError
+
+log = logging.getLogger("lmcal")
 
 
 def model_name(model_cfg) -> str:
@@ -30,12 +33,9 @@ def model_name(model_cfg) -> str:
 def checkpoint_data(ckpt: dict, data_root: str | None = None, path: str | Path = "the checkpoint") -> CorpusData:
     """The corpus a checkpoint was trained on, with the settings training used (`data_root`: where to read it from
     instead)."""
-    import logging
-
     data_cfg = dict(ckpt["hyper_parameters"].get("data_cfg") or {})
     if not data_cfg:  # checkpoints from before lmcal recorded their corpus: PTB with its default settings
-        logging.getLogger("lmcal").warning(f"{path} does not record its corpus; assuming data=ptb with the default "
-                                           "batch settings.")
+        log.warning(f"{path} does not record its corpus; assuming data=ptb with the default batch settings.")
         data_cfg = {"name": "ptb"}
     data_cfg.pop("_target_", None)
     if data_root:
