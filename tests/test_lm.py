@@ -8,6 +8,7 @@ import torch
 
 from lmcal import markov as MK
 from lmcal.lm import LimitedContextStepLM, LSTMStepLM, lstm_from_checkpoint
+from lmcal.lookahead import entropy, lookahead_entropies
 from lmcal.model import AWDLSTM, limited_context_log_probs
 from lmcal.oracles import DriftingOracle, MarkovOracle
 
@@ -51,6 +52,23 @@ def test_lstm_select_with_repeats_continues_each_row():
         _, s = feed(lm, x[r:r + 1])
         ref, _ = lm.step(nxt[j:j + 1], s)
         torch.testing.assert_close(lp[j], ref[0])
+
+
+def test_lstm_candidate_features_equal_stepping_each_candidate():
+    """The lookahead's shared path (h W_hh^T once per row) gives each candidate's features and H_next as a step."""
+    lm = LSTMStepLM(tiny())
+    _, state = feed(lm, torch.randint(0, 30, (3, 5)))  # trained-looking, non-zero states
+    rows = torch.tensor([0, 0, 2, 1, 2, 2, 0])
+    toks = torch.randint(0, 30, (7,))
+    f = lm.candidate_features(toks, state, rows, lm.recurrent_terms(state))  # [7, E]
+    ref, _ = lm.features(toks, lm.select(state, rows))
+    torch.testing.assert_close(f, ref, rtol=0, atol=1e-6)
+    assert f.shape == (7, 8) and not f.requires_grad
+    logp, state3 = lm.step(torch.tensor([4, 9, 17]), state)
+    h = lookahead_entropies(lm, state3, logp, chunk=11)  # [3, V]; chunks cut across rows
+    for b in range(3):
+        lp, _ = lm.step(torch.arange(30), lm.select(state3, torch.full((30,), b)))
+        torch.testing.assert_close(h[b], entropy(lp), rtol=0, atol=1e-5)
 
 
 def test_lstm_from_checkpoint(tmp_path):

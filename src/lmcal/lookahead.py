@@ -73,16 +73,21 @@ def _candidate_entropies(lm, state, cand: torch.Tensor, epsilon: float, chunk: i
     rows = torch.arange(B, device=cand.device).repeat_interleave(K)  # [B*K]: row b repeated K times
     toks = cand.reshape(-1)  # [B*K]
     fused = epsilon == 0.0 and getattr(lm, "head", None) is not None
+    # an LSTM's h W_hh^T once per row, not per candidate (lmcal.lm.LSTMStepLM.candidate_features)
+    shared = lm.recurrent_terms(state) if fused and hasattr(lm, "candidate_features") else None
     h = []
     for i in range(0, B * K, chunk):
-        st = lm.select(state, rows[i:i + chunk])
-        if fused:
-            f, _ = lm.features(toks[i:i + chunk], st)  # [c, E]
-            with span("forward", 2.0 * lm.head[0].numel() * f.size(0)):  # the output layer, fused with its entropy
-                h.append(linear_entropy(f, *lm.head))
+        c_toks, c_rows = toks[i:i + chunk], rows[i:i + chunk]
+        if shared is not None:
+            f = lm.candidate_features(c_toks, state, c_rows, shared)  # [c, E]
+        elif fused:
+            f, _ = lm.features(c_toks, lm.select(state, c_rows))  # [c, E]
         else:
-            lp, _ = lm.step(toks[i:i + chunk], st)  # [c, V]
+            lp, _ = lm.step(c_toks, lm.select(state, c_rows))  # [c, V]
             h.append(entropy(mix_uniform(lp, epsilon)))  # [c]
+            continue
+        with span("forward", 2.0 * lm.head[0].numel() * f.size(0)):  # the output layer, fused with its entropy
+            h.append(linear_entropy(f, *lm.head))
     return torch.cat(h).view(B, K)
 
 
