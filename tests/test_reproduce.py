@@ -86,7 +86,11 @@ def test_smoke_profile_writes_every_result(uninterrupted):
     assert [m["tau"] for m in orc["memory"]] == [1, 2]
     assert list(res["stages"]) == [s["name"] for s in plan(load_profile(["profile=smoke", f"out={out}"]))]
     assert all(s["status"] == "done" for s in res["stages"].values())
+    assert res["stages"]["base"]["matmul_gflop_per_s"] > 0  # the machine's speed as the first stage started ...
+    assert "matmul_gflop_per_s" not in res["stages"]["report"]  # ... not for the in-process report
     report = (out / "REPORT.md").read_text()
+    assert "| stage | seconds | training tokens/s | machine GFLOP/s | run folder |" in report
+    assert "The machine's matmul rate ranged" in report
     for fig in ("figure2_entropy_rate.png", "figure3_calibration.png", "figure_decoders.png", "memory_ptb.png",
                 "memory_markov.png"):
         assert f"({fig})" in report and (out / fig).stat().st_size > 1000

@@ -62,6 +62,14 @@ def stage_command(stage: dict) -> list[str]:
     return cmd
 
 
+def machine_gflops() -> float:
+    """The float32 matmul rate (GFLOP/s) of this machine now, in a quarter of a second: recorded with each stage, so
+    that a stage's seconds can be read against the speed the machine had (shared machines vary by a third)."""
+    from lmcal.profiling import matmul_flops  # torch, only when a stage is about to run
+
+    return round(matmul_flops(seconds=0.25) / 1e9, 1)
+
+
 def launch(stage: dict, out: Path) -> dict:
     """Starts a stage's process with its output appended to logs/<name>.log: {"proc" (None: nothing to run), "cmd",
     "log", "log_path", "t0"}."""
@@ -128,6 +136,8 @@ def schedule(stages: list[dict], cfg: DictConfig, out: Path, current: dict, jobs
                         write_json_atomic(record, {**read_json(record), **rec})
                     finished.add(name)
                     continue
+                if "fn" not in stage and not running:  # the machine's speed as this stage starts (not when another
+                    rec["matmul_gflop_per_s"] = machine_gflops()  # stage would share the cores with the probe)
                 write_json_atomic(record, {"status": "started", **rec})
                 ran.add(name)  # what uses its results runs again too
                 print(f"[{index[name]}/{total}] {name}: running (log: {out / 'logs' / (name + '.log')})", flush=True)

@@ -86,6 +86,7 @@ def collect_results(cfg: DictConfig, out: Path, names: list[str]) -> dict:
         **{n: _unwrap(n, STAGES[n].summary(read_json(ptb / n / "evaluation.json")[n]))
            for n in cfg.stages if n not in PAPER_STAGES},
         "stages": {name: {"seconds": r["seconds"], "status": r["status"]} | stage_profile(Path(r["dir"]))
+                   | ({"matmul_gflop_per_s": r["matmul_gflop_per_s"]} if r.get("matmul_gflop_per_s") else {})
                    for name, r in records.items()},
     }
 
@@ -372,17 +373,22 @@ def report_markdown(cfg: DictConfig, r: dict, out: Path) -> str:
         "forward's FLOP rate (2 x parameters per token) against this machine's float32 matmul rate, "
         f"{r['provenance'].get('matmul_gflop_per_s', float('nan')):.0f} GFLOP/s, measured in the report stage.", "",
         *profile_markdown(r["stages"], r["provenance"].get("matmul_gflop_per_s", float("nan")) * 1e9), "",
-        "## Stages", "", "Training stages add their training speed (tokens per second of optimiser steps).", "",
-        "| stage | seconds | training tokens/s | run folder |", "|---|---|---|---|",
+        "## Stages", "", "Training stages add their training speed (tokens per second of optimiser steps); machine: "
+        "the float32 matmul rate measured as the stage started (shared machines vary by a third from day to day).", "",
+        "| stage | seconds | training tokens/s | machine GFLOP/s | run folder |", "|---|---|---|---|---|",
     ]
     for name, s in r["stages"].items():
         rec = out / "stages" / f"{name}.json"
         folder = read_json(rec)["dir"] if rec.is_file() else str(out)
         rel = os.path.relpath(folder, out)
         tps = f"{s['tokens_per_s']:.0f}" if s.get("tokens_per_s") else "–"
-        lines.append(f"| {name} | {s['seconds']:.0f} | {tps} | [{rel}]({rel}) |")
+        rate = f"{s['matmul_gflop_per_s']:.0f}" if s.get("matmul_gflop_per_s") else "–"
+        lines.append(f"| {name} | {s['seconds']:.0f} | {tps} | {rate} | [{rel}]({rel}) |")
     total = sum(s["seconds"] for s in r["stages"].values())
-    lines += ["", f"Total: {total / 60:.1f} minutes. Settings: [profile.yaml](profile.yaml); logs in [logs/](logs)."]
+    rates = [s["matmul_gflop_per_s"] for s in r["stages"].values() if s.get("matmul_gflop_per_s")]
+    speed = f" The machine's matmul rate ranged {min(rates):.0f}-{max(rates):.0f} GFLOP/s." if rates else ""
+    lines += ["", f"Total: {total / 60:.1f} minutes.{speed} Settings: [profile.yaml](profile.yaml); logs in "
+              "[logs/](logs)."]
     return "\n".join(lines) + "\n"
 
 
