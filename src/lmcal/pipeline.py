@@ -63,11 +63,11 @@ def stage_command(stage: dict) -> list[str]:
 
 
 def machine_gflops() -> float:
-    """The float32 matmul rate (GFLOP/s) of this machine now, in a quarter of a second: recorded with each stage, so
+    """The float32 matmul rate (GFLOP/s) of this machine now, over half a second: recorded with each stage, so
     that a stage's seconds can be read against the speed the machine had (shared machines vary by a third)."""
     from lmcal.profiling import matmul_flops  # torch, only when a stage is about to run
 
-    return round(matmul_flops(seconds=0.25) / 1e9, 1)
+    return round(matmul_flops(seconds=0.5) / 1e9, 1)
 
 
 def launch(stage: dict, out: Path) -> dict:
