@@ -87,8 +87,8 @@ class LSTMStepLM:
     def candidate_features(self, tokens, state, rows, shared) -> torch.Tensor:
         """features(tokens, select(state, rows))[0] for tokens [c] fed to rows `rows` [c], with shared =
         recurrent_terms(state): per candidate only the input products run, since h W_hh^T is a row's, not a
-        candidate's (1.4x fewer FLOPs a candidate for the cpu model, 2.2x for the paper's). [c, E]; equal to the
-        nn.LSTM step up to float rounding."""
+        candidate's. 1.4x fewer FLOPs a candidate for the cpu model, 1.9x for the paper's (bench/lookahead_step.py:
+        1.2-1.3x and 1.6x faster). [c, E]; equal to the nn.LSTM step up to float rounding."""
         rows = rows.to(self.device)
         x = self.net.encoder.weight[tokens.to(self.device)]  # [c, E]
         for r, (_, c), hh in zip(self.net.rnns, state, shared, strict=True):
