@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from lmcal import data as D
+from lmcal import corpora as D
 from lmcal import markov as MK
-from lmcal.data import load_corpus
+from lmcal.corpora import load_corpus
 
 # ---------------------------------------------------------------------------------------------------------------------
 # WikiText-2

@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from lmcal import corpora as C
 from lmcal import data as D
 from tests.conftest import DATA_ROOT, needs_ptb
 
@@ -57,7 +58,7 @@ def test_get_batch_targets_are_next_tokens():
 def _fake_ptb(folder: Path) -> dict[str, str]:
     folder.mkdir(parents=True)
     sums = {}
-    for name in D.PTB_SHA256:
+    for name in C.PTB_SHA256:
         text = f" the cat {name} sat\n a dog <unk>\n"
         (folder / name).write_text(text)
         sums[name] = hashlib.sha256(text.encode()).hexdigest()
@@ -65,21 +66,21 @@ def _fake_ptb(folder: Path) -> dict[str, str]:
 
 
 def test_missing_file_names_path_sum_and_remedy(tmp_path):
-    with pytest.raises(D.DataError) as e:
-        D.load_ptb(tmp_path)
+    with pytest.raises(C.DataError) as e:
+        C.load_ptb(tmp_path)
     msg = str(e.value)
     assert str(tmp_path / "ptb" / "ptb.train.txt") in msg
-    assert D.PTB_SHA256["ptb.train.txt"] in msg
+    assert C.PTB_SHA256["ptb.train.txt"] in msg
     assert "data.root=" in msg and "LMCAL_DATA_ROOT" in msg
 
 
 def test_corrupt_file_is_refused_with_both_sums(tmp_path):
     _fake_ptb(tmp_path / "ptb")
-    with pytest.raises(D.DataError) as e:
-        D.load_ptb(tmp_path)
+    with pytest.raises(C.DataError) as e:
+        C.load_ptb(tmp_path)
     msg = str(e.value)
-    assert "corrupt" in msg and D.PTB_SHA256["ptb.train.txt"] in msg
-    assert D.sha256(tmp_path / "ptb" / "ptb.train.txt") in msg
+    assert "corrupt" in msg and C.PTB_SHA256["ptb.train.txt"] in msg
+    assert C.sha256(tmp_path / "ptb" / "ptb.train.txt") in msg
 
 
 def _tgz_of(files: dict[str, bytes], path: Path) -> None:
@@ -94,7 +95,7 @@ def _fake_release(tmp_path, monkeypatch) -> tuple[Path, dict[str, str], Path]:
     """A simple-examples-like archive of fake PTB files, with the module's sums patched to match."""
     src = tmp_path / "src"
     sums = _fake_ptb(src)
-    monkeypatch.setattr(D, "PTB_SHA256", sums)
+    monkeypatch.setattr(C, "PTB_SHA256", sums)
     archive = tmp_path / "simple-examples.tgz"
     _tgz_of({n: (src / n).read_bytes() for n in sums}, archive)
     return src, sums, archive
@@ -103,36 +104,36 @@ def _fake_release(tmp_path, monkeypatch) -> tuple[Path, dict[str, str], Path]:
 def test_download_checks_sums_and_leaves_nothing_on_failure(tmp_path, monkeypatch):
     src, sums, archive = _fake_release(tmp_path, monkeypatch)
     dest = tmp_path / "root" / "ptb"
-    D.download_ptb(dest, url=archive.as_uri())
-    assert all(D.sha256(dest / n) == s for n, s in sums.items())
+    C.download_ptb(dest, url=archive.as_uri())
+    assert all(C.sha256(dest / n) == s for n, s in sums.items())
     assert [p.name for p in dest.iterdir() if p.name.startswith(".")] == []
 
     # a tampered archive: refused, and nothing is written
     bad = tmp_path / "bad.tgz"
     _tgz_of({n: (b"tampered" if n == "ptb.valid.txt" else (src / n).read_bytes()) for n in sums}, bad)
     dest2 = tmp_path / "root2" / "ptb"
-    with pytest.raises(D.DataError, match="nothing was written"):
-        D.download_ptb(dest2, url=bad.as_uri())
+    with pytest.raises(C.DataError, match="nothing was written"):
+        C.download_ptb(dest2, url=bad.as_uri())
     assert not (tmp_path / "root2").exists()  # not even the folders it made for the files
 
     # an unreachable address: a clear error, not a traceback; a folder that was there stays, empty
     (tmp_path / "root3").mkdir()
-    with pytest.raises(D.DataError, match="Could not download"):
-        D.download_ptb(tmp_path / "root3" / "ptb", url=(tmp_path / "nope.tgz").as_uri())
+    with pytest.raises(C.DataError, match="Could not download"):
+        C.download_ptb(tmp_path / "root3" / "ptb", url=(tmp_path / "nope.tgz").as_uri())
     assert list((tmp_path / "root3").iterdir()) == []
 
 
 def test_load_ptb_with_download_flag_fetches_then_reads(tmp_path, monkeypatch):
     _, _, archive = _fake_release(tmp_path, monkeypatch)
-    monkeypatch.setattr(D, "PTB_URL", archive.as_uri())
-    c = D.load_ptb(tmp_path / "root", download=True, check_counts=False)
+    monkeypatch.setattr(C, "PTB_URL", archive.as_uri())
+    c = C.load_ptb(tmp_path / "root", download=True, check_counts=False)
     assert c.itos[:3] == ["the", "cat", "ptb.train.txt"] and "<eos>" in c.itos
     assert c.train.numel() == 5 + 4  # two lines, one <eos> each
 
 
 @needs_ptb
 def test_real_ptb_counts_and_vocab():
-    c = D.load_ptb(DATA_ROOT)
+    c = C.load_ptb(DATA_ROOT)
     assert (c.train.numel(), c.valid.numel(), c.test.numel()) == (929_589, 73_760, 82_430)
     assert c.vocab_size == 10_000
     assert c.itos[c.train[-1]] == "<eos>"

@@ -9,7 +9,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from lmcal.calibration import entropy, fit_lookahead_calibration, lookahead_entropies  # noqa: E402
-from lmcal.data import DataError, hf_text_tokens, ptb_text_file  # noqa: E402
+from lmcal.corpora import DataError, hf_text_tokens, ptb_text_file  # noqa: E402
 from lmcal.entropy_rate import generation_entropy_curve, random_prefixes  # noqa: E402
 from lmcal.errors import LmcalError  # noqa: E402
 from lmcal.lm import HFCausalLM, _fork_cache, load_hf_model  # noqa: E402
@@ -248,6 +248,34 @@ def test_future_entropy_calibration_steps_the_tilted_law(lm):
     want = (0.9 * want_logp - 0.4 * head(f).detach()).log_softmax(-1)
     got, _ = FutureCalibratedLM(lm, head, -0.4, 0.9).step(x[:, 4], state)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+def test_hf_target_scores_the_test_text_only_for_stages_that_read_it(tmp_path, monkeypatch):
+    """The model's test CE (a whole pass over the test text) is computed for entropy_rate (Table 1), not for a stage
+    that scores its own test words."""
+    from hydra import compose, initialize_config_dir
+
+    import lmcal.lm
+    from lmcal.evaluate import hf_target
+    from lmcal.train import CONF_DIR
+
+    folder = tmp_path / "tiny-gpt2"
+    tiny_gpt2(vocab_size=len(WORDS)).save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    for split in ("valid", "test"):
+        (tmp_path / f"{split}.txt").write_text("the cat sat on a mat\na dog ran far away\n" * 5)
+    calls = []
+    real = lmcal.lm.hf_cross_entropy
+    monkeypatch.setattr(lmcal.lm, "hf_cross_entropy", lambda *a, **k: calls.append(1) or real(*a, **k))
+    for stages, scored in (("[calibration]", False), ("[entropy_rate]", True)):
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            cfg = compose("evaluate", overrides=["model=hf", f"model.name_or_path={folder}", "logger=none",
+                                                 f"model.valid_text={tmp_path / 'valid.txt'}", "analysis=smoke",
+                                                 f"model.test_text={tmp_path / 'test.txt'}", f"stages={stages}"])
+        calls.clear()
+        t = hf_target(cfg)
+        assert bool(calls) == scored and (t["test_ce"] is not None) == scored
+        assert ("test_ce_nats" in t["results"]) == scored and t["results"]["unit"] == "model token"
 
 
 def test_evaluate_model_hf_runs_the_generation_stages(tmp_path):

@@ -12,7 +12,7 @@ pytest.importorskip("transformers")
 from hydra import compose, initialize_config_dir  # noqa: E402
 from omegaconf import open_dict  # noqa: E402
 
-from lmcal.data import hf_text_tokens, ptb_text_file  # noqa: E402
+from lmcal.corpora import hf_text_tokens, ptb_text_file  # noqa: E402
 from lmcal.lm import HFCausalLM, as_step_lm, hf_cross_entropy, load_hf_model  # noqa: E402
 from lmcal.memory import context_rows  # noqa: E402
 from lmcal.model import evaluate_ce  # noqa: E402

@@ -58,7 +58,7 @@ def hf_target(cfg: DictConfig, settings: dict[str, dict] | None = None) -> dict:
     """model=hf: a Hugging Face causal LM from model.name_or_path, and the validation and test text tokenised with
     its own tokenizer (model.valid_text / model.test_text, else PTB's files under the data root). Its test
     cross-entropy is per model token, on model.score_tokens test tokens scored in windows of model.context tokens."""
-    from lmcal.data import hf_text_tokens, ptb_text_file
+    from lmcal.corpora import hf_text_tokens, ptb_text_file
     from lmcal.lm import hf_cross_entropy, load_hf_model
 
     m = cfg.model
@@ -69,13 +69,15 @@ def hf_target(cfg: DictConfig, settings: dict[str, dict] | None = None) -> dict:
     splits = ("train", "valid", "test") if "future_entropy" in cfg.stages else ("valid", "test")  # heads need train
     texts = {split: Path(m.get(f"{split}_text") or ptb_text_file(split, root)) for split in splits}
     tokens = {split: hf_text_tokens(path, lm.tokenizer, m.get("max_tokens")) for split, path in texts.items()}
-    test_ce, n = hf_cross_entropy(lm, tokens["test"][:m.get("score_tokens")], m.get("context"))
     name = m.get("label") or Path(str(m.name_or_path)).name
     corpus = f"{texts['valid'].stem} ({name} tokens)"
-    log.info(f"{name}: test ppl {exp_or_inf(test_ce):.2f} per model token on {n:,} tokens of {texts['test']}")
     results = {"model": name, "name_or_path": str(m.name_or_path), "dataset": corpus, "valid_text": str(texts["valid"]),
-               "test_text": str(texts["test"]), "test_ce_nats": test_ce, "test_ppl": exp_or_inf(test_ce),
-               "test_tokens": n, "unit": "model token"}
+               "test_text": str(texts["test"]), "unit": "model token"}
+    test_ce = None
+    if not cfg.stages or any(STAGES[n].needs_test_ce for n in cfg.stages):  # the others score their own test words
+        test_ce, n = hf_cross_entropy(lm, tokens["test"][:m.get("score_tokens")], m.get("context"))
+        log.info(f"{name}: test ppl {exp_or_inf(test_ce):.2f} per model token on {n:,} tokens of {texts['test']}")
+        results.update({"test_ce_nats": test_ce, "test_ppl": exp_or_inf(test_ce), "test_tokens": n})
     return {"lm": lm, "kind": "hf", "unit": "model token", "name": name, "corpus": corpus, "valid": tokens["valid"],
             "test": tokens["test"], "test_ce": test_ce, "results": results,
             **({"train": tokens["train"]} if "train" in tokens else {})}

@@ -1,7 +1,7 @@
 """The synthetic source: a random order-k Markov chain whose entropy rate and limited-memory conditionals are known
 exactly, and its corpus. The exact StepLM oracles on it (the truth, and drifting models) are lmcal.oracles.
 
-Tables are numpy float64; a corpus is an lmcal.data.Corpus, so the training and analysis code treat it like PTB.
+Tables are numpy float64; a corpus is an lmcal.corpora.Corpus, so the training and analysis code treat it like PTB.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from lmcal.data import Corpus, DataError
+from lmcal.corpora import Corpus, DataError
 
 # ---------------------------------------------------------------------------------------------------------------------
 # The chain

@@ -85,7 +85,7 @@ class GPTLM(nn.Module):
 
 
 def word_tokenizer(itos: list[str]):
-    """A PreTrainedTokenizerFast for a word-level corpus (lmcal.data: words split on whitespace, <eos> ending each
+    """A PreTrainedTokenizerFast for a word-level corpus (lmcal.corpora: words split on whitespace, <eos> ending each
     line, <unk> for the rest): line breaks become <eos>, words map to their ids, unknown words to <unk>."""
     tf = _transformers()
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
