@@ -19,24 +19,13 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
-import time
 
 import torch
 
 from lmcal import decoders as D
 from lmcal.docs import add_out_option, save_bench, tee
 from lmcal.memory import memory_summary
-from lmcal.profiling import matmul_flops
-
-
-def best_of(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
+from lmcal.profiling import best_of, matmul_flops
 
 
 def main(argv: list[str] | None = None) -> None:

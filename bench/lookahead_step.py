@@ -14,7 +14,6 @@ matmul rate measured in the same run. The entropies of the two versions agree to
 from __future__ import annotations
 
 import argparse
-import time
 from types import SimpleNamespace
 
 import torch
@@ -23,20 +22,10 @@ from lmcal.docs import add_out_option, save_bench, tee
 from lmcal.lm import LSTMStepLM
 from lmcal.lookahead import _candidate_entropies
 from lmcal.model import AWDLSTM
-from lmcal.profiling import matmul_flops
+from lmcal.profiling import best_of, matmul_flops
 
 SIZES = {"cpu": (200, 400, 500), "paper": (400, 1150, 100)}  # emb, hidden, rows
 V, K = 10_000, 32
-
-
-def best_of(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -127,6 +127,17 @@ def matmul_flops(n: int = 1024, seconds: float = 1.0) -> float:
     return 2.0 * n**3 * reps / dt
 
 
+def best_of(fn, repeats: int) -> float:
+    """The shortest of `repeats` timed calls of fn() in seconds, after one untimed warm-up call (the benchmarks)."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
 def timed(name: str):
     """Decorator: every call of the function is a span `name`."""
     def wrap(fn):
