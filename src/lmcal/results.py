@@ -386,7 +386,8 @@ def report_markdown(cfg: DictConfig, r: dict, out: Path) -> str:
         lines.append(f"| {name} | {s['seconds']:.0f} | {tps} | {rate} | [{rel}]({rel}) |")
     total = sum(s["seconds"] for s in r["stages"].values())
     rates = [s["matmul_gflop_per_s"] for s in r["stages"].values() if s.get("matmul_gflop_per_s")]
-    speed = f" The machine's matmul rate ranged {min(rates):.0f}-{max(rates):.0f} GFLOP/s." if rates else ""
+    speed = (f" The machine's matmul rate ranged {min(rates):.0f}-{max(rates):.0f} GFLOP/s over the {len(rates)} "
+             f"stage{'s' if len(rates) > 1 else ''} that recorded it." if rates else "")
     lines += ["", f"Total: {total / 60:.1f} minutes.{speed} Settings: [profile.yaml](profile.yaml); logs in "
               "[logs/](logs)."]
     return "\n".join(lines) + "\n"
