@@ -178,6 +178,14 @@ def tiny_tokenizer():
     return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>")
 
 
+def tiny_folder(tmp_path):
+    """A tiny GPT-2 and its word-level tokenizer saved as a Hugging Face folder (what model.name_or_path reads)."""
+    folder = tmp_path / "tiny-gpt2"
+    tiny_gpt2(vocab_size=len(WORDS)).save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    return folder
+
+
 def test_saved_folder_loads_and_tokenises_text(tmp_path):
     model = tiny_gpt2(vocab_size=len(WORDS))
     folder = tmp_path / "tiny-gpt2"
@@ -259,9 +267,7 @@ def test_hf_target_scores_the_test_text_only_for_stages_that_read_it(tmp_path, m
     from lmcal.evaluate import hf_target
     from lmcal.train import CONF_DIR
 
-    folder = tmp_path / "tiny-gpt2"
-    tiny_gpt2(vocab_size=len(WORDS)).save_pretrained(folder)
-    tiny_tokenizer().save_pretrained(folder)
+    folder = tiny_folder(tmp_path)
     for split in ("valid", "test"):
         (tmp_path / f"{split}.txt").write_text("the cat sat on a mat\na dog ran far away\n" * 5)
     calls = []
@@ -286,9 +292,7 @@ def test_evaluate_model_hf_runs_the_generation_stages(tmp_path):
     from lmcal.evaluate import evaluate
     from lmcal.train import CONF_DIR
 
-    folder = tmp_path / "tiny-gpt2"
-    tiny_gpt2(vocab_size=len(WORDS)).save_pretrained(folder)
-    tiny_tokenizer().save_pretrained(folder)
+    folder = tiny_folder(tmp_path)
     g = np.random.default_rng(0)
     for split in ("valid", "test", "train"):  # valid and test as before: a fit known to be finite
         lines = [" ".join(g.choice(WORDS[1:], size=8)) for _ in range(60)]

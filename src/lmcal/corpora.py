@@ -66,12 +66,33 @@ def default_root() -> Path:
     return Path(__file__).resolve().parents[2] / "data"
 
 
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
+def corpus_folder(root: str | Path | None, name: str) -> Path:
+    """root/name, root defaulting to default_root()."""
+    return Path(root if root is not None else default_root()).expanduser() / name
+
+
+def _digest(path: Path, h) -> str:
+    """The hex digest of a file's bytes with the hashlib object h, read 1 MiB at a time."""
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
+
+
+def sha256(path: Path) -> str:
+    return _digest(path, hashlib.sha256())
+
+
+def md5(path: Path) -> str:
+    return _digest(path, hashlib.md5())
+
+
+def _supply_hint(folder: Path, files: dict[str, str], release: str, subfolder: str, url: str) -> str:
+    """The one paragraph that ends every missing-or-corrupt corpus error: the three ways to supply the files."""
+    train, valid, test = files.values()
+    return (f"Supply the files by putting {train}, {valid} and {test} ({release}) in {folder}, by pointing data.root= "
+            f"(or $LMCAL_DATA_ROOT) at a folder that holds {subfolder}/, or by running with data.download=true on a "
+            f"machine with a network ({url}).")
 
 
 def tokenize_lines(path: Path) -> list[list[str]]:
@@ -103,10 +124,7 @@ def encode(lines: list[list[str]], stoi: dict[str, int], path: Path) -> torch.Te
 
 
 def _how_to_supply(folder: Path) -> str:
-    return (f"Supply the files by putting ptb.train.txt, ptb.valid.txt and ptb.test.txt (from Mikolov's "
-            f"simple-examples release, data/ folder) in {folder}, by pointing data.root= (or $LMCAL_DATA_ROOT) "
-            f"at a folder that holds ptb/, or by running with data.download=true on a machine with a network "
-            f"({PTB_URL}).")
+    return _supply_hint(folder, PTB_FILES, "from Mikolov's simple-examples release, data/ folder", "ptb", PTB_URL)
 
 
 def verify_ptb(folder: Path) -> None:
@@ -147,15 +165,19 @@ def download_ptb(folder: Path, url: str | None = None) -> None:
         raise
 
 
+def _fetch(url: str, archive: Path, title: str, hint: str) -> None:
+    """url's bytes into the file `archive`; an unreachable url is one DataError that ends with `hint`."""
+    try:
+        with urllib.request.urlopen(url, timeout=60) as r, open(archive, "wb") as f:
+            shutil.copyfileobj(r, f)
+    except OSError as e:
+        raise DataError(f"Could not download {title} from {url}: {e}. " + hint) from None
+
+
 def _fetch_ptb(folder: Path, url: str) -> None:
     with tempfile.TemporaryDirectory(dir=folder, prefix=".download-") as tmp:
         archive = Path(tmp) / "simple-examples.tgz"
-        try:
-            with urllib.request.urlopen(url, timeout=60) as r, open(archive, "wb") as f:
-                shutil.copyfileobj(r, f)
-        except OSError as e:
-            raise DataError(f"Could not download the Penn Treebank from {url}: {e}. "
-                            + _how_to_supply(folder)) from None
+        _fetch(url, archive, "the Penn Treebank", _how_to_supply(folder))
         with tarfile.open(archive) as tar:
             members = {Path(m.name).name: m for m in tar.getmembers()
                        if m.isfile() and Path(m.name).name in PTB_SHA256 and Path(m.name).parent.name == "data"}
@@ -178,7 +200,7 @@ def _fetch_ptb(folder: Path, url: str) -> None:
 
 def load_ptb(root: str | Path | None = None, download: bool = False, check_counts: bool = True) -> Corpus:
     """The Penn Treebank from `root/ptb/` (downloaded there first if asked and missing)."""
-    folder = Path(root if root is not None else default_root()).expanduser() / "ptb"
+    folder = corpus_folder(root, "ptb")
     if download and not all((folder / f).is_file() for f in PTB_SHA256):
         download_ptb(folder)
     verify_ptb(folder)
@@ -238,19 +260,9 @@ WIKITEXT2_TOKENS = {"train": 2_088_628, "valid": 217_646, "test": 245_569}
 WIKITEXT2_VOCAB = 33_278
 
 
-def md5(path: Path) -> str:
-    h = hashlib.md5()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _how_to_supply_wikitext2(folder: Path) -> str:
-    return (f"Supply the files by putting wiki.train.tokens, wiki.valid.tokens and wiki.test.tokens (the "
-            f"wikitext-2/ folder of wikitext-2-v1.zip, the tokenised release, not -raw-) in {folder}, by pointing "
-            f"data.root= (or $LMCAL_DATA_ROOT) at a folder that holds wikitext-2/, or by running with "
-            f"data.download=true on a machine with a network ({WIKITEXT2_URL}).")
+    return _supply_hint(folder, WIKITEXT2_FILES, "the wikitext-2/ folder of wikitext-2-v1.zip, the tokenised release, "
+                        "not -raw-", "wikitext-2", WIKITEXT2_URL)
 
 
 def verify_wikitext2(folder: Path) -> None:
@@ -270,12 +282,7 @@ def download_wikitext2(folder: Path, url: str | None = None) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=folder, prefix=".download-") as tmp:
         archive = Path(tmp) / "wikitext-2-v1.zip"
-        try:
-            with urllib.request.urlopen(url, timeout=60) as r, open(archive, "wb") as f:
-                shutil.copyfileobj(r, f)
-        except OSError as e:
-            raise DataError(f"Could not download WikiText-2 from {url}: {e}. "
-                            + _how_to_supply_wikitext2(folder)) from None
+        _fetch(url, archive, "WikiText-2", _how_to_supply_wikitext2(folder))
         got = md5(archive)
         if got != WIKITEXT2_ZIP_MD5:
             raise DataError(f"The archive from {url} has MD5 {got}, expected {WIKITEXT2_ZIP_MD5}; nothing was "
@@ -305,7 +312,7 @@ def load_wikitext2(root: str | Path | None = None, download: bool = False, check
 
     The files already mark out-of-vocabulary words as <unk>; the vocabulary is the training split's types.
     """
-    folder = Path(root if root is not None else default_root()).expanduser() / "wikitext-2"
+    folder = corpus_folder(root, "wikitext-2")
     if download and not all((folder / f).is_file() for f in WIKITEXT2_FILES.values()):
         download_wikitext2(folder)
     verify_wikitext2(folder)
@@ -323,7 +330,7 @@ def ptb_text_file(split: str = "valid", root: str | Path | None = None) -> Path:
     """The path of ptb.<split>.txt under `root/ptb/` (root: $LMCAL_DATA_ROOT or data/), after checking its SHA-256."""
     if split not in PTB_FILES:
         raise DataError(f"Unknown Penn Treebank split {split!r}; use one of {', '.join(PTB_FILES)}.")
-    folder = Path(root if root is not None else default_root()).expanduser() / "ptb"
+    folder = corpus_folder(root, "ptb")
     return verify_ptb_file(folder, PTB_FILES[split])
 
 

@@ -44,6 +44,12 @@ def load_checkpoint_and_data(ckpt_path: str, data_root: str | None = None, devic
     return net, ckpt, dm
 
 
+def wants_test_ce(cfg: DictConfig) -> bool:
+    """Whether the model's test CE is computed for these stages: for a stage that reads it (Stage.needs_test_ce), or
+    for stages=[] (the model's perplexity alone); the other stages score their own test words."""
+    return not cfg.stages or any(STAGES[n].needs_test_ce for n in cfg.stages)
+
+
 def stage_settings(cfg: DictConfig) -> dict[str, dict]:
     """analysis.<stage> of every stage asked for, checked against the stage's parameters; `decoder=NAME` (one
     method, e.g. for a sweep of its setting) replaces analysis.decoders.methods."""
@@ -74,7 +80,7 @@ def hf_target(cfg: DictConfig, settings: dict[str, dict] | None = None) -> dict:
     results = {"model": name, "name_or_path": str(m.name_or_path), "dataset": corpus, "valid_text": str(texts["valid"]),
                "test_text": str(texts["test"]), "unit": "model token"}
     test_ce = None
-    if not cfg.stages or any(STAGES[n].needs_test_ce for n in cfg.stages):  # the others score their own test words
+    if wants_test_ce(cfg):
         test_ce, n = hf_cross_entropy(lm, tokens["test"][:m.get("score_tokens")], m.get("context"))
         log.info(f"{name}: test ppl {exp_or_inf(test_ce):.2f} per model token on {n:,} tokens of {texts['test']}")
         results.update({"test_ce_nats": test_ce, "test_ppl": exp_or_inf(test_ce), "test_tokens": n})
@@ -104,7 +110,7 @@ def checkpoint_target(cfg: DictConfig, settings: dict[str, dict] | None = None) 
             target["base_ckpt"], target["base"] = target["ckpt"], net
         mtau = settings["memory"].get("tau") or tau  # the window length, else the tau-model's own
         target["exact_mi"] = markov_exact_mi(dm.prepare().info, mtau) if dm.name == "markov" and mtau else None
-    if not cfg.stages or any(STAGES[n].needs_test_ce for n in cfg.stages):  # the others score their own test words
+    if wants_test_ce(cfg):
         test_ce, _ = evaluate_ce(net, dm.tokens("test"), dm.test_batch_size, dm.bptt)
         log.info(f"{name} on {dm.name}: test ppl {exp_or_inf(test_ce):.2f}")
         target["test_ce"] = test_ce
