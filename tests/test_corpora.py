@@ -90,7 +90,7 @@ def test_wikitext2_download_checks_md5_and_leaves_nothing_on_failure(tmp_path, m
     with pytest.raises(D.DataError, match="nothing was written") as e:
         D.download_wikitext2(dest2, url=archive.as_uri())
     assert D.md5(archive) in str(e.value)
-    assert list(dest2.iterdir()) == []
+    assert not (tmp_path / "root2").exists()  # not even the folders it made for the files
 
     # the right MD5 but a member missing: refused, nothing written
     partial = tmp_path / "partial.zip"
@@ -99,11 +99,13 @@ def test_wikitext2_download_checks_md5_and_leaves_nothing_on_failure(tmp_path, m
     dest3 = tmp_path / "root3" / "wikitext-2"
     with pytest.raises(D.DataError, match="lacks wikitext-2/wiki.test.tokens"):
         D.download_wikitext2(dest3, url=partial.as_uri())
-    assert list(dest3.iterdir()) == []
+    assert not (tmp_path / "root3").exists()
 
-    # an unreachable address: a clear error, not a traceback
+    # an unreachable address: a clear error, not a traceback; a folder that was there stays, empty
+    (tmp_path / "root4").mkdir()
     with pytest.raises(D.DataError, match="Could not download"):
         D.download_wikitext2(tmp_path / "root4" / "wikitext-2", url=(tmp_path / "nope.zip").as_uri())
+    assert list((tmp_path / "root4").iterdir()) == []
 
 
 def test_load_wikitext2_through_load_corpus_with_download(tmp_path, monkeypatch):

@@ -154,12 +154,21 @@ def download_ptb(folder: Path, url: str | None = None) -> None:
     Nothing is left in `folder` unless all three files arrived with their expected sums.
     """
     url = url or PTB_URL
+    _download_into(folder, lambda tmp: _fetch_ptb(folder, tmp, url))
+
+
+def _download_into(folder: Path, fetch) -> None:
+    """fetch(tmp) in a temporary folder inside `folder`; on failure no folder this call made is left behind.
+
+    fetch moves its files into `folder` only once all of them are checked, so a failure writes nothing there.
+    """
     made = [p for p in [folder, *folder.parents] if not p.exists()]  # the folders this call creates
     folder.mkdir(parents=True, exist_ok=True)
     try:
-        _fetch_ptb(folder, url)
+        with tempfile.TemporaryDirectory(dir=folder, prefix=".download-") as tmp:
+            fetch(Path(tmp))
     except BaseException:
-        for p in made:  # a failed download leaves no empty folders behind either (innermost first)
+        for p in made:  # innermost first
             if p.is_dir() and not any(p.iterdir()):
                 p.rmdir()
         raise
@@ -174,28 +183,27 @@ def _fetch(url: str, archive: Path, title: str, hint: str) -> None:
         raise DataError(f"Could not download {title} from {url}: {e}. " + hint) from None
 
 
-def _fetch_ptb(folder: Path, url: str) -> None:
-    with tempfile.TemporaryDirectory(dir=folder, prefix=".download-") as tmp:
-        archive = Path(tmp) / "simple-examples.tgz"
-        _fetch(url, archive, "the Penn Treebank", _how_to_supply(folder))
-        with tarfile.open(archive) as tar:
-            members = {Path(m.name).name: m for m in tar.getmembers()
-                       if m.isfile() and Path(m.name).name in PTB_SHA256 and Path(m.name).parent.name == "data"}
-            missing = sorted(set(PTB_SHA256) - set(members))
-            if missing:
-                raise DataError(f"The archive from {url} lacks {', '.join(missing)}. " + _how_to_supply(folder))
-            for name, m in members.items():
-                src = tar.extractfile(m)
-                assert src is not None
-                with open(Path(tmp) / name, "wb") as f:
-                    shutil.copyfileobj(src, f)
-        for name, expected in PTB_SHA256.items():
-            got = sha256(Path(tmp) / name)
-            if got != expected:
-                raise DataError(f"Downloaded {name} from {url} has SHA-256 {got}, expected {expected}; "
-                                "nothing was written. " + _how_to_supply(folder))
-        for name in PTB_SHA256:
-            os.replace(Path(tmp) / name, folder / name)
+def _fetch_ptb(folder: Path, tmp: Path, url: str) -> None:
+    archive = tmp / "simple-examples.tgz"
+    _fetch(url, archive, "the Penn Treebank", _how_to_supply(folder))
+    with tarfile.open(archive) as tar:
+        members = {Path(m.name).name: m for m in tar.getmembers()
+                   if m.isfile() and Path(m.name).name in PTB_SHA256 and Path(m.name).parent.name == "data"}
+        missing = sorted(set(PTB_SHA256) - set(members))
+        if missing:
+            raise DataError(f"The archive from {url} lacks {', '.join(missing)}. " + _how_to_supply(folder))
+        for name, m in members.items():
+            src = tar.extractfile(m)
+            assert src is not None
+            with open(tmp / name, "wb") as f:
+                shutil.copyfileobj(src, f)
+    for name, expected in PTB_SHA256.items():
+        got = sha256(tmp / name)
+        if got != expected:
+            raise DataError(f"Downloaded {name} from {url} has SHA-256 {got}, expected {expected}; "
+                            "nothing was written. " + _how_to_supply(folder))
+    for name in PTB_SHA256:
+        os.replace(tmp / name, folder / name)
 
 
 def load_ptb(root: str | Path | None = None, download: bool = False, check_counts: bool = True) -> Corpus:
@@ -279,32 +287,34 @@ def download_wikitext2(folder: Path, url: str | None = None) -> None:
     Nothing is left in `folder` unless the archive had the expected MD5 and all three files.
     """
     url = url or WIKITEXT2_URL  # read at call time, so tests can point it at a local archive
-    folder.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=folder, prefix=".download-") as tmp:
-        archive = Path(tmp) / "wikitext-2-v1.zip"
-        _fetch(url, archive, "WikiText-2", _how_to_supply_wikitext2(folder))
-        got = md5(archive)
-        if got != WIKITEXT2_ZIP_MD5:
-            raise DataError(f"The archive from {url} has MD5 {got}, expected {WIKITEXT2_ZIP_MD5}; nothing was "
-                            "written. " + _how_to_supply_wikitext2(folder))
-        wanted = set(WIKITEXT2_FILES.values())
-        try:
-            with zipfile.ZipFile(archive) as zf:
-                # only the three named members, written under names we choose (no paths from the archive)
-                members = {Path(n).name: n for n in zf.namelist()
-                           if Path(n).name in wanted and Path(n).parent.name == "wikitext-2"}
-                missing = sorted(wanted - set(members))
-                if missing:
-                    raise DataError(f"The archive from {url} lacks wikitext-2/{', wikitext-2/'.join(missing)}; "
-                                    "nothing was written. " + _how_to_supply_wikitext2(folder))
-                for name, member in members.items():
-                    with zf.open(member) as src, open(Path(tmp) / name, "wb") as f:
-                        shutil.copyfileobj(src, f)
-        except zipfile.BadZipFile as e:
-            raise DataError(f"The archive from {url} is not a readable zip ({e}); nothing was written. "
-                            + _how_to_supply_wikitext2(folder)) from None
-        for name in WIKITEXT2_FILES.values():
-            os.replace(Path(tmp) / name, folder / name)
+    _download_into(folder, lambda tmp: _fetch_wikitext2(folder, tmp, url))
+
+
+def _fetch_wikitext2(folder: Path, tmp: Path, url: str) -> None:
+    archive = tmp / "wikitext-2-v1.zip"
+    _fetch(url, archive, "WikiText-2", _how_to_supply_wikitext2(folder))
+    got = md5(archive)
+    if got != WIKITEXT2_ZIP_MD5:
+        raise DataError(f"The archive from {url} has MD5 {got}, expected {WIKITEXT2_ZIP_MD5}; nothing was "
+                        "written. " + _how_to_supply_wikitext2(folder))
+    wanted = set(WIKITEXT2_FILES.values())
+    try:
+        with zipfile.ZipFile(archive) as zf:
+            # only the three named members, written under names we choose (no paths from the archive)
+            members = {Path(n).name: n for n in zf.namelist()
+                       if Path(n).name in wanted and Path(n).parent.name == "wikitext-2"}
+            missing = sorted(wanted - set(members))
+            if missing:
+                raise DataError(f"The archive from {url} lacks wikitext-2/{', wikitext-2/'.join(missing)}; "
+                                "nothing was written. " + _how_to_supply_wikitext2(folder))
+            for name, member in members.items():
+                with zf.open(member) as src, open(tmp / name, "wb") as f:
+                    shutil.copyfileobj(src, f)
+    except zipfile.BadZipFile as e:
+        raise DataError(f"The archive from {url} is not a readable zip ({e}); nothing was written. "
+                        + _how_to_supply_wikitext2(folder)) from None
+    for name in WIKITEXT2_FILES.values():
+        os.replace(tmp / name, folder / name)
 
 
 def load_wikitext2(root: str | Path | None = None, download: bool = False, check_counts: bool = True) -> Corpus:
