@@ -142,9 +142,9 @@ def verify_ptb_file(folder: Path, fname: str) -> Path:
                         + _how_to_supply(folder))
     got = sha256(path)
     if got != expected:
+        hint = _how_to_supply(folder)
         raise DataError(f"Penn Treebank file is corrupt or a different version: {path} has SHA-256 {got}, "
-                        f"expected {expected}. Delete it and " + _how_to_supply(folder)[0].lower()
-                        + _how_to_supply(folder)[1:])
+                        f"expected {expected}. Delete it and " + hint[0].lower() + hint[1:])
     return path
 
 
