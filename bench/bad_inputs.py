@@ -79,7 +79,7 @@ def main() -> None:
         print(f"{label}: exit {rc}", file=sys.stderr, flush=True)
     # the busy folder: a live lock held by this process
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-    from lmcal.utils import run_lock
+    from lmcal.utils.lock import run_lock
 
     busy = tmp / "busy"
     with run_lock(busy):

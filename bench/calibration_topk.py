@@ -33,11 +33,11 @@ import time
 
 import torch
 
-from lmcal.calibration import fit_lookahead_calibration, lookahead_statistics
-from lmcal.data import batchify
-from lmcal.docs import save_bench
-from lmcal.evaluate import load_checkpoint_and_data
-from lmcal.lm import LSTMStepLM
+from lmcal.core.calibration import fit_lookahead_calibration, lookahead_statistics
+from lmcal.data.batching import batchify
+from lmcal.models.step_lm import LSTMStepLM
+from lmcal.pipeline.docs import save_bench
+from lmcal.stages.targets import load_checkpoint_and_data
 
 ALPHAS = (-0.2, -0.1, -0.05, 0.0, 0.05, 0.1, 0.2)
 

@@ -22,10 +22,10 @@ import sys
 
 import torch
 
-from lmcal import decoders as D
-from lmcal.docs import add_out_option, save_bench, tee
-from lmcal.memory import memory_summary
-from lmcal.profiling import best_of, matmul_flops
+from lmcal.core import decoders as D
+from lmcal.core.memory import memory_summary
+from lmcal.pipeline.docs import add_out_option, save_bench, tee
+from lmcal.utils.profiling import best_of, matmul_flops
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -20,8 +20,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from lmcal.analysis_future import future_entropy_table
-from lmcal.docs import save_bench
+from lmcal.pipeline.docs import save_bench
+from lmcal.stages.future_entropy import future_entropy_table
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -15,10 +15,10 @@ import time
 import torch
 from train_throughput import build, matmul_flops  # bench/ is on sys.path when run as a script
 
-from lmcal.docs import add_out_option, save_bench, tee
-from lmcal.entropy_rate import generation_entropy_curve
-from lmcal.lm import LSTMStepLM
-from lmcal.model import matmul_params
+from lmcal.core.entropy_rate import generation_entropy_curve
+from lmcal.models.awd_lstm import matmul_params
+from lmcal.models.step_lm import LSTMStepLM
+from lmcal.pipeline.docs import add_out_option, save_bench, tee
 
 
 def generated_per_s(lm, prefixes, horizon, samples, max_batch) -> float:

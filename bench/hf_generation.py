@@ -26,8 +26,8 @@ import torch
 from generation_speed import generated_per_s  # bench/ is on sys.path when run as a script
 from train_throughput import matmul_flops
 
-from lmcal.docs import add_out_option, save_bench, tee
-from lmcal.lm import HFCausalLM
+from lmcal.models.hf import HFCausalLM
+from lmcal.pipeline.docs import add_out_option, save_bench, tee
 
 
 def hf_matmul_params(model) -> int:
@@ -101,7 +101,7 @@ def main():
         torch.set_num_threads(args.threads)  # before the matmul peak too: both are measured on the same threads
     from transformers import GPT2Config, GPT2LMHeadModel, __version__
 
-    import lmcal.hf as L
+    import lmcal.models.hf as L
 
     torch.manual_seed(0)
     t = time.perf_counter()

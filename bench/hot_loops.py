@@ -25,11 +25,12 @@ import time
 import torch
 from train_throughput import build, matmul_flops  # bench/ is on sys.path when run as a script
 
-from lmcal import calibration
-from lmcal.docs import add_out_option, save_bench, tee
-from lmcal.entropy_rate import _uniforms, generation_entropy_curve
-from lmcal.lm import LSTMStepLM
-from lmcal.model import full_context_log_probs, limited_context_log_probs, matmul_params
+from lmcal.core import calibration
+from lmcal.core.entropy_rate import generation_entropy_curve
+from lmcal.core.sampling import uniforms
+from lmcal.models.awd_lstm import full_context_log_probs, limited_context_log_probs, matmul_params
+from lmcal.models.step_lm import LSTMStepLM
+from lmcal.pipeline.docs import add_out_option, save_bench, tee
 
 
 def _old_entropy(logp):
@@ -53,7 +54,7 @@ def reference_generation(lm, prefixes, horizon, samples, seed=0):
         if t == horizon - 1:
             break
         cdf = p.cumsum(-1)
-        u = _uniforms(seed, gen_ids, t) * cdf[:, -1]
+        u = uniforms(seed, gen_ids, t) * cdf[:, -1]
         tokens = torch.searchsorted(cdf, u[:, None], right=True)[:, 0].clamp_(max=cdf.size(1) - 1)
         logp, state = lm.step(tokens, state)
 

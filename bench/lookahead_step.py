@@ -18,11 +18,11 @@ from types import SimpleNamespace
 
 import torch
 
-from lmcal.docs import add_out_option, save_bench, tee
-from lmcal.lm import LSTMStepLM
-from lmcal.lookahead import _candidate_entropies
-from lmcal.model import AWDLSTM
-from lmcal.profiling import best_of, matmul_flops
+from lmcal.core.lookahead import candidate_entropies
+from lmcal.models.awd_lstm import AWDLSTM
+from lmcal.models.step_lm import LSTMStepLM
+from lmcal.pipeline.docs import add_out_option, save_bench, tee
+from lmcal.utils.profiling import best_of, matmul_flops
 
 SIZES = {"cpu": (200, 400, 500), "paper": (400, 1150, 100)}  # emb, hidden, rows
 V, K = 10_000, 32
@@ -58,8 +58,8 @@ def main(argv: list[str] | None = None) -> None:
         flops = {"before": rows * K * (sum(8.0 * i * h for i, h in sizes) + recurrent + head),
                  "now": rows * K * (sum(8.0 * i * h for i, h in sizes) + head) + rows * recurrent}
         versions = {"before": before, "now": lm}
-        h = {v: _candidate_entropies(m, state, cand, 0.0, 512) for v, m in versions.items()}
-        secs = {v: best_of(lambda m=m, s=state, c=cand: _candidate_entropies(m, s, c, 0.0, 512), args.repeats)
+        h = {v: candidate_entropies(m, state, cand, 0.0, 512) for v, m in versions.items()}
+        secs = {v: best_of(lambda m=m, s=state, c=cand: candidate_entropies(m, s, c, 0.0, 512), args.repeats)
                 for v, m in versions.items()}
         for version in ("before", "now"):
             s, f = secs[version], flops[version]

@@ -5,8 +5,9 @@
 
 Each run draws an independent stationary test stream from the chain of the default Markov corpus (conf/data/
 markov.yaml: order 2, 16 words), reads it with the exact oracle (P^: the whole past, which for an order-k chain is
-its k-token windows; P~_tau: the same oracle fed only tau-token windows, lmcal.memory.context_rows) and computes the
-memory stage's numbers (lmcal.memory.memory_summary: alpha fitted on the rows the bound is reported on, standard
+its k-token windows; P~_tau: the same oracle fed only tau-token windows, lmcal.core.context.context_rows) and computes
+the
+memory stage's numbers (lmcal.core.memory.memory_summary: alpha fitted on the rows the bound is reported on, standard
 errors from the delete-one-block jackknife with alpha refitted per block). P^ is the truth, so the bound's target is
 the exact I_tau = H(W_t | last tau) - H(W_t | last k) (0 for tau >= k). Per tau it prints the mean bound over runs,
 its spread (SD), the mean reported standard error, and the fraction of runs whose +-1 SE and +-2 SE intervals
@@ -25,10 +26,11 @@ import time
 import numpy as np
 import torch
 
-from lmcal.docs import save_bench
-from lmcal.markov import make_markov_chain, markov_conditional_entropy, markov_stationary, sample_markov
-from lmcal.memory import context_rows, memory_summary
-from lmcal.oracles import MarkovOracle
+from lmcal.core.context import context_rows
+from lmcal.core.memory import memory_summary
+from lmcal.data.markov import make_markov_chain, markov_conditional_entropy, markov_stationary, sample_markov
+from lmcal.models.oracles import MarkovOracle
+from lmcal.pipeline.docs import save_bench
 
 # the default Markov corpus (conf/data/markov.yaml corpus_kwargs)
 CHAIN = {"vocab_size": 16, "order": 2, "support": 3, "smoothing": 0.01, "seed": 0}

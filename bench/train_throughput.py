@@ -7,9 +7,11 @@ The configurations and the step are those of ../shared/peers/ (which adds fastai
 column): paper = 400/1150/3 at batch 20, BPTT 70; small = 200/400/3 at batch 32, BPTT 35; V = 10,000; one step =
 forward, full-softmax cross-entropy, backward, gradient-norm clipping (0.25), SGD. Implementations:
 - plain: stacked torch.nn.LSTM layers, tied decoder, no regularisation (the kernel's ceiling);
-- ours: lmcal.model.AWDLSTM with the AWD dropouts (weight drop, locked, embedding), cross-entropy only (equal work);
-- ours + AR/TAR: the training loss lmcal.module uses;
-- tau = T: the limited-memory model's training forward (lmcal.model.forward_chunked: the window cut into T-token
+- ours: lmcal.models.awd_lstm.AWDLSTM with the AWD dropouts (weight drop, locked, embedding), cross-entropy only
+  (equal work);
+- ours + AR/TAR: the training loss lmcal.training.module uses;
+- tau = T: the limited-memory model's training forward (lmcal.models.awd_lstm.forward_chunked: the window cut into
+  T-token
   chunks, each from a zero state), the window rounded to a multiple of T.
 Repetitions are interleaved (A B C A B C ...) to spread machine noise; the table gives medians. MFU = 6 x
 (parameters in matrix multiplies) x tokens/s over the float32 matmul rate.
@@ -27,9 +29,9 @@ import torch.nn.functional as F
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
-from lmcal.docs import add_out_option, save_bench, tee
-from lmcal.model import AWDLSTM, ar_tar, forward_chunked, matmul_params, repackage
-from lmcal.train import CONF_DIR
+from lmcal.models.awd_lstm import AWDLSTM, ar_tar, forward_chunked, matmul_params, repackage
+from lmcal.pipeline.docs import add_out_option, save_bench, tee
+from lmcal.utils.settings import CONF_DIR
 
 CONFIGS = {"paper": ("awd_lstm", 20, 70), "small": ("awd_lstm_small", 32, 35)}  # model preset, batch, BPTT
 PEER_DROPOUTS = dict(dropout=0.4, dropouth=0.25, dropouti=0.4, dropoute=0.1, wdrop=0.5)  # the peers' "paper" set

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from lmcal.corpora import PTB_SHA256
+from lmcal.data.corpora import PTB_SHA256
 
 DATA_ROOT = os.environ.get("LMCAL_DATA_ROOT")
 DATA_ROOT = str(Path(DATA_ROOT).resolve()) if DATA_ROOT else None  # subprocesses run in other folders

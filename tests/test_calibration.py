@@ -5,22 +5,16 @@ import math
 import pytest
 import torch
 
-from lmcal.calibration import (
-    _stream_block_stderr,
-    calibrated,
-    entropy,
-    fit_lookahead_calibration,
-    lookahead_entropies,
-    mix_uniform,
-    score,
-)
-from lmcal.data import batchify
-from lmcal.entropy_rate import generation_entropy_curve, paired_tail_difference, random_prefixes
+from lmcal.core.calibration import calibrated, fit_lookahead_calibration, score, stream_block_stderr
+from lmcal.core.entropy_rate import generation_entropy_curve, paired_tail_difference
+from lmcal.core.expfit import calibration_objective, fit_alpha, newton_minimize, objective, sandwich_stderr
+from lmcal.core.lookahead import entropy, lookahead_entropies, mix_uniform
+from lmcal.core.sampling import random_prefixes
+from lmcal.data.batching import batchify
+from lmcal.data.markov import make_markov_chain, markov_entropy_rate, sample_markov
 from lmcal.errors import LmcalError
-from lmcal.expfit import calibration_objective, fit_alpha, newton_minimize, objective, sandwich_stderr
-from lmcal.markov import make_markov_chain, markov_entropy_rate, sample_markov
-from lmcal.model import AWDLSTM
-from lmcal.oracles import DriftingOracle, MarkovOracle
+from lmcal.models.awd_lstm import AWDLSTM
+from lmcal.models.oracles import DriftingOracle, MarkovOracle
 
 V = 13
 
@@ -250,10 +244,10 @@ def test_bad_tail_settings_are_one_paragraph_errors(lm, text):
 def test_block_stderr_clusters_consecutive_positions_of_each_stream():
     g = torch.tensor([1.0, 2.0, 1.0, -2.0, -1.0, 3.0, -1.0, -3.0], dtype=torch.float64)  # t-major, 2 streams
     # stream 0: 1, 1, -1, -1; stream 1: 2, -2, 3, -3
-    assert _stream_block_stderr(g, 0.5, 2, 1) == pytest.approx(sandwich_stderr(g, 0.5))  # positions independent
-    assert _stream_block_stderr(g, 0.5, 2, 2) == pytest.approx(math.sqrt(2**2 + 2**2 + 0 + 0) / (8 * 0.5))
-    assert _stream_block_stderr(g, 0.5, 2, 3) == pytest.approx(math.sqrt(1 + 1 + 3**2 + 3**2) / (8 * 0.5))
-    assert _stream_block_stderr(g, 0.0, 2, 3) == math.inf
+    assert stream_block_stderr(g, 0.5, 2, 1) == pytest.approx(sandwich_stderr(g, 0.5))  # positions independent
+    assert stream_block_stderr(g, 0.5, 2, 2) == pytest.approx(math.sqrt(2**2 + 2**2 + 0 + 0) / (8 * 0.5))
+    assert stream_block_stderr(g, 0.5, 2, 3) == pytest.approx(math.sqrt(1 + 1 + 3**2 + 3**2) / (8 * 0.5))
+    assert stream_block_stderr(g, 0.0, 2, 3) == math.inf
 
 
 def test_paired_tail_difference_of_a_model_with_itself_is_zero(lm, text):
@@ -340,7 +334,7 @@ def test_exact_markov_oracle_needs_no_calibration():
 def test_calibration_stage_before_is_the_mixture_and_tails_are_paired(lm, tmp_path):
     """With uniform_weight > 0 the "before" curve and cross-entropy are both the eps-mixture's; the tail keys are the
     paired difference of the two models' generations."""
-    from lmcal.analysis import calibration_stage
+    from lmcal.stages.calibration import calibration_stage
 
     valid = torch.randint(0, V, (300,), generator=torch.Generator().manual_seed(3))
     test = torch.randint(0, V, (60,), generator=torch.Generator().manual_seed(4))

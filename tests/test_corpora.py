@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from lmcal import corpora as D
-from lmcal import markov as MK
-from lmcal.corpora import load_corpus
+from lmcal.data import corpora as D
+from lmcal.data import markov as MK
+from lmcal.data.batching import load_corpus
 
 # ---------------------------------------------------------------------------------------------------------------------
 # WikiText-2
@@ -302,7 +302,7 @@ def test_data_configs_select_the_corpora(tmp_path):
     from hydra import compose, initialize_config_dir
     from hydra.utils import instantiate
 
-    from lmcal.train import CONF_DIR
+    from lmcal.utils.settings import CONF_DIR
 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         markov = compose(config_name="train", overrides=["data=markov", "data.corpus_kwargs.n_train=3000"])

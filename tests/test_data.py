@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lmcal import corpora as C
-from lmcal import data as D
+from lmcal.data import batching as D
+from lmcal.data import corpora as C
 from tests.conftest import DATA_ROOT, needs_ptb
 
 

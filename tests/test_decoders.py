@@ -8,9 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from lmcal.calibration import fit_temperature, score
-from lmcal.data import batchify
-from lmcal.decoders import (
+from lmcal.core.calibration import fit_temperature, score
+from lmcal.core.decoders import (
     DECODERS,
     eta,
     heldout_cost,
@@ -22,10 +21,12 @@ from lmcal.decoders import (
     top_p,
     typical,
 )
-from lmcal.entropy_rate import generation_entropy_curve, random_prefixes
+from lmcal.core.entropy_rate import generation_entropy_curve
+from lmcal.core.sampling import random_prefixes
+from lmcal.data.batching import batchify
+from lmcal.data.markov import make_markov_chain, markov_entropy_rate, sample_markov
 from lmcal.errors import LmcalError
-from lmcal.markov import make_markov_chain, markov_entropy_rate, sample_markov
-from lmcal.oracles import MarkovOracle
+from lmcal.models.oracles import MarkovOracle
 
 from .test_calibration import TinyLSTM
 
@@ -277,7 +278,7 @@ def test_heldout_cost_counts_zero_probability_words():
 
 def test_mirostat_starts_each_generation_from_two_tau():
     """However far mu drifted along the prompt, the first generated word is cut at mu = 2 tau."""
-    from lmcal.calibration import entropy
+    from lmcal.core.lookahead import entropy
 
     lm = TinyLSTM()
     # a low target: mu falls fast along the prompt
@@ -295,9 +296,9 @@ def test_mirostat_starts_each_generation_from_two_tau():
 
 @pytest.mark.parametrize("name", list(DECODERS))
 def test_rules_on_blocks_of_rows_are_the_rules_on_the_whole_batch(name, monkeypatch):
-    """The StepLMs apply each rule to blocks of rows on the CPU (lmcal.decoders.by_rows): the same bit for bit, and
+    """The StepLMs apply each rule to blocks of rows on the CPU (lmcal.core.decoders.by_rows): the same bit for bit, and
     the same generations, as on the whole batch at once."""
-    import lmcal.decoders as D
+    import lmcal.core.decoders as D
 
     lm = TinyLSTM()
     params = {"temperature": {"temperature": 0.7}, "top_k": {"k": 5}, "top_p": {"p": 0.8}, "typical": {"mass": 0.8},

@@ -4,8 +4,9 @@ import json
 
 import pytest
 
-from lmcal.docs import main, provenance, render, save_bench, snapshot
+from lmcal.docs import main
 from lmcal.errors import LmcalError
+from lmcal.pipeline.docs import provenance, render, save_bench, snapshot
 
 
 def _fake_run(folder):

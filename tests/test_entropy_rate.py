@@ -6,22 +6,20 @@ import numpy as np
 import pytest
 import torch
 
-from lmcal import markov as MK
-from lmcal.entropy_rate import (
+from lmcal.core.entropy_rate import (
     EntropyCurve,
-    _uniforms,
     clustered_mean,
-    draw,
     entrate_ppl,
     generation_entropy_curve,
     paired_difference_curve,
     paired_tail_difference,
-    random_prefixes,
     tail_steps,
 )
-from lmcal.lm import LSTMStepLM
-from lmcal.model import AWDLSTM
-from lmcal.oracles import DriftingOracle, MarkovOracle
+from lmcal.core.sampling import draw, random_prefixes, uniforms
+from lmcal.data import markov as MK
+from lmcal.models.awd_lstm import AWDLSTM
+from lmcal.models.oracles import DriftingOracle, MarkovOracle
+from lmcal.models.step_lm import LSTMStepLM
 
 
 @pytest.fixture(scope="module")
@@ -76,13 +74,13 @@ def test_two_level_draw_is_the_exact_inverse_cdf(dtype):
 
 
 def test_uniforms_look_uniform_and_independent():
-    u = _uniforms(0, torch.arange(100_000), 0)
+    u = uniforms(0, torch.arange(100_000), 0)
     assert u.dtype == torch.float64 and 0 <= u.min() and u.max() < 1
     assert abs(u.mean().item() - 0.5) < 0.005 and abs(u.var().item() - 1 / 12) < 0.002
-    v = _uniforms(0, torch.arange(100_000), 1)
+    v = uniforms(0, torch.arange(100_000), 1)
     assert abs(np.corrcoef(u.numpy(), v.numpy())[0, 1]) < 0.02  # next step
     assert abs(np.corrcoef(u[:-1].numpy(), u[1:].numpy())[0, 1]) < 0.02  # next generation
-    assert not torch.equal(u, _uniforms(1, torch.arange(100_000), 0))  # next seed
+    assert not torch.equal(u, uniforms(1, torch.arange(100_000), 0))  # next seed
 
 
 def test_markov_oracle_curve_is_flat_at_the_entropy_rate(corpus, chain, prefixes):

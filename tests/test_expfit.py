@@ -1,5 +1,5 @@
-"""The one fit of a one-parameter exponential family (lmcal.expfit): derivatives against finite differences, zeros and
-the domain they cut, the bound (raise or clamp), chunking, and the sandwich standard error."""
+"""The one fit of a one-parameter exponential family (lmcal.core.expfit): derivatives against finite differences, zeros
+and the domain they cut, the bound (raise or clamp), chunking, and the sandwich standard error."""
 
 import logging
 import math
@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from lmcal.expfit import (
+from lmcal.core.expfit import (
     calibration_objective,
     domain,
     fit_alpha,

@@ -1,5 +1,5 @@
-"""Future-entropy heads (lmcal.future_entropy) against exact answers: the delayed drifting oracle's closed forms, the
-rollout targets, the K = 1 head against exact one-step lookahead, and calibration that closes a drift one-step
+"""Future-entropy heads (lmcal.core.future_entropy) against exact answers: the delayed drifting oracle's closed forms,
+the rollout targets, the K = 1 head against exact one-step lookahead, and calibration that closes a drift one-step
 lookahead cannot see."""
 
 import math
@@ -8,10 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from lmcal.calibration import entropy, fit_lookahead_calibration, lookahead_entropies, target_log_probs
-from lmcal.data import batchify
-from lmcal.entropy_rate import generation_entropy_curve, random_prefixes
-from lmcal.future_entropy import (
+from lmcal.core.calibration import fit_lookahead_calibration, target_log_probs
+from lmcal.core.entropy_rate import generation_entropy_curve
+from lmcal.core.future_entropy import (
     FutureCalibratedLM,
     FutureEntropyHead,
     fit_future_calibration,
@@ -21,10 +20,13 @@ from lmcal.future_entropy import (
     step_features,
     train_head,
 )
-from lmcal.lm import LSTMStepLM
-from lmcal.markov import make_markov_chain, markov_entropy_rate, sample_markov
-from lmcal.model import AWDLSTM
-from lmcal.oracles import DelayedDriftOracle, DriftingOracle
+from lmcal.core.lookahead import entropy, lookahead_entropies
+from lmcal.core.sampling import random_prefixes
+from lmcal.data.batching import batchify
+from lmcal.data.markov import make_markov_chain, markov_entropy_rate, sample_markov
+from lmcal.models.awd_lstm import AWDLSTM
+from lmcal.models.oracles import DelayedDriftOracle, DriftingOracle
+from lmcal.models.step_lm import LSTMStepLM
 
 CHAIN = make_markov_chain(vocab_size=8, order=1, support=3, smoothing=0.05, seed=1)
 H = markov_entropy_rate(CHAIN.probs, 8, 1)  # the true source's entropy rate
@@ -175,14 +177,14 @@ def test_fused_step_is_the_tilted_law_and_the_fits_are_minima():
 
 
 def test_bad_settings_and_missing_inputs_are_one_paragraph(tmp_path):
-    from lmcal.analysis_future import _heads_of
     from lmcal.errors import LmcalError
-    from lmcal.stages import STAGES
+    from lmcal.stages.future_entropy import heads_of
+    from lmcal.stages.registry import STAGES
 
-    assert _heads_of([1, 5], [1.0, 0.95]) == [(1, 1.0), (5, 1.0), (5, 0.95)]  # K = 1 once: it has no discount
+    assert heads_of([1, 5], [1.0, 0.95]) == [(1, 1.0), (5, 1.0), (5, 0.95)]  # K = 1 once: it has no discount
     for k, d in ((0, 1.0), (2.5, 1.0), (5, 0.0), (5, 1.5), ("5", 1.0), (5, "x"), (True, 1.0)):
         with pytest.raises(LmcalError, match="horizon_k a positive integer and 0 < discount <= 1"):
-            _heads_of([k], [d])
+            heads_of([k], [d])
     target = {"lm": None, "valid": None, "test": None, "unit": "word", "name": "m", "corpus": "c"}
     call = STAGES["future_entropy"].call
     with pytest.raises(LmcalError, match=r"decoders_json=.*no\.json does not exist; run stages=\[decoders\] first"):

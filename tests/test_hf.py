@@ -8,11 +8,13 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from lmcal.calibration import entropy, fit_lookahead_calibration, lookahead_entropies  # noqa: E402
-from lmcal.corpora import DataError, hf_text_tokens, ptb_text_file  # noqa: E402
-from lmcal.entropy_rate import generation_entropy_curve, random_prefixes  # noqa: E402
-from lmcal.errors import LmcalError  # noqa: E402
-from lmcal.lm import HFCausalLM, _fork_cache, load_hf_model  # noqa: E402
+from lmcal.core.calibration import fit_lookahead_calibration  # noqa: E402
+from lmcal.core.entropy_rate import generation_entropy_curve  # noqa: E402
+from lmcal.core.lookahead import entropy, lookahead_entropies  # noqa: E402
+from lmcal.core.sampling import random_prefixes  # noqa: E402
+from lmcal.data.corpora import hf_text_tokens, ptb_text_file  # noqa: E402
+from lmcal.errors import DataError, LmcalError  # noqa: E402
+from lmcal.models.hf import HFCausalLM, fork_cache, load_hf_model  # noqa: E402
 
 V = 50
 WORDS = ["<unk>", "the", "cat", "sat", "on", "mat", "a", "dog", "ran", "far", "away", "and"]
@@ -77,7 +79,7 @@ def test_prefill_equals_steps_and_leaves_its_state_usable(lm):
         lp, st = lm.step(x[:, t], st)
         torch.testing.assert_close(lp, lp_steps[:, t], atol=1e-5, rtol=1e-5)
     assert st[1] == st_steps[1] == 12 and st[0].get_seq_length() == 12
-    from lmcal import profiling  # a profiled model times its prefill as a forward: the body for every token, the
+    from lmcal.utils import profiling  # a profiled model times its prefill as a forward: the body for every token, the
     profiling.reset()  # output layer for the one decoded row per sequence
     with profiling.span("generation"):
         lp_prof, _ = profiling.profiled(lm).prefill(x[:, :9], lm.init_state(3))
@@ -133,8 +135,8 @@ def test_select_of_the_empty_state(lm):
 def test_legacy_tuple_cache_is_indexed_without_mutation():
     k, v = torch.randn(3, 2, 4, 5), torch.randn(3, 2, 4, 5)  # [B, heads, T, head_dim]
     past = ((k, v), (k + 1, v + 1))
-    assert _fork_cache(past) is past  # tuples are immutable: nothing to copy
-    new = _fork_cache(past, torch.tensor([2, 0, 2]))
+    assert fork_cache(past) is past  # tuples are immutable: nothing to copy
+    new = fork_cache(past, torch.tensor([2, 0, 2]))
     torch.testing.assert_close(new[1][0], (k + 1)[[2, 0, 2]])
     assert past[0][0] is k and new[0][0].shape == (3, 2, 4, 5)
 
@@ -225,7 +227,7 @@ def test_missing_inputs_are_clear_errors(tmp_path):
 
 
 def test_windowed_cross_entropy_scores_every_token_once(lm):
-    from lmcal.lm import hf_cross_entropy
+    from lmcal.models.hf import hf_cross_entropy
 
     x = torch.randint(0, V, (1, 40), generator=torch.Generator().manual_seed(7))
     whole = full_log_probs(lm.model, x)[0, :-1].gather(1, x[0, 1:, None]).mean().item()
@@ -242,7 +244,7 @@ def test_windowed_cross_entropy_scores_every_token_once(lm):
 def test_future_entropy_calibration_steps_the_tilted_law(lm):
     """FutureCalibratedLM on a Hugging Face model: its fused product (the last hidden state against [lm_head, U])
     equals log_softmax(beta log P + alpha g), g the head on the last hidden state."""
-    from lmcal.future_entropy import FutureCalibratedLM, FutureEntropyHead, step_features, word_vectors
+    from lmcal.core.future_entropy import FutureCalibratedLM, FutureEntropyHead, step_features, word_vectors
 
     torch.manual_seed(0)
     head = FutureEntropyHead(32, V, hidden=8, rank=4, words=word_vectors(lm)).eval()
@@ -263,16 +265,16 @@ def test_hf_target_scores_the_test_text_only_for_stages_that_read_it(tmp_path, m
     that scores its own test words."""
     from hydra import compose, initialize_config_dir
 
-    import lmcal.lm
-    from lmcal.evaluate import hf_target
-    from lmcal.train import CONF_DIR
+    import lmcal.models.hf
+    from lmcal.stages.targets import hf_target
+    from lmcal.utils.settings import CONF_DIR
 
     folder = tiny_folder(tmp_path)
     for split in ("valid", "test"):
         (tmp_path / f"{split}.txt").write_text("the cat sat on a mat\na dog ran far away\n" * 5)
     calls = []
-    real = lmcal.lm.hf_cross_entropy
-    monkeypatch.setattr(lmcal.lm, "hf_cross_entropy", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = lmcal.models.hf.hf_cross_entropy
+    monkeypatch.setattr(lmcal.models.hf, "hf_cross_entropy", lambda *a, **k: calls.append(1) or real(*a, **k))
     for stages, scored in (("[calibration]", False), ("[entropy_rate]", True)):
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
             cfg = compose("evaluate", overrides=["model=hf", f"model.name_or_path={folder}", "logger=none",
@@ -290,7 +292,7 @@ def test_evaluate_model_hf_runs_the_generation_stages(tmp_path):
     from omegaconf import open_dict
 
     from lmcal.evaluate import evaluate
-    from lmcal.train import CONF_DIR
+    from lmcal.utils.settings import CONF_DIR
 
     folder = tiny_folder(tmp_path)
     g = np.random.default_rng(0)

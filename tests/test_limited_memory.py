@@ -2,8 +2,8 @@
 
 import torch
 
-from lmcal import data as D
-from lmcal.model import AWDLSTM, forward_chunked, limited_context_ce, limited_context_log_probs
+from lmcal.data import batching as D
+from lmcal.models.awd_lstm import AWDLSTM, forward_chunked, limited_context_ce, limited_context_log_probs
 
 
 def tiny(tau=None):

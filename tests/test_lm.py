@@ -6,11 +6,12 @@ import numpy as np
 import pytest
 import torch
 
-from lmcal import markov as MK
-from lmcal.lm import LimitedContextStepLM, LSTMStepLM, lstm_from_checkpoint
-from lmcal.lookahead import entropy, lookahead_entropies
-from lmcal.model import AWDLSTM, limited_context_log_probs
-from lmcal.oracles import DriftingOracle, MarkovOracle
+from lmcal.core.lookahead import entropy, lookahead_entropies
+from lmcal.data import markov as MK
+from lmcal.models.awd_lstm import AWDLSTM, limited_context_log_probs
+from lmcal.models.checkpoint import lstm_from_checkpoint
+from lmcal.models.oracles import DriftingOracle, MarkovOracle
+from lmcal.models.step_lm import LimitedContextStepLM, LSTMStepLM
 
 
 def tiny():
@@ -73,7 +74,7 @@ def test_lstm_candidate_features_equal_stepping_each_candidate():
 
 def test_lstm_from_checkpoint(tmp_path):
     net = tiny()
-    hp = {"vocab_size": 30, "net": {"_target_": "lmcal.model.AWDLSTM", "emb_size": 8, "hidden_size": 12,
+    hp = {"vocab_size": 30, "net": {"_target_": "lmcal.models.awd_lstm.AWDLSTM", "emb_size": 8, "hidden_size": 12,
                                     "num_layers": 3}}
     ckpt = {"hyper_parameters": hp, "state_dict": {f"net.{k}": v for k, v in net.state_dict().items()}}
     torch.save(ckpt, tmp_path / "c.ckpt")

@@ -1,4 +1,4 @@
-"""The calibration bound on I_tau (lmcal.memory): the exact objective, its fit, chunked input, and exact Markov
+"""The calibration bound on I_tau (lmcal.core.memory): the exact objective, its fit, chunked input, and exact Markov
 oracles where the true conditional mutual information is known."""
 
 import math
@@ -7,15 +7,15 @@ import numpy as np
 import pytest
 import torch
 
-from lmcal.expfit import calibration_objective
-from lmcal.markov import (
+from lmcal.core.expfit import calibration_objective
+from lmcal.core.memory import calibrate_to_limited, memory_upper_bound
+from lmcal.data.markov import (
     make_markov_chain,
     markov_conditional,
     markov_conditional_entropy,
     markov_stationary,
     sample_markov,
 )
-from lmcal.memory import calibrate_to_limited, memory_upper_bound
 
 N, V = 300, 9
 
@@ -218,7 +218,8 @@ def test_markov_exact_oracles(markov, tau):
 
 
 def test_full_context_rows_align_with_limited_rows_and_score_like_evaluate_ce():
-    from lmcal.model import AWDLSTM, evaluate_ce, full_context_log_probs, limited_context_log_probs, zip_rows
+    from lmcal.core.context import zip_rows
+    from lmcal.models.awd_lstm import AWDLSTM, evaluate_ce, full_context_log_probs, limited_context_log_probs
 
     torch.manual_seed(0)
     net = AWDLSTM(vocab_size=30, emb_size=8, hidden_size=12, num_layers=2).eval()
@@ -241,8 +242,8 @@ def test_full_context_rows_align_with_limited_rows_and_score_like_evaluate_ce():
 def test_markov_oracle_estimates_match_the_exact_answers():
     """The pipeline's Markov check (`markov_oracle_memory`): entropy rate and I_tau from the exact oracles agree with
     the closed forms within 3 standard errors, on the default corpus (order 2)."""
-    from lmcal.markov import markov_corpus
-    from lmcal.oracles import markov_oracle_memory
+    from lmcal.core.memory import markov_oracle_memory
+    from lmcal.data.markov import markov_corpus
 
     corpus = markov_corpus(n_train=1000, n_valid=50_000, n_test=50_000)
     r = markov_oracle_memory(corpus.info, corpus.split("valid"), corpus.split("test"), [1, 2, 3])
@@ -268,8 +269,8 @@ def _cat(chunks):
 def test_context_rows_on_the_markov_oracle_are_the_exact_conditionals(tau):
     """Windows fed from init_state: for tau >= order the chain's own rows, for tau < order the stationary chain's
     order-tau rows; tau=None: the whole past (the first order-1 positions have shorter contexts)."""
-    from lmcal.memory import context_rows
-    from lmcal.oracles import MarkovOracle
+    from lmcal.core.context import context_rows
+    from lmcal.models.oracles import MarkovOracle
 
     chain = make_markov_chain(vocab_size=MV, order=ORDER, support=3, smoothing=0.02, seed=0)
     pi = markov_stationary(chain.probs, MV, ORDER)
@@ -301,9 +302,9 @@ class _Generic:
 
 
 def test_context_rows_generic_path_matches_the_fused_lstm_paths():
-    from lmcal.lm import LSTMStepLM
-    from lmcal.memory import context_rows
-    from lmcal.model import AWDLSTM, full_context_log_probs, limited_context_log_probs
+    from lmcal.core.context import context_rows
+    from lmcal.models.awd_lstm import AWDLSTM, full_context_log_probs, limited_context_log_probs
+    from lmcal.models.step_lm import LSTMStepLM
 
     torch.manual_seed(0)
     net = AWDLSTM(vocab_size=30, emb_size=8, hidden_size=12, num_layers=2).eval()
@@ -320,8 +321,8 @@ def test_context_rows_generic_path_matches_the_fused_lstm_paths():
 
 def test_context_rows_on_a_hugging_face_model():
     transformers = pytest.importorskip("transformers")
-    from lmcal.lm import HFCausalLM
-    from lmcal.memory import context_rows
+    from lmcal.core.context import context_rows
+    from lmcal.models.hf import HFCausalLM
 
     torch.manual_seed(0)
     cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=40, n_positions=64, bos_token_id=0,
@@ -348,8 +349,8 @@ def test_context_rows_on_a_hugging_face_model():
 @pytest.fixture(scope="module")
 def oracle_rows():
     """Rows of the oracle along a 40k-token stationary sample: {None: whole past, tau: tau-token windows}."""
-    from lmcal.memory import context_rows
-    from lmcal.oracles import MarkovOracle
+    from lmcal.core.context import context_rows
+    from lmcal.models.oracles import MarkovOracle
 
     chain = make_markov_chain(vocab_size=MV, order=ORDER, support=3, smoothing=0.02, seed=0)
     pi = markov_stationary(chain.probs, MV, ORDER)
@@ -382,7 +383,7 @@ def _ce(full, limited, y, alpha, beta):
 
 
 def test_two_parameter_fit_gradient_is_zero_and_beta_pinned_is_the_one_parameter_fit():
-    from lmcal.expfit import fit_alpha, fit_theta, row_terms, row_terms_k, with_targets, with_targets_k
+    from lmcal.core.expfit import fit_alpha, fit_theta, row_terms, row_terms_k, with_targets, with_targets_k
 
     full, limited, y = rows(8)
     full = (0.7 * full).log_softmax(-1)  # a model too flat by a temperature: beta* clearly above 1
@@ -443,8 +444,8 @@ def test_crossfit():
 
 def test_memory_stage_with_window_rows_on_any_step_lm(tmp_path):
     """The stage itself on the oracle StepLM (no network): limited=window gives the oracle's exact answers."""
-    from lmcal.analysis import memory_stage
-    from lmcal.oracles import MarkovOracle
+    from lmcal.models.oracles import MarkovOracle
+    from lmcal.stages.memory import memory_stage
 
     chain = make_markov_chain(vocab_size=MV, order=ORDER, support=3, smoothing=0.02, seed=0)
     pi = markov_stationary(chain.probs, MV, ORDER)

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lmcal.model import (
+from lmcal.models.awd_lstm import (
     AWDLSTM,
     WeightDropLSTM,
     ar_tar,

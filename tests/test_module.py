@@ -2,10 +2,10 @@ import pytest
 import pytorch_lightning as pl
 import torch
 
-from lmcal.checkpoint import load_net
-from lmcal.module import LMDataModule, LMModule, nt_asgd_should_switch
+from lmcal.models.checkpoint import load_net
+from lmcal.training.module import LMDataModule, LMModule, nt_asgd_should_switch
 
-NET = {"_target_": "lmcal.model.AWDLSTM", "emb_size": 8, "hidden_size": 16, "num_layers": 2}
+NET = {"_target_": "lmcal.models.awd_lstm.AWDLSTM", "emb_size": 8, "hidden_size": 16, "num_layers": 2}
 
 
 def test_nt_asgd_rule():

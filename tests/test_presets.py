@@ -7,10 +7,11 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf, open_dict
 
-from lmcal.reproduce import load_profile, plan, stage_settings
-from lmcal.stages import STAGES, check_settings
-from lmcal.train import CONF_DIR, train
-from lmcal.validate import check_config
+from lmcal.pipeline.plan import load_profile, plan, stage_settings
+from lmcal.stages.registry import STAGES, check_settings
+from lmcal.train import train
+from lmcal.utils.settings import CONF_DIR
+from lmcal.utils.validate import check_config
 from tests.conftest import DATA_ROOT
 
 EXPERIMENTS = sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml"))

@@ -6,10 +6,11 @@ import time
 import pytest
 import torch
 
-from lmcal import profiling
-from lmcal.lm import LSTMStepLM
-from lmcal.model import AWDLSTM
-from lmcal.results import profile_markdown, stage_profile
+from lmcal.models.awd_lstm import AWDLSTM
+from lmcal.models.step_lm import LSTMStepLM
+from lmcal.pipeline.report_md import profile_markdown
+from lmcal.pipeline.results import stage_profile
+from lmcal.utils import profiling
 
 
 def test_spans_are_exclusive_and_add_up_to_the_whole():

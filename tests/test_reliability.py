@@ -15,13 +15,17 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import open_dict
 
-from lmcal.checkpoint import read_checkpoint
 from lmcal.errors import LmcalError
 from lmcal.evaluate import evaluate
-from lmcal.reproduce import load_profile, reproduce
-from lmcal.train import CONF_DIR, train
-from lmcal.utils import LOCK_NAME, exp_or_inf, run_lock, temp_path, write_json_atomic
-from lmcal.validate import DECODER_RULES, RULES
+from lmcal.models.checkpoint import read_checkpoint
+from lmcal.pipeline.plan import load_profile
+from lmcal.pipeline.reproduce import reproduce
+from lmcal.train import train
+from lmcal.utils.io import temp_path, write_json_atomic
+from lmcal.utils.lock import LOCK_NAME, run_lock
+from lmcal.utils.numbers import exp_or_inf
+from lmcal.utils.rules import DECODER_RULES, RULES
+from lmcal.utils.settings import CONF_DIR
 from tests.conftest import DATA_ROOT
 
 
@@ -249,7 +253,7 @@ def test_written_files_get_the_umasks_permissions(umask, mode, tmp_path):
 
 
 def test_progress_line_gives_elapsed_time_and_etas_from_the_reference_run():
-    from lmcal.reproduce import clock, progress_line
+    from lmcal.pipeline.schedule import clock, progress_line
 
     assert (clock(12.4), clock(245), clock(3725)) == ("12s", "4m05s", "1h02m")
     ref = {"base": 600.0, "tau_models": 300.0}

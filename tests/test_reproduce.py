@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from lmcal.errors import LmcalError
-from lmcal.reproduce import load_profile, plan
+from lmcal.pipeline.plan import load_profile, plan
 from tests.conftest import DATA_ROOT, HAVE_PTB
 
 pytestmark = [pytest.mark.skipif(not HAVE_PTB, reason="the pipeline reproduces PTB results: set LMCAL_DATA_ROOT"),

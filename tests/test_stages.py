@@ -9,12 +9,14 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import open_dict
 
-from lmcal.checkpoint import load_net
 from lmcal.errors import LmcalError
 from lmcal.evaluate import evaluate
-from lmcal.model import limited_context_ce
-from lmcal.report import memory_report, table1_markdown
-from lmcal.train import CONF_DIR, train
+from lmcal.models.awd_lstm import limited_context_ce
+from lmcal.models.checkpoint import load_net
+from lmcal.pipeline.tabulate import memory_report
+from lmcal.stages.tables import table1_markdown
+from lmcal.train import train
+from lmcal.utils.settings import CONF_DIR
 from tests.conftest import HAVE_PTB
 
 
@@ -276,8 +278,8 @@ def test_a_misspelt_analysis_key_is_an_error_listing_the_valid_ones(tmp_path, da
 def test_a_renamed_setting_names_its_new_name():
     """Names that say which quantity they are: the old names of the uniform-mixture weight and of Mirostat's and
     eta-sampling's parameters fail with their new names."""
-    from lmcal.decoders import decoder_params
-    from lmcal.stages import check_settings
+    from lmcal.core.decoders import decoder_params
+    from lmcal.stages.registry import check_settings
     with pytest.raises(LmcalError, match="Renamed: epsilon is now uniform_weight"):
         check_settings("calibration", {"epsilon": 0.1})
     with pytest.raises(LmcalError, match="Renamed: eta is now learning_rate; tau is now target_surprise"):
@@ -301,7 +303,7 @@ def test_one_gating_rule_in_both_entry_points(tmp_path, data_overrides):
 
 def test_the_analysis_entry_points_never_import_lightning():
     """`python -m lmcal.evaluate` runs once per stage of a reproduction: without Lightning's import it starts ~5 s
-    sooner (lmcal.checkpoint reads checkpoints, data.CorpusData their corpus, analysis.wandb_run opens W&B)."""
+    sooner (lmcal.models.checkpoint reads checkpoints, data.CorpusData their corpus, analysis.wandb_run opens W&B)."""
     code = ("import sys, lmcal.evaluate, lmcal.reproduce, lmcal.stages; "
             "print(sorted(m for m in sys.modules if 'lightning' in m))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -312,7 +314,7 @@ def test_the_analysis_entry_points_never_import_lightning():
 def test_an_analysis_wandb_run_is_written_offline_and_finished(tmp_path):
     import wandb
 
-    from lmcal.analysis import finish_run, wandb_log, wandb_run
+    from lmcal.stages.wandb_run import finish_run, wandb_log, wandb_run
 
     assert wandb_run({"_target_": "pytorch_lightning.loggers.CSVLogger", "save_dir": str(tmp_path)}) is False
     assert wandb_run(None) is False

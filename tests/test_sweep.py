@@ -8,7 +8,7 @@ import sys
 import pytest
 from hydra import compose, initialize_config_dir
 
-from lmcal.train import CONF_DIR
+from lmcal.utils.settings import CONF_DIR
 from tests.conftest import DATA_ROOT, HAVE_PTB
 
 

@@ -9,7 +9,8 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import open_dict
 
-from lmcal.train import CONF_DIR, train
+from lmcal.train import train
+from lmcal.utils.settings import CONF_DIR
 
 
 def smoke_cfg(tmp_path, overrides):

@@ -1,4 +1,4 @@
-"""The transformer trained here (lmcal.transformer.GPTLM): its network interface, its Hugging Face folder, window
+"""The transformer trained here (lmcal.models.transformer.GPTLM): its network interface, its Hugging Face folder, window
 rows equal to fresh forwards, and every stage on a tiny trained one."""
 
 import json
@@ -12,12 +12,14 @@ pytest.importorskip("transformers")
 from hydra import compose, initialize_config_dir  # noqa: E402
 from omegaconf import open_dict  # noqa: E402
 
-from lmcal.corpora import hf_text_tokens, ptb_text_file  # noqa: E402
-from lmcal.lm import HFCausalLM, as_step_lm, hf_cross_entropy, load_hf_model  # noqa: E402
-from lmcal.memory import context_rows  # noqa: E402
-from lmcal.model import evaluate_ce  # noqa: E402
-from lmcal.train import CONF_DIR, train  # noqa: E402
-from lmcal.transformer import GPTLM, word_tokenizer  # noqa: E402
+from lmcal.core.context import context_rows  # noqa: E402
+from lmcal.data.corpora import hf_text_tokens, ptb_text_file  # noqa: E402
+from lmcal.models.awd_lstm import evaluate_ce  # noqa: E402
+from lmcal.models.hf import HFCausalLM, hf_cross_entropy, load_hf_model
+from lmcal.models.step_lm import as_step_lm  # noqa: E402
+from lmcal.models.transformer import GPTLM, word_tokenizer  # noqa: E402
+from lmcal.train import train  # noqa: E402
+from lmcal.utils.settings import CONF_DIR
 from tests.conftest import DATA_ROOT, HAVE_PTB, needs_ptb  # noqa: E402
 
 TINY = ["model.n_embd=32", "model.n_layer=2", "model.n_head=2", "model.n_positions=64", "data.bptt=63"]
@@ -103,9 +105,9 @@ def test_training_writes_metrics_and_a_complete_hugging_face_folder(trained):
 def test_the_folder_reloads_through_model_hf_with_the_checkpoints_test_cross_entropy(trained, tmp_path):
     """The word-level tokenizer turns PTB's test text into the corpus's own ids, and windows of the context score
     it exactly as the Lightning checkpoint's test evaluation does."""
-    from lmcal.checkpoint import load_net
     from lmcal.evaluate import evaluate
-    from lmcal.module import LMDataModule
+    from lmcal.models.checkpoint import load_net
+    from lmcal.training.module import LMDataModule
 
     m, out = trained
     net, ckpt = load_net(m["best_ckpt"])

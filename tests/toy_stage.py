@@ -5,9 +5,9 @@ from pathlib import Path
 
 import torch
 
-from lmcal.calibration import entropy
+from lmcal.core.lookahead import entropy
 from lmcal.stages import Stage, register
-from lmcal.utils import write_json_atomic
+from lmcal.utils.io import write_json_atomic
 
 
 @torch.no_grad()

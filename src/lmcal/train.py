@@ -21,14 +21,15 @@ from omegaconf import DictConfig, OmegaConf
 from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.plugins.io import TorchCheckpointIO
 
-from lmcal.callbacks import EpochEntropyRateCallback, MetricsCallback, StagesCallback
-from lmcal.checkpoint import load_base_net, load_net, model_name, read_checkpoint
 from lmcal.errors import LmcalError
-from lmcal.module import LMModule
-from lmcal.settings import CONF_DIR  # noqa: F401  (the tests' and benches' import)
-from lmcal.stages import STAGES, check_plan, check_stages, summary
-from lmcal.utils import atomic_path, run_lock, write_json_atomic
-from lmcal.validate import check_config
+from lmcal.models.checkpoint import load_base_net, load_net, model_name, read_checkpoint
+from lmcal.stages.registry import STAGES, check_plan, check_stages, summary
+from lmcal.training.callbacks import EpochEntropyRateCallback, MetricsCallback, StagesCallback
+from lmcal.training.module import LMModule
+from lmcal.utils.io import atomic_path, write_json_atomic
+from lmcal.utils.lock import run_lock
+from lmcal.utils.settings import CONF_DIR  # noqa: F401  (the tests' and benches' import)
+from lmcal.utils.validate import check_config
 
 log = logging.getLogger("lmcal")
 

@@ -1,0 +1,144 @@
+"""The lookahead: H_next(w), the entropy of the next distribution after each candidate word w, for lookahead
+calibration (lmcal.core.calibration) and the calibrated model's steps. Exact (every word: V model steps per position) or
+top-k + tail candidates, with the tail drawn from counter-based uniforms keyed by each row's history; a StepLM with a
+linear last layer gets its entropies fused with that layer (linear_entropy). Also the one `entropy` and the one
+eps-mixing of the package."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from lmcal.errors import LmcalError
+from lmcal.utils.profiling import span, timed
+
+
+def mix_uniform(logp: torch.Tensor, epsilon: float, vocab_size: int | None = None) -> torch.Tensor:
+    """log((1 - eps) P + eps / V) of log-probs [..., V]; eps = 0 returns logp itself (bit for bit). vocab_size: V
+    when logp is not a whole row (e.g. the log-probs of the true next words only, [n]).
+
+    The mixture is per token: each next-word distribution is mixed with the uniform one. The paper mixes whole
+    sequences, (1 - eps) P(w_1..T) + eps U(w_1..T), whose conditionals are not this per-token mixture; both keep every
+    cross-entropy finite."""
+    if epsilon == 0.0:
+        return logp
+    if not 0.0 < epsilon <= 1.0:
+        raise ValueError(f"epsilon must be in [0, 1], got {epsilon}")
+    V = vocab_size or logp.size(-1)
+    return torch.logaddexp(logp + math.log1p(-epsilon), torch.full_like(logp, math.log(epsilon / V)))
+
+
+def entropy(logp: torch.Tensor, p: torch.Tensor | None = None) -> torch.Tensor:
+    """Entropy in nats of each row of log-probs [..., V] -> [...] (0 log 0 = 0); p: logp.exp() if already at hand."""
+    p = logp.exp() if p is None else p
+    # 0 log 0: p * -inf is nan where p = 0, and nansum drops it (one pass; a clamp first costs ten times as much). A
+    # nan or +inf log-prob still shows: it makes the row's mass, added times 0, nan. No branch, so no device sync.
+    return -(p * logp).nansum(-1) + 0.0 * p.sum(-1)
+
+
+def linear_entropy(f: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                   block: int = 1024) -> torch.Tensor:
+    """Entropy (nats) of softmax(f @ weight.T + bias) for each row of f [c, E] -> [c] float32, weight [V, E].
+
+    The logits are made `block` words at a time and folded into running sums (the online softmax): with m the
+    running max, s = sum exp(z - m) and t = sum exp(z - m) z, H = log s + m - t / s. Each [c, block] piece is
+    reduced while it is in cache, so the [c, V] logits are never written out and read back, as log_softmax and an
+    entropy pass over them would do (three times the memory traffic of the product itself)."""
+    c, V = f.size(0), weight.size(0)
+    f = f.float()
+    m = torch.full((c,), -math.inf, device=f.device)
+    s, t = torch.zeros(c, device=f.device), torch.zeros(c, device=f.device)
+    for j in range(0, V, block):
+        w = weight[j:j + block].float()
+        z = f @ w.T if bias is None else torch.addmm(bias[j:j + block].float(), f, w.T)  # [c, block]
+        m_new = torch.maximum(m, z.amax(-1))
+        e = torch.exp(z - m_new[:, None])
+        shrink = torch.exp(m - m_new)  # 0 on the first block (m = -inf)
+        s = s * shrink + e.sum(-1)
+        t = t * shrink + (e * z).sum(-1)
+        m = m_new
+    return s.log() + m - t / s
+
+
+@timed("lookahead")
+def candidate_entropies(lm, state, cand: torch.Tensor, epsilon: float, chunk: int) -> torch.Tensor:
+    """H of the (eps-mixed) next distribution after feeding candidate cand[b, k] to state row b. cand [B, K] -> [B, K].
+
+    All B*K (row, candidate) pairs are flattened and stepped `chunk` at a time from copies of their row's state. A
+    StepLM with a linear last layer (`features` and `head`, see StepLM) gets its entropies from linear_entropy
+    when eps = 0.
+    """
+    B, K = cand.shape
+    rows = torch.arange(B, device=cand.device).repeat_interleave(K)  # [B*K]: row b repeated K times
+    toks = cand.reshape(-1)  # [B*K]
+    fused = epsilon == 0.0 and getattr(lm, "head", None) is not None
+    # an LSTM's h W_hh^T once per row, not per candidate (lmcal.models.step_lm.LSTMStepLM.candidate_features)
+    shared = lm.recurrent_terms(state) if fused and hasattr(lm, "candidate_features") else None
+    h = []
+    for i in range(0, B * K, chunk):
+        c_toks, c_rows = toks[i:i + chunk], rows[i:i + chunk]
+        if shared is not None:
+            f = lm.candidate_features(c_toks, state, c_rows, shared)  # [c, E]
+        elif fused:
+            f, _ = lm.features(c_toks, lm.select(state, c_rows))  # [c, E]
+        else:
+            lp, _ = lm.step(c_toks, lm.select(state, c_rows))  # [c, V]
+            h.append(entropy(mix_uniform(lp, epsilon)))  # [c]
+            continue
+        with span("forward", 2.0 * lm.head[0].numel() * f.size(0)):  # the output layer, fused with its entropy
+            h.append(linear_entropy(f, *lm.head))
+    return torch.cat(h).view(B, K)
+
+
+@torch.no_grad()
+def lookahead_entropies(lm, state, logp: torch.Tensor, epsilon: float = 0.0, chunk: int = 512) -> torch.Tensor:
+    """H_next(w) of every word w of every row, exactly: [B, V], V forwards per row, at most `chunk` per forward.
+
+    state: the lm state of B rows; logp [B, V]: the lm's next-token log-probs in that state (raw, eps is applied here,
+    to the lookahead's distributions)."""
+    B, V = logp.shape
+    return candidate_entropies(lm, state, torch.arange(V, device=logp.device).expand(B, V), epsilon, chunk)
+
+
+# The tail draws: counter-based, keyed by a hash of each row's history (see the module docstring).
+_KEY0 = 0x7A115EED  # the hash of the empty history: apart from generation indices, which start at 0
+
+
+def start_keys(batch_size: int, device=None) -> torch.Tensor:
+    return torch.full((batch_size,), _KEY0, dtype=torch.int64, device=device)
+
+
+def advance_keys(keys: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """The history hashes [B] after reading tokens [B]."""
+    from lmcal.core.sampling import absorb  # lazily: entropy_rate imports the calibration (and so this module)
+
+    return absorb(keys, tokens.to(keys.device).long())
+
+
+def tail_uniforms(seed: int, keys: torch.Tensor, m: int) -> torch.Tensor:
+    """[B, m] float64 uniforms in [0, 1), a pure function of (seed, history hash keys [B], draw j)."""
+    from lmcal.core.sampling import uniforms
+
+    return torch.stack([uniforms(seed, keys, j) for j in range(m)], 1)
+
+
+def draw_tail(logq: torch.Tensor, exact: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """m words from logq [B, V] restricted to the words not in exact [B, c] (with replacement, inverse CDF on the
+    uniforms u [B, m]): (words [B, m], log of the rest's mass [B]; -inf where it is 0, and the words are then
+    meaningless)."""
+    rest = logq.scatter(1, exact, -math.inf)  # [B, V]
+    cdf = rest.double().exp().cumsum(-1)  # [B, V]
+    # first word whose cumulative mass exceeds u * total: words of mass 0 (flat cdf) are never drawn
+    words = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=logq.size(1) - 1)
+    return words, rest.logsumexp(-1)
+
+
+def check_tail(topk: int | None, tail_samples: int) -> None:
+    if topk is not None and (isinstance(topk, bool) or int(topk) != topk or topk < 1):
+        raise LmcalError(f"topk={topk!r}: the lookahead's exactly computed candidates per position must be a "
+                         "positive integer, or null for exact lookahead over the whole vocabulary.")
+    if topk is not None and (isinstance(tail_samples, bool) or int(tail_samples) != tail_samples
+                             or tail_samples < 1):
+        raise LmcalError(f"tail_samples={tail_samples!r}: with top-k lookahead the rest of the vocabulary is "
+                         "estimated from this many sampled words per position; it must be a positive integer.")

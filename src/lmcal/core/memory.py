@@ -1,0 +1,380 @@
+"""How much a model's predictions use the distant past: the calibration bound on I_tau (Braverman et al., ICML 2020,
+Section 5).
+
+    I_tau = I(W^_t ; W_<t-tau | W_t-tau..t-1)
+
+is the information the model's prediction W^_t draws from tokens more than tau steps back. With P~ the tau-limited
+model (it sees only the last tau tokens), calibrate the full model P^ towards it,
+
+    P^_a(w | w_<t) = P^(w | w_<t) * P~(w | w_t-tau..t-1)^a / Z_t(a),
+
+and fit a* by minimising the cross-entropy
+
+    CE(a) = mean_t [ -log P^(w_t) - a log P~(w_t) + log Z_t(a) ],
+
+which is convex (CE' = mean_t (E_{P^_a}[log P~] - log P~(w_t)), CE'' = mean_t Var_{P^_a}[log P~] >= 0); at a* the
+mean of log P~ under P^_a matches its mean at the true next words. Then
+
+    I_tau <= CE(P || P~) - H(W^cal_t | W_<t),
+
+the limited model's cross-entropy on the text minus the mean entropy of P^_a* along it (all in nats). On the rows a*
+is fitted on, the moment condition makes the bound the mean KL(P^_a* || P~) >= 0, so a* is fitted on the very rows
+the bound is reported on; its sampling error is carried by the standard error (below), and `crossfit` reports the
+bound with a* fitted on the other half of the text as a check of the in-sample optimism.
+
+Two-parameter calibration (temperature=True): P^^beta P~^a / Z, fitted jointly (convex in (beta, a): base P^ and
+statistics (log P^, log P~), see lmcal.core.expfit). The bound then belongs to a model calibrated in temperature and in
+tau, so a mere sharpening of P^ no longer counts as memory.
+
+Standard errors: the text is cut into blocks of `cluster_size` consecutive rows (the independent units), and the
+standard error of the bound is a delete-one-block jackknife with a (and beta) refitted in every replicate, so the
+uncertainty of the fit is included. By default each refit is one Newton step from the full fit and the bound is
+linearised in the parameters (exact to first order; `jackknife="exact"` refits every replicate, B times the cost).
+
+Inputs are precomputed log-probability rows: log P^ [N, V], log P~ [N, V] and the next words [N], or an iterable of
+such chunk triples; `context_rows` makes them from any StepLM (a window P~: the model itself fed only the last tau
+tokens). Zeros (-inf log-probs) are allowed in the one-parameter fit: P~(w) = 0 where P^(w) > 0 makes a < 0
+meaningless (that word would get infinite weight), so the fit then keeps a >= 0, and evaluating at a given a < 0
+raises.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from lmcal.core.context import context_rows, full_context_span  # noqa: F401  (lmcal.memory.context_rows: its home before)
+from lmcal.core.expfit import (
+    block_sums,
+    blocks,
+    fit_alpha,
+    fit_theta,
+    jackknife_stderr,
+    onestep_replicates,
+    row_terms_k,
+    sandwich_stderr,
+    tilted,
+    with_targets_k,
+)
+from lmcal.data.markov import markov_chain_from_info, markov_exact_mi
+from lmcal.models.oracles import MarkovOracle
+from lmcal.utils.profiling import timed
+
+Chunk = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (log P^ [n, V], log P~ [n, V], targets [n])
+
+
+@dataclass
+class MemoryBound:
+    """The calibration bound on I_tau and what it is made of, in nats, over n_tokens predicted positions."""
+
+    alpha: float  # a* fitted on these rows (fitted=True), or the a it was given
+    ce_limited: float  # CE(P || P~): mean -log P~(w_t)
+    entropy_calibrated: float  # H(W^cal_t | W_<t): mean entropy of the calibrated model
+    mi_upper_bound: float  # ce_limited - entropy_calibrated
+    ce_full: float  # mean -log P^(w_t)
+    ce_calibrated: float  # mean -log P^cal(w_t)
+    n_tokens: int
+    mi_stderr: float  # of mi_upper_bound: jackknife over blocks with the fit redone (fitted), else batch means
+    ce_full_stderr: float  # standard error of ce_full (batch means over the blocks)
+    alpha_stderr: float  # sandwich standard error of a* (inf when CE'' = 0, nan when a was given)
+    fitted: bool
+    beta: float = 1.0  # the power of P^ (temperature=True), 1 in the one-parameter family
+    beta_stderr: float = 0.0  # sandwich standard error of beta* (0: pinned to 1)
+    mi_upper_bound_crossfit: float = math.nan  # the bound with the parameters fitted on the other half of the blocks
+    delta_ce: float = math.nan  # CE(P~) - CE(P^): how much worse the tau-limited model predicts
+    delta_ce_stderr: float = math.nan  # its standard error (batch means over the blocks)
+    n_blocks: int = 0  # blocks of cluster_size rows: the units of every standard error
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Rows as expfit groups
+# ---------------------------------------------------------------------------------------------------------------------
+# The calibrated model is the k-statistic family of lmcal.core.expfit with base P^ and statistics (log P~,) or, with the
+# temperature, (log P^, log P~) and theta = (beta - 1, a); log P~(y) is always the last column of s(y).
+
+
+def _check(full: torch.Tensor, limited: torch.Tensor, targets: torch.Tensor) -> None:
+    if full.dim() != 2 or full.shape != limited.shape or targets.shape != full.shape[:1]:
+        raise ValueError(f"need log P^ [N, V], log P~ [N, V] and targets [N]; got shapes {tuple(full.shape)}, "
+                         f"{tuple(limited.shape)}, {tuple(targets.shape)}")
+
+
+def _groups(chunks: Iterable[Chunk], temperature: bool, size: float = math.inf):
+    """(segment index, k-statistic rows) of each chunk, cut into segments of `size` rows along the text (blocks of
+    the jackknife, halves of the cross-fit; inf: whole chunks), lazily."""
+    offset = 0
+    for full, limited, targets in chunks:
+        _check(full, limited, targets)
+        rows = with_targets_k(full, (full, limited) if temperature else (limited,), targets)
+        i = 0
+        while i < full.size(0):
+            seg = int((offset + i) // size)
+            j = int(min(full.size(0), (seg + 1) * size - offset))
+            yield seg, tuple(x[i:j] for x in rows)
+            i = j
+        offset += full.size(0)
+
+
+def _one_param(group):
+    """k-statistic rows with k = 1 as the (log P, s, log P(y), s(y)) rows of expfit.fit_alpha."""
+    logp, logp_y, s_y, s = group
+    return logp, s, logp_y, s_y[:, 0]
+
+
+@torch.no_grad()
+def calibrate_to_limited(full_log_probs: torch.Tensor, limited_log_probs: torch.Tensor, alpha: float,
+                         beta: float = 1.0) -> torch.Tensor:
+    """log P^_a [..., V]: beta log P^ + a log P~, renormalised (computed in float64, returned in the inputs' dtype)."""
+    dtype = torch.promote_types(full_log_probs.dtype, limited_log_probs.dtype)
+    if beta == 1.0:
+        return tilted(full_log_probs, limited_log_probs, alpha).to(dtype)
+    base = tilted(full_log_probs, full_log_probs, beta - 1.0)
+    return tilted(base, limited_log_probs, alpha).to(dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The bound
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _mean_stderr(x: torch.Tensor, cluster_size: int) -> float:
+    """Standard error of mean(x), blocks of cluster_size consecutive rows independent (batch means; 1 = i.i.d.)."""
+    dev = block_sums(x - x.mean(), cluster_size)  # [B]: S_b - n_b * mean
+    nb = dev.numel()
+    if nb < 2:
+        return math.nan
+    return math.sqrt(dev.pow(2).sum().item() * nb / (nb - 1)) / x.numel()
+
+
+@torch.no_grad()
+def _rows_at(groups, theta, elements: int | None, per_row: bool = True) -> dict[str, torch.Tensor]:
+    """Per-row float64 terms at theta on CPU, rows in order: ce_cal, entropy, ce_full, ce_limited [N]; with per_row
+    also grad [N, k], hess [N, k, k] and d_entropy [N, k] (the jackknife's)."""
+    parts: dict[str, list[torch.Tensor]] = {}
+    for _, group in groups:
+        for blk in blocks([group], elements):
+            _, ce, grad, hess, ent, d_ent = row_terms_k(blk, theta)
+            terms = {"ce_cal": ce, "entropy": ent, "ce_full": -blk[1].double(), "ce_limited": -blk[2][:, -1].double()}
+            if per_row:
+                terms.update(grad=grad, hess=hess, d_entropy=d_ent)
+            for k, v in terms.items():
+                parts.setdefault(k, []).append(v.cpu())
+    if not parts:
+        raise ValueError("no rows")
+    return {k: torch.cat(v) for k, v in parts.items()}
+
+
+def _fit(groups: list, k: int, bound: float, elements: int | None, start=None) -> list[float]:
+    """theta* of the calibrated family on `groups` ([(segment, rows)]) by expfit.fit_theta (damped Newton from
+    `start`, e.g. a nearby fit); a alone (k = 1) by expfit.fit_alpha where P^ or P~ has zeros (its domain cut keeps
+    a >= 0 where a < 0 is undefined)."""
+    rows = [g for _, g in groups]
+    if k == 1 and any(x.numel() and x.amin().item() == -math.inf for g in rows for x in (g[0], g[2], g[3])):
+        return [fit_alpha([_one_param(g) for g in rows], bound, elements, what="memory bound")]
+    return fit_theta(rows, k, bound, elements, what="memory bound", start=start)
+
+
+def _sandwich(grad: torch.Tensor, hess_mean: torch.Tensor, cluster_size: int) -> list[float]:
+    """Sandwich standard errors of theta* from per-row gradients grad [N, k] and mean Hessian [k, k]; blocks of
+    cluster_size rows independent. inf where the Hessian is singular (a flat direction)."""
+    k = grad.size(1)
+    if k == 1:
+        return [sandwich_stderr(grad[:, 0], hess_mean[0, 0].item(), cluster_size)]
+    w = torch.linalg.eigvalsh(hess_mean)
+    if not w.min() > 1e-12 * w.max().clamp_min(0):
+        return [math.inf] * k
+    gb = torch.stack([block_sums(grad[:, j], cluster_size) for j in range(k)], dim=1)  # [B, k]
+    inv = torch.linalg.inv(hess_mean)
+    cov = inv @ (gb.T @ gb) @ inv / grad.size(0) ** 2
+    return cov.diagonal().sqrt().tolist()
+
+
+def _jackknife(chunks: list, temperature: bool, rows: dict, theta: list[float], cluster_size: int, exact: bool,
+               bound: float, elements: int | None) -> float:
+    """Delete-one-block jackknife standard error of the bound, the fit redone in every replicate."""
+    x = rows["ce_limited"] - rows["entropy"]  # [N]: the bound's per-row terms
+    nb = -(-x.numel() // cluster_size)
+    if nb < 2:
+        return math.nan
+    if exact:
+        groups = list(_groups(chunks, temperature, cluster_size))
+        reps = []
+        for b in range(nb):
+            rest = [g for g in groups if g[0] != b]
+            r = _rows_at(rest, _fit(rest, len(theta), bound, elements, theta), elements, per_row=False)
+            reps.append((r["ce_limited"] - r["entropy"]).mean())
+        return jackknife_stderr(torch.stack(reps))
+    terms = [x, rows["grad"], rows["hess"], rows["d_entropy"]]
+    if not all(torch.isfinite(z).all() for z in terms):  # e.g. P~ = 0 at a true next word: CE(P || P~) = inf
+        return math.nan
+    block = torch.arange(x.numel()) // cluster_size  # [N]
+    sums = lambda z: torch.zeros((nb, *z.shape[1:]), dtype=z.dtype).index_add_(0, block, z)  # [B, ...] block sums
+    # x_t = -log P~(y) - H_t: dx_t / dtheta = -dH_t / dtheta
+    reps = onestep_replicates(sums(x), sums(torch.ones_like(x)), sums(rows["grad"]), sums(rows["hess"]),
+                              -sums(rows["d_entropy"]))
+    return jackknife_stderr(reps)
+
+
+def _crossfit(chunks: list, temperature: bool, n: int, cluster_size: int, bound: float, elements: int | None,
+              start: list[float]) -> float:
+    """The bound over all rows, each half of the blocks (the first B // 2 blocks, the rest) scored with the parameters
+    fitted on the other half: the in-sample optimism removed (nan with fewer than 2 blocks)."""
+    nb = -(-n // cluster_size)
+    if nb < 2:
+        return math.nan
+    groups = list(_groups(chunks, temperature, (nb // 2) * cluster_size))
+    halves = [[g for g in groups if g[0] == h] for h in (0, 1)]
+    k = 2 if temperature else 1
+    total = 0.0
+    for fit_on, score_on in ((halves[0], halves[1]), (halves[1], halves[0])):
+        r = _rows_at(score_on, _fit(fit_on, k, bound, elements, start), elements, per_row=False)
+        total += (r["ce_limited"] - r["entropy"]).sum().item()
+    return total / n
+
+
+@torch.no_grad()
+def memory_upper_bound(full_log_probs, limited_log_probs: torch.Tensor | None = None,
+                       targets: torch.Tensor | None = None, alpha: float | None = None, *, cluster_size: int = 1,
+                       bound: float = 100.0, store_dtype: torch.dtype | None = None, store_device="cpu",
+                       elements: int | None = None, temperature: bool = False, beta: float | None = None,
+                       jackknife: str = "onestep", crossfit: bool = True, start: list[float] | None = None
+                       ) -> MemoryBound:
+    """The calibration upper bound on I_tau from log-probability rows.
+
+    Inputs: log P^ [N, V], log P~ [N, V] (natural log, rows normalised) and targets [N] long, or, as the only
+    positional argument, an iterable of (log P^ [n, V], log P~ [n, V], targets [n]) chunks, consumed once (a
+    generator is fine). Rows are positions in text order; blocks of `cluster_size` consecutive rows are the
+    independent units of every standard error (for dependence along the text; 1 = positions independent).
+
+    alpha=None fits a* on these rows (temperature=True: beta* and a* jointly), and the bound is reported on the same
+    rows. mi_stderr is then the delete-one-block jackknife with the fit redone per replicate: `jackknife="onestep"`
+    (one Newton step from the full fit, the bound linearised; the default) or "exact" (B full refits). With crossfit,
+    also the bound fitted on the even blocks and scored on the odd ones and vice versa (two more fits).
+    `start`: the fit's first parameters ([beta - 1, alpha] with temperature), e.g. a nearby fit's; None: zeros.
+    A given alpha (and, with temperature=True, beta) is only evaluated, streaming the chunks: mi_stderr is then by
+    batch means, the parameters held fixed.
+
+    Memory: the fit needs CE at several parameters, and log Z_t is no finite statistic of a row, so chunks from an
+    iterable are kept (moved to `store_device`, cast to `store_dtype` if given): 2 * N * V * (bytes per element),
+    e.g. 2 * 82,430 * 10,000 * 4 = 6.6 GB of float32 for the PTB test set; float16 halves that but rounds log-probs
+    near -20 by up to ~0.008 nats. Whole tensors, or a list of chunks, are used in place. The reductions run in
+    float64, about `elements` row entries at a time. The two-parameter fit needs P~ > 0 wherever P^ > 0.
+    """
+    if isinstance(full_log_probs, torch.Tensor):
+        if limited_log_probs is None or targets is None:
+            raise TypeError("with a tensor log P^, pass limited_log_probs and targets too")
+        chunks: Iterable[Chunk] = [(full_log_probs, limited_log_probs, targets)]
+    else:
+        if limited_log_probs is not None or targets is not None:
+            raise TypeError("with an iterable of (full, limited, targets) chunks, pass no separate tensors")
+        chunks = full_log_probs
+    if cluster_size < 1:
+        raise ValueError(f"cluster_size must be >= 1, got {cluster_size}")
+    if jackknife not in ("onestep", "exact"):
+        raise ValueError(f"jackknife must be 'onestep' or 'exact', got {jackknife!r}")
+    fitted = alpha is None
+    if not fitted and temperature and beta is None:
+        raise ValueError("with temperature=True, a given alpha needs a given beta too")
+    k = 2 if temperature else 1
+
+    if fitted:
+        if not isinstance(chunks, list):  # one pass over the source; the Newton iterations reread the kept rows
+            keep = lambda t, dtype: t.detach().to(device=store_device, dtype=dtype)
+            chunks = [(keep(f, store_dtype), keep(q, store_dtype), keep(y, None)) for f, q, y in chunks]
+        groups = list(_groups(chunks, temperature))
+        if not any(g[1][1].numel() for g in groups):
+            raise ValueError("no rows")
+        theta = _fit(groups, k, bound, elements, start)
+    else:
+        groups = _groups(chunks, temperature)  # streamed: one pass
+        theta = [float(beta) - 1.0, float(alpha)] if temperature else [float(alpha)]
+
+    rows = _rows_at(groups, theta, elements, per_row=fitted)
+    mean = {key: rows[key].mean().item() for key in ("ce_cal", "entropy", "ce_full", "ce_limited")}
+    x = rows["ce_limited"] - rows["entropy"]  # [N]
+    if fitted:
+        stderr = _sandwich(rows["grad"], rows["hess"].mean(0), cluster_size)
+        mi_stderr = _jackknife(chunks, temperature, rows, theta, cluster_size, jackknife == "exact", bound, elements)
+        cross = (_crossfit(chunks, temperature, x.numel(), cluster_size, bound, elements, theta) if crossfit
+                 else math.nan)
+    else:
+        stderr = [math.nan] * k
+        mi_stderr, cross = _mean_stderr(x, cluster_size), math.nan
+    return MemoryBound(
+        alpha=theta[-1],
+        ce_limited=mean["ce_limited"],
+        entropy_calibrated=mean["entropy"],
+        mi_upper_bound=mean["ce_limited"] - mean["entropy"],
+        ce_full=mean["ce_full"],
+        ce_calibrated=mean["ce_cal"],
+        n_tokens=x.numel(),
+        mi_stderr=mi_stderr,
+        ce_full_stderr=_mean_stderr(rows["ce_full"], cluster_size),
+        alpha_stderr=stderr[-1],
+        fitted=fitted,
+        beta=1.0 + theta[0] if temperature else 1.0,
+        beta_stderr=stderr[0] if temperature else 0.0,
+        mi_upper_bound_crossfit=cross,
+        delta_ce=mean["ce_limited"] - mean["ce_full"],
+        delta_ce_stderr=_mean_stderr(rows["ce_limited"] - rows["ce_full"], cluster_size),
+        n_blocks=-(-x.numel() // cluster_size),
+    )
+
+
+@timed("fit")
+def memory_summary(chunks: list[Chunk], *, cluster_size: int, jackknife: str = "onestep", bound: float = 100.0,
+                   elements: int | None = None) -> dict:
+    """The memory stage's numbers for one tau from kept chunks (log P^ [n, V], log P~ [n, V], targets [n]): the
+    one-parameter bound fitted on these rows with its jackknife standard error and cross-fit, ΔCE, and the
+    two-parameter variant (P^^beta P~^alpha), as the JSON keys of memory.json (nats)."""
+    one = memory_upper_bound(chunks, cluster_size=cluster_size, jackknife=jackknife, bound=bound, elements=elements)
+    two = memory_upper_bound(chunks, cluster_size=cluster_size, jackknife=jackknife, bound=bound, elements=elements,
+                             temperature=True, crossfit=False, start=[0.0, one.alpha])  # Newton from the nearby fit
+    return {
+        "alpha": one.alpha, "alpha_stderr": one.alpha_stderr, "ce_limited_nats": one.ce_limited,
+        "mi_upper_bound_nats": one.mi_upper_bound, "mi_stderr_nats": one.mi_stderr,
+        "mi_upper_bound_crossfit_nats": one.mi_upper_bound_crossfit,
+        "delta_ce_nats": one.delta_ce, "delta_ce_stderr_nats": one.delta_ce_stderr,
+        "entropy_calibrated_nats": one.entropy_calibrated, "ce_full_nats": one.ce_full,
+        "ce_calibrated_nats": one.ce_calibrated, "ce_full_stderr_nats": one.ce_full_stderr,
+        "two_parameter": {"alpha": two.alpha, "beta": two.beta, "mi_upper_bound_nats": two.mi_upper_bound,
+                          "mi_stderr_nats": two.mi_stderr, "alpha_stderr": two.alpha_stderr,
+                          "beta_stderr": two.beta_stderr, "entropy_calibrated_nats": two.entropy_calibrated,
+                          "ce_calibrated_nats": two.ce_calibrated},
+        "test_tokens": one.n_tokens, "blocks": one.n_blocks, "cluster_size": cluster_size,
+        "stderr_method": f"delete-one-block jackknife over {one.n_blocks} blocks of {cluster_size} positions, the fit "
+                         + ("redone exactly" if jackknife == "exact" else "redone by one Newton step") + " per block",
+    }
+
+
+@torch.no_grad()
+def markov_oracle_memory(info: dict, valid_tokens: torch.Tensor, test_tokens: torch.Tensor, taus: list[int],
+                         cluster_size: int = 2000) -> dict:
+    """The estimators run on the Markov source's exact oracles, where every answer is known: P^ = the oracle reading
+    the test text with its whole past (the true order-k conditional), P~_tau = the same oracle fed only the last tau
+    tokens (context_rows: a window model, exactly the stationary chain's order-tau conditional). Returns
+    the entropy-rate estimate (the oracle's test CE ± se) and, per tau, the memory stage's numbers (alpha fitted on
+    the rows the bound is reported on, jackknife standard errors over blocks of cluster_size positions, cross-fit,
+    ΔCE, the two-parameter variant) beside the exact I_tau. Positions t >= max(taus, k), so every context is complete.
+    valid_tokens is not read: as in the memory stage, the fit is on the test rows."""
+    from lmcal.core.memory import memory_summary, memory_upper_bound  # here: memory imports this module
+
+    oracle = MarkovOracle.from_chain(markov_chain_from_info(info))
+    k = info["order"]
+    start = max([*taus, k])
+    tokens = test_tokens.long()
+
+    def rows(tau: int | None) -> torch.Tensor:  # log P(. | context) at t = start..N-1: [n, V] float64
+        return torch.cat([lp for lp, _ in context_rows(oracle, tokens, tau, batch_size=4096)])[start - 1:]
+
+    full, yt = rows(None), tokens[start:]
+    est = memory_upper_bound(full, full, yt, alpha=0.0, cluster_size=cluster_size)  # just its CE and se
+    result = {"estimated_entropy_rate_nats": est.ce_full, "estimated_entropy_rate_stderr_nats": est.ce_full_stderr,
+              "test_tokens": int(yt.numel()), "memory": []}
+    for tau in taus:
+        result["memory"].append({"tau": tau, "limited": "window", "exact_mi_nats": markov_exact_mi(info, tau),
+                                 **memory_summary([(full, rows(tau), yt)], cluster_size=cluster_size)})
+    return result

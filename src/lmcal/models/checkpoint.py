@@ -1,0 +1,159 @@
+"""Trained checkpoints, read without Lightning: the network (`load_net`), a tau-model's base (`load_base_net`), its
+name, and the corpus it was trained on (`checkpoint_data`), so that the analysis entry points start in a couple of
+seconds rather than after Lightning's import.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import pickle
+import re
+from pathlib import Path
+
+import torch
+
+from lmcal.data.batching import CorpusData
+from lmcal.errors import LmcalError
+from lmcal.models.awd_lstm import AWDLSTM
+from lmcal.models.step_lm import LSTMStepLM
+from lmcal.models.transformer import GPTLM
+
+log = logging.getLogger("lmcal")
+
+
+def model_name(model_cfg) -> str:
+    """A network's name in tables and logs, from its config node (conf/model)."""
+    if model_cfg.get("_target_", "").endswith("AWDLSTM"):
+        tau = f", tau={model_cfg.memory_tau}" if model_cfg.get("memory_tau") else ""
+        return f"AWD-LSTM {model_cfg.emb_size}/{model_cfg.hidden_size}/{model_cfg.num_layers}{tau}"
+    if model_cfg.get("_target_", "").endswith("GPTLM"):
+        return (f"Transformer {model_cfg.get('n_layer')}x{model_cfg.get('n_embd')}, "
+                f"context {model_cfg.get('n_positions')}")
+    return str(model_cfg.get("_target_"))
+
+
+def checkpoint_data(ckpt: dict, data_root: str | None = None, path: str | Path = "the checkpoint") -> CorpusData:
+    """The corpus a checkpoint was trained on, with the settings training used (`data_root`: where to read it from
+    instead)."""
+    data_cfg = dict(ckpt["hyper_parameters"].get("data_cfg") or {})
+    if not data_cfg:  # checkpoints from before lmcal recorded their corpus: PTB with its default settings
+        log.warning(f"{path} does not record its corpus; assuming data=ptb with the default batch settings.")
+        data_cfg = {"name": "ptb"}
+    data_cfg.pop("_target_", None)
+    if data_root:
+        data_cfg["root"] = data_root
+    return CorpusData(**data_cfg)
+
+
+def read_checkpoint(path: str | Path, map_location="cpu") -> dict:
+    """A checkpoint of `python -m lmcal.train`, read safely: `torch.load(weights_only=True)` unpickles tensors, plain
+    containers and numbers only, so a crafted file cannot run code. An unreadable, truncated, foreign or unsafe file
+    is one `LmcalError` naming the path and what to do."""
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise LmcalError(f"Checkpoint not found: {path}. Pass the best.ckpt or last.ckpt in a training run's "
+                         "checkpoints/ folder.")
+    try:
+        ckpt = torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as e:
+        refused = re.search(r"unsupported GLOBAL (\S+)", str(e), re.IGNORECASE)
+        if refused:
+            raise LmcalError(f"{path} was not loaded: it asks to unpickle {refused.group(1)}, which a checkpoint of "
+                             "lmcal never holds (only tensors, numbers and plain containers), and unpickling it could "
+                             "run code. Use a checkpoint written by python -m lmcal.train, from a source you trust."
+                             ) from None
+        raise _unreadable(path, "not a pickle of tensors") from None
+    except Exception as e:  # truncated zip, random bytes, empty file, I/O error
+        raise _unreadable(path, type(e).__name__ + (f": {_first_sentence(e)}" if str(e).strip() else "")) from None
+    hp = ckpt.get("hyper_parameters") if isinstance(ckpt, dict) else None
+    if not isinstance(hp, dict) or "net" not in hp or "vocab_size" not in hp or "state_dict" not in ckpt:
+        raise LmcalError(f"{path} is a PyTorch file but not a checkpoint of python -m lmcal.train (it lacks the "
+                         "network's settings or weights). Pass the best.ckpt or last.ckpt in a training run's "
+                         "checkpoints/ folder; a Hugging Face model is analysed with model=hf model.name_or_path=.")
+    return ckpt
+
+
+def _first_sentence(e: Exception) -> str:
+    return str(e).strip().splitlines()[0].split(". ")[0].rstrip(".")
+
+
+def _unreadable(path: Path, why: str) -> LmcalError:
+    return LmcalError(f"{path} is not a readable checkpoint ({why}): it is truncated, corrupt or not a PyTorch file. "
+                      "If a run was killed while writing it, rerun the training to write it again; otherwise pass "
+                      "the best.ckpt or last.ckpt in a training run's checkpoints/ folder.")
+
+
+# The networks a checkpoint may name, under every module path lmcal has kept them at. A checkpoint's settings only
+# choose one of these and give it plain values: nothing read from a checkpoint is imported or called by its name.
+NETWORKS: dict[str, type] = {"lmcal.models.awd_lstm.AWDLSTM": AWDLSTM, "lmcal.model.AWDLSTM": AWDLSTM,
+                             "lmcal.models.transformer.GPTLM": GPTLM, "lmcal.transformer.GPTLM": GPTLM}
+
+
+def register_network(target: str, cls: type) -> None:
+    """Lets checkpoints whose `_target_` is `target` be loaded as `cls` (a network of your own, registered by the
+    plugin module that defines it; see LMCAL_PLUGINS)."""
+    NETWORKS[target] = cls
+
+
+def build_net(net_cfg: dict, vocab_size: int, source: str | Path = "the checkpoint"):
+    """The network a checkpoint's settings name, built from NETWORKS with those settings as plain keyword values. A
+    `_target_` outside NETWORKS, a nested node (a `_target_` inside a value), an interpolation (`${...}`) or a key
+    the network does not take is refused with one LmcalError, before anything is built."""
+    target = net_cfg.get("_target_") if isinstance(net_cfg, dict) else None
+    if target not in NETWORKS:
+        known = ", ".join(sorted({c.__name__ for c in NETWORKS.values()}))
+        raise LmcalError(f"{source} names the network {target!r}, which is not one of lmcal's ({known}); a checkpoint "
+                         "only chooses among them, so it was not loaded. Use a checkpoint written by python -m "
+                         "lmcal.train, from a source you trust.")
+    cls = NETWORKS[target]
+    takes = set(inspect.signature(cls).parameters) - {"vocab_size"}
+    kwargs = {k: v for k, v in net_cfg.items() if k not in ("_target_", "vocab_size")}
+    bad = [f"{k}={v!r}" for k, v in kwargs.items() if k not in takes or not _plain(v)]
+    if bad:
+        raise LmcalError(f"{source} gives its network {cls.__name__} settings it does not take as plain values "
+                         f"({'; '.join(bad)[:300]}): only numbers, booleans, plain strings and null are read from a "
+                         "checkpoint, so it was not loaded. Use a checkpoint written by python -m lmcal.train.")
+    return cls(vocab_size=int(vocab_size), **kwargs)
+
+
+def _plain(v) -> bool:
+    """A value a network's settings may hold: a number, a boolean, null, or a string that is no interpolation."""
+    return v is None or isinstance(v, (bool, int, float)) or (isinstance(v, str) and "${" not in v)
+
+
+def load_net(ckpt_path: str | Path, map_location="cpu"):
+    """The network of a training checkpoint, with the weights that were validated
+    (the averaged ones after an NT-ASGD switch), in eval mode. No Lightning needed."""
+    ckpt = read_checkpoint(ckpt_path, map_location)
+    hp = ckpt["hyper_parameters"]
+    net = build_net(hp["net"], hp["vocab_size"], ckpt_path)
+    try:
+        net.load_state_dict({k[len("net."):]: v for k, v in ckpt["state_dict"].items() if k.startswith("net.")})
+    except RuntimeError as e:
+        raise LmcalError(f"{ckpt_path}: its weights do not fit the network its settings describe "
+                         f"({str(e).splitlines()[0]}); the file is damaged or was edited.") from None
+    return net.eval(), ckpt
+
+
+def load_base_net(path: str | Path | None, device, corpus: str | None = None):
+    """The full-context base model for the memory stage, with a clear error when it is missing or mismatched."""
+    if not path:
+        raise LmcalError("The memory stage needs the full-context base model: pass memory.base_ckpt=PATH (a "
+                         "checkpoint of the same corpus trained with model.memory_tau=null).")
+    if not Path(path).is_file():
+        raise LmcalError(f"memory.base_ckpt={path} does not exist; train the base model first "
+                         "(python -m lmcal.train with model.memory_tau=null) and point at its checkpoints/best.ckpt.")
+    net, ckpt = load_net(path, map_location="cpu")
+    if net.memory_tau:
+        raise LmcalError(f"memory.base_ckpt={path} is itself a tau={net.memory_tau} model; it must be full-context.")
+    base_corpus = (ckpt["hyper_parameters"].get("data_cfg") or {}).get("name")
+    if corpus and base_corpus and base_corpus != corpus:
+        raise LmcalError(f"memory.base_ckpt={path} was trained on {base_corpus}, this model on {corpus}.")
+    return net.to(device)
+
+
+def lstm_from_checkpoint(path, device="cpu") -> LSTMStepLM:
+    """The validated network of a training checkpoint (see lmcal.models.checkpoint.load_net) as a StepLM on `device`."""
+    net, _ = load_net(path, map_location=device)
+    return LSTMStepLM(net.to(device))

@@ -1,0 +1,127 @@
+"""docs/RESULTS.md, regenerated from files that runs wrote; no number in it is typed by hand. Provenance (command,
+date, machine, commit), saved benchmark tables, snapshots of reproductions, and the rendering.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import shlex
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from lmcal.errors import LmcalError
+from lmcal.utils.io import copy_atomic, write_text_atomic
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+DOCS = ROOT / "docs"
+
+
+def machine() -> str:
+    """The machine in words: CPU model and cores, accelerator, torch version."""
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        names = [ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                 if ln.startswith("model name")]
+        cpu = names[0] if names else cpu
+    except OSError:
+        pass
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    return f"{cpu}, {len(os.sched_getaffinity(0))} cores, {gpu}, torch {torch.__version__}"
+
+
+def provenance(command: str | None = None) -> dict:
+    """What made an output: the command, the date, the machine and the code's git commit."""
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                                timeout=10).stdout.strip() or None
+        changed = subprocess.run(["git", "status", "--porcelain", "--", "src", "conf", "bench"], cwd=ROOT,
+                                 capture_output=True, text=True, timeout=10).stdout.strip()
+        if commit and changed:  # the code that ran is not that commit's: say so
+            commit += " with uncommitted changes"
+    except (OSError, subprocess.SubprocessError):
+        commit = None
+    if command is None:  # this process's own command line, the script relative to the project
+        script = Path(sys.argv[0]).resolve()
+        command = "python " + shlex.join([str(script.relative_to(ROOT)) if script.is_relative_to(ROOT) else
+                                          sys.argv[0], *sys.argv[1:]])
+    return {"command": command,
+            "date": time.strftime("%Y-%m-%d %H:%M %Z"), "machine": machine(), "commit": commit}
+
+
+def provenance_line(p: dict) -> str:
+    return (f"*Command:* `{p['command']}` · *date:* {p['date']} · *machine:* {p['machine']}"
+            + (f" · *commit:* {p['commit']}" if p.get("commit") else ""))
+
+
+def add_out_option(ap: argparse.ArgumentParser, name: str) -> None:
+    """A benchmark's `--out` option: where save_bench writes its tables."""
+    ap.add_argument("--out", help=f"also write the tables, with command, date and machine, to this Markdown file "
+                    f"(e.g. docs/bench/{name}.md; `make docs` puts it in docs/RESULTS.md)")
+
+
+def tee() -> tuple[Callable[[str], None], list[str]]:
+    """(emit, lines): emit prints a line at once and keeps it in lines, for save_bench at the end."""
+    lines: list[str] = []
+
+    def emit(line: str) -> None:
+        print(line, flush=True)
+        lines.append(line)
+
+    return emit, lines
+
+
+def save_bench(path: str | Path | None, title: str, body: str, command: str | None = None) -> None:
+    """A benchmark's Markdown (its tables) with a heading and its provenance, written atomically to `path`
+    (nothing when path is None: the bench only printed)."""
+    if path is None:
+        return
+    write_text_atomic(path, f"## {title}\n\n{provenance_line(provenance(command))}\n\n{body.strip()}\n")
+
+
+def snapshot(run: str | Path, docs: Path = DOCS) -> Path:
+    """Copies a finished reproduction's results.json, REPORT.md and figures into docs/runs/<profile>/."""
+    run = Path(run)
+    if not (run / "results.json").is_file() or not (run / "REPORT.md").is_file():
+        raise LmcalError(f"{run} holds no finished reproduction (results.json and REPORT.md are written by its last "
+                         f"stage): run `make reproduce` to the end first, or pass the folder it wrote to.")
+    profile = json.loads((run / "results.json").read_text()).get("profile") or run.name
+    dest = docs / "runs" / profile
+    for f in ["results.json", "REPORT.md", *sorted(p.name for p in run.glob("*.png"))]:
+        copy_atomic(run / f, dest / f)
+    return dest
+
+
+def _report_body(folder: Path, rel: str) -> str:
+    """A snapshot's REPORT.md as a section of RESULTS.md: headings one level down, figures pointing into the snapshot,
+    links into the run's folders (not copied) turned into plain text."""
+    text = (folder / "REPORT.md").read_text()
+    text = re.sub(r"^(#+) ", lambda m: "#" + m.group(1) + " ", text, flags=re.M)
+    text = re.sub(r"!\[([^\]]*)\]\(([^)/]+\.png)\)", rf"![\1]({rel}/\2)", text)
+    return re.sub(r"(?<!!)\[([^\]]+)\]\((?!https?:|runs/)[^)]*\)", r"\1", text)
+
+
+def render(docs: Path = DOCS) -> str:
+    parts = ["# Measured results", "",
+             "Generated by `make docs` (`python -m lmcal.docs`) from the files the runs wrote: the reproductions "
+             "snapshotted under [runs/](runs) and the benchmark tables under [bench/](bench). Each section names the "
+             "command, date and machine that made it. Do not edit by hand: rerun the run, then `make docs`.", ""]
+    for folder in sorted((docs / "runs").glob("*/")):
+        r = json.loads((folder / "results.json").read_text())
+        prov = r.get("provenance") or {}
+        parts += [f"## Reproduction, profile `{r.get('profile', folder.name)}`", "",
+                  provenance_line(prov) if prov else "*Provenance not recorded by this run.*", "",
+                  _report_body(folder, f"runs/{folder.name}"), ""]
+    for f in sorted((docs / "bench").glob("*.md")):
+        parts += [re.sub(r"^## ", "## Benchmark: ", f.read_text(), count=1), ""]
+    return "\n".join(parts).rstrip() + "\n"

@@ -1,0 +1,276 @@
+"""REPORT.md of a reproduction, its figures, and the W&B report run: every table beside the paper's values
+(lmcal.paper), each stage's wall time, and where each analysis stage's time went.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shlex
+import sys
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from lmcal import paper
+from lmcal.pipeline.docs import provenance
+from lmcal.pipeline.results import OPERATIONS, PAPER_STAGES, collect_results
+from lmcal.utils.io import copy_atomic, read_json, write_json_atomic, write_text_atomic
+from lmcal.utils.numbers import exp_or_inf, format_ce, format_params
+
+
+def profile_markdown(stages: dict, peak_flops: float) -> list[str]:
+    """Where each analysis stage's time went, by operation, and the model forward's FLOP rate as a share of this
+    machine's float32 matmul rate measured in the same run (MFU). Start-up: the process's time before and after the
+    stage itself (imports, loading the model and the text, scoring its test CE)."""
+    lines = ["| stage | seconds | start-up | " + " | ".join(OPERATIONS) + " | other | forward GFLOP/s | MFU |",
+             "|---|---|---|" + "---|" * (len(OPERATIONS) + 3)]
+    for name, s in stages.items():
+        if "profile" not in s:
+            continue
+        p, total = s["profile"], max(s["seconds"], 1e-9)
+        rate = s["forward_gflop"] / p["forward"] if p["forward"] > 0 and s["forward_gflop"] > 0 else None
+        lines.append(f"| {name} | {s['seconds']:.0f} | {100 * (1 - s['analysis_seconds'] / total):.0f}% | "
+                     + " | ".join(f"{100 * p[k] / total:.0f}%" for k in
+                                                                       (*OPERATIONS, "other")) +
+                     (f" | {rate:.1f} | {100 * rate * 1e9 / peak_flops:.0f}% |" if rate else " | – | – |"))
+    return lines
+
+
+def transformer_table1(r: dict) -> list[str]:
+    """Table 1's transformer row, where the reproduction trained one."""
+    t = r.get("transformer", {})
+    if "entropy_rate" not in t:
+        return []
+    er = t["entropy_rate"]
+    tail = exp_or_inf(sum(er["curve_nats"][-max(1, len(er["curve_nats"]) // 10):])
+                      / max(1, len(er["curve_nats"]) // 10))
+    return [f"| Transformer (ours, PTB): {t['base']['model']} | ptb | {er['test_ppl']:.1f} | {er['entrate_ppl']:.1f} | "
+            f"{tail:.1f} |"]
+
+
+def transformer_memory_markdown(r: dict) -> list[str]:
+    """The bound at each tau for the AWD-LSTM (trained tau-models and windows) beside the transformer on windows, and
+    the transformer's own full memory table."""
+    rows = [m for m in r["memory"] if m.get("model") == "transformer"]
+    if not rows:
+        return []
+    from lmcal.stages.tables import memory_table
+
+    lstm = [m for m in r["memory"] if m.get("model") != "transformer"]
+    taus = sorted({m["tau"] for m in r["memory"]})
+    lines = ["### The AWD-LSTM beside the transformer", "",
+             "| tau | AWD-LSTM, trained P̃ | AWD-LSTM, window P̃ | transformer, window P̃ | paper (AWD-LSTM) |",
+             "|---|---|---|---|---|"]
+    for t in taus:
+        p = paper.MEMORY_PTB.get(int(t))
+        lines.append(f"| {t} | {_bound(lstm, t, 'trained')} | {_bound(lstm, t, 'window')} | "
+                     f"{_bound(rows, t, 'window')} | {f'{p[1]:.4f}' if p else '–'} |")
+    full = r["transformer"]["base"]["model"]
+    lines += ["", f"I_τ upper bounds in nats (± one standard error). The transformer ({full}) sees at most its "
+              "context: its P̂ conditions on the tokens within it (see full_context in its memory.json), so its "
+              "bound is the information it draws from between τ and its context back.", "",
+              "### The transformer's memory table", "",
+              memory_table([{**m, "corpus": "transformer"} for m in rows]), ""]
+    return lines
+
+
+def report(cfg: DictConfig, out: Path, names: list[str]) -> None:
+    """results.json, REPORT.md and the figures; `names`: the pipeline's stages, in order."""
+    from lmcal.pipeline.tabulate import memory_report
+    from lmcal.stages.plots import entropy_curve_figure
+
+    results = collect_results(cfg, out, names)
+    results["stages"]["report"] = {"seconds": 0.0, "status": "done"}
+    results["provenance"] = provenance("python -m lmcal.reproduce " + shlex.join(sys.argv[1:]))
+    from lmcal.utils.profiling import matmul_flops
+
+    results["provenance"]["matmul_gflop_per_s"] = matmul_flops(seconds=2.0) / 1e9  # the MFU's denominator
+    import numpy as np
+
+    er, cal = results["entropy_rate"], results["calibration"]
+    entropy_curve_figure({"generations": (np.array(er["curve_nats"]), np.array(er["stderr_nats"]))},
+                         out / "figure2_entropy_rate.png",
+                         reference_nats={"test cross-entropy": math.log(results["base"]["test_ppl"])},
+                         title=f"{results['base']['model']} on {cfg.dataset}: entropy of generated words")
+    entropy_curve_figure({"uncalibrated": (np.array(cal["curve_nats_before"]), np.array(cal["stderr_nats_before"])),
+                          f"calibrated (alpha* = {cal['alpha']:.3g})": (np.array(cal["curve_nats"]),
+                                                                        np.array(cal["stderr_nats"]))},
+                         out / "figure3_calibration.png",
+                         reference_nats={"test cross-entropy": math.log(cal["test_ppl_before"])},
+                         title="Lookahead calibration (Algorithm 2)",
+                         difference={"label": "calibrated minus uncalibrated, paired",
+                                     "mean": np.array(cal["diff_curve_nats"]),
+                                     "stderr": np.array(cal["diff_stderr_nats"]), "tail": cal["tail_diff_nats"],
+                                     "tail_stderr": cal["tail_diff_stderr_nats"], "tail_steps": cal["tail_steps"]})
+    copy_atomic(out / cfg.dataset / "decoders" / "decoders.png", out / "figure_decoders.png")
+    if "future_entropy" in cfg.stages:
+        copy_atomic(out / cfg.dataset / "future_entropy" / "future_entropy.png", out / "figure_future_entropy.png")
+    memory_report([out / cfg.dataset / "memory", out / "markov" / "memory"], out, wandb_mode="disabled")
+    write_json_atomic(out / "results.json", results)
+    write_text_atomic(out / "REPORT.md", report_markdown(cfg, results, out))
+    if cfg.logger == "wandb":
+        _log_report(cfg, results, out)
+
+
+def decoders_markdown(rows: list[dict]) -> list[str]:
+    lines = ["| method | parameters | exp(entropy) t=1 | EntRate (last step) | exp(mean entropy, last tenth) | "
+             "Δ entropy, last tenth, vs model (nats, paired) | test CE (nats) | zero-prob. fraction | CE, ε-mixed |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for d in rows:
+        lines.append(f"| {d['method']} | {format_params(d['params'], drop=('stderr',))} | "
+                     f"{exp_or_inf(d['entropy_t1_nats']):.1f} | "
+                     f"{d['entrate_ppl']:.1f} | {d['entrate_tail_ppl']:.1f} | "
+                     f"{d['tail_diff_nats']:+.3f} ± {d['tail_diff_stderr_nats']:.3f} | "
+                     f"{format_ce(d['test_ce_nats'])} | "
+                     f"{d['zero_prob_fraction']:.4f} | {format_ce(d['test_ce_mixed_nats'])} |")
+    return lines
+
+
+def future_entropy_markdown(cfg: DictConfig, out: Path) -> list[str]:
+    """REPORT.md's section of the future_entropy stage (none where the profile does not run it)."""
+    if "future_entropy" not in cfg.stages:
+        return []
+    from lmcal.stages.future_entropy import future_entropy_table
+
+    fe = read_json(out / cfg.dataset / "future_entropy" / "future_entropy.json")
+    heads = [r for r in fe["rows"] if r["method"].startswith("future_entropy")]
+    best = min(heads, key=lambda r: abs(math.log(r["tail_ppl"] / fe["reference_test_ppl"])), default=None)
+    return [
+        "## Calibrating against future entropy (beyond one-step lookahead)", "",
+        f"Heads on the frozen model's state predict each next word's discounted future entropy G_K (K words, "
+        f"discount γ), trained on {fe['rollouts']} rollouts from the training text ({fe['rollout_examples']:,} "
+        f"examples, one rollout each); P ∝ P̂ exp(α g) and P̂^β exp(α g) fitted by the cross-entropy of "
+        f"{fe['fit_tokens']:,} validation positions. Rows from the decoders stage are on the same prefixes, seeds "
+        "and test words. Δ test CE is paired with the model word by word (± one standard error, blocks of "
+        f"{fe['cluster_size']} positions); ms / word: one generated word in {fe['timing_prefixes']} x "
+        f"{fe['samples_per_prefix']} generations of {fe['timing_horizon']} words, the same run for every method, the "
+        f"best of {fe.get('timing_repeats', 1)}; × model: that time over the plain model's, timed in between.", "",
+        future_entropy_table(fe["rows"], fe["reference_test_ce_nats"]).rstrip("\n"), "",
+        *([f"Closest to the test perplexity over the last tenth: {best['method']} "
+           f"({format_params(best['params'], drop=('stderr',))}), {best['tail_ppl']:.1f} against "
+           f"{fe['reference_test_ppl']:.1f}."] if best else []), "",
+        "![future entropy](figure_future_entropy.png)", "",
+    ]
+
+
+def _bound(rows: list[dict], tau: int, limited: str) -> str:
+    """'bound ± se' of the memory row for (tau, limited), or – where the reproduction has none."""
+    m = next((m for m in rows if m["tau"] == tau and m.get("limited", "trained") == limited), None)
+    return f"{m['mi_upper_bound_nats']:.4f} ± {m['mi_stderr_nats']:.4f}" if m else "–"
+
+
+def report_markdown(cfg: DictConfig, r: dict, out: Path) -> str:
+    b, er, cal, mk = r["base"], r["entropy_rate"], r["calibration"], r["markov"]
+    orc = mk["oracle"]
+    entrate_row = f"| {b['model']} ({cfg.profile}) | {cfg.dataset} | {er['test_ppl']:.1f} | {er['entrate_ppl']:.1f} |"
+    lines = [
+        f"# lmcal reproduction: profile `{cfg.profile}`", "",
+        f"Base model: {b['model']}, {b['params']:,} parameters, {b['epochs']} epochs; validation perplexity "
+        f"{b['val_ppl']:.1f}, test {b['test_ppl']:.1f} (the paper: {paper.AWD_LSTM_PTB_VAL_TEST[0]} / "
+        f"{paper.AWD_LSTM_PTB_VAL_TEST[1]} after 500 epochs).", "",
+        "## Entropy rate of generations (Table 1, Figure 2)", "",
+        "| model | corpus | test ppl | EntRate = exp(entropy at the last step) | exp(mean entropy, last tenth) |",
+        "|---|---|---|---|---|",
+        entrate_row + f" {er['entrate_tail_ppl']:.1f} |",
+        *transformer_table1(r),
+        f"| AWD-LSTM (paper) | ptb | {paper.AWD_LSTM_PTB['test_ppl']} | {paper.AWD_LSTM_PTB['entrate_ppl']} | |",
+        f"| GPT-2 (paper) | WebText | {paper.GPT2['test_ppl']} | {paper.GPT2['entrate_ppl']} | |", "",
+        f"{er['num_generations']} generations of {er['horizon']} words"
+        + (f" (the transformer: {r['transformer']['entropy_rate']['num_generations']} of "
+           f"{r['transformer']['entropy_rate']['horizon']}, within its context)"
+           if "entropy_rate" in r.get("transformer", {}) else "")
+        + ". ![Figure 2](figure2_entropy_rate.png)", "",
+        "## Lookahead calibration (Algorithm 2, Figure 3)", "",
+        "| | alpha* | test ppl | EntRate (last step) | exp(mean entropy, last tenth) |", "|---|---|---|---|---|",
+        f"| uncalibrated | 0 | {cal['test_ppl_before']:.2f} | {cal['entrate_ppl_before']:.1f} | "
+        f"{cal['entrate_tail_ppl_before']:.1f} |",
+        f"| calibrated | {cal['alpha']:.4f} ± {cal['alpha_stderr']:.4f} | {cal['test_ppl_after']:.2f} | "
+        f"{cal['entrate_ppl_after']:.1f} | {cal['entrate_tail_ppl_after']:.1f} |", "",
+        f"Standard error of the last step's entropy: {cal['stderr_nats'][-1]:.3f} nats (calibrated). Over the last "
+        f"tenth of the horizon ({cal['tail_steps']} words), paired generation by generation (same prefixes and "
+        f"seeds), calibration changes the mean entropy by {cal['tail_diff_nats']:+.4f} ± "
+        f"{cal['tail_diff_stderr_nats']:.4f} nats (± one standard error, clustered by prefix): exp of the mean "
+        f"{cal['tail_ppl_before']:.1f} → {cal['tail_ppl_after']:.1f}.", "",
+        f"alpha* fitted on {cal['fit_tokens']:,} validation positions, each after at least "
+        f"{max(1, cal['min_context'])} tokens of context, with "
+        + (f"top-{cal['topk']} lookahead (the true word exact, {cal['tail_samples']} sampled words for the rest); "
+           if cal["topk"] else "exact lookahead; ") +
+        f"test perplexity on {cal['test_tokens']:,} test tokens. The paper: {paper.CALIBRATION_EFFECT}. "
+        "![Figure 3](figure3_calibration.png)", "",
+        "## Decoders beside calibration", "",
+        "The decoding rules practitioners use, on the same model, prefixes and seeds as calibration. Test CE is ∞ "
+        "where a rule gives a test word probability 0; the ε-mixed CE mixes in ε = 1e-6 of the uniform "
+        "distribution, so it is finite for all. The fitted rows (temperature, calibration) are the only ones "
+        "chosen by held-out cross-entropy.", "",
+        *decoders_markdown(r["decoders"]), "",
+        "![decoders](figure_decoders.png)", "",
+        *future_entropy_markdown(cfg, out),
+        "## Memory (Section 5, Figure 4)", "",
+        (out / f"memory_{cfg.dataset}.md").read_text().split("\n", 2)[2],
+        *transformer_memory_markdown(r),
+        "## The exact check: an order-k Markov source", "",
+        f"Order {mk['order']}. Entropy rate: exact {mk['true_entropy_rate_nats']:.4f} nats, estimated (the trained "
+        f"LSTM's test cross-entropy) {mk['estimated_entropy_rate_nats']:.4f} ± "
+        f"{mk['estimated_entropy_rate_stderr_nats']:.4f}.", "",
+        f"The same estimators on the exact oracles (P̂ = the true conditional, P̃_τ = the exact order-τ "
+        f"conditional), on the same test text: entropy rate {orc['estimated_entropy_rate_nats']:.4f} ± "
+        f"{orc['estimated_entropy_rate_stderr_nats']:.4f}.", "",
+        "| tau | I_tau bound, trained τ-LSTMs | I_tau bound, the LSTM on τ-token windows | I_tau bound, exact "
+        "oracles | exact I_tau of the source |", "|---|---|---|---|---|",
+        *[f"| {o['tau']} | {_bound(mk['memory'], o['tau'], 'trained')} | {_bound(mk['memory'], o['tau'], 'window')} | "
+          f"{o['mi_upper_bound_nats']:.4f} ± {o['mi_stderr_nats']:.4f} | {o['exact_mi_nats']:.4f} |"
+          for o in orc["memory"]], "",
+        "± is one standard error. The oracle rows check the estimators; the LSTM rows add the trained models' own "
+        "error (their bound is on the information *they* draw from beyond tau, and their excess cross-entropy "
+        "over the source enters it).", "",
+        "![Figure 4 on the Markov source](memory_markov.png)", "",
+        *[line for n in cfg.stages if n not in (*PAPER_STAGES, "future_entropy") for line in
+          (f"## Stage {n}", "", *(f"- {k}: {v}" for k, v in r[n].items()), "")],
+        "## Where the time goes", "",
+        "Each analysis stage's wall time by operation (utils.profiling; a share of the stage's seconds): forward = "
+        "the model's steps, lookahead = the candidate entropies of calibration beyond their forwards, scoring = "
+        "held-out cost beyond its forwards, fit = the exponential-family fits, io = files and figures. MFU: the "
+        "forward's FLOP rate (2 x parameters per token) against this machine's float32 matmul rate, "
+        f"{r['provenance'].get('matmul_gflop_per_s', float('nan')):.0f} GFLOP/s, measured in the report stage.", "",
+        *profile_markdown(r["stages"], r["provenance"].get("matmul_gflop_per_s", float("nan")) * 1e9), "",
+        "## Stages", "", "Training stages add their training speed (tokens per second of optimiser steps); machine: "
+        "the float32 matmul rate measured as the stage started (shared machines vary by a third from day to day).", "",
+        "| stage | seconds | training tokens/s | machine GFLOP/s | run folder |", "|---|---|---|---|---|",
+    ]
+    for name, s in r["stages"].items():
+        rec = out / "stages" / f"{name}.json"
+        folder = read_json(rec)["dir"] if rec.is_file() else str(out)
+        rel = os.path.relpath(folder, out)
+        tps = f"{s['tokens_per_s']:.0f}" if s.get("tokens_per_s") else "–"
+        rate = f"{s['matmul_gflop_per_s']:.0f}" if s.get("matmul_gflop_per_s") else "–"
+        lines.append(f"| {name} | {s['seconds']:.0f} | {tps} | {rate} | [{rel}]({rel}) |")
+    total = sum(s["seconds"] for s in r["stages"].values())
+    rates = [s["matmul_gflop_per_s"] for s in r["stages"].values() if s.get("matmul_gflop_per_s")]
+    speed = (f" The machine's matmul rate ranged {min(rates):.0f}-{max(rates):.0f} GFLOP/s over the {len(rates)} "
+             f"stage{'s' if len(rates) > 1 else ''} that recorded it." if rates else "")
+    lines += ["", f"Total: {total / 60:.1f} minutes.{speed} Settings: [profile.yaml](profile.yaml); logs in "
+              "[logs/](logs)."]
+    return "\n".join(lines) + "\n"
+
+
+def _log_report(cfg: DictConfig, results: dict, out: Path) -> None:
+    import wandb
+
+    run = wandb.init(project=cfg.wandb_project, group=f"reproduce-{cfg.profile}", job_type="report",
+                     name=f"report-{cfg.profile}", mode="offline" if cfg.wandb_offline else "online", dir=str(out),
+                     reinit="finish_previous")
+    try:
+        run.summary.update({"test_ppl": results["base"]["test_ppl"],
+                            "entrate_ppl": results["entropy_rate"]["entrate_ppl"],
+                            "calibration/alpha": results["calibration"]["alpha"]})
+        run.log({p.stem: wandb.Image(str(p)) for p in sorted([*out.glob("figure*.png"), *out.glob("memory_*.png")])})
+        cols = ["tau", "limited", "ce_limited_nats", "delta_ce_nats", "mi_upper_bound_nats", "mi_stderr_nats",
+                "mi_upper_bound_crossfit_nats", "alpha"]
+        run.log({"memory": wandb.Table(columns=cols, data=[[m[c] for c in cols] for m in results["memory"]])})
+        cols = ["method", "params", "entrate_ppl", "test_ce_nats", "zero_prob_fraction", "test_ce_mixed_nats"]
+        run.log({"decoders": wandb.Table(columns=cols, data=[[json.dumps(d[c]) if c == "params" else d[c]
+                                                              for c in cols] for d in results["decoders"]])})
+    finally:
+        run.finish()

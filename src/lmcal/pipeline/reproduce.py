@@ -1,0 +1,99 @@
+"""`make reproduce` end to end: stages whose recorded settings changed, clearing what FORCE redoes, and the run itself
+under the output folder's lock.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from lmcal.errors import LmcalError
+from lmcal.pipeline.plan import plan, stage_settings
+from lmcal.pipeline.results import PAPER_STAGES
+from lmcal.pipeline.schedule import reference_seconds, schedule
+from lmcal.stages.registry import check_stages
+from lmcal.utils.io import read_json, write_json_atomic, write_text_atomic
+from lmcal.utils.lock import run_lock
+from lmcal.utils.settings import differences
+from lmcal.utils.validate import check_config
+
+
+def stale_stages(stages: list[dict], current: dict, out: Path, force: bool) -> dict[str, list[str] | None]:
+    """The stages to redo because their recorded settings differ from `current`, with those downstream of them:
+    {name: tau keys to redo, or None for the whole stage}. Without `force`, any such stage is an error listing the
+    stages and keys that differ."""
+    changed = {}
+    for st in stages:
+        rec = out / "stages" / f"{st['name']}.json"
+        if not rec.is_file():
+            continue
+        record = read_json(rec)
+        if "settings" not in record:  # a record of an lmcal that did not keep settings: adopt the current ones
+            print(f"{st['name']}: recorded without its settings (an older lmcal); taking it as run with the current "
+                  "ones.", flush=True)
+            write_json_atomic(rec, {**record, "settings": current[st["name"]]})
+            continue
+        old, now = record["settings"], current[st["name"]]
+        if "taus" in st:
+            diffs = {t: differences(old[t], now[t]) for t in sorted(old.keys() & now.keys(), key=int)}
+            diffs = {t: d for t, d in diffs.items() if d}
+            if diffs:
+                changed[st["name"]] = [f"tau={t} {line}" for t, d in diffs.items() for line in d], set(diffs)
+        elif diff := differences(old, now):
+            changed[st["name"]] = diff, None
+    redo = {name: taus for name, (_, taus) in changed.items()}
+    for st in stages:  # in pipeline order: whatever uses a redone stage's results is redone whole
+        if any(d in redo for d in st["deps"]):
+            redo[st["name"]] = None
+    if changed and not force:
+        listed = "; ".join(f"{name} ({', '.join(lines[:6])}{', ...' if len(lines) > 6 else ''})"
+                           for name, (lines, _) in changed.items())
+        downstream = [n for n in redo if n not in changed]
+        raise LmcalError(
+            f"The settings of {len(changed)} stage{'s' if len(changed) > 1 else ''} in {out} differ from those "
+            f"{'they' if len(changed) > 1 else 'it'} ran with: {listed}. Nothing was run, and the results there are "
+            "as they were. To redo " + ("them" if len(changed) > 1 else "it") +
+            (f" and the stages that use their results ({', '.join(downstream)})" if downstream else "") +
+            ", rerun with FORCE=1 (make reproduce ... FORCE=1, or force=true on the command line); or give another "
+            "out=DIR for a separate reproduction.")
+    return redo
+
+
+def clear_stage(stage: dict, taus: set[str] | None, out: Path) -> None:
+    """Removes what a stage wrote (for the tau-models, only the given taus), so that it runs again from scratch."""
+    (out / "stages" / f"{stage['name']}.json").unlink(missing_ok=True)
+    dirs = [stage["taus"][int(t)] for t in taus] if taus else [] if "fn" in stage else [stage["dir"]]
+    for d in dirs:
+        if d.is_dir() and d.resolve() != out:
+            print(f"{stage['name']}: removing {d} to redo it (FORCE)", flush=True)
+            shutil.rmtree(d)
+
+
+def reproduce(cfg: DictConfig) -> dict:
+    check_config(cfg)  # the profile's own values (taus), before the folder is touched
+    check_stages(list(cfg.stages), "full")
+    if cfg.get("transformer"):
+        check_stages(list(cfg.transformer.stages), "full")
+    missing = [n for n in PAPER_STAGES if n not in cfg.stages]
+    if missing:
+        raise LmcalError(f"stages= must include {', '.join(PAPER_STAGES)}: the report is built on them (missing: "
+                         f"{', '.join(missing)}). Add stages after them, e.g. stages=[{','.join(PAPER_STAGES)},NEW].")
+    out = Path(cfg.out).resolve()
+    with run_lock(out, "reproduction"):
+        stages = plan(cfg)
+        current = {st["name"]: stage_settings(st, cfg) for st in stages}  # every stage checked before any runs
+        for name, taus in stale_stages(stages, current, out, bool(cfg.get("force"))).items():
+            clear_stage(next(st for st in stages if st["name"] == name), taus, out)
+        profile = OmegaConf.masked_copy(cfg, [k for k in cfg if k != "force"])
+        write_text_atomic(out / "profile.yaml", OmegaConf.to_yaml(profile))
+        ref, ref_machine = reference_seconds(cfg.profile)
+        if ref:
+            print(f"ETAs from the {cfg.profile} reproduction in docs/runs/{cfg.profile} ({ref_machine}).", flush=True)
+        t_all = time.perf_counter()
+        schedule(stages, cfg, out, current, max(1, int(cfg.get("jobs", 1))), ref)
+        print(f"Finished in {time.perf_counter() - t_all:.0f} s: {out / 'REPORT.md'}", flush=True)
+    return json.loads((out / "results.json").read_text())

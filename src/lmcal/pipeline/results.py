@@ -1,0 +1,149 @@
+"""results.json of a reproduction, built from the files its stages wrote.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from lmcal.stages.registry import STAGES
+from lmcal.utils.io import read_json
+from lmcal.utils.numbers import exp_or_inf
+
+PAPER_STAGES = ("entropy_rate", "calibration", "decoders")  # the full model's stages every report has
+
+
+
+def collect_results(cfg: DictConfig, out: Path, names: list[str]) -> dict:
+    """results.json: the numbers of every stage, from the files the stages wrote."""
+    ptb, mk = out / cfg.dataset, out / "markov"
+    base = read_json(ptb / "base" / "metrics.json")
+    er = read_json(ptb / "entropy_rate" / "entropy_rate.json")
+    cal = read_json(ptb / "calibration" / "calibration.json")
+    dec = read_json(ptb / "decoders" / "decoders.json")
+    def memory_rows(root: Path, taus, windows: bool) -> list[dict]:  # trained, then window, for each tau
+        return [read_json(root / "memory" / f"{kind}tau_{t}" / "memory.json") for t in taus
+                for kind in ("", "window_")[:1 + bool(windows)]]
+
+    mem = [m | {"model": "awd_lstm"} for m in memory_rows(ptb, cfg.taus, cfg.get("windows", False))]
+    tr = transformer_results(cfg, out / "transformer")
+    mem += tr.pop("memory", [])
+    mbase = read_json(mk / "base" / "metrics.json")
+    mmem = memory_rows(mk, cfg.markov.taus, cfg.markov.get("windows", False))
+    records = {n: read_json(out / "stages" / f"{n}.json") for n in names if (out / "stages" / f"{n}.json").is_file()}
+    records = {n: r for n, r in records.items() if r.get("status") == "done"}
+    def tail_ppl(curve: list[float]) -> float:  # exp of the mean entropy over the last tenth of the horizon
+        return exp_or_inf(sum(curve[-max(1, len(curve) // 10):]) / max(1, len(curve) // 10))
+
+    return {
+        "profile": cfg.profile, "dataset": cfg.dataset,
+        "base": {"val_ppl": base["val_ppl"], "test_ppl": base["test_ppl"], "test_ce_nats": base["test_ce_nats"],
+                 "model": base["model"], "epochs": base["epochs"], "params": base["params"]},
+        "entropy_rate": {"horizon": er["horizon"], "num_generations": er["num_generations"],
+                         "curve_nats": er["curve_nats"], "stderr_nats": er["stderr_nats"],
+                         "entrate_ppl": er["entrate_ppl"], "test_ppl": er["test_ppl"],
+                         "entrate_tail_ppl": tail_ppl(er["curve_nats"])},
+        "calibration": {k: cal[k] for k in ("alpha", "alpha_stderr", "test_ppl_before", "test_ppl_after",
+                                            "curve_nats", "stderr_nats", "curve_nats_before", "stderr_nats_before",
+                                            "entrate_ppl_before", "entrate_ppl_after", "topk", "tail_samples",
+                                            "min_context", "fit_tokens", "test_tokens", "tail_steps",
+                                            "tail_ppl_before", "tail_ppl_after", "tail_diff_nats",
+                                            "tail_diff_stderr_nats", "diff_curve_nats", "diff_stderr_nats")}
+        | {"entrate_tail_ppl_before": tail_ppl(cal["curve_nats_before"]),
+           "entrate_tail_ppl_after": tail_ppl(cal["curve_nats"])},
+        "decoders": [{k: r[k] for k in ("method", "params", "entrate_ppl", "test_ce_nats", "zero_prob_fraction",
+                                        "test_ce_kept_nats", "test_ce_mixed_nats", "entropy_t1_nats",
+                                        "entropy_last_nats", "tail_diff_nats", "tail_diff_stderr_nats")}
+                     | {"entrate_tail_ppl": tail_ppl(r["curve_nats"])}
+                     for r in dec["rows"]],
+        "table1": [{"model": base["model"], "corpus": cfg.dataset, "test_ppl": er["test_ppl"],
+                    "entrate_ppl": er["entrate_ppl"], "horizon": er["horizon"], "unit": er.get("unit", "word")},
+                   *tr.pop("table1", [])],
+        "memory": [{k: m[k] for k in ("model", "tau", "ce_limited_nats", "mi_upper_bound_nats", "mi_stderr_nats",
+                                      "alpha", "alpha_stderr", "entropy_calibrated_nats", "limited",
+                                      "mi_upper_bound_crossfit_nats", "delta_ce_nats", "delta_ce_stderr_nats",
+                                      "two_parameter", "test_tokens", "cluster_size")} for m in mem],
+        **({"transformer": tr} if tr else {}),
+        "markov": {"order": mbase["markov_order"],
+                   "true_entropy_rate_nats": mbase["true_entropy_rate_nats"],
+                   "estimated_entropy_rate_nats": mmem[0]["ce_full_nats"],
+                   "estimated_entropy_rate_stderr_nats": mmem[0]["ce_full_stderr_nats"],
+                   "test_ce_nats": mbase["test_ce_nats"],
+                   "memory": [{k: m[k] for k in ("tau", "mi_upper_bound_nats", "mi_stderr_nats", "exact_mi_nats",
+                                                 "alpha", "limited", "mi_upper_bound_crossfit_nats", "delta_ce_nats",
+                                                 "two_parameter")} for m in mmem],
+                   "oracle": markov_oracle(cfg, mk)},
+        **{n: _unwrap(n, STAGES[n].summary(read_json(ptb / n / "evaluation.json")[n]))
+           for n in cfg.stages if n not in PAPER_STAGES},
+        "stages": {name: {"seconds": r["seconds"], "status": r["status"]} | stage_profile(Path(r["dir"]))
+                   | ({"matmul_gflop_per_s": r["matmul_gflop_per_s"]} if r.get("matmul_gflop_per_s") else {})
+                   for name, r in records.items()},
+    }
+
+
+def _unwrap(name: str, summary: dict):
+    """A stage's summary under its own name: the value itself where the summary is that one key (future_entropy's
+    rows), else the summary."""
+    return summary[name] if set(summary) == {name} else summary
+
+
+def transformer_results(cfg: DictConfig, root: Path) -> dict:
+    """The transformer part of a reproduction (profile key `transformer`): its training metrics, Table 1 row, the
+    summaries of its stages, and its memory rows ("model": "transformer"); {} when the profile has none."""
+    tr = cfg.get("transformer")
+    if not tr:
+        return {}
+    base = read_json(root / "base" / "metrics.json")
+    # training speed lives with the stage's wall time (results.json "stages"); the folder is relative to the run
+    out = {"base": {k: base.get(k) for k in ("model", "val_ppl", "test_ppl", "test_ce_nats", "epochs", "params")}
+           | {"hf_folder": str((root / "base" / "hf").relative_to(root.parent))}}
+    evals = {n: read_json(root / n / "evaluation.json")[n] for n in STAGES if n in tr.stages}
+    for n, r in evals.items():
+        out[n] = STAGES[n].summary(r)
+    if "entropy_rate" in evals:
+        er = evals["entropy_rate"]
+        out["entropy_rate"] |= {"horizon": er["horizon"], "num_generations": er["num_generations"],
+                                "curve_nats": er["curve_nats"], "stderr_nats": er["stderr_nats"],
+                                "test_ppl": er["test_ppl"]}
+        out["table1"] = [{"model": "Transformer (ours, PTB)", "corpus": cfg.dataset, "test_ppl": er["test_ppl"],
+                          "entrate_ppl": er["entrate_ppl"], "horizon": er["horizon"], "unit": er["unit"]}]
+    out["memory"] = [read_json(root / "memory" / f"window_tau_{t}" / "memory.json") | {"model": "transformer"}
+                     for t in tr.window_taus]
+    return out
+
+
+OPERATIONS = ("forward", "select", "lookahead", "sampling", "entropy", "scoring", "fit", "io")
+
+
+def stage_profile(folder: Path) -> dict:
+    """{"profile": seconds per operation, "forward_gflop"} of the analysis stage whose run folder is `folder` (from
+    its evaluation.json; lmcal.utils.profiling), a training stage's {"tokens_per_s", "train_seconds"}, or {}."""
+    from lmcal.utils.profiling import by_operation
+
+    try:
+        ev = read_json(folder / "evaluation.json")
+    except (OSError, ValueError):
+        try:  # a training stage: its measured training speed
+            m = read_json(folder / "metrics.json")
+        except (OSError, ValueError):
+            return {}
+        return {k: m[k] for k in ("tokens_per_s", "train_seconds") if m.get(k) is not None}
+    prof = next((v["profile"] for v in ev.values() if isinstance(v, dict) and "profile" in v), None)
+    if not prof:
+        return {}
+    ops = by_operation(prof["spans"])
+    shown = {k: ops.get(k, 0.0) for k in OPERATIONS}
+    shown["other"] = max(0.0, prof["seconds"] - sum(shown.values()))
+    gflop = sum(v["gflop"] for p, v in prof["spans"].items() if p.rsplit("/", 1)[-1] == "forward")
+    return {"profile": shown, "analysis_seconds": prof["seconds"], "forward_gflop": gflop}
+
+
+def markov_oracle(cfg: DictConfig, mk: Path) -> dict:
+    """The same estimators on the Markov source's exact oracles (same corpus and test text as the trained models)."""
+    from lmcal.core.memory import markov_oracle_memory
+    from lmcal.models.checkpoint import checkpoint_data, read_checkpoint
+
+    dm = checkpoint_data(read_checkpoint(mk / "base" / "checkpoints" / "best.ckpt"))
+    corpus = dm.prepare()
+    return markov_oracle_memory(corpus.info, dm.tokens("valid"), dm.tokens("test"), list(cfg.markov.taus))

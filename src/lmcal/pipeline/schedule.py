@@ -1,0 +1,183 @@
+"""Running a planned pipeline (lmcal.pipeline.plan.plan): each stage its own process with its log in
+<out>/logs/<stage>.log, up to `jobs` at once where they do not depend on each other, its completion recorded in
+<out>/stages/<stage>.json, and a progress line with elapsed times and ETAs from a reference run."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from lmcal.errors import LmcalError
+from lmcal.utils.io import read_json, write_json_atomic
+
+
+def clock(seconds: float) -> str:
+    """'1h02m', '4m05s', '12s'."""
+    s = int(round(seconds))
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
+
+
+def reference_seconds(profile: str) -> tuple[dict[str, float], str]:
+    """Each stage's wall time in the reproduction snapshotted into docs/runs/<profile>/ (a run that wrote it, on the
+    machine its provenance names), for the ETAs; ({}, '') without one."""
+    from lmcal.pipeline.docs import DOCS
+
+    path = DOCS / "runs" / profile / "results.json"
+    try:
+        r = json.loads(path.read_text())
+        return {n: float(v["seconds"]) for n, v in r["stages"].items()}, r.get("provenance", {}).get("machine", "")
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}, ""
+
+
+def progress_line(name: str, index: int, total: int, elapsed: float, ref: dict[str, float],
+                  remaining_after: float | None) -> str:
+    """'[3/22] tau_models: 4m10s, about 2m05s left; the pipeline about 40m left': the stage's elapsed time, and ETAs
+    from the reference run's times (a stage past its reference time shows only its elapsed time)."""
+    line = f"[{index}/{total}] {name}: {clock(elapsed)}"
+    if name in ref:
+        left = ref[name] - elapsed
+        line += f", about {clock(left)} left" if left > 0 else f" (the reference run took {clock(ref[name])})"
+        if remaining_after is not None:
+            line += f"; the pipeline about {clock(max(left, 0) + remaining_after)} left"
+    return line
+
+
+def stage_command(stage: dict) -> list[str]:
+    """The stage's command; for the tau-models, only those without results (a killed one resumes); [] for none."""
+    cmd = list(stage.get("cmd") or [])
+    if "taus" in stage:
+        todo = [str(t) for t, d in stage["taus"].items() if not (d / "metrics.json").is_file()]
+        cmd = cmd[:cmd.index("-m", 2) + 1] + [f"model.memory_tau={','.join(todo)}"] + cmd[cmd.index("-m", 2) + 1:]
+        if not todo:
+            cmd = []
+    return cmd
+
+
+def machine_gflops() -> float:
+    """The float32 matmul rate (GFLOP/s) of this machine now, over half a second: recorded with each stage, so
+    that a stage's seconds can be read against the speed the machine had (shared machines vary by a third)."""
+    from lmcal.utils.profiling import matmul_flops  # torch, only when a stage is about to run
+
+    return round(matmul_flops(seconds=0.5) / 1e9, 1)
+
+
+def launch(stage: dict, out: Path) -> dict:
+    """Starts a stage's process with its output appended to logs/<name>.log: {"proc" (None: nothing to run), "cmd",
+    "log", "log_path", "t0"}."""
+    log_path = out / "logs" / f"{stage['name']}.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    cmd, run = stage_command(stage), {"proc": None, "log": None, "log_path": log_path, "t0": time.perf_counter()}
+    run["cmd"] = cmd
+    if cmd:
+        run["log"] = open(log_path, "a")
+        run["log"].write(f"\n$ {shlex.join(cmd)}\n")
+        run["log"].flush()
+        run["proc"] = subprocess.Popen(cmd, stdout=run["log"], stderr=subprocess.STDOUT,
+                                       env={**os.environ, "HYDRA_FULL_ERROR": "1"})
+    return run
+
+
+def check_finished(stage: dict, run: dict, rc: int) -> None:
+    """One paragraph if the stage's process failed or left out a file that shows it finished."""
+    missing = [str(p) for p in stage["done"] if not p.is_file()]
+    if rc or missing:
+        failed = sorted(stage["dir"].rglob("failed.json")) if stage["dir"].is_dir() else []
+        why = f"exit status {rc}" if rc else f"it did not write {', '.join(missing)}"
+        if failed:
+            why += f"; see {', '.join(map(str, failed))}"
+        raise LmcalError(f"Stage '{stage['name']}' failed ({why}). Its log is {run['log_path']}. Rerun it alone "
+                         f"with:\n  {shlex.join(run['cmd'])}\nor rerun the pipeline, which skips the finished stages.")
+
+
+def stop(runs: dict) -> None:
+    """Ends the stages still running (a failure elsewhere, Ctrl-C): a rerun resumes them."""
+    for run in runs.values():
+        if run["proc"] is not None and run["proc"].poll() is None:
+            run["proc"].terminate()
+    for run in runs.values():
+        if run["proc"] is not None:
+            run["proc"].wait()
+        if run["log"] is not None:
+            run["log"].close()
+
+
+def schedule(stages: list[dict], cfg: DictConfig, out: Path, current: dict, jobs: int, ref: dict[str, float]) -> None:
+    """Runs the stages in plan order, up to `jobs` at once: a stage starts once every stage it depends on has
+    finished (the report, in this process, once all have). A stage recorded as done is skipped unless a stage it
+    depends on ran again. Every stage process gets the same environment (threads included) whatever `jobs` is, so
+    its results do not depend on what runs beside it. On a failure the others are stopped; a rerun resumes."""
+    total, index = len(stages), {st["name"]: i for i, st in enumerate(stages, 1)}
+    todo, running, finished, ran = list(stages), {}, set(), set()
+    tty, shown = sys.stdout.isatty(), time.perf_counter()
+    try:
+        while todo or running:
+            for stage in list(todo):  # start what can start, in plan order
+                name = stage["name"]
+                if len(running) >= jobs or ("fn" in stage and running):
+                    break
+                if any(d not in finished for d in stage["deps"]):
+                    continue
+                todo.remove(stage)
+                record = out / "stages" / f"{name}.json"
+                rec = {"dir": str(stage["dir"]), "cmd": stage.get("cmd"), "settings": current[name]}
+                if (record.is_file() and read_json(record).get("status") == "done" and not ran & set(stage["deps"])
+                        and all(p.is_file() for p in stage["done"])):
+                    print(f"[{index[name]}/{total}] {name}: done before, skipped", flush=True)
+                    if read_json(record).get("settings") != rec["settings"]:  # the tau-models of a longer taus list
+                        write_json_atomic(record, {**read_json(record), **rec})
+                    finished.add(name)
+                    continue
+                if "fn" not in stage and not running:  # the machine's speed as this stage starts (not when another
+                    rec["matmul_gflop_per_s"] = machine_gflops()  # stage would share the cores with the probe)
+                write_json_atomic(record, {"status": "started", **rec})
+                ran.add(name)  # what uses its results runs again too
+                print(f"[{index[name]}/{total}] {name}: running (log: {out / 'logs' / (name + '.log')})", flush=True)
+                if "fn" in stage:
+                    t0 = time.perf_counter()
+                    stage["fn"](cfg, out)
+                    run = {"t0": t0, "proc": None, "log": None, "rec": rec}
+                else:
+                    run = launch(stage, out) | {"rec": rec}
+                running[name] = run
+            if todo and not running:  # nothing runs and nothing could start: a plan whose deps are not in it
+                raise LmcalError(f"Stages {', '.join(st['name'] for st in todo)} wait on stages that are not in the "
+                                 "plan; this is a bug in lmcal.pipeline.plan.plan.")
+            time.sleep(0.5 if any(r["proc"] is not None and r["proc"].poll() is None for r in running.values())
+                       else 0)
+            for name, run in list(running.items()):
+                rc = run["proc"].poll() if run["proc"] is not None else 0
+                if rc is None:
+                    continue
+                del running[name]
+                if run["log"] is not None:
+                    run["log"].close()
+                stage = stages[index[name] - 1]
+                if "fn" not in stage:
+                    check_finished(stage, run, rc)
+                seconds = time.perf_counter() - run["t0"]
+                write_json_atomic(out / "stages" / f"{name}.json", {"status": "done", "seconds": seconds,
+                                                                    **run["rec"]})
+                finished.add(name)
+                if tty:
+                    print("\r\033[K", end="")
+                print(f"[{index[name]}/{total}] {name}: done in {seconds:.0f} s", flush=True)
+            now = time.perf_counter()
+            if running and (tty or now - shown >= 60):
+                later = [st["name"] for st in todo]
+                after = sum(ref[n] for n in later) if all(n in ref for n in later) else None
+                lines = [progress_line(n, index[n], total, now - r["t0"], ref, after if len(running) == 1 else None)
+                         for n, r in running.items()]
+                print(f"\r{'; '.join(lines)}\033[K" if tty else "\n".join(lines), end="" if tty else "\n",
+                      flush=True)
+                shown = now
+    except BaseException:  # a failed stage, Ctrl-C or a kill: the others go down with the pipeline
+        stop(running)
+        raise

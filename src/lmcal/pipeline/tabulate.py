@@ -1,0 +1,145 @@
+"""Tables over any set of run folders: the paper's Section 5 table and Figure 4 from every memory.json, one decoders
+table from every decoders.json (the logic of `python -m lmcal.report`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+from lmcal import paper
+from lmcal.errors import LmcalError
+from lmcal.stages.plots import decoders_tradeoff_figure, memory_figure
+from lmcal.stages.tables import decoders_table, memory_table
+from lmcal.utils.io import write_json_atomic, write_text_atomic
+
+log = logging.getLogger("lmcal")
+
+
+def collect_memory(dirs: list[str | Path]) -> dict[str, list[dict]]:
+    """corpus -> memory.json results sorted by tau, then P~ (trained before window); of two results for one (corpus,
+    tau, P~) the newest file wins."""
+    found: dict[tuple[str, int, str], tuple[float, dict]] = {}
+    for d in dirs:
+        d = Path(d)
+        if not d.is_dir():
+            raise LmcalError(f"{d} is not a folder; pass the sweep (or run) folders that hold memory.json files.")
+        for path in sorted(d.rglob("memory.json")):
+            try:
+                r = json.loads(path.read_text())
+                key = (r["corpus"], int(r["tau"]), r.get("limited", "trained"))
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise LmcalError(f"{path} is not a memory-stage result ({e}); delete it or rerun that stage.") from None
+            r["path"] = str(path)
+            mtime = path.stat().st_mtime
+            if key in found:
+                log.warning(f"two results for {key[0]} tau={key[1]} ({key[2]} P~): keeping the newer of "
+                            f"{found[key][1]['path']} and {path}")
+            if key not in found or mtime >= found[key][0]:
+                found[key] = (mtime, r)
+    by_corpus: dict[str, list[dict]] = {}
+    for (corpus, *_), (_, r) in sorted(found.items()):
+        by_corpus.setdefault(corpus, []).append(r)
+    return by_corpus
+
+
+def collect_decoders(dirs: list[str | Path]) -> dict[str, list[dict]]:
+    """corpus -> decoder rows of every decoders.json under `dirs`, one row per (method, settings): the plain model and
+    the fitted rows appear in many runs of a sweep, and are kept once (the newest)."""
+    found: dict[tuple, tuple[float, dict]] = {}
+    for d in dirs:
+        for path in sorted(Path(d).rglob("decoders.json")):
+            try:
+                res = json.loads(path.read_text())
+                rows, corpus = res["rows"], res["corpus"]
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise LmcalError(f"{path} is not a decoders-stage result ({e}); delete it or rerun that "
+                                 "stage.") from None
+            mtime = path.stat().st_mtime
+            for r in rows:
+                params = {k: v for k, v in r["params"].items() if "stderr" not in k}
+                fitted = r["method"] in ("fitted_temperature", "calibration")  # one per model, whatever its value
+                key = (corpus, res.get("model"), r["method"], json.dumps({} if fitted else params, sort_keys=True))
+                if key not in found or mtime >= found[key][0]:
+                    found[key] = (mtime, {**r, "path": str(path)})
+    by_corpus: dict[str, list[dict]] = {}
+    for (corpus, *_), (_, r) in sorted(found.items(), key=lambda kv: tuple(map(str, kv[0]))):
+        by_corpus.setdefault(corpus, []).append(r)
+    return by_corpus
+
+
+def decoders_report(dirs: list[str | Path], out: str | Path) -> dict:
+    """Writes decoders_<corpus>.md and .png for the decoder rows under `dirs` (see collect_decoders)."""
+
+    out = Path(out)
+    report = {}
+    for corpus, rows in collect_decoders(dirs).items():
+        out.mkdir(parents=True, exist_ok=True)
+        table = decoders_table(rows)
+        png = decoders_tradeoff_figure(rows, out / f"decoders_{corpus}.png",
+                                       title=f"Decoders on {corpus}: flatness against held-out cost")
+        write_text_atomic(out / f"decoders_{corpus}.md", f"# Decoders on {corpus}\n\n{table}\n"
+                                                         f"![entropy at the horizon against test CE]"
+                                                         f"(decoders_{corpus}.png)\n")
+        report[corpus] = {"rows": [{k: r[k] for k in ("method", "params", "entrate_ppl", "test_ce_nats",
+                                                      "zero_prob_fraction", "test_ce_mixed_nats", "path")}
+                                   for r in rows], "table_md": str(out / f"decoders_{corpus}.md"), "figure": str(png)}
+        print(f"{corpus} decoders:\n{table}")
+    return report
+
+
+def memory_report(dirs: list[str | Path], out: str | Path | None = None, wandb_mode: str = "offline",
+                  project: str = "lmcal", group: str | None = None) -> dict:
+    """Collects the tau results under `dirs` and writes the tables, figures and `memory_report.json` into `out`."""
+    by_corpus = collect_memory(dirs)
+    if not by_corpus:
+        raise LmcalError(f"No memory.json under {', '.join(map(str, dirs))}: run the tau models with "
+                         "analysis.stages=[memory] memory.base_ckpt=PATH, or `python -m lmcal.evaluate "
+                         "stages=[memory]` on their checkpoints, first.")
+    out = Path(out or dirs[0])
+    out.mkdir(parents=True, exist_ok=True)
+    report = {}
+    for corpus, rows in by_corpus.items():
+        table = memory_table(rows)
+        series = {}
+        for lim in dict.fromkeys(r.get("limited", "trained") for r in rows):  # trained first
+            mine = [r for r in rows if r.get("limited", "trained") == lim]
+            series[f"ours ({lim} P̃)"] = ([r["tau"] for r in mine], [r["mi_upper_bound_nats"] for r in mine],
+                                         [r["mi_stderr_nats"] for r in mine])
+        if corpus == "ptb":
+            taus = sorted(paper.MEMORY_PTB)
+            series["paper (AWD-LSTM, 500 epochs)"] = (taus, [paper.MEMORY_PTB[t][1] for t in taus], None)
+        png = memory_figure(series, out / f"memory_{corpus}.png",
+                            title=f"{rows[0]['model'].split(', tau=')[0]} on {corpus}: information from beyond "
+                                  "tau tokens back")
+        write_text_atomic(out / f"memory_{corpus}.md", f"# Memory bound on {corpus}\n\n{table}\n"
+                                                       f"![I_tau bound against tau](memory_{corpus}.png)\n")
+        report[corpus] = {"rows": [{k: r[k] for k in ("tau", "ce_limited_nats", "mi_upper_bound_nats",
+                                                      "mi_stderr_nats", "alpha", "alpha_stderr",
+                                                      "entropy_calibrated_nats", "path")}
+                                   | {k: r.get(k, "trained" if k == "limited" else None) for k in (
+                                       "limited", "mi_upper_bound_crossfit_nats", "delta_ce_nats",
+                                       "two_parameter")} for r in rows],
+                          "table_md": str(out / f"memory_{corpus}.md"), "figure": str(png)}
+        print(f"{corpus}:\n{table}")
+    write_json_atomic(out / "memory_report.json", report)
+    if wandb_mode != "disabled":
+        _log_wandb(report, out, wandb_mode, project, group)
+    return report
+
+
+def _log_wandb(report: dict, out: Path, mode: str, project: str, group: str | None) -> None:
+    import wandb
+
+    run = wandb.init(project=project, group=group, job_type="report", name="memory_report", mode=mode, dir=str(out),
+                     reinit="finish_previous")
+    try:
+        for corpus, r in report.items():
+            cols = ["tau", "limited", "ce_limited_nats", "delta_ce_nats", "mi_upper_bound_nats", "mi_stderr_nats",
+                    "mi_upper_bound_crossfit_nats", "alpha"]
+            data = [[x[c] for c in cols] for x in r["rows"]]
+            run.log({f"memory/{corpus}/table": wandb.Table(columns=cols, data=data),
+                     f"memory/{corpus}/figure": wandb.Image(r["figure"])})
+    finally:
+        run.finish()

@@ -1,0 +1,120 @@
+"""The calibration stage: lookahead calibration (Algorithm 2, Figure 3): alpha*, test CE before and after, and both
+generation curves from the same prefixes and seeds, compared generation by generation over the last tenth.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from lmcal.core.calibration import calibrated, fit_lookahead_calibration
+from lmcal.core.decoders import heldout_cost
+from lmcal.core.entropy_rate import (
+    generation_entropy_curve,
+    paired_difference_curve,
+    paired_tail_difference,
+    tail_steps,
+)
+from lmcal.core.sampling import random_prefixes
+from lmcal.data.batching import batchify
+from lmcal.stages.plots import entropy_curve_figure
+from lmcal.stages.stage import Stage, pick, stage_context
+from lmcal.stages.wandb_run import wandb_log
+from lmcal.utils.io import write_json_atomic
+from lmcal.utils.numbers import exp_or_inf
+
+log = logging.getLogger("lmcal")
+
+
+def calibration_stage(lm, valid_tokens: torch.Tensor, test_tokens: torch.Tensor, out_dir: str | Path, *,
+                      fit_tokens: int = 20_000, fit_streams: int = 20, score_tokens: int | None = None,
+                      score_streams: int = 10, topk: int | None = 64, tail_samples: int = 16, min_context: int = 100,
+                      uniform_weight: float = 0.0, num_prefixes: int = 100, samples_per_prefix: int = 5,
+                      prefix_len: int = 100, horizon: int = 700, seed: int = 0, max_batch: int = 1024,
+                      model_name: str = "model", corpus: str = "ptb", logger=None, name: str = "calibration",
+                      unit: str = "word") -> dict:
+    """Lookahead calibration (Algorithm 2, Figure 3): fit alpha* on the first `fit_tokens` validation tokens
+    (as `fit_streams` parallel streams, each reading `min_context` tokens before its positions count; top-k lookahead
+    with `tail_samples` draws for the rest, seeded by `seed`), score test CE before and after on the first
+    `score_tokens` test tokens (all when null), and the generation entropy curves of both models from the same
+    prefixes and seeds, compared generation by generation over the last tenth of the horizon.
+
+    "Before" is the eps-mixture (1 - w) P + w uniform, w = uniform_weight, for the cross-entropy and the curve alike
+    (with w = 0, the model itself)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    fit = fit_lookahead_calibration(lm, batchify(valid_tokens[:fit_tokens], fit_streams), topk=topk,
+                                    epsilon=uniform_weight, tail_samples=tail_samples, min_context=min_context,
+                                    seed=seed, progress=True)
+    t_fit = time.perf_counter() - t0
+    plain = calibrated(lm, 0.0, epsilon=uniform_weight)  # the eps-mixed base model, bit for bit lm itself at w = 0
+    cal = calibrated(lm, fit.alpha, topk=topk, epsilon=uniform_weight, tail_samples=tail_samples, seed=seed)
+    test = batchify(test_tokens[:score_tokens] if score_tokens else test_tokens, score_streams)
+    cost_before = heldout_cost(plain, test)
+    cost_after = heldout_cost(cal, test)
+    ce_before, ce_after, n_scored = cost_before["test_ce_nats"], cost_after["test_ce_nats"], cost_after["test_tokens"]
+    prefixes = random_prefixes(valid_tokens, num_prefixes, prefix_len, seed=seed)
+    curves = {}
+    for label, model in (("before", plain), ("after", cal)):  # the same prefixes and uniforms: paired generations
+        curves[label] = generation_entropy_curve(model, prefixes, horizon, samples_per_prefix, seed=seed,
+                                                 max_batch=max_batch, progress=True)
+    tail_diff, tail_se = paired_tail_difference(curves["after"], curves["before"])
+    diff_curve, diff_se = paired_difference_curve(curves["after"], curves["before"])
+    result = {
+        "model": model_name, "corpus": corpus, "alpha": fit.alpha, "alpha_stderr": fit.alpha_stderr,
+        "fit_ce_before_nats": fit.ce_before, "fit_ce_after_nats": fit.ce_after, "fit_tokens": fit.n_tokens,
+        "fit_streams": fit_streams, "min_context": min_context, "cluster_size": fit.cluster_size,
+        "test_ce_before_nats": ce_before, "test_ce_after_nats": ce_after,
+        "test_ppl_before": exp_or_inf(ce_before), "test_ppl_after": exp_or_inf(ce_after), "test_tokens": n_scored,
+        "test_ce_mixed_nats_before": cost_before["test_ce_mixed_nats"],
+        "test_ce_mixed_nats_after": cost_after["test_ce_mixed_nats"], "mix_epsilon": cost_after["mix_epsilon"],
+        "score_streams": score_streams,
+        "curve_nats_before": curves["before"].mean.tolist(), "stderr_nats_before": curves["before"].stderr.tolist(),
+        "curve_nats": curves["after"].mean.tolist(), "stderr_nats": curves["after"].stderr.tolist(),
+        "entrate_ppl_before": exp_or_inf(curves["before"].mean[-1]),
+        "entrate_ppl_after": exp_or_inf(curves["after"].mean[-1]),
+        "tail_steps": tail_steps(horizon),
+        "tail_ppl_before": exp_or_inf(curves["before"].tail_mean),
+        "tail_ppl_after": exp_or_inf(curves["after"].tail_mean),
+        "tail_diff_nats": tail_diff, "tail_diff_stderr_nats": tail_se,
+        "diff_curve_nats": diff_curve.tolist(), "diff_stderr_nats": diff_se.tolist(),
+        "tail_nats_per_generation_before": curves["before"].tail.tolist(),
+        "tail_nats_per_generation": curves["after"].tail.tolist(),
+        "topk": topk, "tail_samples": tail_samples if topk is not None else None, "epsilon": uniform_weight,
+        "uniform_weight": uniform_weight, "horizon": horizon, "num_prefixes": prefixes.size(0),
+        "samples_per_prefix": samples_per_prefix, "prefix_len": prefix_len, "seed": seed,
+        "fit_seconds": t_fit, "seconds": time.perf_counter() - t0, "unit": unit,
+    }
+    png = entropy_curve_figure({f"{model_name}": (curves["before"].mean, curves["before"].stderr),
+                                f"calibrated, alpha={fit.alpha:.3g}": (curves["after"].mean, curves["after"].stderr)},
+                               out / f"{name}.png", reference_nats={"test cross-entropy": ce_before},
+                               title=f"{model_name} on {corpus}: EntRate {result['entrate_ppl_before']:.1f} -> "
+                                     f"{result['entrate_ppl_after']:.1f}, test ppl {result['test_ppl_before']:.1f} -> "
+                                     f"{result['test_ppl_after']:.1f}",
+                               difference={"label": "calibrated minus plain, paired", "mean": diff_curve,
+                                           "stderr": diff_se, "tail": tail_diff, "tail_stderr": tail_se,
+                                           "tail_steps": tail_steps(horizon)})
+    write_json_atomic(out / f"{name}.json", result)
+    wandb_log(logger, scalars={f"{name}/{k}": result[k] for k in ("alpha", "test_ppl_before", "test_ppl_after",
+                                                                   "entrate_ppl_before", "entrate_ppl_after",
+                                                                   "tail_ppl_before", "tail_ppl_after",
+                                                                   "tail_diff_nats", "tail_diff_stderr_nats")},
+              images={f"{name}/figure": png})
+    log.info(f"{name}: alpha* {fit.alpha:.4f} +- {fit.alpha_stderr:.4f}; test ppl {result['test_ppl_before']:.2f} -> "
+             f"{result['test_ppl_after']:.2f}; EntRate {result['entrate_ppl_before']:.1f} -> "
+             f"{result['entrate_ppl_after']:.1f}; last tenth {result['tail_ppl_before']:.1f} -> "
+             f"{result['tail_ppl_after']:.1f} (paired difference {tail_diff:+.4f} +- {tail_se:.4f} nats; "
+             f"{result['seconds']:.0f} s)")
+    return result
+
+
+STAGE = Stage("calibration", calibration_stage,
+              lambda t, out, logger, earlier, **s: calibration_stage(t["lm"], t["valid"], t["test"], out,
+                                                                     unit=t["unit"], **stage_context(t, logger), **s),
+              frozenset({"full", "hf"}),
+              pick("alpha", "test_ppl_before", "test_ppl_after", "entrate_ppl_before", "entrate_ppl_after",
+                   "tail_ppl_before", "tail_ppl_after", "tail_diff_nats", "tail_diff_stderr_nats"))

@@ -1,0 +1,154 @@
+"""The memory stage: the upper bound on I_tau for one tau (Section 5), P~ a trained tau-model or the model itself on
+tau-token windows.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from lmcal import paper
+from lmcal.core.context import context_rows, full_context_span, zip_rows
+from lmcal.core.memory import memory_summary
+from lmcal.errors import LmcalError
+from lmcal.models.awd_lstm import AWDLSTM
+from lmcal.models.step_lm import as_step_lm
+from lmcal.stages.stage import Stage, pick, stage_context
+from lmcal.stages.wandb_run import wandb_log
+from lmcal.utils.io import write_json_atomic
+from lmcal.utils.profiling import add_flops, flops_per_token, span
+
+log = logging.getLogger("lmcal")
+
+
+def _row_flops(lm, tau: int | None) -> float:
+    """FLOPs of one row of context_rows: an AWD-LSTM, or a model read by whole windows, runs its body on every token
+    of the window and its output layer once; another StepLM computes its whole step for every token fed."""
+    head = getattr(lm, "head", None)
+    if head is not None and (isinstance(getattr(lm, "net", None), AWDLSTM) or hasattr(lm, "window_log_probs")):
+        dec = 2.0 * head[0].numel()
+        return (flops_per_token(lm) - dec) * (tau or 1) + dec
+    return flops_per_token(lm) * (tau or 1)
+
+
+def _memory_rows(full, limited, tau: int, tokens: torch.Tensor, windows_per_batch: int, store_dtype: torch.dtype,
+                 desc: str) -> list:
+    """(log P^ [n, V], log P~_tau [n, V], targets [n]) chunks along `tokens`, kept on the CPU in store_dtype (the fit
+    rereads them): P^ the model `full` with the whole past, P~ the model `limited` fed only the last tau tokens (each
+    a StepLM or an AWDLSTM; see lmcal.core.context.context_rows), with a progress bar."""
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=max(0, tokens.numel() - 1), desc=desc, unit="tok", leave=False)
+    kept = []
+    rows = zip_rows(context_rows(full, tokens, None, windows_per_batch),
+                    context_rows(limited, tokens, tau, windows_per_batch))
+    per_row = _row_flops(full, None) + _row_flops(limited, tau)
+    while True:
+        with span("forward"):  # both models' rows for one chunk
+            f, q, y = next(rows, (None, None, None))
+            if y is None:
+                break
+            add_flops(per_row * y.numel())
+        kept.append((f.to("cpu", store_dtype), q.to("cpu", store_dtype), y.cpu()))
+        bar.update(y.numel())
+    bar.close()
+    return kept
+
+
+def memory_stage(full_net, limited_net, valid_tokens: torch.Tensor, test_tokens: torch.Tensor, out_dir: str | Path,
+                 *, limited: str = "trained", tau: int | None = None, score_tokens: int | None = None,
+                 cluster_size: int = 2000, windows_per_batch: int = 512, store_dtype: str = "float32",
+                 jackknife: str = "onestep", model_name: str = "model", corpus: str = "ptb",
+                 base_ckpt: str | None = None, ckpt: str | None = None, exact_mi_nats: float | None = None,
+                 logger=None, name: str = "memory") -> dict:
+    """The memory bound for one tau (Section 5) on the first `score_tokens` test tokens (all when null), read as one
+    stream: P^ (`full_net`) with its whole past, P~_tau with exactly the last tau tokens. limited="trained": P~ is
+    the trained tau-model `limited_net`; "window": the base model itself fed tau-token windows (no tau-model needed;
+    tau from the setting, else `limited_net`'s). Both nets may be AWDLSTMs or any StepLM.
+
+    alpha* is fitted on the very rows the bound is reported on (so the bound is >= 0), with standard errors from a
+    delete-one-block jackknife over blocks of `cluster_size` positions that refits alpha per block (`jackknife`:
+    "onestep" or "exact"); also the bound cross-fitted over two halves of the blocks, ΔCE = CE(P~) - CE(P^), and the
+    two-parameter calibration P^^beta P~^alpha. The rows are kept: 2 x N x V floats of `store_dtype`.
+    `exact_mi_nats` (the source's true I_tau, on the Markov corpus) is stored beside. Writes `<name>.json`.
+    valid_tokens is not read (kept so that every stage takes the same texts)."""
+    if limited not in ("trained", "window"):
+        raise LmcalError(f"analysis.memory.limited={limited!r}: choose trained (the tau-model checkpoint as the "
+                         "limited model) or window (the base model itself on tau-token windows).")
+    own_tau = getattr(limited_net, "memory_tau", None)
+    if limited == "trained":
+        if not own_tau:
+            raise LmcalError("The memory stage needs a tau-limited model (one trained with model.memory_tau=TAU); "
+                             "this checkpoint is an ordinary full-context model. To run the model itself on "
+                             "tau-token windows instead, set analysis.memory.limited=window analysis.memory.tau=TAU.")
+        if tau and int(tau) != own_tau:
+            raise LmcalError(f"analysis.memory.tau={tau} but the tau-model was trained with memory_tau={own_tau}; "
+                             "leave analysis.memory.tau unset with limited=trained (it is only for limited=window).")
+        tau, lim = own_tau, limited_net
+    else:
+        tau, lim = tau or own_tau, full_net
+        if not tau:
+            raise LmcalError("analysis.memory.limited=window needs the window length: set analysis.memory.tau=TAU "
+                             "(a positive integer).")
+    tau = int(tau)
+    if lim.vocab_size != full_net.vocab_size:
+        raise LmcalError(f"The base model's vocabulary ({full_net.vocab_size} words) differs from the "
+                         f"tau-model's ({lim.vocab_size}): they were trained on different corpora.")
+    test = test_tokens[:score_tokens] if score_tokens else test_tokens
+    full_net, lim = as_step_lm(full_net), as_step_lm(lim)
+    if getattr(lim, "max_positions", None) and tau >= lim.max_positions:
+        raise LmcalError(f"analysis.memory.tau={tau}: the model reads at most {lim.max_positions} tokens; a window "
+                         f"must be shorter.")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    rows = _memory_rows(full_net, lim, tau, test, windows_per_batch, getattr(torch, store_dtype),
+                        f"memory tau={tau} ({limited})")
+    t_rows = time.perf_counter() - t0
+    bound = memory_summary(rows, cluster_size=cluster_size, jackknife=jackknife)
+    del rows
+    ref = paper.MEMORY_PTB.get(tau) if corpus == "ptb" else None
+    result = {
+        "tau": tau, "limited": limited, "model": model_name, "corpus": corpus, **bound,
+        "full_context": full_context_span(full_net, test.numel()),
+        "exact_mi_nats": exact_mi_nats,
+        "paper": dict(zip(("ce_limited_nats", "mi_upper_bound_nats", "alpha"), ref, strict=True)) if ref else None,
+        "base_ckpt": base_ckpt, "ckpt": ckpt, "rows_seconds": t_rows, "seconds": time.perf_counter() - t0,
+    }
+    write_json_atomic(out / f"{name}.json", result)
+    wandb_log(logger, scalars={f"{name}/{k}": result[k] for k in (
+        "tau", "alpha", "ce_limited_nats", "mi_upper_bound_nats", "mi_upper_bound_crossfit_nats", "delta_ce_nats",
+        "entropy_calibrated_nats")})
+    two = result["two_parameter"]
+    log.info(f"{name} tau={tau} ({limited}): alpha* {result['alpha']:.5f} +- {result['alpha_stderr']:.5f}; "
+             f"CE(P||P~) {result['ce_limited_nats']:.4f}, ΔCE {result['delta_ce_nats']:.4f}; I_tau <= "
+             f"{result['mi_upper_bound_nats']:.4f} +- {result['mi_stderr_nats']:.4f} nats (cross-fit "
+             f"{result['mi_upper_bound_crossfit_nats']:.4f}; with the temperature, beta* {two['beta']:.4f}: "
+             f"{two['mi_upper_bound_nats']:.4f} +- {two['mi_stderr_nats']:.4f}) ({result['seconds']:.0f} s)")
+    return result
+
+
+def _call(t, out, logger, earlier, **s):
+    # a tau-model is compared with its base; a full-context or Hugging Face model (limited=window) is its own base
+    base = t["base"] if "base" in t else t.get("net", t["lm"])
+    return memory_stage(base, t["net"] if t["kind"] == "tau" else None, t["valid"], t["test"], out,
+                        base_ckpt=t.get("base_ckpt"), ckpt=t.get("ckpt"), exact_mi_nats=t.get("exact_mi"),
+                        **stage_context(t, logger), **s)
+
+
+def _kinds(settings: dict) -> frozenset[str]:
+    """limited=window runs the model itself on tau-token windows, so any model will do; trained needs a tau-model."""
+    limited = settings.get("limited", "trained")
+    if limited not in ("trained", "window"):
+        raise LmcalError(f"analysis.memory.limited={limited!r}: choose trained (a tau-model checkpoint against its "
+                         "base) or window (the model itself on tau-token windows).")
+    return frozenset({"tau", "full", "hf"}) if limited == "window" else frozenset({"tau"})
+
+
+STAGE = Stage("memory", memory_stage, _call, frozenset({"tau"}),
+              pick("alpha", "mi_upper_bound_nats", "mi_stderr_nats", "mi_upper_bound_crossfit_nats", "delta_ce_nats"),
+              kinds_with=_kinds, kinds_note="or, with analysis.memory.limited=window analysis.memory.tau=TAU, on any "
+                                            "model, fed tau-token windows")

@@ -1,0 +1,147 @@
+"""Figures (matplotlib, Agg backend): entropy of generated words against t (the paper's Figures 2 and 3) and the
+memory bound against tau (Figure 4)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.ticker  # noqa: E402
+import numpy as np  # noqa: E402
+
+from lmcal.utils.io import atomic_path
+from lmcal.utils.numbers import format_params  # noqa: E402
+from lmcal.utils.profiling import timed  # noqa: E402
+
+
+@timed("io")
+def entropy_curve_figure(curves: dict[str, tuple[np.ndarray, np.ndarray]], path: str | Path,
+                         reference_nats: dict[str, float] | None = None, title: str = "",
+                         legend_outside: bool = False, difference: dict | None = None,
+                         tail_differences: dict[str, tuple[float, float]] | None = None) -> Path:
+    """One line per curve (label -> (mean, stderr), nats, t = 1..horizon) with a ±1.96 se band,
+    and dotted horizontal reference lines (e.g. the model's test cross-entropy). Written atomically.
+    legend_outside: the legend to the right of the axes (for many curves).
+
+    A second panel shows paired differences from the plain model (same prefixes and seeds), when given:
+    difference: {"label", "mean" [horizon], "stderr" [horizon], "tail", "tail_stderr", "tail_steps"}, the difference
+    at every t with its band and its mean over the last tail_steps words; tail_differences: label -> (the mean
+    difference over the last tenth of the horizon, its se), one error bar per label."""
+    path = Path(path)
+    second = difference is not None or bool(tail_differences)
+    width = 9.6 if legend_outside else 6.4
+    fig, axes = plt.subplots(2 if second else 1, 1, figsize=(width, 7.0 if second else 4.0), dpi=120, squeeze=False,
+                             height_ratios=[1.4, 1] if second else None)
+    ax = axes[0, 0]
+    for label, (mean, se) in curves.items():
+        t = np.arange(1, len(mean) + 1)
+        (line,) = ax.plot(t, mean, label=label, lw=1.4)
+        ax.fill_between(t, mean - 1.96 * se, mean + 1.96 * se, color=line.get_color(), alpha=0.2, lw=0)
+    for label, value in (reference_nats or {}).items():
+        ax.axhline(value, ls=":", color="k", lw=1.2, label=label)
+    ax.set_xlabel("t (generated words)")
+    ax.set_ylabel("entropy of the t-th word's distribution (nats)")
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    if legend_outside:
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+    else:
+        ax.legend(fontsize=8)
+    if difference is not None:
+        _difference_axes(axes[1, 0], **difference)
+    elif tail_differences:
+        _tail_difference_axes(axes[1, 0], tail_differences)
+    return _save(fig, path)
+
+
+def _difference_axes(ax, label: str, mean: np.ndarray, stderr: np.ndarray, tail: float, tail_stderr: float,
+                     tail_steps: int) -> None:
+    """The paired difference at every t (±1.96 se band) and its mean over the last tail_steps words."""
+    mean, stderr = np.asarray(mean, dtype=float), np.asarray(stderr, dtype=float)
+    t = np.arange(1, len(mean) + 1)
+    (line,) = ax.plot(t, mean, lw=1.2, label=label)
+    ax.fill_between(t, mean - 1.96 * stderr, mean + 1.96 * stderr, color=line.get_color(), alpha=0.2, lw=0)
+    lo = len(mean) - tail_steps + 0.5
+    ax.hlines(tail, lo, len(mean) + 0.5, color="k", lw=2,
+              label=f"last {tail_steps} words: {tail:+.3f} ± {tail_stderr:.3f} nats")
+    ax.fill_between([lo, len(mean) + 0.5], tail - 1.96 * tail_stderr, tail + 1.96 * tail_stderr, color="k",
+                    alpha=0.15, lw=0)
+    ax.axhline(0.0, color="k", lw=0.8)
+    ax.set_xlabel("t (generated words)")
+    ax.set_ylabel("paired difference (nats, ±1.96 se)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+
+
+def _tail_difference_axes(ax, diffs: dict[str, tuple[float, float]]) -> None:
+    """One horizontal error bar (±1.96 se) per label: the paired difference of the last tenth's mean entropy."""
+    labels = list(diffs)
+    y = np.arange(len(labels))[::-1]
+    x = np.array([diffs[k][0] for k in labels], dtype=float)
+    se = np.array([diffs[k][1] for k in labels], dtype=float)
+    ax.errorbar(x, y, xerr=1.96 * se, fmt="o", capsize=3, ms=4, lw=1)
+    ax.axvline(0.0, color="k", lw=0.8)
+    ax.set_yticks(y, labels, fontsize=7)
+    ax.set_xlabel("mean entropy over the last tenth of the horizon minus the plain model's, paired (nats, ±1.96 se)")
+    ax.grid(alpha=0.3, axis="x")
+
+
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    try:
+        with atomic_path(path) as tmp:
+            fig.savefig(tmp, format=path.suffix.lstrip(".") or "png")
+    finally:
+        plt.close(fig)
+    return path
+
+
+def memory_figure(series: dict[str, tuple[list, list, list | None]], path: str | Path, title: str = "",
+                  ylabel: str = "upper bound on I_tau (nats)") -> Path:
+    """Figure 4: one line per series (label -> (tau, value, stderr or None)), with ±1.96 se error bars.
+    Written atomically."""
+    path = Path(path)
+    fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=120)
+    for label, (tau, value, se) in series.items():
+        style = {"ls": "--", "marker": "s"} if label.startswith("paper") else {"marker": "o"}
+        yerr = None if se is None else 1.96 * np.asarray(se, dtype=float)
+        ax.errorbar(tau, value, yerr=yerr, label=label, capsize=3, lw=1.4, **style)
+    ax.axhline(0.0, color="k", lw=0.8)
+    ax.set_xlabel("tau (tokens of context the limited model sees)")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def decoders_tradeoff_figure(rows: list[dict], path: str | Path, title: str = "") -> Path:
+    """Each decoder setting as a point: entropy of the last generated word (nats, ±1.96 se) against its held-out
+    cross-entropy after mixing in a little uniform mass (finite for truncating rules too). The plain model's entropy
+    is a dotted line; the fitted rows (temperature, calibration) are squares. Written atomically."""
+    path = Path(path)
+    fig, ax = plt.subplots(figsize=(7.2, 4.4), dpi=120)
+    for r in rows:
+        fitted = r["method"] in ("fitted_temperature", "calibration")
+        x, y, se = r["test_ce_mixed_nats"], r["entropy_last_nats"], r["stderr_nats"][-1]
+        if x is None:
+            continue
+        params = format_params(r["params"], digits=3, drop=("stderr", "topk"), empty="")
+        ax.errorbar([x], [y], yerr=[1.96 * se], marker="s" if fitted else "o", capsize=2, ms=5, lw=1)
+        ax.annotate(f"{r['method']} {params}".strip(), (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
+        if r["method"] == "model":
+            ax.axhline(y, ls=":", color="k", lw=1, label="the model's own entropy at the horizon")
+    ax.set_xscale("log")
+    ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.ScalarFormatter())
+    ax.tick_params(axis="x", which="minor", labelsize=7)
+    ax.set_xlabel("test cross-entropy, ε-mixed (nats, log scale)")
+    ax.set_ylabel("entropy of the last generated word (nats)")
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7)
+    return _save(fig, path)

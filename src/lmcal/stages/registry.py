@@ -1,0 +1,118 @@
+"""The analysis stages, each declared once in `STAGES`: its plain function, the kinds of model it applies to, its
+settings node under conf/analysis/, and the summary it adds to metrics.json. `train` (through one Lightning callback),
+`evaluate` and `make reproduce` all run stages through `run_stages`.
+
+Each stage is one module of lmcal.stages, named after it, holding its function and its `STAGE` entry: the function
+takes what it analyses, an output folder and keyword settings, writes its files and returns its result as a dict (no
+Lightning, no Hydra); its maths is the lmcal.core module of the same name.
+
+Adding a stage: one function, one `Stage` entry (listed below, or `register`ed from a plugin), and one node in
+conf/analysis/default.yaml.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import os
+import time
+from pathlib import Path
+
+from lmcal.errors import LmcalError
+from lmcal.stages import calibration, decoders, entropy_rate, future_entropy, memory
+from lmcal.stages.stage import CONTEXT, KINDS, Stage
+from lmcal.utils import profiling
+from lmcal.utils.rules import renamed_note
+
+STAGES: dict[str, Stage] = {s.name: s for s in (entropy_rate.STAGE, calibration.STAGE, decoders.STAGE,
+                                                 future_entropy.STAGE, memory.STAGE)}
+
+
+def register(stage: Stage) -> Stage:
+    """Adds a stage to the registry (a plugin module named in $LMCAL_PLUGINS does this when lmcal.stages loads, so
+    that every process of a pipeline knows it)."""
+    STAGES[stage.name] = stage
+    return stage
+
+
+def settings_keys(stage: Stage) -> list[str]:
+    """The settings a stage takes: its function's keyword parameters (less what the target supplies) and the entry
+    points' own."""
+    params = inspect.signature(stage.fn).parameters.values()
+    return [p.name for p in params if p.kind == p.KEYWORD_ONLY and p.name not in CONTEXT] + list(stage.entry_settings)
+
+
+def stage_kinds(name: str, settings: dict | None = None) -> frozenset[str]:
+    """The kinds of model stage `name` applies to with its settings (analysis.<name>; None: its defaults)."""
+    s = STAGES[name]
+    return s.kinds_with(settings or {}) if s.kinds_with else s.kinds
+
+
+def check_stages(names: list[str], kind: str | None, settings: dict[str, dict] | None = None) -> None:
+    """One rule for every entry point: unknown stages, and stages that do not apply to this kind of model (None: not
+    known yet) with their settings ({name: analysis.<name>}; None: the defaults), are one paragraph naming the stages
+    that do."""
+    unknown = [n for n in names if n not in STAGES]
+    if unknown:
+        raise LmcalError(f"Unknown analysis stage{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}; the stages "
+                         f"are {', '.join(STAGES)}.")
+    kinds = {n: stage_kinds(n, (settings or {}).get(n) if n in names else None) for n in STAGES}
+    wrong = [n for n in names if kind is not None and kind not in kinds[n]]
+    if wrong:
+        fits = [n for n in STAGES if kind in kinds[n]]
+        needs = "; ".join(f"{n} runs on a {' or a '.join(KINDS[k] for k in KINDS if k in kinds[n])}"
+                          + (f", {STAGES[n].kinds_note}" if STAGES[n].kinds_note else "") for n in wrong)
+        raise LmcalError(f"Stage{'s' if len(wrong) > 1 else ''} {', '.join(wrong)} do{'es' if len(wrong) == 1 else ''}"
+                         f" not apply to a {KINDS[kind]} ({needs}); the stages that do: {', '.join(fits)}.")
+
+
+def check_settings(name: str, settings: dict) -> dict:
+    """`settings` (the node analysis.<name>) checked against the stage's parameters: an unknown key is one paragraph
+    listing the valid ones."""
+    valid = settings_keys(STAGES[name])
+    unknown = sorted(set(settings) - set(valid))
+    if unknown:
+        raise LmcalError(f"Unknown setting{'s' if len(unknown) > 1 else ''} "
+                         f"{', '.join(f'analysis.{name}.{k}' for k in unknown)}; the {name} stage takes "
+                         f"{', '.join(valid)}." + renamed_note(name, unknown))
+    return dict(settings)
+
+
+def check_plan(names: list[str], kind: str | None, settings: dict[str, dict]) -> dict[str, dict]:
+    """The checks every entry point makes before any work: the stages exist and apply to `kind`, and each one's
+    settings (analysis.<name>) are its own. Returns {name: settings}."""
+    check_stages(names, kind, settings)
+    return {n: check_settings(n, settings.get(n) or {}) for n in names}
+
+
+def run_stages(names: list[str], target: dict, settings: dict[str, dict], out_dir: str | Path, logger=None) -> dict:
+    """Runs `names` on `target` in the registry's order, with `settings[name]` (all checked before any runs);
+    returns {name: result}."""
+    checked = check_plan(names, target["kind"], settings)
+    results: dict[str, dict] = {}
+    if "lm" in target:  # every step of the model timed as "forward" (lmcal.utils.profiling)
+        target = {**target, "lm": profiling.profiled(target["lm"])}
+    for n in [n for n in STAGES if n in names]:  # registry order: decoders reuse this run's calibration
+        profiling.reset()
+        t0 = time.perf_counter()
+        with profiling.span(n):
+            results[n] = STAGES[n].call(target, Path(out_dir), logger, results, **checked[n])
+        if isinstance(results[n], dict):  # where its time went: evaluation.json, and REPORT.md's profile table
+            results[n]["profile"] = {"seconds": time.perf_counter() - t0, "spans": profiling.snapshot()}
+    return results
+
+
+def summary(results: dict[str, dict]) -> dict:
+    """The metrics.json keys of the stages that ran."""
+    return {k: v for n, r in results.items() if r for k, v in STAGES[n].summary(r).items()}
+
+
+def load_plugins() -> None:
+    """Imports the modules named in $LMCAL_PLUGINS (comma-separated), each of which registers its stages: every process
+    of a pipeline then knows them. lmcal.stages calls this once, when it is first imported."""
+    for name in filter(None, os.environ.get("LMCAL_PLUGINS", "").split(",")):
+        try:
+            importlib.import_module(name.strip())
+        except ImportError as e:
+            raise LmcalError(f"LMCAL_PLUGINS names {name!r}, which does not import ({e}); it should be a module on "
+                             "the Python path that calls lmcal.stages.register(...).") from None

@@ -1,0 +1,41 @@
+"""What the comparison stages (decoders, future_entropy) share: the settings that make two stages' generations and
+test scores the same, and one method's row of a comparison table.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from lmcal.core.entropy_rate import (
+    clustered_mean,
+)
+from lmcal.utils.numbers import exp_or_inf
+
+
+def generation_settings(prefixes: torch.Tensor, samples_per_prefix: int, prefix_len: int, horizon: int, seed: int,
+                        test: torch.Tensor, score_streams: int) -> dict:
+    """What makes two stages' generations and test scores the same (prefixes, seeds, test words), so that one may
+    take the other's rows: the keys its result records them under."""
+    return {"num_prefixes": prefixes.size(0), "samples_per_prefix": samples_per_prefix, "prefix_len": prefix_len,
+            "horizon": horizon, "seed": seed, "test_tokens": (test.size(0) - 1) * test.size(1),
+            "score_streams": score_streams}
+
+
+def same_settings(result: dict | None, settings: dict) -> bool:
+    """Whether an earlier stage's result was generated and scored as `settings` (generation_settings) say."""
+    return bool(result) and all(result.get(k) == v for k, v in settings.items())
+
+
+def curve_row(method: str, params: dict, curve, stderr, tail, plain_tail: np.ndarray, seconds: float,
+              **columns) -> dict:
+    """One method's row of a comparison table: its entropy curve (mean and stderr [T]), exp(entropy) at t = T and
+    over the last tenth, and that tail's paired difference from the plain model's (tail, plain_tail [N, S]: the
+    generations' last-tenth means, same prefixes and uniforms; prefixes as clusters); `columns`: its costs."""
+    tail = np.asarray(tail, dtype=np.float64)  # [N, S]
+    diff, diff_se = clustered_mean(tail - plain_tail)
+    curve, stderr = [float(x) for x in curve], [float(x) for x in stderr]
+    return {"method": method, "params": params, "entropy_t1_nats": curve[0], "entropy_last_nats": curve[-1],
+            "entrate_ppl": exp_or_inf(curve[-1]), "tail_ppl": exp_or_inf(tail.mean()), "tail_diff_nats": float(diff),
+            "tail_diff_stderr_nats": float(diff_se), **columns, "curve_nats": curve, "stderr_nats": stderr,
+            "seconds": seconds}

@@ -1,0 +1,291 @@
+"""Lightning layer: the data module and the training module (AWD recipe with NT-ASGD).
+
+All numerics live in `model.py` and `data.py`; this file wires them into Lightning.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from contextlib import contextmanager
+
+import pytorch_lightning as pl
+import torch
+import torch.nn.functional as F
+from hydra.utils import instantiate
+from torch.utils.data import DataLoader, Dataset
+
+from lmcal.data import batching as D
+from lmcal.errors import LmcalError
+from lmcal.models.awd_lstm import ar_tar, forward_chunked, repackage
+from lmcal.utils.numbers import exp_or_inf
+
+log = logging.getLogger("lmcal")
+
+
+class SpanDataset(Dataset):
+    """Map-style view of (start, seq_len) windows over a batchified stream [S, B]."""
+
+    def __init__(self, source: torch.Tensor, spans: list[tuple[int, int]]):
+        self.source, self.spans = source, spans
+
+    def __len__(self):
+        return len(self.spans)
+
+    def __getitem__(self, i):
+        return D.get_batch(self.source, *self.spans[i])
+
+
+class LMDataModule(D.CorpusData, pl.LightningDataModule):
+    """Batchified streams; a fresh variable-length BPTT schedule per epoch (the corpus and its splits:
+    lmcal.data.batching.CorpusData, which the analysis entry points use without Lightning).
+
+    The schedule is a function of (seed, epoch) only, so a run resumed at an epoch
+    boundary sees the same batches as an uninterrupted one. It needs the trainer to
+    rebuild the train loader each epoch (trainer.reload_dataloaders_every_n_epochs=1).
+    """
+
+    def __init__(self, **kwargs):
+        pl.LightningDataModule.__init__(self)
+        D.CorpusData.__init__(self, **kwargs)
+
+    def setup(self, stage=None):
+        self.prepare()
+
+    def train_dataloader(self):
+        source = D.batchify(self.tokens("train"), self.batch_size)
+        epoch = self.trainer.current_epoch if self.trainer is not None else 0
+        spans = list(D.bptt_spans(source.size(0), self.bptt, D.epoch_generator(self.seed, epoch), self.memory_tau,
+                                  variable=self.variable_length))
+        return DataLoader(SpanDataset(source, spans), batch_size=None, shuffle=False)
+
+    def val_dataloader(self):
+        source = D.batchify(self.tokens("valid"), self.eval_batch_size)
+        spans = list(D.bptt_spans(source.size(0), self.bptt, multiple_of=self.memory_tau))
+        return DataLoader(SpanDataset(source, spans), batch_size=None)
+
+
+def nt_asgd_should_switch(history: list[float], val_loss: float, nonmono: int) -> bool:
+    """NT-ASGD trigger: the current validation loss is worse than the best of all earlier
+    epochs except the last `nonmono` ones (`history` holds the earlier epochs' losses)."""
+    return len(history) > nonmono and val_loss > min(history[:-nonmono])
+
+
+class LMModule(pl.LightningModule):
+    """AWD-LSTM training: variable-length BPTT with the lr scaled by seq_len/bptt, AR/TAR,
+    gradient clipping, SGD switching to averaged SGD (NT-ASGD); validation on the averaged
+    weights after the switch. Checkpoints hold the averaged weights in `state_dict` and the
+    raw ones in `raw_state_dict`, so every consumer of a checkpoint gets the model that was
+    validated, and resuming still continues from the raw iterate."""
+
+    def __init__(self, net: dict, vocab_size: int, lr: float = 30.0, weight_decay: float = 1.2e-6,
+                 clip: float = 0.25, ar_weight: float = 2.0, tar_weight: float = 1.0, bptt: int = 70, nonmono: int = 5,
+                 optimizer: str = "sgd", asgd: bool = True, schedule: str | None = None,
+                 divergence_factor: float | None = 3.0, data_cfg: dict | None = None, seed: int = 141,
+                 warmup_steps: int = 0, betas: tuple[float, float] = (0.9, 0.999)):
+        super().__init__()
+        self.save_hyperparameters()  # data_cfg too: analysis of a checkpoint reloads the corpus it was trained on
+        self.net = instantiate(net, vocab_size=vocab_size)
+        self.automatic_optimization = False
+        self.val_history: list[float] = []
+        self.asgd_epoch: int | None = None  # epoch at which averaging started
+        self.avg: dict[str, torch.Tensor] | None = None
+        self.n_avg = 0
+        self.train_seconds, self.train_tokens = 0.0, 0
+        self._hidden = None
+
+    # -- optimisation ---------------------------------------------------------------------------
+    def configure_optimizers(self):
+        hp = self.hparams
+        if hp.optimizer == "sgd":
+            return torch.optim.SGD(self.net.parameters(), lr=hp.lr, weight_decay=hp.weight_decay)
+        if hp.optimizer == "adam":
+            return torch.optim.Adam(self.net.parameters(), lr=hp.lr, weight_decay=hp.weight_decay,
+                                    betas=tuple(hp.betas))
+        if hp.optimizer == "adamw":  # decoupled weight decay on the matrices only (not biases, norms, positions' bias)
+            named = [(n, p) for n, p in self.net.named_parameters() if p.requires_grad]
+            decay = [p for n, p in named if p.dim() >= 2]
+            rest = [p for n, p in named if p.dim() < 2]
+            return torch.optim.AdamW([{"params": decay, "weight_decay": hp.weight_decay},
+                                      {"params": rest, "weight_decay": 0.0}], lr=hp.lr, betas=tuple(hp.betas),
+                                     fused=True)  # one kernel per step instead of a chain of foreach ops
+        raise ValueError(f"optim.optimizer must be 'sgd', 'adam' or 'adamw', got {hp.optimizer!r}")
+
+    def on_train_epoch_start(self):
+        self._hidden = None  # a new pass over the streams starts from a zero state
+
+    def on_train_batch_start(self, batch, batch_idx):
+        self._t0 = time.perf_counter()
+        # dropout masks from (seed, epoch, batch) alone, not from whatever drew random numbers before (a new
+        # DataLoader iterator draws one): a run resumed at an epoch boundary repeats an uninterrupted one exactly
+        torch.manual_seed((self.hparams.seed * 1_000_003 + self.current_epoch) * 1_000_003 + batch_idx)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch  # [T, B] each
+        hp = self.hparams
+        opt = self.optimizers()
+        for g in opt.param_groups:  # longer windows take proportionally larger steps
+            g["lr"] = hp.lr * self.lr_factor(batch_idx) * x.size(0) / hp.bptt
+        output, raw = self.forward_window(x, "_hidden", detach=True)
+        ce = F.cross_entropy(self.net.logits(output).flatten(0, 1), y.flatten())
+        loss = ce + ar_tar(output, raw, hp.ar_weight, hp.tar_weight)
+        self.check_divergence(ce, loss, batch_idx)
+        opt.zero_grad()
+        self.manual_backward(loss)
+        if hp.clip:
+            torch.nn.utils.clip_grad_norm_(self.net.parameters(), hp.clip)
+        opt.step()
+        if self.avg is not None:
+            self._update_average()
+        self.log_dict({"train/loss": ce, "train/ppl": ce.exp()}, prog_bar=True, on_step=True, on_epoch=False)
+        return loss
+
+    def check_divergence(self, ce: torch.Tensor, loss: torch.Tensor, batch_idx: int) -> None:
+        """Stop at once, before the step is taken, when the loss is not finite or the cross-entropy is beyond
+        `divergence_factor` x log(V) (a uniform guess costs log(V); a run that far above it has diverged). The
+        checkpoints on disk then hold only models validated before it."""
+        factor, limit = self.hparams.divergence_factor, None
+        if factor:
+            limit = factor * math.log(self.hparams.vocab_size)
+        ce_value, loss_value = ce.detach().item(), loss.detach().item()  # one host sync a step: small beside it
+        if math.isfinite(loss_value) and (limit is None or ce_value <= limit):
+            return
+        hp = self.hparams
+        why = (f"the training loss is {loss_value} (cross-entropy {ce_value})" if not math.isfinite(loss_value)
+               else f"the training cross-entropy is {ce_value:.4g} nats, beyond {factor:g} x log(V) = {limit:.1f}")
+        raise LmcalError(
+            f"Training diverged at epoch {self.current_epoch}, batch {batch_idx} (step {self.global_step}): {why}. "
+            f"The run stopped before taking that step; the checkpoints hold only models validated before it, and "
+            f"no analysis ran. Lower the learning rate (optim.lr={hp.lr:g} now) or clip gradients harder "
+            f"(optim.clip={hp.clip} now); with optim.optimizer=adam, a rate near 1e-3. "
+            f"optim.divergence_factor (now {'null' if factor is None else f'{factor:g}'}) sets how far above log(V) "
+            "counts as diverged (null: non-finite losses only).")
+
+    def lr_factor(self, batch_idx: int) -> float:
+        """The schedule's multiplier: 1 (the AWD recipe), or a cosine decay to 0 over max_epochs
+        (`optim.schedule=cosine`, for fixed short budgets); times a linear warm-up over the first
+        `optim.warmup_steps` steps (transformers)."""
+        sched, warm = self.hparams.schedule, self.hparams.get("warmup_steps") or 0
+        factor = min(1.0, (self.global_step + 1) / warm) if warm else 1.0
+        if sched is None:
+            return factor
+        if sched != "cosine":
+            raise ValueError(f"optim.schedule must be null or 'cosine', got {sched!r}")
+        trainer = self.trainer
+        progress = (self.current_epoch + batch_idx / max(1, trainer.num_training_batches)) / trainer.max_epochs
+        return factor * 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
+
+    def forward_window(self, x: torch.Tensor, state_attr: str, detach: bool):
+        """One window [T, B]: the state carried over from the previous window (kept in
+        `state_attr`), or, for a limited-memory model, independent tau-chunks from zero states."""
+        tau = self.net.memory_tau
+        if tau:
+            return forward_chunked(self.net, x, tau)
+        hidden = getattr(self, state_attr)
+        if hidden is None:
+            hidden = self.net.init_hidden(x.size(1))
+        output, raw, hidden = self.net(x, repackage(hidden) if detach else hidden)
+        setattr(self, state_attr, hidden)
+        return output, raw
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self.train_seconds += time.perf_counter() - self._t0
+        self.train_tokens += batch[1].numel()
+
+    # -- averaged SGD -----------------------------------------------------------------------------
+    @torch.no_grad()
+    def _update_average(self):
+        self.n_avg += 1
+        for name, p in self.net.named_parameters():
+            self.avg[name].add_(p.detach() - self.avg[name], alpha=1.0 / self.n_avg)
+
+    def start_averaging(self):
+        self.avg = {n: p.detach().clone() for n, p in self.net.named_parameters()}
+        self.n_avg = 1
+        self.asgd_epoch = self.current_epoch
+
+    @contextmanager
+    def averaged_weights(self):
+        """Temporarily put the averaged iterate into the network (no-op before the switch)."""
+        if self.avg is None:
+            yield
+            return
+        saved = {n: p.detach().clone() for n, p in self.net.named_parameters()}
+        with torch.no_grad():
+            for n, p in self.net.named_parameters():
+                p.copy_(self.avg[n])
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for n, p in self.net.named_parameters():
+                    p.copy_(saved[n])
+
+    # -- validation -----------------------------------------------------------------------------
+    def on_validation_epoch_start(self):
+        self._val = [0.0, 0]
+        self._val_hidden = None
+        self._avg_ctx = self.averaged_weights()
+        self._avg_ctx.__enter__()
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        output, _ = self.forward_window(x, "_val_hidden", detach=False)
+        nll = F.cross_entropy(self.net.logits(output).flatten(0, 1), y.flatten(), reduction="sum")
+        self._val[0] += nll.item()
+        self._val[1] += y.numel()
+
+    def on_validation_epoch_end(self):
+        self._avg_ctx.__exit__(None, None, None)
+        val_loss = self._val[0] / max(self._val[1], 1)
+        if not math.isfinite(val_loss):  # never let ModelCheckpoint see it: it would save this model as the best
+            raise LmcalError(
+                f"Validation at epoch {self.current_epoch} gave a loss of {val_loss}: the model diverged. It was "
+                f"not saved; the checkpoints hold only models validated before. Lower the learning rate "
+                f"(optim.lr={self.hparams.lr:g} now) or clip gradients harder (optim.clip={self.hparams.clip} now).")
+        self.log_dict({"val/loss": val_loss, "val/ppl": exp_or_inf(val_loss)}, prog_bar=True)
+        self.log("val_loss", val_loss, prog_bar=False, logger=False)
+        if self.trainer.sanity_checking:
+            return
+        tps = self.train_tokens / self.train_seconds if self.train_seconds else float("nan")
+        log.info(f"epoch {self.current_epoch}: val loss {val_loss:.4f}, val ppl {exp_or_inf(val_loss):.2f}, "
+                 f"{self.train_tokens:,} training tokens at {tps:,.0f} tokens/s")
+        if self.record_validation(val_loss):
+            log.info(f"NT-ASGD: validation loss {val_loss:.4f} is worse than the best before the last "
+                  f"{self.hparams.nonmono} epochs; averaging the weights from epoch {self.current_epoch} on.")
+        self.log("asgd", float(self.avg is not None))
+
+    def record_validation(self, val_loss: float) -> bool:
+        """NT-ASGD bookkeeping after one validation; True when averaging starts now."""
+        if self.avg is not None:
+            return False
+        if self.hparams.asgd and nt_asgd_should_switch(self.val_history, val_loss, self.hparams.nonmono):
+            self.start_averaging()
+            return True
+        self.val_history.append(val_loss)
+        return False
+
+    # -- checkpoints ----------------------------------------------------------------------------------
+    def on_save_checkpoint(self, checkpoint):
+        checkpoint["lmcal"] = {
+            "val_history": list(self.val_history), "asgd_epoch": self.asgd_epoch, "n_avg": self.n_avg,
+            "train_seconds": self.train_seconds, "train_tokens": self.train_tokens,
+        }
+        if self.avg is not None:
+            checkpoint["raw_state_dict"] = checkpoint["state_dict"]
+            with self.averaged_weights():
+                checkpoint["state_dict"] = {k: v.clone() for k, v in self.state_dict().items()}
+
+    def on_load_checkpoint(self, checkpoint):
+        state = checkpoint.get("lmcal", {})
+        self.val_history = list(state.get("val_history", []))
+        self.asgd_epoch = state.get("asgd_epoch")
+        self.n_avg = state.get("n_avg", 0)
+        self.train_seconds = state.get("train_seconds", 0.0)
+        self.train_tokens = state.get("train_tokens", 0)
+        if "raw_state_dict" in checkpoint:  # resume: average from state_dict, iterate from raw_state_dict
+            prefix = "net."
+            averaged = checkpoint["state_dict"]
+            self.avg = {n: averaged[prefix + n].clone() for n, _ in self.net.named_parameters()}
+            checkpoint["state_dict"] = checkpoint["raw_state_dict"]

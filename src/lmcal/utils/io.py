@@ -1,0 +1,87 @@
+"""Files written whole or not at all: atomic writes (a temporary name, then a rename), strict JSON (no NaN), and
+reading JSON back.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import uuid
+from contextlib import contextmanager
+from pathlib import Path
+
+from lmcal.utils.profiling import timed
+
+
+def temp_path(path: str | Path) -> Path:
+    """A temporary name beside `path`, unique to this process and call: two writers never share one."""
+    path = Path(path)
+    return path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+
+
+@contextmanager
+def atomic_path(path: str | Path):
+    """Yields a temporary path to write; renamed onto `path` when the block ends, removed if it fails. Files are
+    created by ordinary `open`, so they get the permissions of the user's umask, like any other file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temp_path(path)
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+@timed("io")
+def write_text_atomic(path: str | Path, text: str) -> None:
+    """Write to a temporary file beside `path`, then rename: readers never see half a file."""
+    with atomic_path(path) as tmp:
+        tmp.write_text(text)
+
+
+def strict_json(obj):
+    """`obj` with every non-finite float replaced by null, and the reason stated beside it: a key `K` whose value is
+    (or holds) NaN or ±inf gains `K_nonfinite` ("inf", "-inf", "nan", or a count for lists). JSON that every parser
+    reads (RFC 8259 has no NaN), with nothing hidden."""
+    def fix(v):
+        if isinstance(v, float) and not math.isfinite(v):
+            return None, ("nan" if math.isnan(v) else "inf" if v > 0 else "-inf")
+        if isinstance(v, dict):
+            out = {}
+            for k, x in v.items():
+                out[k], why = fix(x)
+                if why is not None:
+                    out[f"{k}_nonfinite"] = why
+            return out, None
+        if isinstance(v, (list, tuple)):
+            fixed = [fix(x) for x in v]
+            bad = [why for _, why in fixed if why is not None]
+            return [x for x, _ in fixed], (f"{len(bad)} of {len(v)} values not finite ({', '.join(sorted(set(bad)))})"
+                                           if bad else None)
+        return v, None
+
+    fixed, why = fix(obj)
+    if why is not None:
+        raise ValueError(f"a bare non-finite value has no key to explain it: {why}")
+    return fixed
+
+
+@timed("io")
+def write_json_atomic(path: str | Path, obj) -> None:
+    """Strict JSON (see `strict_json`), written atomically."""
+    write_text_atomic(path, json.dumps(strict_json(obj), indent=2, allow_nan=False) + "\n")
+
+
+def read_json(path: str | Path):
+    """The JSON value in a file."""
+    return json.loads(Path(path).read_text())
+
+
+def copy_atomic(src: str | Path, dst: str | Path) -> None:
+    """Copy to a temporary file beside `dst`, then rename."""
+    with atomic_path(dst) as tmp:
+        shutil.copyfile(src, tmp)

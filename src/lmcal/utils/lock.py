@@ -1,0 +1,80 @@
+"""One writer per run folder: `run_lock` holds `<folder>/.lmcal.lock` (PID, host, command) while a run writes there.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+from lmcal.errors import LmcalError
+
+log = logging.getLogger("lmcal")
+
+
+LOCK_NAME = ".lmcal.lock"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
+@contextmanager
+def run_lock(folder: str | Path, what: str = "run"):
+    """Holds `folder`/.lmcal.lock (this process's PID, host and command) while the block runs. A second run into the
+    same folder stops with one paragraph naming the holder; a lock left by a process that no longer exists (on this
+    host) is taken over with a note. The lock is removed when the block ends, however it ends."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    lock = folder / LOCK_NAME
+    me = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+          "command": " ".join(sys.argv), "what": what}
+    for _ in range(3):
+        try:
+            fd = os.open(lock, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        except FileExistsError:
+            try:
+                holder = json.loads(lock.read_text() or "{}")
+            except (OSError, ValueError):
+                holder = {}
+            pid, host = holder.get("pid"), holder.get("host")
+            if holder and host == me["host"] and isinstance(pid, int) and not _pid_alive(pid):
+                log.warning(f"{lock}: taking over a stale lock of process {pid} ({holder.get('command', '?')}), "
+                            "which no longer runs.")
+                lock.unlink(missing_ok=True)
+                continue
+            if not holder:  # being written this instant by another process, or empty: look again
+                time.sleep(0.2)
+                if lock.exists() and not lock.read_text().strip():
+                    lock.unlink(missing_ok=True)
+                continue
+            raise LmcalError(
+                f"{folder} is in use by another lmcal {holder.get('what', 'run')}: process {pid} on {host}, started "
+                f"{holder.get('started', '?')} ({holder.get('command', '?')}). Two runs writing one folder would "
+                "mix their logs, checkpoints and results. Wait for it to finish, or give this run another folder "
+                f"(hydra.run.dir=..., or out=... for make reproduce). If no such process runs, delete {lock}."
+            ) from None
+        with os.fdopen(fd, "w") as f:
+            json.dump(me, f)
+        break
+    else:
+        raise LmcalError(f"Could not take the lock {lock}; another process keeps replacing it. Delete it and retry.")
+    try:
+        yield lock
+    finally:
+        try:
+            if json.loads(lock.read_text()).get("pid") == me["pid"]:
+                lock.unlink()
+        except (OSError, ValueError):
+            pass

@@ -1,0 +1,80 @@
+"""Settings checked against lmcal.utils.rules as soon as a config is composed: before any data is read, any W&B run
+starts or any training step is taken.
+
+`check_config(cfg)` raises one `LmcalError` naming every bad key, its value and its valid range. A rule applies
+where its key is present: the same table serves `train`, `evaluate` and every stage `make reproduce` plans.
+"""
+
+from __future__ import annotations
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+from lmcal.errors import LmcalError
+from lmcal.utils.rules import COUNT, RULES, decoder_problems, show_value
+
+
+def _leaves(node, prefix: str = ""):
+    """(dotted key, resolved value) of every leaf under `node`; values that do not resolve (e.g. ${hydra:...}
+    outside a Hydra run) and required values not given yet (???) are left out."""
+    keys = node.keys() if isinstance(node, DictConfig) else range(len(node))
+    for k in keys:
+        key = f"{prefix}{k}"
+        if key in ("paths", "hydra"):
+            continue
+        try:
+            if OmegaConf.is_missing(node, k):
+                continue
+            v = node[k]
+        except Exception:  # an interpolation that only resolves inside a Hydra run
+            continue
+        if isinstance(v, (DictConfig, ListConfig)):
+            yield key, OmegaConf.to_container(v, resolve=True) if _resolvable(v) else None
+            yield from _leaves(v, key + ".")
+        else:
+            yield key, v
+
+
+def _resolvable(node) -> bool:
+    try:
+        OmegaConf.to_container(node, resolve=True)
+        return True
+    except Exception:
+        return False
+
+
+def _matches(pattern: str, key: str) -> bool:
+    p, k = pattern.split("."), key.split(".")
+    return len(p) == len(k) and all(a in ("*", b) for a, b in zip(p, k, strict=True))
+
+
+def problems(cfg: DictConfig) -> list[str]:
+    """Every out-of-range setting of `cfg`, as 'key=value (what it is: must be ...)' lines."""
+    found = []
+    for key, value in _leaves(cfg):
+        for pattern, (rule, meaning) in RULES.items():
+            if not _matches(pattern, key):
+                continue
+            if rule is None:  # a list of memory lengths
+                ok = isinstance(value, list) and all(COUNT.ok(t) for t in value)
+                if not ok:
+                    found.append(f"{key}={show_value(value)} ({meaning}: must be a list of integers ≥ 1)")
+            elif not rule.ok(value):
+                found.append(f"{key}={show_value(value)} ({meaning}: must be {rule.describe()})")
+            break
+        if key == "decoder" and isinstance(value, dict):
+            found += decoder_problems(value.get("name"), {k: v for k, v in value.items() if k != "name"}, key)
+        if key == "analysis.decoders.methods" and isinstance(value, list):
+            for i, m in enumerate(value):
+                if isinstance(m, dict):
+                    found += decoder_problems(m.get("name"), {k: v for k, v in m.items() if k != "name"},
+                                              f"{key}[{i}]")
+    return found
+
+
+def check_config(cfg: DictConfig, where: str = "") -> None:
+    """Raise one LmcalError listing every out-of-range setting of `cfg` (`where`: e.g. "stage 'base': ")."""
+    bad = problems(cfg)
+    if bad:
+        s = "s" if len(bad) > 1 else ""
+        raise LmcalError(f"{where}Setting{s} out of range: " + "; ".join(bad) + ". Nothing was run. Fix the value"
+                         f"{s} on the command line or in the preset that sets {'them' if s else 'it'}.")
