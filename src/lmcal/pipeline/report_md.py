@@ -107,6 +107,9 @@ def report(cfg: DictConfig, out: Path, names: list[str]) -> None:
     copy_atomic(out / cfg.dataset / "decoders" / "decoders.png", out / "figure_decoders.png")
     if "future_entropy" in cfg.stages:
         copy_atomic(out / cfg.dataset / "future_entropy" / "future_entropy.png", out / "figure_future_entropy.png")
+    if "sequence_calibration" in cfg.stages:
+        copy_atomic(out / cfg.dataset / "sequence_calibration" / "sequence_calibration.png",
+                    out / "figure_sequence_calibration.png")
     memory_report([out / cfg.dataset / "memory", out / "markov" / "memory"], out, wandb_mode="disabled")
     write_json_atomic(out / "results.json", results)
     write_text_atomic(out / "REPORT.md", report_markdown(cfg, results, out))
@@ -152,6 +155,27 @@ def future_entropy_markdown(cfg: DictConfig, out: Path) -> list[str]:
            f"({format_params(best['params'], drop=('stderr',))}), {best['tail_ppl']:.1f} against "
            f"{fe['reference_test_ppl']:.1f}."] if best else []), "",
         "![future entropy](figure_future_entropy.png)", "",
+    ]
+
+
+def sequence_calibration_markdown(cfg: DictConfig, out: Path) -> list[str]:
+    """REPORT.md's section of the sequence_calibration stage (none where the profile does not run it): its table,
+    the fit's CE beside the entropy rate, and the goal row, as the stage wrote them."""
+    if "sequence_calibration" not in cfg.stages:
+        return []
+    from lmcal.stages.sequence_calibration import sequence_table
+
+    sc = read_json(out / cfg.dataset / "sequence_calibration" / "sequence_calibration.json")
+    return [
+        "## Algorithm 1: sequence-level calibration (SMC and soft-value heads)", "",
+        f"P̂_α(w_1..T) ∝ P̂(w_1..T)^(1+α) over the {sc['horizon']}-word horizon, by sequential Monte Carlo at each "
+        f"particle count (on {sc['smc_prefixes']} of the {sc['num_prefixes']} prefixes, {sc['samples_per_prefix']} "
+        "generations each) and amortised by soft-value heads, beside the plain model and the other stages' best "
+        f"per-word rows, on the same prefixes and seeds. exp H, last tenth: the entropy per word of each row's law "
+        f"over the last {sc['tail_steps']} words (SMC: the sequence law's, by nested SMC runs), ± one standard error "
+        "clustered by prefix; Δ: paired with the model's generations.", "",
+        sequence_table(sc).rstrip("\n"), "",
+        "![sequence calibration](figure_sequence_calibration.png)", "",
     ]
 
 
@@ -207,6 +231,7 @@ def report_markdown(cfg: DictConfig, r: dict, out: Path) -> str:
         *decoders_markdown(r["decoders"]), "",
         "![decoders](figure_decoders.png)", "",
         *future_entropy_markdown(cfg, out),
+        *sequence_calibration_markdown(cfg, out),
         "## Memory (Section 5, Figure 4)", "",
         (out / f"memory_{cfg.dataset}.md").read_text().split("\n", 2)[2],
         *transformer_memory_markdown(r),
@@ -226,7 +251,7 @@ def report_markdown(cfg: DictConfig, r: dict, out: Path) -> str:
         "error (their bound is on the information *they* draw from beyond tau, and their excess cross-entropy "
         "over the source enters it).", "",
         "![Figure 4 on the Markov source](memory_markov.png)", "",
-        *[line for n in cfg.stages if n not in (*PAPER_STAGES, "future_entropy") for line in
+        *[line for n in cfg.stages if n not in (*PAPER_STAGES, "future_entropy", "sequence_calibration") for line in
           (f"## Stage {n}", "", *(f"- {k}: {v}" for k, v in r[n].items()), "")],
         "## Where the time goes", "",
         "Each analysis stage's wall time by operation (utils.profiling; a share of the stage's seconds): forward = "

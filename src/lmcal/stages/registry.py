@@ -19,13 +19,13 @@ import time
 from pathlib import Path
 
 from lmcal.errors import LmcalError
-from lmcal.stages import calibration, decoders, entropy_rate, future_entropy, memory
+from lmcal.stages import calibration, decoders, entropy_rate, future_entropy, memory, sequence_calibration
 from lmcal.stages.stage import CONTEXT, KINDS, Stage
 from lmcal.utils import profiling
 from lmcal.utils.rules import renamed_note
 
 STAGES: dict[str, Stage] = {s.name: s for s in (entropy_rate.STAGE, calibration.STAGE, decoders.STAGE,
-                                                 future_entropy.STAGE, memory.STAGE)}
+                                                 future_entropy.STAGE, sequence_calibration.STAGE, memory.STAGE)}
 
 
 def register(stage: Stage) -> Stage:

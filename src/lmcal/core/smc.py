@@ -1,0 +1,178 @@
+"""The paper's Algorithm 1 for any StepLM, by sequential Monte Carlo: continuations drawn from the sequence-level
+calibrated law P̂_α(w_1..T | prefix) ∝ P̂(w_1..T | prefix)^(1+α).
+
+The target of step t is γ_t(w_1..t) = prod_{j<=t} P̂(w_j | past)^(1+α). Each particle proposes its next word from
+P̂(. | past)^(1+α) normalised, q(w | past) = P̂(w | past)^(1+α) / G(past), so the incremental importance weight is
+
+    γ_t / (γ_{t-1} q) = G(past) = sum_w P̂(w | past)^(1+α),
+
+which depends only on the past: the particles are weighted by G before they propose (a fully adapted particle filter),
+resampled (systematic) when the effective sample size falls below half, and only then extended. After the last word
+the answer is one particle drawn from the final weights, with its ancestral path: a draw from P̂_α as the number of
+particles grows, with a bias of order 1 / particles.
+
+    Ẑ = prod over resampling epochs of (mean of the particles' weights accumulated since the last resampling)
+
+is an unbiased estimate of Z_α(prefix) = E_P̂[P̂(W)^α] (its log is biased low, by about half its variance).
+
+Every draw is inverse-CDF on counter-based uniforms (lmcal.core.sampling.uniforms): word draws keyed by the particle
+(prefix index * particles + particle), resampling and the final pick by the prefix, with step-dependent counters, so
+the result is a function of the seed only, however the prefixes are batched.
+
+Cost per returned word: `particles` model steps, plus a gather of the state at each resampling (lm.select).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+
+from lmcal.core.lookahead import entropy
+from lmcal.core.sampling import draw, uniforms
+
+
+@dataclass
+class SMCResult:
+    tokens: torch.Tensor  # [B, T] long: the returned continuation of each prefix
+    log_z: torch.Tensor  # [B] float64: log Ẑ, Ẑ unbiased for Z_α(prefix)
+    ess: torch.Tensor  # [B, T] float64: effective sample size after step t's weights, before any resampling
+    base_logp: torch.Tensor  # [B, T] float64: log P̂(w_t | past) along the returned path
+    base_entropy: torch.Tensor  # [B, T] float64: entropy of P̂(. | past) before w_t, along the returned path
+    path_logp: torch.Tensor  # [B] float64: E_P̂α[log P̂(W)] by the final weighted particles (E of base_logp.sum(1))
+    path_logp_var: torch.Tensor  # [B] float64: Var_P̂α[log P̂(W)] by the final weighted particles (dm/dα per prefix)
+    resamplings: torch.Tensor  # [B] long: how many times each prefix's particles were resampled
+    particles: int
+    seconds: float = 0.0  # wall time of the generated words (the prefixes' feeding left out)
+
+
+def systematic_resample(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Systematic resampling: ancestors [n, K] of rows of normalised weights [n, K], one uniform u [n] per row:
+    particle i takes the first j with cumulative weight > (u + i) / K, so j has K w_j copies up to rounding."""
+    K = weights.size(1)
+    cum = weights.cumsum(-1)
+    cum = cum / cum[:, -1:]  # ends at 1 exactly
+    pos = (u[:, None] + torch.arange(K, dtype=cum.dtype, device=cum.device)) / K  # [n, K], each in [0, 1)
+    return torch.searchsorted(cum, pos, right=True).clamp_(max=K - 1)
+
+
+@torch.no_grad()
+def _feed(lm, prefixes: torch.Tensor):
+    """(log-probs [n, V], state) after every prefix token."""
+    state = lm.init_state(prefixes.size(0))
+    if hasattr(lm, "prefill"):  # the prefix in one forward (HFCausalLM)
+        return lm.prefill(prefixes, state)
+    for i in range(prefixes.size(1)):
+        logp, state = lm.step(prefixes[:, i], state)
+    return logp, state
+
+
+@torch.no_grad()
+def smc_generate(lm, prefixes: torch.Tensor, alpha: float, horizon: int, *, particles: int = 64, seed: int = 0,
+                 ess_threshold: float = 0.5, max_batch: int = 4096) -> SMCResult:
+    """One continuation of `horizon` words per prefix [B, P] (P >= 1), drawn from P̂_α(. | prefix) ∝ P̂^(1+α) by
+    sequential Monte Carlo with `particles` particles per prefix (module docstring). alpha > -1; alpha = 0 is plain
+    sampling (every weight 1, never resampled). Prefixes are run in chunks of at most max_batch particles."""
+    B, P = prefixes.shape
+    K = int(particles)
+    if P < 1 or horizon < 1 or B < 1 or K < 1:
+        raise ValueError(f"need a non-empty prefix, horizon and particles; got prefixes {tuple(prefixes.shape)}, "
+                         f"horizon={horizon}, particles={particles}")
+    if not alpha > -1:
+        raise ValueError(f"need alpha > -1 (1 + alpha > 0), got {alpha}")
+    a1 = 1.0 + float(alpha)
+    per_chunk = max(1, max_batch // K)
+    parts, seconds = [], 0.0
+    for lo in range(0, B, per_chunk):
+        logp, state = _feed(lm, prefixes[lo:lo + per_chunk])  # [n, V]
+        t0 = time.perf_counter()
+        parts.append(_smc_chunk(lm, logp, state, lo, a1, horizon, K, seed, ess_threshold))
+        seconds += time.perf_counter() - t0
+    out = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+    return SMCResult(**out, particles=K, seconds=seconds)
+
+
+def _smc_chunk(lm, logp: torch.Tensor, state, lo: int, a1: float, horizon: int, K: int, seed: int,
+               ess_threshold: float) -> dict:
+    n = logp.size(0)
+    dev = logp.device
+    R = n * K
+    rows = torch.arange(n, device=dev).repeat_interleave(K)  # [R]: the prefix of each particle
+    logp, state = logp[rows], lm.select(state, rows)
+    prefix_ids = lo + torch.arange(n, device=dev)  # [n]: global, so the uniforms do not depend on the chunking
+    particle_ids = prefix_ids.repeat_interleave(K) * K + torch.arange(K, device=dev).repeat(n)  # [R]
+    first = (torch.arange(n, device=dev) * K)[:, None]  # [n, 1]: each prefix's first row
+    logw = torch.zeros(n, K, dtype=torch.float64, device=dev)  # log weights accumulated since the last resampling
+    log_z = torch.zeros(n, dtype=torch.float64, device=dev)
+    path = torch.zeros(R, dtype=torch.float64, device=dev)  # log P̂ of each particle's path so far
+    ess, resamplings = [], torch.zeros(n, dtype=torch.long, device=dev)
+    words, logps, ents, ancestors = [], [], [], []  # per step, [R] each: the path is traced back at the end
+    for t in range(horizon):
+        z = a1 * logp  # [R, V]
+        log_g = z.logsumexp(-1)  # [R]: the incremental weight, known before the word is drawn
+        logw += log_g.double().view(n, K)
+        w = logw.softmax(-1)  # [n, K]
+        ess.append(1.0 / w.pow(2).sum(-1))
+        resample = ess[-1] < ess_threshold * K  # [n]
+        anc = torch.arange(R, device=dev)
+        if bool(resample.any()):
+            log_z += torch.where(resample, logw.logsumexp(-1) - math.log(K), 0.0)
+            local = systematic_resample(w, uniforms(seed, prefix_ids, 3 * t + 1))  # [n, K]
+            local = torch.where(resample[:, None], local, torch.arange(K, device=dev))
+            anc = (first + local).reshape(-1)
+            logw = torch.where(resample[:, None], 0.0, logw)
+            resamplings += resample.long()
+            logp, z, log_g, path, state = logp[anc], z[anc], log_g[anc], path[anc], lm.select(state, anc)
+        word, _ = draw((z - log_g[:, None]).exp(), uniforms(seed, particle_ids, 3 * t))  # [R]
+        lp = logp.gather(1, word[:, None])[:, 0].double()
+        path += lp
+        words.append(word)
+        logps.append(lp)
+        ents.append(entropy(logp).double())
+        ancestors.append(anc)
+        if t < horizon - 1:
+            logp, state = lm.step(word, state)
+    log_z += logw.logsumexp(-1) - math.log(K)
+    w = logw.softmax(-1)  # [n, K]
+    pick, _ = draw(w, uniforms(seed, prefix_ids, 3 * horizon + 2))  # [n]
+    idx = first[:, 0] + pick  # [n]: the returned particle's row at the last step
+    tokens, base_logp, base_ent = [], [], []
+    for t in range(horizon - 1, -1, -1):  # trace the ancestry back
+        tokens.append(words[t][idx])
+        base_logp.append(logps[t][idx])
+        base_ent.append(ents[t][idx])
+        idx = ancestors[t][idx]
+    path = path.view(n, K)
+    mean = (w * path).sum(-1)
+    return {"tokens": torch.stack(tokens[::-1], 1).cpu(), "log_z": log_z.cpu(), "ess": torch.stack(ess, 1).cpu(),
+            "base_logp": torch.stack(base_logp[::-1], 1).cpu(), "base_entropy": torch.stack(base_ent[::-1], 1).cpu(),
+            "path_logp": mean.cpu(), "path_logp_var": (w * (path - mean[:, None]).pow(2)).sum(-1).cpu(),
+            "resamplings": resamplings.cpu()}
+
+
+@torch.no_grad()
+def smc_tail_entropy(lm, prefixes: torch.Tensor, result: SMCResult, alpha: float, start: int, stop: int, *,
+                     particles: int = 16, seed: int = 0, max_batch: int = 4096) -> torch.Tensor:
+    """The calibrated law's entropy per word over words start..stop-1 of each returned path [B] (nats), for paths of
+    `result` (smc_generate on prefixes [B, P], whose horizon T >= stop).
+
+    Given the words before `start` (h), the words A = start..stop-1 and B = stop..T-1 follow P̂_α(A, B | h) ∝
+    P̂(A, B | h)^(1+α), Algorithm 1 again from h. So H(A | h) = H(A, B | h) - H(B | h, A) =
+    -(1+α) E log P̂(A | h) + log Z_AB(h) - E log Z_B(hA): the returned path gives log P̂(A | h) (a draw of A given h),
+    and two more SMC runs from its own states give log Ẑ_AB and log Ẑ_B (none when stop = T). Averaged over paths it
+    estimates the entropy rate of P̂_α over those words, with log Ẑ's downward bias (about half its variance). Cost:
+    `particles` x (T - start) model steps a path, and the re-reading of each path's past."""
+    T = result.tokens.size(1)
+    if not 0 <= start < stop <= T:
+        raise ValueError(f"need 0 <= start < stop <= horizon = {T}; got start={start}, stop={stop}")
+    a1 = 1.0 + float(alpha)
+    text = torch.cat([prefixes.cpu(), result.tokens], 1)  # [B, P + T]
+    P = prefixes.size(1)
+    kw = dict(particles=particles, max_batch=max_batch)
+    log_z_ab = smc_generate(lm, text[:, :P + start], alpha, T - start, seed=seed, **kw).log_z
+    log_z_b = (smc_generate(lm, text[:, :P + stop], alpha, T - stop, seed=seed + 1, **kw).log_z if stop < T
+               else torch.zeros_like(log_z_ab))
+    log_pa = result.base_logp[:, start:stop].sum(1)  # [B]
+    return (-a1 * log_pa + log_z_ab - log_z_b) / (stop - start)

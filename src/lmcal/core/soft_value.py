@@ -1,0 +1,170 @@
+"""Soft-value heads: the paper's Algorithm 1 amortised, at about the cost of ordinary sampling.
+
+Written per word, the sequence-level calibrated law is P̂_α(w | h) ∝ P̂(w | h)^(1+α) exp(V(hw)), with the soft value
+V(hw) = log E_P̂[P̂(rest | hw)^α] of the words still to come (lmcal.core.sequence_exact: V = log b). Over a long
+horizon V grows by a constant ρ per word (log of the Perron root); the average-reward form drops that growth. The
+relative value Q(h, w) ≈ V(hw) - const solves the soft Bellman equation
+
+    Q(h, w) + ρ = log sum_w' P̂(w' | hw)^(1+α) exp(Q(hw, w')),
+
+whose solution on a finite-state model is Q(h, w) = log(Perron vector at next(h, w)) + const, so that the sampler
+
+    P(w | h) ∝ P̂(w | h)^(1+α) exp(Q(h, w))        (coefficient of Q tied to 1)
+
+is the infinite-horizon limit P_∞ of Algorithm 1 exactly. A future-entropy head (core.future_entropy: the model's state
+features -> Q [V], one [r, V] product a step, fused into the output layer for networks) learns Q by relative value
+iteration on the states the current sampler visits:
+
+  1. rollouts: rows read a prefix and run the sampler; a fraction `explore` of them take their first word uniformly
+     at random (so words the sampler avoids, and what follows them, are still seen). Word w_i drawn in state h gives
+     an example (h, w_i), with the backup b_i = log sum_w' P̂(w' | hw_i)^(1+α) exp(Q(hw_i, w')): the head at the next
+     state, which the sampler computes anyway;
+  2. ρ = mean of b_i - Q(h, w_i) over the rows that explored nothing (the sampler's own states), and residuals
+     r_i = b_i - ρ - Q(h, w_i); the target of example i is Q(h, w_i) + r_i + ... + r_{i+n-1}, n = backup_steps
+     along the sampled path. n = 1 is the one-step soft Bellman target; every residual vanishes at the fixed point,
+     so a larger n only speeds the iteration up (n words of lookahead an iteration, not one), at the price of a
+     Jensen bias off the fixed point;
+  3. the head regresses on the targets (warm start), and the rollouts run again with it.
+Iterating entropy heads with a free coefficient does not converge to this; the target must be the soft value.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from lmcal.core.future_entropy import FutureCalibratedLM, FutureEntropyHead, step_features, word_vectors
+from lmcal.core.sampling import draw, uniforms
+
+
+def soft_value_lm(lm, head: FutureEntropyHead, alpha: float) -> FutureCalibratedLM:
+    """The sampler P ∝ P̂^(1+α) e^Q as a StepLM (lmcal.core.future_entropy.FutureCalibratedLM with the head's coefficient
+    1 and the power 1 + α: one product more than the model's a step)."""
+    return FutureCalibratedLM(lm, head, 1.0, 1.0 + float(alpha))
+
+
+@dataclass
+class SoftValueExamples:
+    features: torch.Tensor  # [n, F] float32: the state each word was drawn in
+    words: torch.Tensor  # [n]
+    values: torch.Tensor  # [n] float64: Q(h, w) of the head that ran the rollouts
+    backups: torch.Tensor  # [n] float64: log sum_w' P̂(w' | hw)^(1+α) e^{Q(hw, w')}
+    targets: torch.Tensor  # [n] float64: the n-step targets (module docstring)
+    sampler_row: torch.Tensor  # [n] bool: the example's row ran the sampler from its first word
+    group: torch.Tensor  # [n]: the rollout row
+    rho: float  # the reward rate of these rollouts
+
+
+def _explorers(gen: torch.Tensor, explore: float) -> torch.Tensor:
+    """[B] bool: a fraction `explore` of consecutive row ids, spread evenly."""
+    return torch.floor((gen + 1) * explore) > torch.floor(gen * explore)
+
+
+def _q(head, f: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return torch.zeros_like(like) if head is None else head(f).to(like.device, like.dtype)
+
+
+@torch.no_grad()
+def soft_value_rollouts(lm, head: FutureEntropyHead | None, alpha: float, prefixes: torch.Tensor, steps: int, *,
+                        explore: float = 0.5, backup_steps: int = 1, seed: int = 0, max_batch: int = 1024
+                        ) -> SoftValueExamples:
+    """Examples of step 1 of the module docstring from rows reading prefixes [R, P] and generating `steps` words with
+    the sampler of `head` (None: Q = 0, the model's law to the power 1 + α). Model steps: R (P + steps)."""
+    a1 = 1.0 + float(alpha)
+    feats, words, values, backups, sampler_row = [], [], [], [], []
+    for lo in range(0, prefixes.size(0), max_batch):
+        chunk = prefixes[lo:lo + max_batch]
+        state = lm.init_state(chunk.size(0))
+        for i in range(chunk.size(1)):
+            logp, f, state = step_features(lm, chunk[:, i], state)
+        gen = lo + torch.arange(chunk.size(0), device=logp.device)
+        explorer = _explorers(gen, explore)
+        q = _q(head, f, logp)  # [n, V]
+        rows = {k: [] for k in ("f", "w", "q", "b")}
+        for i in range(steps):
+            z = a1 * logp + q  # [n, V]
+            p = (z - z.logsumexp(-1, keepdim=True)).exp()
+            if i == 0:
+                p = torch.where(explorer[:, None], torch.ones_like(p), p)  # uniform for the explorers
+            w, _ = draw(p, uniforms(seed, gen, i))
+            rows["f"].append(f.float().cpu())
+            rows["w"].append(w.cpu())
+            rows["q"].append(q.gather(1, w[:, None])[:, 0].double().cpu())
+            logp, f, state = step_features(lm, w, state)
+            q = _q(head, f, logp)
+            rows["b"].append((a1 * logp + q).logsumexp(-1).double().cpu())
+        feats.append(torch.stack(rows["f"], 1))  # [n, steps, F]
+        words.append(torch.stack(rows["w"], 1))  # [n, steps]
+        values.append(torch.stack(rows["q"], 1))
+        backups.append(torch.stack(rows["b"], 1))
+        sampler_row.append((~explorer.cpu())[:, None].expand(-1, steps))
+    feats, words, values, backups, sampler_row = map(torch.cat, (feats, words, values, backups, sampler_row))
+    R = words.size(0)
+    # the reward rate on the sampler's own states: an explorer may sit in a closed class of another rate (noise)
+    own = sampler_row if bool(sampler_row.any()) else torch.ones_like(sampler_row)  # explore = 1: every row
+    rho = float((backups - values)[own].mean())
+    resid = backups - rho - values  # [R, steps]
+    cum = torch.cat([torch.zeros(R, 1, dtype=torch.float64), resid.cumsum(1)], 1)  # [R, steps + 1]
+    end = (torch.arange(steps) + backup_steps).clamp(max=steps)  # sum of residuals i .. i + n - 1, cut at the end
+    targets = values + cum[:, end] - cum[:, :steps]
+    group = torch.arange(R)[:, None].expand(R, steps)
+    return SoftValueExamples(feats.flatten(0, 1), words.reshape(-1), values.reshape(-1), backups.reshape(-1),
+                             targets.reshape(-1), sampler_row.reshape(-1), group.reshape(-1), rho)
+
+
+def new_head(lm, in_dim: int, *, hidden: int = 128, rank: int = 64, seed: int = 0) -> FutureEntropyHead:
+    """A head with Q = 0 everywhere (its word matrix, word bias and level zero, the trunk random): its sampler starts as
+    the model's law to the power 1 + α."""
+    torch.manual_seed(seed)
+    head = FutureEntropyHead(in_dim, lm.vocab_size, hidden=hidden, rank=rank, words=word_vectors(lm))
+    with torch.no_grad():
+        last = head.words if head.basis is None else head.proj.weight
+        for p in (last, head.level.weight, head.level.bias, head.bias):
+            p.zero_()
+    return head.eval()
+
+
+def fit_soft_value(head: FutureEntropyHead, features: torch.Tensor, words: torch.Tensor, targets: torch.Tensor, *,
+                   epochs: int = 4, batch_size: int = 512, lr: float = 3e-3, seed: int = 0) -> dict:
+    """Regress head(features, words) on targets (squared error, AdamW with a one-cycle schedule), warm from the head's
+    weights. Returns {"rmse_nats", "r2"} on the examples themselves."""
+    g = torch.Generator().manual_seed(seed)
+    y = targets.float()
+    opt = torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=0.0)
+    total = max(1, epochs * math.ceil(y.numel() / batch_size))
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=total, pct_start=0.1)
+    head.train()
+    for _ in range(epochs):
+        for idx in torch.randperm(y.numel(), generator=g).split(batch_size):
+            loss = (head(features[idx], words[idx]) - y[idx]).pow(2).mean()
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            sched.step()
+    head.eval()
+    with torch.no_grad():
+        err = torch.cat([head(features[i], words[i]) for i in torch.arange(y.numel()).split(4096)]).double() - targets
+    var = float(targets.var())
+    return {"rmse_nats": float(err.pow(2).mean().sqrt()), "r2": 1 - float(err.pow(2).mean()) / var if var > 0 else None}
+
+
+def train_soft_value(lm, alpha: float, prefixes: torch.Tensor, *, iterations: int = 20, steps: int = 20,
+                     explore: float = 0.5, backup_steps: int = 1, head: FutureEntropyHead | None = None,
+                     hidden: int = 128, rank: int = 64, epochs: int = 4, batch_size: int = 512, lr: float = 3e-3,
+                     seed: int = 0, max_batch: int = 1024) -> tuple[FutureEntropyHead, list[dict]]:
+    """Relative value iteration (module docstring) from `head`, or from Q = 0: each iteration rolls out from prefixes
+    [R, P] with new draws, then regresses. Returns the head and, per iteration, {"rho", "rmse_nats", "r2"}."""
+    if head is None:
+        with torch.no_grad():
+            _, f, _ = step_features(lm, prefixes[:1, 0], lm.init_state(1))
+        head = new_head(lm, f.size(1), hidden=hidden, rank=rank, seed=seed)
+    history = []
+    for k in range(iterations):
+        ex = soft_value_rollouts(lm, head, alpha, prefixes, steps, explore=explore, backup_steps=backup_steps,
+                                 seed=seed + 1000 * k, max_batch=max_batch)
+        stats = fit_soft_value(head, ex.features, ex.words, ex.targets, epochs=epochs, batch_size=batch_size, lr=lr,
+                               seed=seed + k)
+        history.append({"rho": ex.rho, **stats})
+    return head, history

@@ -1,0 +1,298 @@
+"""Algorithm 1, sequence-level calibration P̂_α ∝ P̂^(1+α), against its exact solution on finite-state oracles
+(lmcal.core.sequence_exact): the SMC sampler's paths and Ẑ (lmcal.core.smc), the fitted α* (lmcal.core.sequence_fit),
+the soft-value heads (lmcal.core.soft_value), and the delayed drift that one-step lookahead cannot see."""
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from lmcal.core.calibration import fit_lookahead_calibration
+from lmcal.core.entropy_rate import generation_entropy_curve
+from lmcal.core.lookahead import lookahead_entropies
+from lmcal.core.sequence_exact import (
+    FiniteStateLM,
+    all_states,
+    calibrated_log_law,
+    exact_alpha,
+    finite_state_lm,
+    generation,
+    log_values,
+    perron_limit,
+    sequence_ce,
+    stationary_prefixes,
+    true_log_probs,
+    true_text,
+)
+from lmcal.core.sequence_fit import fit_sequence_alpha
+from lmcal.core.smc import smc_generate, smc_tail_entropy
+from lmcal.core.soft_value import fit_soft_value, new_head, soft_value_lm, soft_value_rollouts, train_soft_value
+from lmcal.data.batching import batchify
+from lmcal.data.markov import make_markov_chain, markov_entropy_rate, sample_markov
+from lmcal.models.oracles import DelayedDriftOracle, DriftingOracle, MarkovOracle
+
+CHAIN = make_markov_chain(vocab_size=8, order=1, support=3, smoothing=0.05, seed=1)
+TRUTH = MarkovOracle.from_chain(CHAIN)
+H = markov_entropy_rate(CHAIN.probs, 8, 1)
+
+
+def _tempered(power=0.7):
+    """A model of the chain too flat (power < 1) to be calibrated: α* > 0."""
+    probs = CHAIN.probs ** power
+    return MarkovOracle(probs / probs.sum(1, keepdims=True), 8, 1)
+
+
+def _delayed():
+    return DelayedDriftOracle(CHAIN, trigger_rate=0.02, delay=3, noise_vocab=32)
+
+
+def _text(model):
+    return true_text(TRUTH, model, *stationary_prefixes(CHAIN))
+
+
+def _windows(n, length, seed):
+    """[n, length] consecutive windows of one stationary sample of the chain."""
+    return torch.as_tensor(sample_markov(CHAIN.probs, 8, 1, n * length, seed)).view(n, length)
+
+
+def _start(fs, first_words):
+    """The law of the model's state after one-word prefixes (order 1: the state is the word, in phase 0)."""
+    return torch.bincount(first_words, minlength=fs.num_states).double() / first_words.numel()
+
+
+def test_exact_reference_against_brute_force_and_closed_forms():
+    model, T, alpha = _tempered(), 3, 0.8
+    fs = finite_state_lm(model)
+    # brute force over all 8**3 continuations of each context
+    paths = torch.tensor(list(itertools.product(range(8), repeat=T)))  # [512, T]
+    for s in (0, 5):
+        logp = torch.zeros(len(paths), dtype=torch.float64)
+        state = torch.full((len(paths),), s)
+        for t in range(T):
+            logp += fs.log_law[state, paths[:, t]]
+            state = fs.next_state[state, paths[:, t]]
+        log_z = ((1 + alpha) * logp).logsumexp(0)
+        assert log_values(fs, alpha, T)[T, s] == pytest.approx(log_z.item(), abs=1e-12)
+        law = ((1 + alpha) * logp - log_z).exp()  # [512]: P̂_α of each path
+        g = generation(fs, alpha, T, torch.nn.functional.one_hot(torch.tensor(s), 8).double())
+        for t in range(T):
+            marg = torch.zeros(8, dtype=torch.float64).index_add_(0, paths[:, t], law)
+            assert torch.allclose(g.marginals[t], marg, atol=1e-12)
+        assert g.moment == pytest.approx((law * logp).sum().item(), abs=1e-12)
+        assert g.entropy.sum().item() == pytest.approx(-(law * law.log()).sum().item(), abs=1e-12)
+    assert torch.allclose(calibrated_log_law(fs, alpha, T).logsumexp(-1), torch.zeros(T, 8, dtype=torch.float64))
+    # the tables read off the delayed oracle give its own closed-form generation curve, and α = 0 is the model
+    orc = _delayed()
+    fd = finite_state_lm(orc)
+    start = _text(orc).model_start
+    g0 = generation(fd, 0.0, 50, start)
+    assert np.allclose(g0.entropy.numpy(), orc.expected_generation_entropy(50), atol=1e-12)
+    assert log_values(fd, 0.0, 50).abs().max() < 1e-12
+    drift = DriftingOracle(CHAIN, T=30, noise_vocab=16)
+    g0 = generation(finite_state_lm(drift), 0.0, 50, _text(drift).model_start)
+    assert np.allclose(g0.entropy.numpy(), drift.expected_generation_entropy(50, H), atol=1e-12)
+    # the truth itself is calibrated: α* = 0 (an order-2 chain: states are pairs of words)
+    chain2 = make_markov_chain(vocab_size=4, order=2, support=2, smoothing=0.05, seed=2)
+    truth2 = MarkovOracle.from_chain(chain2)
+    text2 = true_text(truth2, truth2, *stationary_prefixes(chain2))
+    assert exact_alpha(finite_state_lm(truth2), text2, 10) == pytest.approx(0, abs=1e-10)
+
+
+def test_exact_alpha_makes_ce_equal_the_entropy_rate_and_the_perron_limit():
+    model, T = _tempered(), 10
+    fs, text = finite_state_lm(model), _text(model)
+    a = exact_alpha(fs, text, T)
+    ce = lambda x: sequence_ce(fs, text, x, T)  # noqa: E731
+    ent = generation(fs, a, T, text.model_start).entropy_rate  # the sum of the conditionals' entropies, apart
+    assert a > 0.2 and ce(a) == pytest.approx(ent, abs=1e-12)
+    assert (ce(a + 1e-5) - ce(a - 1e-5)) / 2e-5 == pytest.approx(0, abs=1e-8)  # the minimum of a convex CE
+    assert ce(a) < ce(0.0) - 0.05 and ce(0.0) == pytest.approx(-true_log_probs(fs, text, T).mean().item())
+    # far from both ends of a long horizon the conditionals are P_∞, and log Z grows by log λ a word
+    alpha, T = 0.5, 200
+    pl = perron_limit(fs, alpha, text.model_start)
+    assert (calibrated_log_law(fs, alpha, T)[T // 2] - pl.log_law).abs().max() < 1e-10
+    b = log_values(fs, alpha, T)
+    assert (b[T] - b[T - 1] - pl.log_lambda).abs().max() < 1e-10
+    g = generation(fs, alpha, T, text.model_start)
+    assert g.entropy[T // 2].item() == pytest.approx(pl.entropy_rate, abs=1e-10)
+    assert g.base_logp[T // 2].item() == pytest.approx(pl.base_logp, abs=1e-10)
+
+
+def test_smc_paths_follow_the_exact_calibrated_law_with_a_bias_of_order_one_over_particles():
+    model, T, alpha, B = _tempered(), 10, 1.0, 2000
+    fs = finite_state_lm(model)
+    prefixes = _windows(B, 1, 0)
+    g = generation(fs, alpha, T, _start(fs, prefixes[:, 0]))  # exact, given these prefixes
+    r = smc_generate(model, prefixes, alpha, T, particles=128, seed=0)
+    assert r.tokens.shape == (B, T) and r.ess.shape == (B, T) and r.resamplings.sum() > 0
+    for got, want in ((r.base_logp, g.base_logp), (r.base_entropy, g.base_entropy)):
+        z = (got.mean(0) - want) / (got.std(0) / math.sqrt(B))
+        assert z.abs().max() < 4.5, z
+    marg = torch.nn.functional.one_hot(r.tokens, 8).double().mean(0)  # [T, 8]
+    z = (marg - g.marginals) / (g.marginals * (1 - g.marginals) / B).sqrt()
+    assert z.abs().max() < 4.5, z
+    # the returned path's expectation given the particles is their weighted mean (path_logp): its bias against the
+    # exact moment falls as 1 / particles
+    moment = torch.tensor([generation(fs, alpha, T, torch.eye(8, dtype=torch.float64)[s]).moment for s in range(8)])
+    prefixes, bias = _windows(4000, 1, 1), {}
+    for k in (4, 16):
+        err = smc_generate(model, prefixes, alpha, T, particles=k, seed=1).path_logp - moment[prefixes[:, 0]]
+        bias[k] = err.mean().item()
+        assert abs(bias[k]) > 5 * err.std().item() / math.sqrt(len(err)), (k, bias[k])  # large enough to measure
+    assert 2.0 < bias[4] / bias[16] < 8.0, bias
+    # a function of the seed, however the prefixes are batched; alpha = 0 is plain sampling
+    one = smc_generate(model, prefixes[:30], alpha, T, particles=16, seed=3, max_batch=40)
+    two = smc_generate(model, prefixes[:30], alpha, T, particles=16, seed=3, max_batch=10_000)
+    assert torch.equal(one.tokens, two.tokens) and torch.equal(one.log_z, two.log_z)
+    plain = smc_generate(model, prefixes[:30], 0.0, T, particles=16)
+    assert plain.log_z.abs().max() < 1e-12 and plain.resamplings.sum() == 0
+
+
+def test_smc_tail_entropy_is_the_calibrated_laws_entropy_over_the_last_words():
+    """H(A | h) = -(1+α) E log P̂(A | h) + log Z_AB(h) - E log Z_B(hA) by nested SMC runs, against the exact sum of
+    the calibrated conditionals' entropies over A: the last tenth of the horizon (B empty), and a stretch inside it."""
+    model, T, alpha, B = _tempered(), 20, 1.0, 1500
+    fs = finite_state_lm(model)
+    prefixes = _windows(B, 1, 4)
+    g = generation(fs, alpha, T, _start(fs, prefixes[:, 0]))
+    r = smc_generate(model, prefixes, alpha, T, particles=64, seed=5)
+    for start, stop in ((18, 20), (10, 14)):
+        got = smc_tail_entropy(model, prefixes, r, alpha, start, stop, particles=64, seed=6)  # [B]
+        want = g.entropy[start:stop].mean().item()
+        assert got.shape == (B,)
+        assert abs(got.mean().item() - want) < 4.5 * got.std().item() / math.sqrt(B) + 0.01, (start, got.mean(), want)
+    with pytest.raises(ValueError, match="start"):
+        smc_tail_entropy(model, prefixes, r, alpha, 5, 25)
+
+
+def test_smc_z_is_unbiased_and_its_log_biased_low():
+    model, T, alpha, N = _tempered(), 10, 1.0, 4000
+    fs = finite_state_lm(model)
+    log_z = log_values(fs, alpha, T)[T, 3].item()
+    r = smc_generate(model, torch.full((N, 1), 3), alpha, T, particles=4, seed=0)  # N independent runs
+    ratio = (r.log_z - log_z).exp()
+    assert abs(ratio.mean().item() - 1) < 4 * ratio.std().item() / math.sqrt(N), ratio.mean()
+    gap = r.log_z - log_z
+    assert gap.mean() < -6 * gap.std() / math.sqrt(N)  # Jensen: E log Ẑ < log Z, visibly, with 4 particles
+
+
+def test_fitted_alpha_matches_the_exact_root_within_its_standard_error():
+    model, T, B = _tempered(), 10, 400
+    fs, text = finite_state_lm(model), _text(model)
+    a = exact_alpha(fs, text, T)
+    data = _windows(B, T + 1, 5)
+    fit = fit_sequence_alpha(model, data[:, :1], data[:, 1:], particles=64, seed=0)
+    assert fit.alpha_stderr < 0.05 and abs(fit.alpha - a) < 3 * fit.alpha_stderr, (fit.alpha, a, fit.alpha_stderr)
+    assert abs(fit.ce - sequence_ce(fs, text, a, T)) < 3 * fit.ce_stderr
+    assert abs(fit.ce - fit.entropy_rate) <= (1 + fit.alpha) * abs(fit.moment_gap) / T + 1e-12  # CE = EntRate
+    assert fit.ce < fit.ce_base - 2 * fit.ce_gain_stderr  # and calibration lowers the CE
+    exact_slope = (generation(fs, a + 1e-4, T, text.model_start).moment
+                   - generation(fs, a - 1e-4, T, text.model_start).moment) / 2e-4
+    assert fit.slope == pytest.approx(exact_slope, rel=0.15)
+
+
+def test_soft_value_heads_reach_the_perron_fixed_point():
+    model, alpha = _tempered(), 0.5
+    fs = finite_state_lm(model)
+    pl = perron_limit(fs, alpha)
+    feats = model.state_features(all_states(model))
+    prefixes = _windows(400, 1, 0)
+
+    def tv(head):  # the sampler's law against P_∞, worst state
+        with torch.no_grad():
+            law = ((1 + alpha) * fs.log_law + head(feats).double()).softmax(-1)
+        return ((law - pl.log_law.exp()).abs().sum(-1) / 2).max().item()
+
+    # exact targets, Q = log of the Perron vector at the next state, on the states the sampler visits
+    head = new_head(model, feats.size(1), hidden=64, rank=8)
+    assert tv(head) > 0.05  # the model's law to the power 1 + α alone is far off
+    for k in range(2):
+        ex = soft_value_rollouts(model, head, alpha, prefixes, 20, seed=k)
+        state = ex.features[:, 1:].argmax(1)  # the one-hot context (slot 0 is the empty one)
+        fit_soft_value(head, ex.features, ex.words, pl.log_vector[fs.next_state[state, ex.words]], epochs=10)
+    assert tv(head) < 2e-3
+    # relative value iteration from scratch, one-step soft Bellman targets
+    head, history = train_soft_value(model, alpha, prefixes, iterations=12, steps=20, hidden=64, rank=8)
+    assert tv(head) < 2e-3
+    assert history[-1]["rho"] == pytest.approx(pl.log_lambda, abs=2e-3)
+
+
+def test_delayed_drift_closes_under_smc_and_soft_values_but_not_one_step_lookahead():
+    orc, T = _delayed(), 40  # the curve's length; its last tenth is the last 4 words
+    fs, text = finite_state_lm(orc), _text(orc)
+    last = slice(T - T // 10, T)
+    ce0 = -true_log_probs(fs, text, T).mean().item()
+
+    def gap(log_law):  # exact: last tenth of the generation entropy curve - CE on true text, for a per-word law
+        f = FiniteStateLM(log_law, fs.next_state)
+        return (generation(f, 0.0, T, text.model_start).entropy[last].mean().item()
+                + true_log_probs(f, text, T).mean().item())
+
+    assert gap(fs.log_law) > 1.0
+    fit = fit_lookahead_calibration(orc, batchify(_windows(1, 20000, 1)[0], 20), topk=None, min_context=5)
+    one_step = (fs.log_law + fit.alpha * lookahead_entropies(orc, all_states(orc), fs.log_law)).log_softmax(-1)
+    assert gap(one_step) > 1.0  # a trigger looks harmless one word ahead
+
+    # Algorithm 1 over exactly T words drifts at the end (a trigger there costs only the few words left) ...
+    a_t = exact_alpha(fs, text, T)
+    g_t = generation(fs, a_t, T, text.model_start)
+    assert g_t.entropy.mean().item() == pytest.approx(sequence_ce(fs, text, a_t, T), abs=1e-10)
+    assert g_t.entropy[last].mean().item() - sequence_ce(fs, text, a_t, T) > 0.15
+    # ... so SMC generates 2T words, and the first T are flat at the CE
+    horizon = 2 * T
+    a = exact_alpha(fs, text, horizon)
+    g = generation(fs, a, horizon, text.model_start)
+    assert abs(g.entropy[last].mean().item() - sequence_ce(fs, text, a, horizon)) < 0.1
+    B = 200
+    prefixes = _windows(B, 1, 3)
+    r = smc_generate(orc, prefixes, a, horizon, particles=64, seed=0)
+    g_b = generation(fs, a, horizon, _start(fs, prefixes[:, 0]))
+    z = (r.base_logp.mean(0) - g_b.base_logp) / (r.base_logp.std(0) / math.sqrt(B))
+    assert z.abs().max() < 4.5, z
+    # the model's own -log P̂ along the calibrated generations, in the last tenth: at the CE, as SMC measures it
+    surprisal = -r.base_logp[:, last].mean(1)  # [B]
+    assert abs(surprisal.mean() + g_b.base_logp[last].mean()) < 4 * surprisal.std() / math.sqrt(B)
+    assert abs(g.base_logp[last].mean().item() + ce0) < 0.1
+
+    # the soft-value heads, average-reward, at the same α: P ∝ P̂^(1+α) e^Q is flat from the first word
+    head, history = train_soft_value(orc, a, _windows(400, 1, 4), iterations=10, steps=20, backup_steps=10,
+                                     hidden=64, rank=16)
+    assert history[-1]["rho"] == pytest.approx(perron_limit(fs, a).log_lambda, abs=5e-3)
+    with torch.no_grad():
+        law = ((1 + a) * fs.log_law + head(orc.state_features(all_states(orc))).double()).log_softmax(-1)
+    assert abs(gap(law)) < 0.1, gap(law)
+    sampler = soft_value_lm(orc, head, a)  # the StepLM generates what the exact curve says
+    mc = generation_entropy_curve(sampler, _windows(40, 1, 5), T, 10, seed=0)
+    exact = generation(FiniteStateLM(law, fs.next_state), 0.0, T, _start(fs, _windows(40, 1, 5)[:, 0])).entropy
+    assert np.abs((mc.mean - exact.numpy()) / mc.stderr).max() < 4.5
+
+
+def test_the_stage_writes_its_rows_on_an_oracle(tmp_path):
+    """The sequence_calibration stage end to end on the delayed drifting oracle (tiny settings): every row, the fit's
+    CE beside its entropy rate, the goal chosen on one seed and reported on another, and results.json's rows."""
+    from lmcal.stages.sequence_calibration import STAGE, sequence_calibration_stage
+
+    orc = _delayed()
+    text = _windows(1, 6000, 9)[0]
+    r = sequence_calibration_stage(orc, text[:3000], text[3000:4500], text[4500:], tmp_path, particles=[2, 8],
+                                   fit_prefixes=8, fit_particles=8, tail_particles=4, sv_rollouts=16, sv_prefix=4,
+                                   sv_steps=6, sv_iterations=2, sv_backup_steps=3, hidden=8, rank=4, epochs=1,
+                                   fit_tokens=600, fit_streams=4, score_tokens=600, score_streams=4,
+                                   timing_prefixes=2, timing_horizon=4, timing_repeats=1, num_prefixes=6,
+                                   samples_per_prefix=2, prefix_len=4, horizon=20, max_batch=64)
+    assert [(x["method"], x["params"].get("particles")) for x in r["rows"]] == [
+        ("model", None), ("smc", 2), ("smc", 8), ("soft_value", None), ("fitted_temperature", None)]
+    for x in r["rows"]:
+        assert len(x["curve_nats"]) == 20 and x["tail_ppl"] > 0 and x["tail_ppl_stderr"] >= 0
+        assert x["ms_per_token"] > 0 and x["test_ce_nats"] is not None
+    f = r["fit"]
+    assert abs(f["ce_nats"] - f["entropy_rate_nats"]) < 3 * (f["ce_stderr_nats"] + f["entropy_rate_stderr_nats"])
+    g = r["goal"]
+    assert g is None or (g["chosen_on_seed"] != g["reported_on_seed"] and g["method"] in ("smc", "soft_value",
+                                                                                          "fitted_temperature"))
+    rows = STAGE.summary(r)["sequence_calibration"]
+    assert {"method", "params", "tail_ppl", "tail_ppl_stderr", "test_ce_nats", "ms_per_token"} <= set(rows[0])
+    assert {p.name for p in tmp_path.iterdir()} >= {"sequence_calibration.json", "sequence_calibration.md",
+                                                    "sequence_calibration.png"}
