@@ -14,6 +14,13 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from lmcal import paper
+from lmcal.pipeline.claims import (
+    best_head_claims,
+    calibration_claims,
+    claims_markdown,
+    heads_claims,
+    memory_flags,
+)
 from lmcal.pipeline.docs import provenance
 from lmcal.pipeline.results import OPERATIONS, PAPER_STAGES, collect_results
 from lmcal.utils.io import copy_atomic, read_json, write_json_atomic, write_text_atomic
@@ -72,7 +79,8 @@ def transformer_memory_markdown(r: dict) -> list[str]:
               "context: its P̂ conditions on the tokens within it (see full_context in its memory.json), so its "
               "bound is the information it draws from between τ and its context back.", "",
               "### The transformer's memory table", "",
-              memory_table([{**m, "corpus": "transformer"} for m in rows]), ""]
+              memory_table([{**m, "corpus": "transformer"} for m in rows]), "",
+              *claims_markdown(memory_flags(rows))]
     return lines
 
 
@@ -138,8 +146,6 @@ def future_entropy_markdown(cfg: DictConfig, out: Path) -> list[str]:
     from lmcal.stages.future_entropy import future_entropy_table
 
     fe = read_json(out / cfg.dataset / "future_entropy" / "future_entropy.json")
-    heads = [r for r in fe["rows"] if r["method"].startswith("future_entropy")]
-    best = min(heads, key=lambda r: abs(math.log(r["tail_ppl"] / fe["reference_test_ppl"])), default=None)
     return [
         "## Calibrating against future entropy (beyond one-step lookahead)", "",
         f"Heads on the frozen model's state predict each next word's discounted future entropy G_K (K words, "
@@ -151,9 +157,7 @@ def future_entropy_markdown(cfg: DictConfig, out: Path) -> list[str]:
         f"{fe['samples_per_prefix']} generations of {fe['timing_horizon']} words, the same run for every method, the "
         f"best of {fe.get('timing_repeats', 1)}; × model: that time over the plain model's, timed in between.", "",
         future_entropy_table(fe["rows"], fe["reference_test_ce_nats"]).rstrip("\n"), "",
-        *([f"Closest to the test perplexity over the last tenth: {best['method']} "
-           f"({format_params(best['params'], drop=('stderr',))}), {best['tail_ppl']:.1f} against "
-           f"{fe['reference_test_ppl']:.1f}."] if best else []), "",
+        *claims_markdown([*best_head_claims(fe), *heads_claims(fe["rows"])]),
         "![future entropy](figure_future_entropy.png)", "",
     ]
 
@@ -221,8 +225,8 @@ def report_markdown(cfg: DictConfig, r: dict, out: Path) -> str:
         f"{max(1, cal['min_context'])} tokens of context, with "
         + (f"top-{cal['topk']} lookahead (the true word exact, {cal['tail_samples']} sampled words for the rest); "
            if cal["topk"] else "exact lookahead; ") +
-        f"test perplexity on {cal['test_tokens']:,} test tokens. The paper: {paper.CALIBRATION_EFFECT}. "
-        "![Figure 3](figure3_calibration.png)", "",
+        f"test perplexity on {cal['test_tokens']:,} test tokens. ![Figure 3](figure3_calibration.png)", "",
+        *claims_markdown(calibration_claims(r)),
         "## Decoders beside calibration", "",
         "The decoding rules practitioners use, on the same model, prefixes and seeds as calibration. Test CE is ∞ "
         "where a rule gives a test word probability 0; the ε-mixed CE mixes in ε = 1e-6 of the uniform "
@@ -234,6 +238,7 @@ def report_markdown(cfg: DictConfig, r: dict, out: Path) -> str:
         *sequence_calibration_markdown(cfg, out),
         "## Memory (Section 5, Figure 4)", "",
         (out / f"memory_{cfg.dataset}.md").read_text().split("\n", 2)[2],
+        *claims_markdown(memory_flags([m for m in r["memory"] if m.get("model") != "transformer"])),
         *transformer_memory_markdown(r),
         "## The exact check: an order-k Markov source", "",
         f"Order {mk['order']}. Entropy rate: exact {mk['true_entropy_rate_nats']:.4f} nats, estimated (the trained "
