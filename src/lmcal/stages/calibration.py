@@ -13,6 +13,7 @@ import torch
 from lmcal.core.calibration import calibrated, fit_lookahead_calibration
 from lmcal.core.decoders import heldout_cost
 from lmcal.core.entropy_rate import (
+    clustered_mean,
     generation_entropy_curve,
     paired_difference_curve,
     paired_tail_difference,
@@ -63,6 +64,7 @@ def calibration_stage(lm, valid_tokens: torch.Tensor, test_tokens: torch.Tensor,
         curves[label] = generation_entropy_curve(model, prefixes, horizon, samples_per_prefix, seed=seed,
                                                  max_batch=max_batch, progress=True)
     tail_diff, tail_se = paired_tail_difference(curves["after"], curves["before"])
+    levels = {k: clustered_mean(c.tail) for k, c in curves.items()}  # the last tenth's levels, se clustered by prefix
     diff_curve, diff_se = paired_difference_curve(curves["after"], curves["before"])
     result = {
         "model": model_name, "corpus": corpus, "alpha": fit.alpha, "alpha_stderr": fit.alpha_stderr,
@@ -81,6 +83,8 @@ def calibration_stage(lm, valid_tokens: torch.Tensor, test_tokens: torch.Tensor,
         "tail_ppl_before": exp_or_inf(curves["before"].tail_mean),
         "tail_ppl_after": exp_or_inf(curves["after"].tail_mean),
         "tail_diff_nats": tail_diff, "tail_diff_stderr_nats": tail_se,
+        **{f"tail{suffix}_nats": float(levels[k][0]) for k, suffix in (("before", "_before"), ("after", ""))},
+        **{f"tail_stderr{suffix}_nats": float(levels[k][1]) for k, suffix in (("before", "_before"), ("after", ""))},
         "diff_curve_nats": diff_curve.tolist(), "diff_stderr_nats": diff_se.tolist(),
         "tail_nats_per_generation_before": curves["before"].tail.tolist(),
         "tail_nats_per_generation": curves["after"].tail.tolist(),
