@@ -129,11 +129,15 @@ def test_memory_flags():
     rows = [{"model": "transformer", "tau": 20, "limited": "window", "delta_ce_nats": -0.0118,
              "delta_ce_stderr_nats": 0.0012, "two_parameter": {"beta": 0.341, "alpha": 0.691}},
             {"model": "transformer", "tau": 10, "limited": "window", "delta_ce_nats": -0.0053,
-             "delta_ce_stderr_nats": 0.0029, "two_parameter": {"beta": 1.1, "alpha": 0.0}},  # neither: 1.8 se, 0.1
+             "delta_ce_stderr_nats": 0.0029, "two_parameter": {"beta": 1.1, "alpha": 0.0}},  # 1.8 se; beta near 1
             {"tau": 5, "delta_ce_nats": 0.2, "delta_ce_stderr_nats": 0.01}]  # no two-parameter fit recorded
     flags = C.memory_flags(rows)
-    assert [(f.key, f.numbers["tau"]) for f in flags] == [("negative_delta_ce", 20), ("beta_far_from_1", 20)]
+    assert [(f.key, f.verdict, f.numbers["tau"]) for f in flags] == [
+        ("negative_delta_ce", "negative", 20), ("beta_far_from_1", "far", 20),
+        ("negative_delta_ce", "negative_not_shown", 10)]
     assert flags[0].sentence == ("Flag (transformer, τ = 20, window P̃): ΔCE = -0.0118 ± 0.0012 nats is below zero "
                                  "beyond 2 standard errors: the τ-limited model predicts these words better than the "
                                  "full one.")
     assert "β* = 0.341, α* = 0.691" in flags[1].sentence
+    assert flags[2].sentence.endswith("within 2 standard errors of zero: the τ-limited model predicts these words "
+                                      "about as well as the full one.")
