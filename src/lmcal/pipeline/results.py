@@ -54,7 +54,7 @@ def collect_results(cfg: DictConfig, out: Path, names: list[str]) -> dict:
         | {"entrate_tail_ppl_before": tail_ppl(cal["curve_nats_before"]),
            "entrate_tail_ppl_after": tail_ppl(cal["curve_nats"])}
         | _present(cal, *SETTINGS, "epsilon", "tail_nats_before", "tail_stderr_nats_before", "tail_nats",
-                   "tail_stderr_nats"),
+                   "tail_stderr_nats", "mass_outside_topk", "true_word_outside_topk", "coverage_positions"),
         "decoders": [{k: r[k] for k in ("method", "params", "entrate_ppl", "test_ce_nats", "zero_prob_fraction",
                                         "test_ce_kept_nats", "test_ce_mixed_nats", "entropy_t1_nats",
                                         "entropy_last_nats", "tail_diff_nats", "tail_diff_stderr_nats")}

@@ -118,6 +118,11 @@ def calibration_lines(r: dict) -> list[str]:
                                          cal["tail_stderr_nats_before"]) + "; "
                      + tail_level_sentence("calibrated", cal["tail_nats"], cal["tail_stderr_nats"])
                      + " (± one standard error, clustered by prefix).")
+    if cal.get("topk") and "mass_outside_topk" in cal:
+        lines.append(f"Outside the top {cal['topk']} (over {cal['coverage_positions']:,} test positions): the "
+                     "calibrated model gives those words, which share one estimated tilt, "
+                     f"{cal['mass_outside_topk']:.3f} of its mass on average, and "
+                     f"{100 * cal['true_word_outside_topk']:.1f}% of the true next words are among them.")
     note = entrate_note(r["entropy_rate"], cal)
     return [line for x in (*lines, note, paired_conditional("α*")) if x for line in (x, "")]
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from lmcal.core.calibration import calibrated, fit_lookahead_calibration
+from lmcal.core.calibration import calibrated, fit_lookahead_calibration, topk_coverage
 from lmcal.core.decoders import heldout_cost
 from lmcal.core.entropy_rate import (
     clustered_mean,
@@ -57,6 +57,7 @@ def calibration_stage(lm, valid_tokens: torch.Tensor, test_tokens: torch.Tensor,
     test = batchify(test_tokens[:score_tokens] if score_tokens else test_tokens, score_streams)
     cost_before = heldout_cost(plain, test)
     cost_after = heldout_cost(cal, test)
+    coverage = topk_coverage(cal, test[:201])  # the first 200 steps of the score streams: what top-k generation skips
     ce_before, ce_after, n_scored = cost_before["test_ce_nats"], cost_after["test_ce_nats"], cost_after["test_tokens"]
     prefixes = random_prefixes(valid_tokens, num_prefixes, prefix_len, seed=seed)
     curves = {}
@@ -74,7 +75,8 @@ def calibration_stage(lm, valid_tokens: torch.Tensor, test_tokens: torch.Tensor,
         "test_ppl_before": exp_or_inf(ce_before), "test_ppl_after": exp_or_inf(ce_after), "test_tokens": n_scored,
         "test_ce_mixed_nats_before": cost_before["test_ce_mixed_nats"],
         "test_ce_mixed_nats_after": cost_after["test_ce_mixed_nats"], "mix_epsilon": cost_after["mix_epsilon"],
-        "score_streams": score_streams,
+        "score_streams": score_streams, "mass_outside_topk": coverage["mass_outside_topk"],
+        "true_word_outside_topk": coverage["true_word_outside_topk"], "coverage_positions": coverage["positions"],
         "curve_nats_before": curves["before"].mean.tolist(), "stderr_nats_before": curves["before"].stderr.tolist(),
         "curve_nats": curves["after"].mean.tolist(), "stderr_nats": curves["after"].stderr.tolist(),
         "entrate_ppl_before": exp_or_inf(curves["before"].mean[-1]),
@@ -83,8 +85,8 @@ def calibration_stage(lm, valid_tokens: torch.Tensor, test_tokens: torch.Tensor,
         "tail_ppl_before": exp_or_inf(curves["before"].tail_mean),
         "tail_ppl_after": exp_or_inf(curves["after"].tail_mean),
         "tail_diff_nats": tail_diff, "tail_diff_stderr_nats": tail_se,
-        **{f"tail{suffix}_nats": float(levels[k][0]) for k, suffix in (("before", "_before"), ("after", ""))},
-        **{f"tail_stderr{suffix}_nats": float(levels[k][1]) for k, suffix in (("before", "_before"), ("after", ""))},
+        "tail_nats_before": float(levels["before"][0]), "tail_stderr_nats_before": float(levels["before"][1]),
+        "tail_nats": float(levels["after"][0]), "tail_stderr_nats": float(levels["after"][1]),
         "diff_curve_nats": diff_curve.tolist(), "diff_stderr_nats": diff_se.tolist(),
         "tail_nats_per_generation_before": curves["before"].tail.tolist(),
         "tail_nats_per_generation": curves["after"].tail.tolist(),
