@@ -27,10 +27,10 @@ from __future__ import annotations
 
 import sys
 
-from lmcal.errors import LmcalError
 from lmcal.pipeline.plan import load_profile
 from lmcal.pipeline.reproduce import reproduce
 from lmcal.pipeline.schedule import clock, progress_line, reference_seconds, schedule  # noqa: F401  (clock, progress_line: public)
+from lmcal.utils.boundary import boundary
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -39,10 +39,8 @@ def main(argv: list[str] | None = None) -> None:
         print(__doc__)
         return
     try:
-        reproduce(load_profile(argv))
-    except LmcalError as e:
-        print(f"\nlmcal: error: {e}", file=sys.stderr)
-        sys.exit(2)
+        with boundary():
+            reproduce(load_profile(argv))
     except KeyboardInterrupt:
         print("\nInterrupted: rerun the same command to resume; finished stages are kept.", file=sys.stderr)
         sys.exit(130)

@@ -63,6 +63,7 @@ def load_profile(argv: list[str]) -> DictConfig:
     cfg.force = bool(cfg.get("force", False))
     if cfg.get("out") is None:
         cfg.out = f"outputs/reproduce/{name}"
+    OmegaConf.to_container(cfg, resolve=True)  # every interpolation now: one that fails is an error before any work
     if note:
         print(note, flush=True)
     return cfg
