@@ -214,3 +214,46 @@ def test_report_on_results_missing_keys(tmp_path):
     dec.write_text(json.dumps({"corpus": "ptb", "rows": [{"method": "model"}]}))
     r = run("lmcal.report", [str(tmp_path / "d"), "--wandb", "disabled"], tmp_path)
     assert_one_paragraph(r, "decoders.json", "params")
+
+
+# -- no remote code from a Hugging Face folder ----------------------------------------------------------------------
+
+
+def _remote_code_folder(folder: Path, marker: Path) -> None:
+    """A folder whose config asks for its own Python (auto_map, an unknown model_type); that Python writes `marker`."""
+    _tiny_hf_folder(folder)
+    code = f"open({str(marker)!r}, 'w').write('ran')\nfrom transformers import GPT2Config as EvilConfig\n"
+    (folder / "evil.py").write_text(code)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg.update(model_type="evil_unknown_29", auto_map={"AutoConfig": "evil.EvilConfig",
+                                                       "AutoModelForCausalLM": "evil.EvilConfig"})
+    (folder / "config.json").write_text(json.dumps(cfg))
+    tok = json.loads((folder / "tokenizer_config.json").read_text())
+    tok["auto_map"] = {"AutoTokenizer": ["evil.EvilConfig", None]}
+    (folder / "tokenizer_config.json").write_text(json.dumps(tok))
+
+
+def test_remote_code_is_refused_without_a_prompt(tmp_path, monkeypatch):
+    from lmcal.errors import LmcalError
+    from lmcal.models.hf import load_hf_model
+
+    folder, marker = tmp_path / "evil_model", tmp_path / "ran"
+    _remote_code_folder(folder, marker)
+    asked = []
+    monkeypatch.setattr("builtins.input", lambda *a: asked.append(a) or "y")  # a user who would say yes
+    with pytest.raises(LmcalError, match="evil_model"):
+        load_hf_model(folder)
+    assert not asked and not marker.exists()
+    r = run("lmcal.evaluate", ["model=hf", f"model.name_or_path={folder}", "logger=none",
+                               f"hydra.run.dir={tmp_path / 'run'}"], tmp_path)
+    assert_one_paragraph(r, str(folder))
+    assert not marker.exists()
+
+
+def test_a_folder_without_tokenizer_files_is_refused_as_such(tmp_path):
+    from lmcal.errors import LmcalError
+    from lmcal.models.hf import load_hf_model
+
+    _tiny_hf_folder(tmp_path / "m", tokenizer=False)
+    with pytest.raises(LmcalError, match="no tokenizer files"):
+        load_hf_model(tmp_path / "m")
