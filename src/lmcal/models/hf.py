@@ -301,9 +301,6 @@ def load_hf_model(name_or_path, device="cpu", dtype=None) -> HFCausalLM:
         raise LmcalError(f"No Hugging Face model folder at {path}: the path does not exist (and does not look like "
                          "a hub id, so the hub was not asked). " + how)
     source = f"the local folder {path}" if local else f"the hub id {name!r} (no such local folder)"
-    if local and not any((path / f).is_file() for f in TOKENIZER_FILES):
-        raise LmcalError(f"{path} has no tokenizer files (none of {', '.join(TOKENIZER_FILES)}), so its model could "
-                         "not read text. Save the tokenizer beside the model: tokenizer.save_pretrained(folder).")
     # never the folder's own Python (config.json's auto_map), and never a prompt asking whether to run it
     where = {"local_files_only": True, "trust_remote_code": False} if local else {"trust_remote_code": False}
     kwargs = dict(where)
@@ -316,6 +313,10 @@ def load_hf_model(name_or_path, device="cpu", dtype=None) -> HFCausalLM:
     if dtype is not None:  # the keyword was renamed from torch_dtype in 4.56
         kwargs["dtype" if (major, minor) >= (4, 56) else "torch_dtype"] = dtype
     target = str(path) if local else name
+    if local and (path / "config.json").is_file() and not any((path / f).is_file() for f in TOKENIZER_FILES):
+        raise LmcalError(f"{path} holds a model but no tokenizer files (none of {', '.join(TOKENIZER_FILES)}), so "
+                         "it could not read text. Save the tokenizer beside the model: "
+                         "tokenizer.save_pretrained(folder).")
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(target, **where)
         model = transformers.AutoModelForCausalLM.from_pretrained(target, **kwargs)
