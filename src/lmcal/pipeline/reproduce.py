@@ -16,8 +16,8 @@ from lmcal.pipeline.plan import plan, stage_settings
 from lmcal.pipeline.results import PAPER_STAGES
 from lmcal.pipeline.schedule import reference_seconds, schedule
 from lmcal.stages.registry import check_stages
-from lmcal.utils.io import read_json, write_json_atomic, write_text_atomic
-from lmcal.utils.lock import run_lock
+from lmcal.utils.io import read_record, write_json_atomic, write_text_atomic
+from lmcal.utils.lock import run_lock, sweep_temp_files
 from lmcal.utils.settings import differences
 from lmcal.utils.validate import check_config
 
@@ -29,9 +29,9 @@ def stale_stages(stages: list[dict], current: dict, out: Path, force: bool) -> d
     changed = {}
     for st in stages:
         rec = out / "stages" / f"{st['name']}.json"
-        if not rec.is_file():
+        record = read_record(rec, warn=False)  # none, or one that does not parse: not done (the schedule warns)
+        if record is None:
             continue
-        record = read_json(rec)
         if "settings" not in record:  # a record of an lmcal that did not keep settings: adopt the current ones
             print(f"{st['name']}: recorded without its settings (an older lmcal); taking it as run with the current "
                   "ones.", flush=True)
@@ -84,6 +84,7 @@ def reproduce(cfg: DictConfig) -> dict:
                          f"{', '.join(missing)}). Add stages after them, e.g. stages=[{','.join(PAPER_STAGES)},NEW].")
     out = Path(cfg.out).resolve()
     with run_lock(out, "reproduction"):
+        sweep_temp_files(out)  # half-written files of a run that was killed
         stages = plan(cfg)
         current = {st["name"]: stage_settings(st, cfg) for st in stages}  # every stage checked before any runs
         for name, taus in stale_stages(stages, current, out, bool(cfg.get("force"))).items():

@@ -9,6 +9,7 @@ import math
 import os
 import re
 import shutil
+import sys
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
@@ -102,6 +103,27 @@ def write_json_atomic(path: str | Path, obj) -> None:
 def read_json(path: str | Path):
     """The JSON value in a file."""
     return json.loads(Path(path).read_text())
+
+
+def read_record(path: str | Path, warn: bool = True) -> dict | None:
+    """The JSON object in `path`; None when there is none, or when the file does not hold one (truncated, edited, not
+    an object), with a warning naming it: a record or result that does not parse means "not done", and its stage
+    runs again."""
+    path = Path(path)
+    if not path.is_file():
+        return None
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError) as e:  # (ValueError: JSONDecodeError, UnicodeDecodeError)
+        why = " ".join(str(e).split())[:120]
+    else:
+        if isinstance(value, dict):
+            return value
+        why = f"a JSON {type(value).__name__}, not an object"
+    if warn:
+        print(f"warning: {path} does not parse ({why}); taking its stage as not done, so it runs again.",
+              file=sys.stderr, flush=True)
+    return None
 
 
 def copy_atomic(src: str | Path, dst: str | Path) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import socket
 import sys
 import time
@@ -28,6 +29,25 @@ def _pid_alive(pid: int) -> bool:
     except PermissionError:  # another user's live process
         return True
     return True
+
+
+# a temporary file of lmcal.utils.io.temp_path: .NAME.<pid>.<8 hex>.tmp
+_TEMP = re.compile(r"\..+\.(\d+)\.[0-9a-f]{8}\.tmp")
+
+
+def sweep_temp_files(folder: str | Path) -> list[Path]:
+    """Removes the temporary files under `folder` that processes no longer running (on this host) left half
+    written; returns them. Call it holding the folder's lock, so that no writer of this run is among them."""
+    swept = []
+    for path in Path(folder).rglob(".*.tmp"):
+        m = _TEMP.fullmatch(path.name)
+        if m and path.is_file() and not _pid_alive(int(m.group(1))):
+            path.unlink(missing_ok=True)
+            swept.append(path)
+    if swept:
+        log.warning(f"Removed {len(swept)} temporary file(s) that stopped processes left in {folder} "
+                    f"(e.g. {swept[0].name}).")
+    return swept
 
 
 @contextmanager
