@@ -257,3 +257,59 @@ def test_a_folder_without_tokenizer_files_is_refused_as_such(tmp_path):
     _tiny_hf_folder(tmp_path / "m", tokenizer=False)
     with pytest.raises(LmcalError, match="no tokenizer files"):
         load_hf_model(tmp_path / "m")
+
+
+# -- budgets before work --------------------------------------------------------------------------------------------
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "lmcal"
+
+
+@pytest.mark.parametrize("out", ["/", str(Path.home()), str(SRC), str(SRC.parents[1])])
+def test_out_is_refused_for_root_home_and_the_projects_own_folders(out, tmp_path):
+    before = sorted(Path(out).iterdir())
+    r = run("lmcal.reproduce", ["profile=smoke", f"out={out}"], tmp_path)
+    assert_one_paragraph(r, "Refusing to write a run into")
+    assert sorted(Path(out).iterdir()) == before  # no lock, no folder, no profile.yaml
+
+
+@pytest.mark.parametrize("name", ["caf\u00e9", "a=b", "a,b"])
+def test_an_out_hydra_cannot_read_is_refused_before_any_folder_is_made(name, tmp_path):
+    r = run("lmcal.reproduce", ["profile=smoke", f"out={tmp_path / name / 'run'}"], tmp_path)
+    assert_one_paragraph(r, "Hydra cannot read that path")
+    assert not (tmp_path / name).exists()
+
+
+@pytest.mark.parametrize("setting", ["analysis.entropy_rate.horizon=10000000",
+                                     "analysis.entropy_rate.prefix_len=10000000",
+                                     "analysis.entropy_rate.samples_per_prefix=10000000",
+                                     "model.hidden_size=10000000"])
+def test_sizes_beyond_reason_are_refused_before_work_unless_forced(setting, tmp_path):
+    from hydra import compose, initialize_config_dir
+
+    from lmcal.errors import LmcalError
+    from lmcal.utils.settings import CONF_DIR
+    from lmcal.utils.validate import check_config
+
+    r = _train(tmp_path, *SYNTHETIC, "analysis.stages=[entropy_rate]", setting)
+    assert_one_paragraph(r, "Sizes beyond reason", setting.split("=")[0].rsplit(".", 1)[-1], "force_size=true")
+    assert not (tmp_path / "run" / "checkpoints").exists()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        for forced in (False, True):
+            cfg = compose(config_name="train", overrides=["experiment=smoke", setting, f"force_size={forced}"])
+            if forced:
+                check_config(cfg)  # the user said so
+            else:
+                with pytest.raises(LmcalError, match="Sizes beyond reason"):
+                    check_config(cfg)
+
+
+def test_the_presets_are_within_the_budget():
+    from hydra import compose, initialize_config_dir
+
+    from lmcal.utils.settings import CONF_DIR
+    from lmcal.utils.validate import check_config
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        for exp in sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml")):
+            check_config(compose(config_name="train", overrides=[f"experiment={exp}"]))
+        check_config(compose(config_name="train", overrides=["model=awd_lstm", "analysis=default"]))
