@@ -313,3 +313,57 @@ def test_the_presets_are_within_the_budget():
         for exp in sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml")):
             check_config(compose(config_name="train", overrides=[f"experiment={exp}"]))
         check_config(compose(config_name="train", overrides=["model=awd_lstm", "analysis=default"]))
+
+
+# -- the boundary's paragraphs, class by class (in-process: faults that a test cannot cause for real) ---------------
+
+
+@pytest.mark.parametrize("error,needles", [
+    (OSError(28, "No space left on device", "/out/results.json"), ("/out/results.json", "disk is full")),
+    (PermissionError(13, "Permission denied", "/out/run"), ("/out/run", "permissions")),
+    (OSError(30, "Read-only file system", "/mnt/ro/x"), ("/mnt/ro/x", "read-only")),
+    (OSError(40, "Too many levels of symbolic links", "/data/loop"), ("/data/loop", "link")),
+    (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB"), ("Out of memory", "20.00 GiB")),
+    (RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory: you tried to "
+                  "allocate 800000000000 bytes"), ("Out of memory", "800000000000")),
+    (MemoryError(), ("Out of memory",)),
+    (UnicodeDecodeError("utf-8", b"ab\xff", 2, 3, "invalid start byte"), ("not UTF-8", "xff")),
+])
+def test_the_boundary_explains_each_class(error, needles, capsys):
+    from lmcal.utils.boundary import boundary, explain
+
+    for n in needles:
+        assert n in explain(error)
+    with pytest.raises(SystemExit) as e, boundary():
+        raise error
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("lmcal: error: ") and err.count("\n") == 1
+
+
+def test_a_bug_keeps_its_traceback():
+    from lmcal.utils.boundary import boundary, explain
+
+    assert explain(KeyError("x")) is None and explain(RuntimeError("shape mismatch")) is None
+    with pytest.raises(KeyError), boundary():
+        raise KeyError("x")
+
+
+def test_an_interpolation_error_names_the_key():
+    from omegaconf import OmegaConf
+
+    from lmcal.utils.boundary import explain
+
+    cfg = OmegaConf.create({"data": {"root": "${oc.env:LMCAL_UNSET_29}"}})
+    with pytest.raises(Exception) as e:
+        OmegaConf.to_container(cfg, resolve=True)
+    assert "data.root" in explain(e.value) and "LMCAL_UNSET_29" in explain(e.value)
+
+
+def test_a_corpus_file_that_is_not_utf8_is_named(tmp_path):
+    from lmcal.data.corpora import tokenize_lines
+    from lmcal.errors import DataError
+
+    bad = tmp_path / "wiki.train.tokens"
+    bad.write_bytes("caf\u00e9\n".encode("latin-1"))
+    with pytest.raises(DataError, match=f"{bad} is not UTF-8 text"):
+        tokenize_lines(bad)
