@@ -48,7 +48,7 @@ def _evil_checkpoint(path: Path, victim: Path, where: str) -> None:
     assert torch.load(path, weights_only=True)["hyper_parameters"]["net"] == net  # safe unpickling lets it through
 
 
-@pytest.mark.parametrize("where", ["nested", "top"])
+@pytest.mark.parametrize("where", ["nested", pytest.param("top", marks=pytest.mark.slow)])
 def test_a_checkpoint_naming_code_runs_none_of_it_through_evaluate(where, tmp_path):
     victim, evil = tmp_path / "victim.txt", tmp_path / "evil.ckpt"
     victim.write_text("precious")
@@ -58,7 +58,7 @@ def test_a_checkpoint_naming_code_runs_none_of_it_through_evaluate(where, tmp_pa
     assert victim.read_text() == "precious"
 
 
-@pytest.mark.parametrize("key", ["init_ckpt", "memory.base_ckpt"])
+@pytest.mark.parametrize("key", ["init_ckpt", pytest.param("memory.base_ckpt", marks=pytest.mark.slow)])
 def test_a_checkpoint_naming_code_runs_none_of_it_through_train(key, tmp_path):
     victim, evil = tmp_path / "victim.txt", tmp_path / "evil.ckpt"
     victim.write_text("precious")
@@ -131,7 +131,10 @@ def test_non_utf8_text(tmp_path):
     assert_one_paragraph(r, str(bad), "UTF-8")
 
 
-@pytest.mark.parametrize("plugin", ["missing", "raises", "syntax"])
+SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize("plugin", ["missing", *(pytest.param(p, marks=SLOW) for p in ("raises", "syntax"))])
 def test_plugins_that_do_not_import(plugin, tmp_path):
     (tmp_path / "raises_mod.py").write_text("raise RuntimeError('the plugin broke')\n")
     (tmp_path / "syntax_mod.py").write_text("def (:\n")
@@ -145,7 +148,7 @@ def test_plugins_that_do_not_import(plugin, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("value", ["${oc.env:LMCAL_UNSET_29}", "${evil:1}"])
+@pytest.mark.parametrize("value", ["${oc.env:LMCAL_UNSET_29}", pytest.param("${evil:1}", marks=pytest.mark.slow)])
 def test_interpolations_that_fail(value, tmp_path):
     r = _train(tmp_path, *SYNTHETIC, f"data.root={value}")
     assert_one_paragraph(r, "data.root")
@@ -264,7 +267,8 @@ def test_a_folder_without_tokenizer_files_is_refused_as_such(tmp_path):
 SRC = Path(__file__).resolve().parents[1] / "src" / "lmcal"
 
 
-@pytest.mark.parametrize("out", ["/", str(Path.home()), str(SRC), str(SRC.parents[1])])
+@pytest.mark.parametrize("out", ["/", *(pytest.param(o, marks=pytest.mark.slow) for o in (str(Path.home()), str(SRC),
+                                                                                    str(SRC.parents[1])))])
 def test_out_is_refused_for_root_home_and_the_projects_own_folders(out, tmp_path):
     before = sorted(Path(out).iterdir())
     r = run("lmcal.reproduce", ["profile=smoke", f"out={out}"], tmp_path)
@@ -272,7 +276,7 @@ def test_out_is_refused_for_root_home_and_the_projects_own_folders(out, tmp_path
     assert sorted(Path(out).iterdir()) == before  # no lock, no folder, no profile.yaml
 
 
-@pytest.mark.parametrize("name", ["caf\u00e9", "a=b", "a,b"])
+@pytest.mark.parametrize("name", ["caf\u00e9", *(pytest.param(n, marks=pytest.mark.slow) for n in ("a=b", "a,b"))])
 def test_an_out_hydra_cannot_read_is_refused_before_any_folder_is_made(name, tmp_path):
     r = run("lmcal.reproduce", ["profile=smoke", f"out={tmp_path / name / 'run'}"], tmp_path)
     assert_one_paragraph(r, "Hydra cannot read that path")
@@ -280,8 +284,8 @@ def test_an_out_hydra_cannot_read_is_refused_before_any_folder_is_made(name, tmp
 
 
 @pytest.mark.parametrize("setting", ["analysis.entropy_rate.horizon=10000000",
-                                     "analysis.entropy_rate.prefix_len=10000000",
-                                     "analysis.entropy_rate.samples_per_prefix=10000000",
+                                     pytest.param("analysis.entropy_rate.prefix_len=10000000", marks=SLOW),
+                                     pytest.param("analysis.entropy_rate.samples_per_prefix=10000000", marks=SLOW),
                                      "model.hidden_size=10000000"])
 def test_sizes_beyond_reason_are_refused_before_work_unless_forced(setting, tmp_path):
     from hydra import compose, initialize_config_dir
