@@ -11,7 +11,6 @@ Decoders: `stages=[decoders]` (every method of analysis.decoders.methods), or on
 from __future__ import annotations
 
 import logging
-import sys
 from pathlib import Path
 
 import hydra
@@ -21,6 +20,7 @@ from lmcal.errors import LmcalError
 from lmcal.stages.registry import run_stages
 from lmcal.stages.targets import checkpoint_target, hf_target, stage_settings
 from lmcal.stages.wandb_run import finish_run, wandb_run
+from lmcal.utils.boundary import boundary, run_hydra
 from lmcal.utils.io import write_json_atomic
 from lmcal.utils.lock import run_lock
 from lmcal.utils.settings import CONF_DIR  # noqa: F401  (it registers the configs' lmcal_root resolver)
@@ -61,13 +61,10 @@ def _evaluate(cfg: DictConfig, out: Path) -> dict:
 
 @hydra.main(version_base="1.3", config_path="../../conf", config_name="evaluate")
 def main(cfg: DictConfig) -> None:
-    try:
+    with boundary():
+        OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)  # every interpolation, before any work
         evaluate(cfg)
-    except LmcalError as e:
-        log.error(str(e))
-        print(f"\nlmcal: error: {e}", file=sys.stderr)
-        sys.exit(2)
 
 
 if __name__ == "__main__":
-    main()
+    run_hydra(main)

@@ -7,7 +7,6 @@ the Hydra entry point around it, which turns `LmcalError`s into one-paragraph me
 from __future__ import annotations
 
 import logging
-import sys
 import time
 import traceback
 from pathlib import Path
@@ -26,6 +25,7 @@ from lmcal.models.checkpoint import load_base_net, load_net, model_name, read_ch
 from lmcal.stages.registry import STAGES, check_plan, check_stages, summary
 from lmcal.training.callbacks import EpochEntropyRateCallback, MetricsCallback, StagesCallback
 from lmcal.training.module import LMModule
+from lmcal.utils.boundary import explain, fail, run_hydra
 from lmcal.utils.io import atomic_path, write_json_atomic
 from lmcal.utils.lock import run_lock
 from lmcal.utils.settings import CONF_DIR  # noqa: F401  (the tests' and benches' import)
@@ -171,22 +171,22 @@ def main(cfg: DictConfig) -> float | None:
     hc = HydraConfig.get()
     sweep = hc.mode == RunMode.MULTIRUN
     try:
+        OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)  # every interpolation, before any work
         return train(cfg)["val_ce_nats"]
     except Exception as e:
-        user_error = isinstance(e, LmcalError)
-        message = str(e) if user_error else f"{type(e).__name__}: {e}"
+        explained = explain(e)
+        message = explained or f"{type(e).__name__}: {e}"
         if sweep:
-            log.error(f"job {hc.job.num} ({hc.job.override_dirname}) failed: {message}", exc_info=not user_error)
+            log.error(f"job {hc.job.num} ({hc.job.override_dirname}) failed: {message}", exc_info=not explained)
             write_json_atomic(Path(hc.runtime.output_dir) / "failed.json",
-                              {"error": message, "traceback": None if user_error else traceback.format_exc(),
+                              {"error": message, "traceback": None if explained else traceback.format_exc(),
                                "overrides": list(hc.overrides.task)})
             return None
-        if not user_error:
+        if not explained:
             raise
         log.error(message)
-        print(f"\nlmcal: error: {message}", file=sys.stderr)
-        sys.exit(2)
+        fail(message)
 
 
 if __name__ == "__main__":
-    main()
+    run_hydra(main)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from lmcal.errors import LmcalError
 from lmcal.pipeline.claims import claims_markdown, results_claims
-from lmcal.utils.io import copy_atomic, write_text_atomic
+from lmcal.utils.io import copy_atomic, file_name, inside, write_text_atomic
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -96,8 +96,12 @@ def snapshot(run: str | Path, docs: Path = DOCS) -> Path:
     if not (run / "results.json").is_file() or not (run / "REPORT.md").is_file():
         raise LmcalError(f"{run} holds no finished reproduction (results.json and REPORT.md are written by its last "
                          f"stage): run `make reproduce` to the end first, or pass the folder it wrote to.")
-    profile = json.loads((run / "results.json").read_text()).get("profile") or run.name
-    dest = docs / "runs" / profile
+    try:
+        profile = json.loads((run / "results.json").read_text()).get("profile") or run.name
+    except (ValueError, AttributeError) as e:
+        raise LmcalError(f"{run / 'results.json'} is not a reproduction's results ({e}); rerun its report stage "
+                         "(make reproduce in that folder) before taking a snapshot.") from None
+    dest = inside(docs / "runs", docs / "runs" / file_name(profile, run / "results.json", "profile"))
     for f in ["results.json", "REPORT.md", *sorted(p.name for p in run.glob("*.png"))]:
         copy_atomic(run / f, dest / f)
     return dest

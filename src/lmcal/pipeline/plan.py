@@ -33,7 +33,7 @@ def resolve_profile(name: str) -> tuple[str, str | None]:
     return name, None
 
 
-CLI_ONLY = ("profile", "force")  # keys of the command line that are not the profile's settings
+CLI_ONLY = ("profile", "force", "force_size")  # keys of the command line that are not the profile's settings
 
 
 def _keys(node, prefix: str = "") -> list[str]:
@@ -57,12 +57,13 @@ def load_profile(argv: list[str]) -> DictConfig:
     if unknown:
         raise LmcalError(f"Unknown setting{'s' if len(unknown) > 1 else ''} {', '.join(unknown)} (in ARGS or on the "
                          f"command line). The {name} profile (conf/reproduce/{name}.yaml) has: {', '.join(known)}; "
-                         "and the command line also takes profile= and force=true (FORCE=1).")
+                         "and the command line also takes profile=, force=true (FORCE=1) and force_size=true.")
     cfg = OmegaConf.merge(profile, cli)
     cfg.profile = name
     cfg.force = bool(cfg.get("force", False))
     if cfg.get("out") is None:
         cfg.out = f"outputs/reproduce/{name}"
+    OmegaConf.to_container(cfg, resolve=True)  # every interpolation now: one that fails is an error before any work
     if note:
         print(note, flush=True)
     return cfg
