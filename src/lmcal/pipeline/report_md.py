@@ -16,6 +16,7 @@ from omegaconf import DictConfig
 from lmcal import paper
 from lmcal.pipeline.docs import provenance
 from lmcal.pipeline.results import OPERATIONS, PAPER_STAGES, collect_results
+from lmcal.stages.wandb_run import init_args, open_run, reproduction_group
 from lmcal.utils.io import copy_atomic, read_json, write_json_atomic, write_text_atomic
 from lmcal.utils.numbers import exp_or_inf, format_ce, format_params
 
@@ -283,9 +284,9 @@ def report_markdown(cfg: DictConfig, r: dict, out: Path) -> str:
 def _log_report(cfg: DictConfig, results: dict, out: Path) -> None:
     import wandb
 
-    run = wandb.init(project=cfg.wandb_project, group=f"reproduce-{cfg.profile}", job_type="report",
-                     name=f"report-{cfg.profile}", mode="offline" if cfg.wandb_offline else "online", dir=str(out),
-                     reinit="finish_previous")
+    node = {"_target_": "WandbLogger", "project": cfg.wandb_project, "offline": cfg.wandb_offline}
+    run = open_run(init_args(node, out, job_type="report", dataset=cfg.dataset, name=f"report-{cfg.profile}",
+                             group=reproduction_group(out), config={"profile": cfg.profile}))
     try:
         run.summary.update({"test_ppl": results["base"]["test_ppl"],
                             "entrate_ppl": results["entropy_rate"]["entrate_ppl"],

@@ -12,6 +12,7 @@ from lmcal import paper
 from lmcal.errors import LmcalError
 from lmcal.stages.plots import decoders_tradeoff_figure, memory_figure
 from lmcal.stages.tables import decoders_table, memory_table
+from lmcal.stages.wandb_run import init_args, open_run
 from lmcal.utils.io import write_json_atomic, write_text_atomic
 
 log = logging.getLogger("lmcal")
@@ -132,8 +133,9 @@ def memory_report(dirs: list[str | Path], out: str | Path | None = None, wandb_m
 def _log_wandb(report: dict, out: Path, mode: str, project: str, group: str | None) -> None:
     import wandb
 
-    run = wandb.init(project=project, group=group, job_type="report", name="memory_report", mode=mode, dir=str(out),
-                     reinit="finish_previous")
+    node = {"_target_": "WandbLogger", "project": project, "offline": mode != "online"}
+    run = open_run(init_args(node, out, job_type="report", name="memory_report", group=group,
+                             dataset="+".join(report)))
     try:
         for corpus, r in report.items():
             cols = ["tau", "limited", "ce_limited_nats", "delta_ce_nats", "mi_upper_bound_nats", "mi_stderr_nats",

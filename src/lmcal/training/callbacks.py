@@ -16,6 +16,7 @@ from lmcal.models.checkpoint import load_base_net, load_net
 from lmcal.models.step_lm import as_step_lm
 from lmcal.stages.entropy_rate import entropy_rate_stage
 from lmcal.stages.registry import run_stages
+from lmcal.stages.wandb_run import wandb_log
 from lmcal.utils.io import write_json_atomic
 from lmcal.utils.numbers import exp_or_inf
 
@@ -83,9 +84,12 @@ class MetricsCallback(pl.Callback):
             folder = net.save_hf(self.out_dir / "hf", trainer.datamodule.prepare().itos)
             self.metrics["hf_folder"] = str(folder.resolve())
         write_json_atomic(self.out_dir / "metrics.json", self.metrics)
-        if trainer.logger:
-            trainer.logger.log_metrics({f"final/{k}": v for k, v in self.metrics.items()
-                                        if isinstance(v, (int, float)) and not isinstance(v, bool)})
+        final = {f"final/{k}": v for k, v in self.metrics.items()
+                 if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        if type(trainer.logger).__name__ == "WandbLogger":  # final numbers: the run's summary, not a history row
+            wandb_log(trainer.logger, summary=final)
+        elif trainer.logger:
+            trainer.logger.log_metrics(final)
         log.info(f"val ppl {self.metrics['val_ppl']:.2f}, test ppl {self.metrics['test_ppl']:.2f}; "
                  f"{self.out_dir / 'metrics.json'}")
 
