@@ -338,3 +338,21 @@ def test_an_analysis_wandb_run_is_written_offline_and_finished(tmp_path):
     assert wandb.run is None
     assert list((tmp_path / "run" / "wandb").glob("offline-run-*"))
     wandb_log(False, scalars={"x": 1.0})  # any other logger: nothing
+
+
+def test_report_tabulates_the_training_runs_of_any_folders(tmp_path):
+    """`lmcal.report` on folders of training runs: one table of them (overrides, val/test ppl, status, folder)."""
+    for name, metrics in (("a", {"val_ppl": 101.234, "test_ppl": 99.5, "dataset": "ptb"}), ("b", None)):
+        (tmp_path / "runs" / name / ".hydra").mkdir(parents=True)
+        (tmp_path / "runs" / name / ".hydra" / "overrides.yaml").write_text(f"- model.memory_tau={len(name) + 4}\n")
+        if metrics:
+            (tmp_path / "runs" / name / "metrics.json").write_text(json.dumps(metrics))
+        else:
+            (tmp_path / "runs" / name / "failed.json").write_text(json.dumps({"error": "tau must be > 0\nmore"}))
+    r = subprocess.run([sys.executable, "-m", "lmcal.report", str(tmp_path / "runs"), "--out", str(tmp_path / "rep"),
+                        "--wandb", "disabled"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = (tmp_path / "rep" / "runs.md").read_text().splitlines()
+    assert lines[2] == f"| model.memory_tau=5 | 101.23 | 99.50 | ok | {tmp_path / 'runs' / 'a'} |"
+    assert lines[3] == f"| model.memory_tau=5 | - | - | failed: tau must be > 0 | {tmp_path / 'runs' / 'b'} |"
+    assert lines[2] in r.stdout

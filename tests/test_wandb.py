@@ -4,6 +4,7 @@ run files hold the names, job types, groups, tags, series and summaries the dash
 
 import json
 import struct
+import time
 from pathlib import Path
 
 import pytest
@@ -33,6 +34,8 @@ def records(path: Path):
         if kind == 0:  # zero padding to the block's end
             pos += left
             continue
+        if pos + 7 + length > len(data):  # a chunk still being written
+            return
         buf = (b"" if kind in (1, 2) else buf) + data[pos + 7:pos + 7 + length]
         pos += 7 + length
         if kind in (1, 4):
@@ -41,10 +44,14 @@ def records(path: Path):
             yield rec
 
 
-def offline_run(folder: Path) -> dict:
+def offline_run(folder: Path, wait_s: float = 60.0) -> dict:
     """What one offline run folder holds: its run record's id, name, job type, group, tags and config keys, the
-    keys of its history rows and its final summary."""
+    keys of its history rows and its final summary. wandb's service process writes the file and can still be
+    flushing it when `finish()` has returned: read it once it ends with its exit record (up to `wait_s`)."""
     (f,) = folder.glob("run-*.wandb")
+    deadline = time.monotonic() + wait_s
+    while not any(r.WhichOneof("record_type") == "exit" for r in records(f)) and time.monotonic() < deadline:
+        time.sleep(0.5)
     out = {"history": [], "summary": {}}
     for r in records(f):
         kind = r.WhichOneof("record_type")
@@ -77,7 +84,7 @@ def _analysis_run(out):
                     dataset="ptb")
     try:
         wandb_log(run, scalars={"entropy_rate/entrate_ppl": 1.5}, summary={"entropy_rate/final": 2.0})
-        log_curves(run, "entropy_rate/curve", "t", [1, 2, 3], {"model": [1.0, 1.5, 2.0], "true": [1.0, 1.0, 1.0]})
+        log_curves(run, "entropy_rate/curves", "t", [1, 2, 3], {"model": [1.0, 1.5, 2.0], "true": [1.0, 1.0, 1.0]})
     finally:
         finish_run(run)
 
@@ -109,8 +116,9 @@ def test_training_logger_and_analysis_run_in_one_process_without_wandb_mode(orde
     (an,) = runs_under(tmp_path / "analysis")
     assert (an["name"], an["job_type"], an["group"]) == ("entropy_rate-awd-lstm-8-8-1-ptb", "entropy_rate", "analysis")
     assert {"data", "model"} <= an["config"] and an["summary"]["entropy_rate/final"] == 2.0
-    curve = [h for h in an["history"] if "entropy_rate/curve/t" in h]
-    assert [(h["entropy_rate/curve/t"], h["entropy_rate/curve/model"]) for h in curve] == [(1, 1.0), (2, 1.5), (3, 2.0)]
+    curve = [h for h in an["history"] if "entropy_rate/curves/t" in h]
+    assert [(h["entropy_rate/curves/t"], h["entropy_rate/curves/model"]) for h in curve] == [(1, 1.0), (2, 1.5),
+                                                                                            (3, 2.0)]
 
 
 def test_a_resumed_training_continues_its_wandb_run(tmp_path, monkeypatch, data_overrides):

@@ -33,7 +33,7 @@ from lmcal.errors import LmcalError
 from lmcal.stages.plots import entropy_curve_figure
 from lmcal.stages.rows import curve_row, generation_settings, same_settings
 from lmcal.stages.stage import Stage, earlier_result, stage_context
-from lmcal.stages.wandb_run import wandb_log
+from lmcal.stages.wandb_run import log_curves, wandb_log
 from lmcal.utils.io import write_json_atomic, write_text_atomic
 from lmcal.utils.numbers import exp_or_inf, format_ce, format_params
 
@@ -222,6 +222,9 @@ def future_entropy_stage(lm, train_tokens: torch.Tensor, valid_tokens: torch.Ten
     wandb_log(logger, scalars={f"{name}/{r['method']}{_suffix(r)}/{k}": r[k] for r in rows
                                for k in ("tail_ppl", "test_ce_nats", "ms_per_token") if r[k] is not None},
               images={f"{name}/figure": png})
+    curves = {f"{r['method']}{_suffix(r)}": r["curve_nats"] for r in rows if r.get("curve_nats")}
+    if curves:
+        log_curves(logger, f"{name}/curves", "t", range(1, len(next(iter(curves.values()))) + 1), curves)
     log.info(f"{name}: {len(rows)} methods in {result['seconds']:.0f} s; {out / (name + '.json')}\n"
              f"{future_entropy_table(rows, ref_ce)}")
     return result
