@@ -356,3 +356,28 @@ def test_report_tabulates_the_training_runs_of_any_folders(tmp_path):
     assert lines[2] == f"| model.memory_tau=5 | 101.23 | 99.50 | ok | {tmp_path / 'runs' / 'a'} |"
     assert lines[3] == f"| model.memory_tau=5 | - | - | failed: tau must be > 0 | {tmp_path / 'runs' / 'b'} |"
     assert lines[2] in r.stdout
+
+
+def test_markov_memory_figure_shows_the_exact_value_and_counts_have_integer_ticks(tmp_path, monkeypatch):
+    from lmcal.pipeline import tabulate
+    from lmcal.stages import plots
+
+    for tau, mi, exact in ((1, 0.30, 0.25), (2, 0.02, 0.0)):
+        (tmp_path / f"t{tau}").mkdir()
+        (tmp_path / f"t{tau}" / "memory.json").write_text(json.dumps({
+            "tau": tau, "corpus": "markov", "model": "m", "ce_limited_nats": 1.0, "mi_upper_bound_nats": mi,
+            "mi_stderr_nats": 0.01, "alpha": 0.1, "alpha_stderr": 0.01, "entropy_calibrated_nats": 1.0 - mi,
+            "exact_mi_nats": exact, "test_tokens": 100, "valid": {"tokens": 100}, "cluster_size": 10}))
+    figs = []
+    real_save = plots._save
+    monkeypatch.setattr(plots, "_save", lambda fig, path: (figs.append(fig), real_save(fig, path))[1])
+    seen = {}
+    real_figure = tabulate.memory_figure
+    monkeypatch.setattr(tabulate, "memory_figure", lambda series, *a, **k: (seen.update(series),
+                                                                            real_figure(series, *a, **k))[1])
+    memory_report([tmp_path], wandb_mode="disabled")
+    assert seen["exact I_tau (the source)"] == ([1, 2], [0.25, 0.0], None)
+    ticks = figs[-1].axes[0].get_xticks()
+    assert all(float(t).is_integer() for t in ticks)
+    plots.entropy_curve_figure({"m": (np.ones(3), np.zeros(3))}, tmp_path / "e.png")
+    assert all(float(t).is_integer() for t in figs[-1].axes[0].get_xticks())

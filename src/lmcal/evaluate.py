@@ -23,10 +23,12 @@ from lmcal.stages.targets import checkpoint_target, hf_target, stage_settings
 from lmcal.stages.wandb_run import finish_run, wandb_run
 from lmcal.utils.io import write_json_atomic
 from lmcal.utils.lock import run_lock
+from lmcal.utils.quiet import quiet_third_party
 from lmcal.utils.settings import CONF_DIR  # noqa: F401  (it registers the configs' lmcal_root resolver)
 from lmcal.utils.validate import check_config
 
 log = logging.getLogger("lmcal")
+quiet_third_party()  # once per process
 
 
 def evaluate(cfg: DictConfig) -> dict:

@@ -25,15 +25,17 @@ from lmcal.errors import LmcalError
 from lmcal.models.checkpoint import base_checkpoint, load_base_net, load_net, model_name, read_checkpoint
 from lmcal.stages.registry import STAGES, check_plan, check_stages, stage_kinds, summary
 from lmcal.stages.stage import KINDS
-from lmcal.stages.wandb_run import init_args
-from lmcal.training.callbacks import EpochEntropyRateCallback, MetricsCallback, StagesCallback
+from lmcal.stages.wandb_run import init_args, open_run
+from lmcal.training.callbacks import EpochEntropyRateCallback, MetricsCallback, StagesCallback, progress_bar
 from lmcal.training.module import LMModule
 from lmcal.utils.io import atomic_path, write_json_atomic
 from lmcal.utils.lock import run_lock
+from lmcal.utils.quiet import quiet_third_party
 from lmcal.utils.settings import CONF_DIR  # noqa: F401  (the tests' and benches' import)
 from lmcal.utils.validate import check_config
 
 log = logging.getLogger("lmcal")
+quiet_third_party()  # once per process, before Lightning says anything
 
 
 def make_logger(cfg: DictConfig, out: Path):
@@ -51,7 +53,11 @@ def make_logger(cfg: DictConfig, out: Path):
         return instantiate(lg)
     from pytorch_lightning.loggers import WandbLogger
 
-    return WandbLogger(save_dir=args.pop("dir"), offline=False, **args)  # offline: args["mode"], not $WANDB_MODE
+    run = open_run(args)  # opened here, with the mode in its arguments: WandbLogger(offline=True) sets $WANDB_MODE
+    run.define_metric("trainer/global_step")  # as WandbLogger does for the runs it opens itself
+    run.define_metric("*", step_metric="trainer/global_step", step_sync=True)
+    return WandbLogger(experiment=run, project=args["project"], name=args["name"], id=args["id"],
+                       save_dir=args["dir"])
 
 
 def stages_on_command_line() -> bool:
@@ -182,6 +188,8 @@ def _train(cfg: DictConfig, out: Path) -> dict:
                                              "resumed_from": resume})
     stages_cb = StagesCallback(out, stages, settings, model_name(cfg.model), base_ckpt)
     callbacks = [ckpt_cb, metrics_cb, stages_cb]  # in this order: metrics.json is written before any stage runs
+    if cfg.trainer.get("enable_progress_bar", True):
+        callbacks.append(progress_bar())
     every = (settings.get("entropy_rate") or {}).pop("every_n_epochs", None)
     if every:
         check_stages(["entropy_rate"], "tau" if tau else "full")

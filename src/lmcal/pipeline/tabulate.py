@@ -108,6 +108,9 @@ def memory_report(dirs: list[str | Path], out: str | Path | None = None, wandb_m
             mine = [r for r in rows if r.get("limited", "trained") == lim]
             series[f"ours ({lim} P̃)"] = ([r["tau"] for r in mine], [r["mi_upper_bound_nats"] for r in mine],
                                          [r["mi_stderr_nats"] for r in mine])
+        exact = sorted({r["tau"]: r["exact_mi_nats"] for r in rows if r.get("exact_mi_nats") is not None}.items())
+        if exact:  # the Markov source: the exact I_tau beside its bounds, as its table gives it
+            series["exact I_tau (the source)"] = ([t for t, _ in exact], [v for _, v in exact], None)
         if corpus == "ptb":
             taus = sorted(paper.MEMORY_PTB)
             series["paper (AWD-LSTM, 500 epochs)"] = (taus, [paper.MEMORY_PTB[t][1] for t in taus], None)

@@ -43,9 +43,9 @@ def _memory_rows(full, limited, tau: int, tokens: torch.Tensor, windows_per_batc
     """(log P^ [n, V], log P~_tau [n, V], targets [n]) chunks along `tokens`, kept on the CPU in store_dtype (the fit
     rereads them): P^ the model `full` with the whole past, P~ the model `limited` fed only the last tau tokens (each
     a StepLM or an AWDLSTM; see lmcal.core.context.context_rows), with a progress bar."""
-    from tqdm.auto import tqdm
+    from lmcal.utils.progress import progress_bar
 
-    bar = tqdm(total=max(0, tokens.numel() - 1), desc=desc, unit="tok", leave=False)
+    bar = progress_bar(total=max(0, tokens.numel() - 1), desc=desc, unit="tok", leave=False)
     kept = []
     rows = zip_rows(context_rows(full, tokens, None, windows_per_batch),
                     context_rows(limited, tokens, tau, windows_per_batch))

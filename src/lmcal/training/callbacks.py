@@ -136,3 +136,23 @@ class StagesCallback(pl.Callback):
                           base_ckpt=str(self.base_ckpt) if tau else s["path"],
                           exact_mi=markov_exact_mi(dm.prepare().info, mtau) if dm.name == "markov" and mtau else None)
         self.results = run_stages(self.stages, target, self.settings, self.out_dir, trainer.logger)
+
+
+def progress_bar():
+    """Lightning's training bar (Rich's when installed, as Lightning picks it) showing the run's tokens/s
+    (train/tokens_per_s, logged by LMModule) in place of batches/s, and not Lightning's logger version (the tail of a
+    W&B run id)."""
+    from pytorch_lightning.callbacks import RichProgressBar, TQDMProgressBar
+    from pytorch_lightning.utilities.imports import _RICH_AVAILABLE
+
+    class TokensProgressBar(RichProgressBar if _RICH_AVAILABLE else TQDMProgressBar):
+        def get_metrics(self, trainer, module):
+            items = super().get_metrics(trainer, module)
+            items.pop("v_num", None)
+            tps = items.pop("train/tokens_per_s", None)
+            return {**({"tokens/s": f"{float(tps):,.0f}"} if tps is not None else {}), **items}
+
+        def configure_columns(self, trainer):  # Rich: every column but the last, batches/s
+            return super().configure_columns(trainer)[:-1]
+
+    return TokensProgressBar()
