@@ -176,8 +176,8 @@ def lookahead_statistics(lm, tokens: torch.Tensor, topk: int | None = None, epsi
     keys = advance_keys(start_keys(B, logp.device), tokens[0])
     steps = range(1, S)
     if progress:
-        from tqdm.auto import tqdm
-        steps = tqdm(steps, desc="lookahead")
+        from lmcal.utils.progress import progress_bar
+        steps = progress_bar(steps, desc="lookahead")
     for t in steps:
         y = tokens[t].to(logp.device)  # [B]
         if t >= t0:
@@ -356,8 +356,8 @@ def next_token_rows(lm, tokens: torch.Tensor, progress: bool = False) -> tuple[t
     rows, ys = [], []
     steps = range(S - 1)
     if progress:
-        from tqdm.auto import tqdm
-        steps = tqdm(steps, desc="scoring")
+        from lmcal.utils.progress import progress_bar
+        steps = progress_bar(steps, desc="scoring")
     for t in steps:
         logp, state = lm.step(tokens[t], state)  # [B, V]
         rows.append(logp.float().cpu())

@@ -14,6 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 from lmcal.errors import LmcalError
 from lmcal.pipeline.report_md import report
 from lmcal.stages.registry import STAGES
+from lmcal.stages.wandb_run import reproduction_group
 from lmcal.utils.settings import CONF_DIR, composed, settings_of
 from lmcal.utils.validate import check_config
 
@@ -72,7 +73,7 @@ def load_profile(argv: list[str]) -> DictConfig:
 def logger_overrides(cfg: DictConfig) -> list[str]:
     """One W&B project and group for every run of a reproduction (offline unless the profile says otherwise)."""
     if cfg.logger == "wandb":
-        return ["logger=wandb", f"logger.project={cfg.wandb_project}", f"logger.group=reproduce-{cfg.profile}",
+        return ["logger=wandb", f"logger.project={cfg.wandb_project}", f"logger.group={reproduction_group(cfg.out)}",
                 f"logger.offline={str(cfg.wandb_offline).lower()}"]
     return [f"logger={cfg.logger}"]
 

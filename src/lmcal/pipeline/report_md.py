@@ -30,6 +30,7 @@ from lmcal.pipeline.setup_text import (
     future_entropy_lines,
     memory_lines,
 )
+from lmcal.stages.wandb_run import init_args, open_run, reproduction_group
 from lmcal.utils.io import copy_atomic, read_json, write_json_atomic, write_text_atomic
 from lmcal.utils.numbers import exp_or_inf, format_ce, format_params
 
@@ -163,7 +164,9 @@ def future_entropy_markdown(cfg: DictConfig, out: Path) -> list[str]:
         "and test words. Δ test CE is paired with the model word by word (± one standard error, blocks of "
         f"{fe['cluster_size']} positions); ms / word: one generated word in {fe['timing_prefixes']} x "
         f"{fe['samples_per_prefix']} generations of {fe['timing_horizon']} words, the same run for every method, the "
-        f"best of {fe.get('timing_repeats', 1)}; × model: that time over the plain model's, timed in between.", "",
+        f"best of {fe.get('timing_repeats', 1)}; × model: that time over the plain model row's (the ratio timed "
+        "alternately with the plain model is cost_ratio in future_entropy.json). Entropies and cross-entropies in "
+        "nats.", "",
         future_entropy_table(fe["rows"], fe["reference_test_ce_nats"]).rstrip("\n"), "",
         *claims_markdown([*best_head_claims(fe), *heads_claims(fe["rows"])]),
         "![future entropy](figure_future_entropy.png)", "",
@@ -303,21 +306,36 @@ def report_markdown(cfg: DictConfig, r: dict, out: Path) -> str:
         tps = f"{s['tokens_per_s']:.0f}" if s.get("tokens_per_s") else "–"
         rate = f"{s['matmul_gflop_per_s']:.0f}" if s.get("matmul_gflop_per_s") else "–"
         lines.append(f"| {name} | {s['seconds']:.0f} | {tps} | {rate} | [{rel}]({rel}) |")
-    total = sum(s["seconds"] for s in r["stages"].values())
+    total = wall_seconds(r["stages"])
     rates = [s["matmul_gflop_per_s"] for s in r["stages"].values() if s.get("matmul_gflop_per_s")]
     speed = (f" The machine's matmul rate ranged {min(rates):.0f}-{max(rates):.0f} GFLOP/s over the {len(rates)} "
              f"stage{'s' if len(rates) > 1 else ''} that recorded it." if rates else "")
-    lines += ["", f"Total: {total / 60:.1f} minutes.{speed} Settings: [profile.yaml](profile.yaml); logs in "
+    summed = sum(s["seconds"] for s in r["stages"].values())
+    lines += ["", f"Total: {total / 60:.1f} minutes of wall time while stages ran (the stage times above, some run "
+              f"side by side, add up to {summed / 60:.1f}).{speed} Settings: [profile.yaml](profile.yaml); logs in "
               "[logs/](logs)."]
     return "\n".join(lines) + "\n"
+
+
+def wall_seconds(stages: dict[str, dict]) -> float:
+    """The wall time the stages covered: the union of their [started_at, finished_at] spans (stages run side by side
+    count once; the gaps between a pipeline's interrupted and resumed runs not at all). Records without the times
+    (older ones) add their seconds."""
+    spans = sorted((s["started_at"], s["finished_at"]) for s in stages.values() if "finished_at" in s
+                   and "started_at" in s)
+    total, end = 0.0, float("-inf")
+    for a, b in spans:
+        total += max(0.0, b - max(a, end))
+        end = max(end, b)
+    return total + sum(s["seconds"] for s in stages.values() if "finished_at" not in s or "started_at" not in s)
 
 
 def _log_report(cfg: DictConfig, results: dict, out: Path) -> None:
     import wandb
 
-    run = wandb.init(project=cfg.wandb_project, group=f"reproduce-{cfg.profile}", job_type="report",
-                     name=f"report-{cfg.profile}", mode="offline" if cfg.wandb_offline else "online", dir=str(out),
-                     reinit="finish_previous")
+    node = {"_target_": "WandbLogger", "project": cfg.wandb_project, "offline": cfg.wandb_offline}
+    run = open_run(init_args(node, out, job_type="report", dataset=cfg.dataset, name=f"report-{cfg.profile}",
+                             group=reproduction_group(out), config={"profile": cfg.profile}))
     try:
         run.summary.update({"test_ppl": results["base"]["test_ppl"],
                             "entrate_ppl": results["entropy_rate"]["entrate_ppl"],

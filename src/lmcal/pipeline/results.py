@@ -80,7 +80,8 @@ def collect_results(cfg: DictConfig, out: Path, names: list[str]) -> dict:
                    "oracle": markov_oracle(cfg, mk)},
         **{n: _unwrap(n, STAGES[n].summary(read_json(ptb / n / "evaluation.json")[n]))
            for n in cfg.stages if n not in PAPER_STAGES},
-        "stages": {name: {"seconds": r["seconds"], "status": r["status"]} | stage_profile(Path(r["dir"]))
+        "stages": {name: {k: r[k] for k in ("seconds", "status", "started_at", "finished_at") if k in r}
+                   | stage_profile(Path(r["dir"]))
                    | ({"matmul_gflop_per_s": r["matmul_gflop_per_s"]} if r.get("matmul_gflop_per_s") else {})
                    for name, r in records.items()},
     }

@@ -141,6 +141,7 @@ def schedule(stages: list[dict], cfg: DictConfig, out: Path, current: dict, jobs
                     continue
                 if "fn" not in stage and not running:  # the machine's speed as this stage starts (not when another
                     rec["matmul_gflop_per_s"] = machine_gflops()  # stage would share the cores with the probe)
+                rec["started_at"] = time.time()  # wall-clock: REPORT.md's total is the span the stages covered
                 write_json_atomic(record, {"status": "started", **rec})
                 ran.add(name)  # what uses its results runs again too
                 print(f"[{index[name]}/{total}] {name}: running (log: {out / 'logs' / (name + '.log')})", flush=True)
@@ -168,7 +169,7 @@ def schedule(stages: list[dict], cfg: DictConfig, out: Path, current: dict, jobs
                     check_finished(stage, run, rc)
                 seconds = time.perf_counter() - run["t0"]
                 write_json_atomic(out / "stages" / f"{name}.json", {"status": "done", "seconds": seconds,
-                                                                    **run["rec"]})
+                                                                    "finished_at": time.time(), **run["rec"]})
                 finished.add(name)
                 if tty:
                     print("\r\033[K", end="")

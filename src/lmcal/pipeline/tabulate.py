@@ -12,6 +12,7 @@ from lmcal import paper
 from lmcal.errors import LmcalError
 from lmcal.stages.plots import decoders_tradeoff_figure, memory_figure
 from lmcal.stages.tables import decoders_table, memory_table
+from lmcal.stages.wandb_run import init_args, open_run
 from lmcal.utils.io import file_name, inside, write_json_atomic, write_text_atomic
 
 # what the tables and figures read from each result (a file missing one is refused, naming the keys)
@@ -132,6 +133,9 @@ def memory_report(dirs: list[str | Path], out: str | Path | None = None, wandb_m
             mine = [r for r in rows if r.get("limited", "trained") == lim]
             series[f"ours ({lim} P̃)"] = ([r["tau"] for r in mine], [r["mi_upper_bound_nats"] for r in mine],
                                          [r["mi_stderr_nats"] for r in mine])
+        exact = sorted({r["tau"]: r["exact_mi_nats"] for r in rows if r.get("exact_mi_nats") is not None}.items())
+        if exact:  # the Markov source: the exact I_tau beside its bounds, as its table gives it
+            series["exact I_tau (the source)"] = ([t for t, _ in exact], [v for _, v in exact], None)
         if corpus == "ptb":
             taus = sorted(paper.MEMORY_PTB)
             series["paper (AWD-LSTM, 500 epochs)"] = (taus, [paper.MEMORY_PTB[t][1] for t in taus], None)
@@ -158,8 +162,9 @@ def memory_report(dirs: list[str | Path], out: str | Path | None = None, wandb_m
 def _log_wandb(report: dict, out: Path, mode: str, project: str, group: str | None) -> None:
     import wandb
 
-    run = wandb.init(project=project, group=group, job_type="report", name="memory_report", mode=mode, dir=str(out),
-                     reinit="finish_previous")
+    node = {"_target_": "WandbLogger", "project": project, "offline": mode != "online"}
+    run = open_run(init_args(node, out, job_type="report", name="memory_report", group=group,
+                             dataset="+".join(report)))
     try:
         for corpus, r in report.items():
             cols = ["tau", "limited", "ce_limited_nats", "delta_ce_nats", "mi_upper_bound_nats", "mi_stderr_nats",

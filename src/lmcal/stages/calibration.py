@@ -23,7 +23,7 @@ from lmcal.core.sampling import random_prefixes
 from lmcal.data.batching import batchify
 from lmcal.stages.plots import entropy_curve_figure
 from lmcal.stages.stage import Stage, pick, stage_context
-from lmcal.stages.wandb_run import wandb_log
+from lmcal.stages.wandb_run import log_curves, wandb_log
 from lmcal.utils.io import write_json_atomic
 from lmcal.utils.numbers import exp_or_inf
 
@@ -110,6 +110,9 @@ def calibration_stage(lm, valid_tokens: torch.Tensor, test_tokens: torch.Tensor,
                                                                    "tail_ppl_before", "tail_ppl_after",
                                                                    "tail_diff_nats", "tail_diff_stderr_nats")},
               images={f"{name}/figure": png})
+    log_curves(logger, f"{name}/curves", "t", range(1, horizon + 1),
+               {"before_nats": curves["before"].mean.tolist(), "after_nats": curves["after"].mean.tolist(),
+                "after_minus_before_nats": diff_curve.tolist()})
     log.info(f"{name}: alpha* {fit.alpha:.4f} +- {fit.alpha_stderr:.4f}; test ppl {result['test_ppl_before']:.2f} -> "
              f"{result['test_ppl_after']:.2f}; EntRate {result['entrate_ppl_before']:.1f} -> "
              f"{result['entrate_ppl_after']:.1f}; last tenth {result['tail_ppl_before']:.1f} -> "

@@ -17,7 +17,7 @@ from lmcal.core.sampling import random_prefixes
 from lmcal.stages.plots import entropy_curve_figure
 from lmcal.stages.stage import Stage, pick, stage_context
 from lmcal.stages.tables import table1_markdown
-from lmcal.stages.wandb_run import wandb_log
+from lmcal.stages.wandb_run import log_curves, wandb_log
 from lmcal.utils.io import write_json_atomic, write_text_atomic
 from lmcal.utils.numbers import exp_or_inf
 
@@ -58,6 +58,8 @@ def entropy_rate_stage(lm, valid_tokens: torch.Tensor, test_ce_nats: float, out_
     rows = [[t + 1, float(m), float(se)] for t, (m, se) in enumerate(zip(curve.mean, curve.stderr, strict=True))]
     wandb_log(logger, scalars={f"{name}/entrate_ppl": result["entrate_ppl"], f"{name}/test_ppl": result["test_ppl"]},
               images={f"{name}/figure": png}, tables={f"{name}/curve": (["t", "entropy_nats", "stderr_nats"], rows)})
+    log_curves(logger, f"{name}/curves", "t", range(1, horizon + 1),
+               {"entropy_nats": curve.mean.tolist(), "stderr_nats": curve.stderr.tolist()})
     log.info(f"{name}: test ppl {result['test_ppl']:.1f}, EntRate {result['entrate_ppl']:.1f} at t={horizon} "
              f"({n_gen} generations, {seconds:.0f} s); {out / (name + '.json')}")
     return result

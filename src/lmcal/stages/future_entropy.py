@@ -33,7 +33,7 @@ from lmcal.errors import LmcalError
 from lmcal.stages.plots import entropy_curve_figure
 from lmcal.stages.rows import curve_row, generation_settings, same_settings
 from lmcal.stages.stage import Stage, earlier_result, stage_context
-from lmcal.stages.wandb_run import wandb_log
+from lmcal.stages.wandb_run import log_curves, wandb_log
 from lmcal.utils.io import write_json_atomic, write_text_atomic
 from lmcal.utils.numbers import exp_or_inf, format_ce, format_params
 
@@ -227,6 +227,9 @@ def future_entropy_stage(lm, train_tokens: torch.Tensor, valid_tokens: torch.Ten
     wandb_log(logger, scalars={f"{name}/{r['method']}{_suffix(r)}/{k}": r[k] for r in rows
                                for k in ("tail_ppl", "test_ce_nats", "ms_per_token") if r[k] is not None},
               images={f"{name}/figure": png})
+    curves = {f"{r['method']}{_suffix(r)}": r["curve_nats"] for r in rows if r.get("curve_nats")}
+    if curves:
+        log_curves(logger, f"{name}/curves", "t", range(1, len(next(iter(curves.values()))) + 1), curves)
     log.info(f"{name}: {len(rows)} methods in {result['seconds']:.0f} s; {out / (name + '.json')}\n"
              f"{future_entropy_table(rows, ref_ce)}")
     return result
@@ -279,16 +282,21 @@ def _suffix(r: dict) -> str:
 
 
 def future_entropy_table(rows: list[dict], ref_ce: float | None) -> str:
-    """The future_entropy stage's Markdown table: one line per method."""
-    lines = ["| method | params | H(t=1) | exp H, last tenth | Δ last tenth vs model (nats) | EntRate (t=T) | test CE "
-             "| Δ test CE vs model | zero-prob | ms / word | × model |", "|" + "---|" * 11]
+    """The future_entropy stage's Markdown table: one line per method, every entropy and cross-entropy in nats; ×
+    model is the row's ms / word over the plain model row's, the column beside it (the ratio timed alternately with
+    the plain model is cost_ratio in the JSON)."""
+    lines = ["| method | params | H(t=1) (nats) | H, last tenth (nats) | Δ last tenth vs model (nats) | H(t=T) (nats) "
+             "| test CE (nats) | Δ test CE vs model (nats) | zero-prob | ms / word | × model |", "|" + "---|" * 11]
+    plain_ms = next((r["ms_per_token"] for r in rows if r["method"] == "model"), rows[0]["ms_per_token"])
     for r in rows:
         ce_d = ("–" if r.get("test_ce_diff_nats") is None else
                 f"{r['test_ce_diff_nats']:+.4f} ± {r['test_ce_diff_stderr_nats']:.4f}")
         tail_d = "–" if r is rows[0] else f"{r['tail_diff_nats']:+.3f} ± {r['tail_diff_stderr_nats']:.3f}"
+        ratio = f"{r['ms_per_token'] / plain_ms:.2f}" if plain_ms else "–"
         lines.append(f"| {r['method']} | {format_params(r['params'], drop=('stderr',))} | {r['entropy_t1_nats']:.3f} "
-                     f"| {r['tail_ppl']:.1f} | {tail_d} | {r['entrate_ppl']:.1f} | {format_ce(r['test_ce_nats'])} "
-                     f"| {ce_d} | {r['zero_prob_fraction']:.4f} | {r['ms_per_token']:.3f} | {r['cost_ratio']:.2f} |")
+                     f"| {math.log(r['tail_ppl']):.3f} | {tail_d} | {math.log(r['entrate_ppl']):.3f} "
+                     f"| {format_ce(r['test_ce_nats'])} | {ce_d} | {r['zero_prob_fraction']:.4f} "
+                     f"| {r['ms_per_token']:.3f} | {ratio} |")
     if ref_ce is not None:
         lines.append(f"\nThe model's test perplexity: {exp_or_inf(ref_ce):.1f}.")
     return "\n".join(lines) + "\n"
