@@ -28,6 +28,7 @@ from __future__ import annotations
 import sys
 
 from lmcal.errors import LmcalError
+from lmcal.pipeline.check import check
 from lmcal.pipeline.plan import load_profile
 from lmcal.pipeline.reproduce import reproduce
 from lmcal.pipeline.schedule import clock, progress_line, reference_seconds, schedule  # noqa: F401  (clock, progress_line: public)
@@ -39,7 +40,11 @@ def main(argv: list[str] | None = None) -> None:
         print(__doc__)
         return
     try:
-        reproduce(load_profile(argv))
+        cfg = load_profile(argv)
+        if cfg.get("check"):  # the plan check alone: composes and sizes every stage, runs nothing
+            print(check(cfg), flush=True)
+            return
+        reproduce(cfg)
     except LmcalError as e:
         print(f"\nlmcal: error: {e}", file=sys.stderr)
         sys.exit(2)
