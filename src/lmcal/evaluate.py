@@ -17,6 +17,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from lmcal.core.lookahead import set_memory_budget
 from lmcal.errors import LmcalError
 from lmcal.stages.registry import run_stages
 from lmcal.stages.targets import checkpoint_target, hf_target, stage_settings
@@ -40,6 +41,7 @@ def evaluate(cfg: DictConfig) -> dict:
 
 def _evaluate(cfg: DictConfig, out: Path) -> dict:
     settings = stage_settings(cfg)  # before any model is loaded
+    set_memory_budget(cfg.analysis.get("memory_budget_gb"))  # the lookahead's chunks (lmcal.core.lookahead)
     hf = cfg.get("model") is not None
     has_ckpt = not OmegaConf.is_missing(cfg, "ckpt") and cfg.ckpt is not None
     if hf and has_ckpt:

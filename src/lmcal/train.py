@@ -21,6 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.plugins.io import TorchCheckpointIO
 
+from lmcal.core.lookahead import set_memory_budget
 from lmcal.errors import LmcalError
 from lmcal.models.checkpoint import load_base_net, load_net, model_name, read_checkpoint
 from lmcal.stages.registry import STAGES, check_plan, check_stages, summary
@@ -130,6 +131,7 @@ def _train(cfg: DictConfig, out: Path) -> dict:
     tau = cfg.model.get("memory_tau")
     settings = {n: OmegaConf.to_container(cfg.analysis[n], resolve=True) for n in STAGES if n in cfg.analysis}
     check_plan(stages, "tau" if tau else "full", settings)  # before training: a misspelt stage or key costs nothing
+    set_memory_budget(cfg.analysis.get("memory_budget_gb"))  # the lookahead's chunks (lmcal.core.lookahead)
     base_ckpt = cfg.get("memory", {}).get("base_ckpt")
     if "memory" in stages and tau:  # (a full model's memory stage, limited=window, is its own base)
         load_base_net(base_ckpt, "cpu", cfg.data.name)  # fail now, not after training

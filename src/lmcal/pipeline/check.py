@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from omegaconf import DictConfig, OmegaConf
 
+from lmcal.core.lookahead import CUDA_MAX_CHUNK
 from lmcal.errors import LmcalError
 from lmcal.pipeline.plan import plan
 from lmcal.utils.settings import composed
@@ -31,7 +32,7 @@ PTB_VOCAB = 10_000
 # and lookahead chunks): about 10% of an H100's ~495 TFLOP/s dense TF32 peak. The AWD-LSTM's training steps 20 streams
 # through 3 layers token by token: latency-bound, a tenth of that. The FLOP counts per token are exact for the
 # matmuls (the cpu training bench, docs/bench/train_throughput.md, measures the same 1.45e8 FLOP a paper-model token).
-DEVICE, PEAK_TFLOPS = "one H100-class GPU", 495.0
+DEVICE, PEAK_TFLOPS, GPU_FREE_GB = "one H100-class GPU", 495.0, 80.0
 RATES = {"batched": 50.0, "recurrent training": 5.0}  # TFLOP/s
 GB = 1e9
 
@@ -140,22 +141,25 @@ def model_steps(name: str, a: dict, m: Model, memory_tau: int | None = None) -> 
     return 0.0
 
 
-def peak_tensors(name: str, a: dict, m: Model) -> list[tuple[str, float]]:
-    """(tensor [shape], bytes) of the largest tensors stage `name` holds at once (fp32 unless said)."""
+def peak_tensors(name: str, a: dict, m: Model, budget_gb: float | None = None) -> list[tuple[str, float]]:
+    """(tensor [shape], bytes) of the largest tensors stage `name` holds at once (fp32 unless said). The lookahead's
+    chunk is sized as lmcal.core.lookahead.chunk_sizes does on CUDA: analysis.memory_budget_gb (null: half the free
+    memory of the GPU, taken here as GPU_FREE_GB) over each candidate's one-step fork and its [V] logits."""
     V, out = m.vocab, []
     B = a.get("max_batch")
     if B:
         out.append((f"next-word log-probs [max_batch, V] = [{B:,}, {V:,}]", 4.0 * B * V))
-    if "tail_samples" in a:
-        chunk = 512  # lmcal.core.lookahead's default chunk
-        out.append((f"lookahead logits [chunk, V] = [{chunk}, {V:,}]", 4.0 * chunk * V))
+    T = a.get("prefix_len", 0) + a.get("horizon", 0)
+    if B and "tail_samples" in a:
+        cands = B * ((a["topk"] + 1 + a["tail_samples"]) if a.get("topk") else V)  # candidates per generated word
+        fork = 2.0 * m.layers * (T + 1) * m.emb * 4 if m.kind == "transformer" else 0.0  # one row's KV, one step
+        budget = (budget_gb or GPU_FREE_GB / 2) * 1e9
+        chunk = int(min(cands, CUDA_MAX_CHUNK, max(1, budget // (fork + 12.0 * V))))
+        out.append((f"lookahead chunk: {chunk:,} of {cands:,} candidates ({budget / 1e9:g} GB budget) x (fork "
+                    f"{_bytes(fork)} + [V] logits x 3)", chunk * (fork + 12.0 * V)))
     if m.kind == "transformer" and B:
-        T = a.get("prefix_len", 0) + a.get("horizon", 0)
         kv = 2.0 * m.layers * B * T * m.emb * 4
         out.append((f"KV cache 2 x layers x [max_batch, T, E] = 2 x {m.layers} x [{B:,}, {T}, {m.emb}]", kv))
-        if "tail_samples" in a:
-            out.append((f"one lookahead chunk's forked KV cache 2 x {m.layers} x [512, {T}, {m.emb}]",
-                        2.0 * m.layers * 512 * T * m.emb * 4))
     if name == "memory":
         n = min(a["score_tokens"], m.corpus.get("test", a["score_tokens"])) if a.get("score_tokens") \
             else m.corpus.get("test", 0)
@@ -231,7 +235,7 @@ def check(cfg: DictConfig) -> str:
         steps = model_steps(name, a, m, mem_tau)
         flops = steps * m.step_flops
         est.append((st["name"], flops, "batched"))
-        peak = peak_tensors(name, a, m)
+        peak = peak_tensors(name, a, m, c.analysis.get("memory_budget_gb"))
         top = max(peak, key=lambda p: p[1]) if peak else None
         lines.append(f"{st['name']}: {name} on the {m.kind} ({m.context or 'unbounded'} context); streams "
                      + (", ".join(f"{w} -> {s:,}" for w, s in sizes) or "none") + f"; ~{steps:.3g} model steps = "
