@@ -56,3 +56,39 @@ def test_forks_for_one_step_hold_that_step_only_and_give_the_same_entropies(budg
     assert L.chunk_sizes(lm, state, 3 * V, V, torch.device("cpu"), fused=True)[0] < 11
     torch.testing.assert_close(L.lookahead_entropies(lm, state, lp[:, -1]), ref, atol=1e-5, rtol=1e-5)
 
+
+def test_device_map_needs_accelerate_and_says_so(tmp_path, monkeypatch):
+    from lmcal.models.hf import load_hf_model
+    from tests.test_hf import tiny_folder
+
+    monkeypatch.setitem(__import__("sys").modules, "accelerate", None)  # as if not installed
+    with pytest.raises(LmcalError, match=r"model.device_map='auto' needs the accelerate package"):
+        load_hf_model(tiny_folder(tmp_path), device_map="auto")
+
+
+def test_device_map_and_bf16_keep_log_softmax_entropies_and_fits_in_float32(tmp_path, monkeypatch):
+    """model.device_map goes to transformers' from_pretrained (accelerate places the layers); a bf16 model's
+    log-softmax, entropies, lookahead and fit all come out in float32."""
+    pytest.importorskip("accelerate")
+    from lmcal.core.calibration import fit_lookahead_calibration
+    from lmcal.models.hf import load_hf_model
+    from tests.test_hf import WORDS, tiny_folder
+
+    real, seen = transformers.AutoModelForCausalLM.from_pretrained, {}
+
+    def spy(*args, **kwargs):
+        seen.update(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", spy)
+    lm = load_hf_model(tiny_folder(tmp_path), dtype="bfloat16", device_map={"": "cpu"})
+    assert seen["device_map"] == {"": "cpu"}
+    assert next(lm.model.parameters()).dtype == torch.bfloat16
+    x = torch.randint(0, len(WORDS), (3, 8))
+    lp, state = feed(lm, x)
+    assert lp.dtype == torch.float32 and torch.allclose(lp.exp().sum(-1), torch.ones(3, 8))
+    assert L.entropy(lp[:, -1]).dtype == torch.float32
+    h = L.lookahead_entropies(lm, state, lp[:, -1])  # [3, V]: the fused path, a bf16 head read in float32
+    assert h.dtype == torch.float32 and torch.isfinite(h).all()
+    fit = fit_lookahead_calibration(lm, torch.randint(0, len(WORDS), (12, 4)), topk=4, tail_samples=2)
+    assert all(isinstance(v, float) and v == v for v in (fit.alpha, fit.ce_before, fit.ce_after))

@@ -22,6 +22,7 @@ from lmcal.errors import LmcalError
 from lmcal.stages.registry import run_stages
 from lmcal.stages.targets import checkpoint_target, hf_target, stage_settings
 from lmcal.stages.wandb_run import finish_run, wandb_run
+from lmcal.utils.device import apply_precision_policy
 from lmcal.utils.io import write_json_atomic
 from lmcal.utils.lock import run_lock
 from lmcal.utils.settings import CONF_DIR  # noqa: F401  (it registers the configs' lmcal_root resolver)
@@ -34,6 +35,7 @@ def evaluate(cfg: DictConfig) -> dict:
     """Runs the stages on the checkpoint or Hugging Face model, writes evaluation.json. Settings are checked first,
     then the run folder is locked for this process."""
     check_config(cfg)
+    apply_precision_policy()  # TF32 off, set explicitly (lmcal.utils.device)
     out = Path(cfg.paths.output_dir)
     with run_lock(out, "evaluation"):
         return _evaluate(cfg, out)

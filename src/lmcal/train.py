@@ -27,6 +27,7 @@ from lmcal.models.checkpoint import load_base_net, load_net, model_name, read_ch
 from lmcal.stages.registry import STAGES, check_plan, check_stages, summary
 from lmcal.training.callbacks import EpochEntropyRateCallback, MetricsCallback, StagesCallback
 from lmcal.training.module import LMModule
+from lmcal.utils.device import apply_precision_policy
 from lmcal.utils.io import atomic_path, write_json_atomic
 from lmcal.utils.lock import run_lock
 from lmcal.utils.settings import CONF_DIR  # noqa: F401  (the tests' and benches' import)
@@ -97,6 +98,7 @@ def train(cfg: DictConfig) -> dict:
     """Fit (or resume), evaluate the best checkpoint on valid and test, write metrics.json. Settings are checked
     first, then the run folder is locked for this process."""
     check_config(cfg)
+    apply_precision_policy()  # TF32 off, set explicitly (lmcal.utils.device)
     out = Path(cfg.paths.output_dir)
     with run_lock(out, "training"):
         return _train(cfg, out)

@@ -300,8 +300,10 @@ def import_transformers():
     return transformers
 
 
-def load_hf_model(name_or_path, device="cpu", dtype=None) -> HFCausalLM:
-    """A causal LM and its tokenizer as an HFCausalLM on `device`, from a local folder or the Hugging Face hub.
+def load_hf_model(name_or_path, device="cpu", dtype=None, device_map=None) -> HFCausalLM:
+    """A causal LM and its tokenizer as an HFCausalLM on `device`, from a local folder or the Hugging Face hub;
+    with `device_map` (e.g. "auto", or {"": "cuda:0"}), spread across the devices by transformers/accelerate
+    instead (`device` is then not used: each layer stays where the map put it).
 
     An existing path must be a folder written by `save_pretrained` (model and tokenizer); it is read from disk only.
     A path that does not exist but looks like a hub id ("gpt2", "openai-community/gpt2") is handed to
@@ -332,6 +334,14 @@ def load_hf_model(name_or_path, device="cpu", dtype=None) -> HFCausalLM:
     major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
     if dtype is not None:  # the keyword was renamed from torch_dtype in 4.56
         kwargs["dtype" if (major, minor) >= (4, 56) else "torch_dtype"] = dtype
+    if device_map is not None:
+        try:
+            import accelerate  # noqa: F401  (transformers needs it for device_map)
+        except ImportError:
+            raise LmcalError(f"model.device_map={device_map!r} needs the accelerate package, which is not installed. "
+                             "Install it (pip install accelerate, or the optional extra: pip install -e '.[hf]'), "
+                             "or set model.device_map=null to load the model on one device.") from None
+        kwargs["device_map"] = device_map
     target = str(path) if local else name
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(target, **where)
@@ -340,4 +350,4 @@ def load_hf_model(name_or_path, device="cpu", dtype=None) -> HFCausalLM:
         detail = " ".join(str(e).split())[:300]
         raise LmcalError(f"Could not load a Hugging Face causal LM and its tokenizer from {source}: "
                          f"{type(e).__name__}: {detail}. " + how) from None
-    return HFCausalLM(model, tokenizer, device)
+    return HFCausalLM(model, tokenizer, None if device_map is not None else device)
