@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import sys
 
+from lmcal.pipeline.check import check
 from lmcal.pipeline.plan import load_profile
 from lmcal.pipeline.reproduce import reproduce
 from lmcal.pipeline.schedule import clock, progress_line, reference_seconds, schedule  # noqa: F401  (clock, progress_line: public)
@@ -41,7 +42,11 @@ def main(argv: list[str] | None = None) -> None:
         return
     try:
         with boundary(), stop_on_signals():
-            reproduce(load_profile(argv))
+            cfg = load_profile(argv)
+            if cfg.get("check"):  # the plan check alone: composes and sizes every stage, runs nothing
+                print(check(cfg), flush=True)
+                return
+            reproduce(cfg)
     except KeyboardInterrupt as e:  # Ctrl-C, SIGTERM, SIGHUP: the stages, temporary files and lock are cleaned up
         how = f"Stopped by {e}" if isinstance(e, Stopped) else "Interrupted"
         print(f"{how}: rerun the same command to resume; finished stages are kept.", file=sys.stderr)

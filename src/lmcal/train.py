@@ -20,6 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.plugins.io import TorchCheckpointIO
 
+from lmcal.core.lookahead import set_memory_budget
 from lmcal.errors import LmcalError
 from lmcal.models.checkpoint import base_checkpoint, load_base_net, load_net, model_name, read_checkpoint
 from lmcal.stages.registry import STAGES, check_plan, check_stages, stage_kinds, summary
@@ -28,6 +29,7 @@ from lmcal.stages.wandb_run import init_args, open_run
 from lmcal.training.callbacks import EpochEntropyRateCallback, MetricsCallback, StagesCallback, progress_bar
 from lmcal.training.module import LMModule
 from lmcal.utils.boundary import explain, fail, run_hydra
+from lmcal.utils.device import apply_precision_policy
 from lmcal.utils.io import atomic_path, write_json_atomic
 from lmcal.utils.lock import run_lock
 from lmcal.utils.quiet import quiet_third_party
@@ -144,6 +146,7 @@ def train(cfg: DictConfig) -> dict:
     """Fit (or resume), evaluate the best checkpoint on valid and test, write metrics.json. Settings are checked
     first, then the run folder is locked for this process."""
     check_config(cfg)
+    apply_precision_policy()  # TF32 off, set explicitly (lmcal.utils.device)
     out = Path(cfg.paths.output_dir)
     with run_lock(out, "training"):
         return _train(cfg, out)
@@ -178,6 +181,7 @@ def _train(cfg: DictConfig, out: Path) -> dict:
     settings = {n: OmegaConf.to_container(cfg.analysis[n], resolve=True) for n in STAGES if n in cfg.analysis}
     stages = applicable_stages(list(cfg.analysis.get("stages") or []), "tau" if tau else "full", settings)
     check_plan(stages, "tau" if tau else "full", settings)  # before training: a misspelt stage or key costs nothing
+    set_memory_budget(cfg.analysis.get("memory_budget_gb"))  # the lookahead's chunks (lmcal.core.lookahead)
     base_ckpt = base_checkpoint(OmegaConf.to_container(cfg.memory, resolve=True) if cfg.get("memory") else None,
                                 cfg.data.name)
     if "memory" in stages and tau:  # (a full model's memory stage, limited=window, is its own base)

@@ -135,7 +135,7 @@ class CalibrationFit:
 
 
 def _atoms(lm, state, logq: torch.Tensor, y: torch.Tensor, keys: torch.Tensor, topk: int | None, tail_samples: int,
-           epsilon: float, seed: int, chunk: int):
+           epsilon: float, seed: int, chunk: int | None):
     """One position's atoms for B rows: (logw [B, K], h [B, K], h_y [B]); logq [B, V] the (eps-mixed) base
     distribution in `state`, y [B] the true next words, keys [B] the rows' history hashes."""
     B, V = logq.shape
@@ -163,7 +163,7 @@ def _atoms(lm, state, logq: torch.Tensor, y: torch.Tensor, keys: torch.Tensor, t
 
 @torch.no_grad()
 def lookahead_statistics(lm, tokens: torch.Tensor, topk: int | None = None, epsilon: float = 0.0, *,
-                         tail_samples: int = 16, min_context: int = 0, seed: int = 0, chunk: int = 512,
+                         tail_samples: int = 16, min_context: int = 0, seed: int = 0, chunk: int | None = None,
                          progress: bool = False):
     """One pass over time-major streams tokens [S, B] -> atoms (logw [n, K], h [n, K], logq_y [n], h_y [n]) on CPU,
     in position order t = t0..S-1 (B streams each), t0 = max(1, min_context): the first t0 tokens of every stream are
@@ -196,7 +196,7 @@ def lookahead_statistics(lm, tokens: torch.Tensor, topk: int | None = None, epsi
 @timed("fit")
 def fit_lookahead_calibration(lm, tokens: torch.Tensor, topk: int | None = None, epsilon: float = 0.0, *,
                               tail_samples: int = 16, min_context: int = 0, seed: int = 0, cluster_size: int = 100,
-                              chunk: int = 512, bound: float = 100.0, progress: bool = False) -> CalibrationFit:
+                              chunk: int | None = None, bound: float = 100.0, progress: bool = False) -> CalibrationFit:
     """Fit a* on held-out time-major streams tokens [S, B]: each stream starts from lm.init_state(B) and its first
     max(1, min_context) tokens are context only, so (S - max(1, min_context)) * B next words are scored
     ((S - 1) * B with min_context 0).
@@ -239,7 +239,7 @@ class CalibratedLM:
     tilt of the module docstring. a = 0 skips the lookahead and is the (eps-mixed) base model exactly."""
 
     def __init__(self, lm, alpha: float, topk: int | None = None, epsilon: float = 0.0, *, tail_samples: int = 16,
-                 seed: int = 0, chunk: int = 512):
+                 seed: int = 0, chunk: int | None = None):
         check_tail(topk, tail_samples)
         self.lm, self.alpha, self.topk, self.epsilon = lm, float(alpha), topk, float(epsilon)
         self.tail_samples, self.seed, self.chunk = tail_samples, seed, chunk
@@ -279,7 +279,7 @@ class CalibratedLM:
 
 
 def calibrated(lm, alpha: float, topk: int | None = None, epsilon: float = 0.0, *, tail_samples: int = 16,
-               seed: int = 0, chunk: int = 512) -> CalibratedLM:
+               seed: int = 0, chunk: int | None = None) -> CalibratedLM:
     """The lookahead-calibrated StepLM P_a of `lm` (see CalibratedLM)."""
     return CalibratedLM(lm, alpha, topk, epsilon, tail_samples=tail_samples, seed=seed, chunk=chunk)
 

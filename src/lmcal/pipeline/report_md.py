@@ -31,6 +31,7 @@ from lmcal.pipeline.setup_text import (
     memory_lines,
 )
 from lmcal.stages.wandb_run import init_args, open_run, reproduction_group
+from lmcal.utils.device import precision_policy
 from lmcal.utils.io import copy_atomic, read_json, write_json_atomic, write_text_atomic
 from lmcal.utils.numbers import exp_or_inf, format_ce, format_params
 
@@ -103,6 +104,7 @@ def report(cfg: DictConfig, out: Path, names: list[str]) -> None:
     from lmcal.utils.profiling import matmul_flops
 
     results["provenance"]["matmul_gflop_per_s"] = matmul_flops(seconds=2.0) / 1e9  # the MFU's denominator
+    results["provenance"]["precision"] = precision_policy()  # TF32 flags every stage ran with (lmcal.utils.device)
     import numpy as np
 
     er, cal = results["entropy_rate"], results["calibration"]

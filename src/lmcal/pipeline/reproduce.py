@@ -12,6 +12,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from lmcal.errors import LmcalError
+from lmcal.pipeline.check import check
 from lmcal.pipeline.plan import plan, stage_settings
 from lmcal.pipeline.results import PAPER_STAGES
 from lmcal.pipeline.schedule import reference_seconds, schedule
@@ -99,6 +100,7 @@ def reproduce(cfg: DictConfig) -> dict:
     if missing:
         raise LmcalError(f"stages= must include {', '.join(PAPER_STAGES)}: the report is built on them (missing: "
                          f"{', '.join(missing)}). Add stages after them, e.g. stages=[{','.join(PAPER_STAGES)},NEW].")
+    check(cfg)  # every stage composed and sized against its model, before the folder is touched
     out = Path(cfg.out).resolve()
     check_quotable(out)
     check_output_folder(out)
