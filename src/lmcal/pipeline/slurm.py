@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import shlex
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -31,9 +30,13 @@ def slurm_defaults() -> DictConfig:
     return OmegaConf.load(CONF_DIR / "reproduce" / "launcher" / "slurm.yaml")
 
 
-def run_stage(cmd: list[str], log_path: str) -> int:
+def run_stage(stage: dict, log_path: str) -> int:
     """What each Slurm job runs: the stage's command with its output appended to logs/<stage>.log, as the local
-    launcher does. A failure raises, so that submitit records it and the job ends FAILED."""
+    launcher does. The command is made when the job starts, so that a requeued tau-models job trains only the taus
+    without results. A failure raises, so that submitit records it and the job ends FAILED."""
+    cmd = stage_command(stage)
+    if not cmd:
+        return 0
     with open(log_path, "a") as log:
         log.write(f"\n$ {shlex.join(cmd)}   # Slurm job {os.environ.get('SLURM_JOB_ID')}, restart "
                   f"{os.environ.get('SLURM_RESTART_COUNT', '0')}, on {os.uname().nodename}\n")
@@ -118,7 +121,7 @@ def schedule_slurm(stages: list[dict], cfg: DictConfig, out: Path, current: dict
             log_path.parent.mkdir(parents=True, exist_ok=True)
             after = [str(jobs[d].job_id) for d in stage["deps"] if d in jobs]
             ex.update_parameters(job_name=f"lmcal-{name}", dependency=f"afterok:{':'.join(after)}" if after else None)
-            job = ex.submit(run_stage, cmd or [sys.executable, "-c", "pass"], str(log_path))
+            job = ex.submit(run_stage, {k: v for k, v in stage.items() if k != "fn"}, str(log_path))
             jobs[name] = job
             runs[name] = {"log_path": log_path, "cmd": cmd, "rec": {**rec, "slurm_job_id": str(job.job_id)},
                           "state": None, "t0": None}
