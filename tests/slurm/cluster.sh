@@ -64,7 +64,10 @@ CONF
 }
 
 stop() {
-  if pid_of slurmctld >/dev/null; then scancel --quiet --full --user="$(id -un)" 2>/dev/null || true; fi
+  if pid_of slurmctld >/dev/null; then  # every job ended (its slurmstepd with it) before the daemons go
+    scancel --quiet --full --user="$(id -un)" 2>/dev/null || true
+    for _ in $(seq 60); do [[ -z $(squeue -h -t running,completing,configuring 2>/dev/null) ]] && break; sleep 1; done
+  fi
   for d in slurmd slurmctld munged; do
     if p=$(pid_of $d); then
       kill "$p"
