@@ -142,10 +142,46 @@ def init_from(module: LMModule, path: str) -> None:
     log.info(f"Initialised the network from {path}")
 
 
+def device_count(trainer_cfg) -> int:
+    """How many devices (or nodes x devices) `trainer` settings would train on: devices=2, "0,1", [0, 1], -1/"auto"
+    (every visible GPU when the accelerator may be a GPU, else 1), times num_nodes."""
+    devices, accel = trainer_cfg.get("devices", 1), str(trainer_cfg.get("accelerator", "auto"))
+    if devices in (-1, "-1", "auto"):
+        import torch
+
+        n = torch.cuda.device_count() if accel in ("auto", "gpu", "cuda") else 1
+    elif isinstance(devices, str):
+        n = len([d for d in devices.split(",") if d.strip()]) if "," in devices else int(devices)
+    elif isinstance(devices, int):
+        n = devices
+    else:  # a list of device indices
+        n = len(devices)
+    return max(n, 1) * int(trainer_cfg.get("num_nodes", 1) or 1)
+
+
+def check_one_device(cfg: DictConfig) -> None:
+    """Training runs on one device: refused, before any folder is written, where Lightning would start several."""
+    t = cfg.get("trainer") or {}
+    n, strategy = device_count(t), str(t.get("strategy", "auto"))
+    if n > 1 or any(s in strategy for s in ("ddp", "fsdp", "deepspeed")):
+        raise LmcalError(
+            f"Training runs on one device, and these settings ask for more (trainer.devices="
+            f"{t.get('devices')}, trainer.num_nodes={t.get('num_nodes', 1)}, trainer.strategy={strategy}). The "
+            "AWD-LSTM is trained on BPTT streams that carry the hidden state from one window to the next; Lightning's "
+            "DistributedSampler would give each process alternate windows, so each carried state would skip the "
+            "other's tokens, the learning rate would follow each process's own window lengths and NT-ASGD each "
+            "process's own validation loss: a different model, silently. Nothing was run or written. Train on one "
+            "device (trainer.devices=1) and use the other devices for the runs that are independent: the tau-models "
+            "and the analysis stages, side by side with `make reproduce ARGS='jobs=N'` (one device per running "
+            "stage), as Slurm jobs with `make reproduce ARGS='launcher=slurm'`, or a tau-model sweep with "
+            "`python -m lmcal.train -m hydra/launcher=slurm_gpu ...`.")
+
+
 def train(cfg: DictConfig) -> dict:
     """Fit (or resume), evaluate the best checkpoint on valid and test, write metrics.json. Settings are checked
-    first, then the run folder is locked for this process."""
+    first (one device only), then the run folder is locked for this process."""
     check_config(cfg)
+    check_one_device(cfg)
     apply_precision_policy()  # TF32 off, set explicitly (lmcal.utils.device)
     out = Path(cfg.paths.output_dir)
     with run_lock(out, "training"):

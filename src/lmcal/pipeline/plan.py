@@ -13,6 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from lmcal.errors import LmcalError
 from lmcal.pipeline.report_md import report
+from lmcal.pipeline.slurm import slurm_defaults
 from lmcal.stages.registry import STAGES
 from lmcal.stages.wandb_run import reproduction_group
 from lmcal.utils.settings import CONF_DIR, composed, settings_of
@@ -52,6 +53,8 @@ def load_profile(argv: list[str]) -> DictConfig:
                          "key=value pairs, e.g. taus=[5,10] out=DIR.") from None
     name, note = resolve_profile(str(cli.get("profile", "auto")))
     profile = OmegaConf.load(CONF_DIR / "reproduce" / f"{name}.yaml")
+    # every profile runs its stages here (launcher=local) or as Slurm jobs (launcher=slurm, slurm.<key>=...)
+    profile = OmegaConf.merge({"launcher": "local", "slurm": slurm_defaults()}, profile)
     known = _keys(profile)
     unknown = [k for k in _keys(cli) if k not in known and k not in CLI_ONLY
                and not any(k.startswith(f"{p}.") for p in known)]

@@ -16,6 +16,7 @@ from lmcal.pipeline.check import check
 from lmcal.pipeline.plan import plan, stage_settings
 from lmcal.pipeline.results import PAPER_STAGES
 from lmcal.pipeline.schedule import reference_seconds, schedule
+from lmcal.pipeline.slurm import schedule_slurm
 from lmcal.stages.registry import check_stages
 from lmcal.utils.io import read_record, write_json_atomic, write_text_atomic
 from lmcal.utils.lock import check_output_folder, run_lock, sweep_temp_files
@@ -101,6 +102,10 @@ def reproduce(cfg: DictConfig) -> dict:
         raise LmcalError(f"stages= must include {', '.join(PAPER_STAGES)}: the report is built on them (missing: "
                          f"{', '.join(missing)}). Add stages after them, e.g. stages=[{','.join(PAPER_STAGES)},NEW].")
     check(cfg)  # every stage composed and sized against its model, before the folder is touched
+    if cfg.get("launcher", "local") not in ("local", "slurm"):
+        raise LmcalError(f"launcher={cfg.launcher} is not a launcher: launcher=local runs the stages on this machine "
+                         "(jobs=N at once), launcher=slurm submits each as a Slurm job (settings: slurm.<key>=..., "
+                         "see conf/reproduce/launcher/slurm.yaml).")
     out = Path(cfg.out).resolve()
     check_quotable(out)
     check_output_folder(out)
@@ -119,6 +124,9 @@ def reproduce(cfg: DictConfig) -> dict:
         if ref:
             print(f"ETAs from the {cfg.profile} reproduction in docs/runs/{cfg.profile} ({ref_machine}).", flush=True)
         t_all = time.perf_counter()
-        schedule(stages, cfg, out, current, max(1, int(cfg.get("jobs", 1))), ref)
+        if cfg.get("launcher", "local") == "slurm":  # each stage a Slurm job (lmcal.pipeline.slurm)
+            schedule_slurm(stages, cfg, out, current, ref)
+        else:
+            schedule(stages, cfg, out, current, max(1, int(cfg.get("jobs", 1))), ref)
         print(f"Finished in {time.perf_counter() - t_all:.0f} s: {out / 'REPORT.md'}", flush=True)
     return json.loads((out / "results.json").read_text())

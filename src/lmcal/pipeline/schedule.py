@@ -15,6 +15,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from lmcal.errors import LmcalError
+from lmcal.pipeline.devices import device_env, free_slot, visible_gpus
 from lmcal.pipeline.signals import end_groups, stage_process_options
 from lmcal.utils.io import read_record, write_json_atomic
 
@@ -70,9 +71,9 @@ def machine_gflops() -> float:
     return round(matmul_flops(seconds=0.5) / 1e9, 1)
 
 
-def launch(stage: dict, out: Path) -> dict:
-    """Starts a stage's process with its output appended to logs/<name>.log: {"proc" (None: nothing to run), "cmd",
-    "log", "log_path", "t0"}."""
+def launch(stage: dict, out: Path, env: dict | None = None) -> dict:
+    """Starts a stage's process with its output appended to logs/<name>.log, `env` added to its environment (its
+    GPU): {"proc" (None: nothing to run), "cmd", "log", "log_path", "t0"}."""
     log_path = out / "logs" / f"{stage['name']}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     cmd, run = stage_command(stage), {"proc": None, "log": None, "log_path": log_path, "t0": time.perf_counter()}
@@ -82,7 +83,8 @@ def launch(stage: dict, out: Path) -> dict:
         run["log"].write(f"\n$ {shlex.join(cmd)}\n")
         run["log"].flush()
         run["proc"] = subprocess.Popen(cmd, stdout=run["log"], stderr=subprocess.STDOUT,
-                                       env={**os.environ, "HYDRA_FULL_ERROR": "1"}, **stage_process_options())
+                                       env={**os.environ, "HYDRA_FULL_ERROR": "1", **(env or {})},
+                                       **stage_process_options())
     return run
 
 
@@ -116,7 +118,9 @@ def schedule(stages: list[dict], cfg: DictConfig, out: Path, current: dict, jobs
     """Runs the stages in plan order, up to `jobs` at once: a stage starts once every stage it depends on has
     finished (the report, in this process, once all have). A stage recorded as done is skipped unless a stage it
     depends on ran again. Every stage process gets the same environment (threads included) whatever `jobs` is, so
-    its results do not depend on what runs beside it. On a failure the others are stopped; a rerun resumes."""
+    its results do not depend on what runs beside it, apart from its GPU: with several, each running stage gets
+    its own (CUDA_VISIBLE_DEVICES). On a failure the others are stopped; a rerun resumes."""
+    gpus = visible_gpus() if jobs > 1 else []
     total, index = len(stages), {st["name"]: i for i, st in enumerate(stages, 1)}
     todo, running, finished, ran = list(stages), {}, set(), set()
     tty, shown = sys.stdout.isatty(), time.perf_counter()
@@ -150,7 +154,8 @@ def schedule(stages: list[dict], cfg: DictConfig, out: Path, current: dict, jobs
                     stage["fn"](cfg, out)
                     run = {"t0": t0, "proc": None, "log": None, "rec": rec}
                 else:
-                    run = launch(stage, out) | {"rec": rec}
+                    slot = free_slot(running)
+                    run = launch(stage, out, device_env(slot, gpus)) | {"rec": rec, "slot": slot}
                 running[name] = run
             if todo and not running:  # nothing runs and nothing could start: a plan whose deps are not in it
                 raise LmcalError(f"Stages {', '.join(st['name'] for st in todo)} wait on stages that are not in the "
