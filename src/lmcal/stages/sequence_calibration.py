@@ -210,8 +210,8 @@ def sequence_calibration_stage(lm, train_tokens: torch.Tensor, valid_tokens: tor
         goal = {"method": chosen["method"], "params": chosen["params"], "chosen_on_seed": seed,
                 "reported_on_seed": seed + 1, "tail_ppl": again["tail_ppl"],
                 "tail_ppl_stderr": again["tail_ppl_stderr"],
-                "test_ppl": exp_or_inf(test_nats), "test_ce_diff_nats": chosen["test_ce_diff_nats"],
-                "test_ce_diff_stderr_nats": chosen["test_ce_diff_stderr_nats"],
+                "test_ppl": exp_or_inf(test_nats), "test_ce_diff_nats": chosen.get("test_ce_diff_nats"),
+                "test_ce_diff_stderr_nats": chosen.get("test_ce_diff_stderr_nats"),
                 "within_10_percent": abs(again["tail_ppl"] / exp_or_inf(test_nats) - 1) <= 0.10,
                 "candidates": [_label(r) for r in fair]}
         log.info(f"{name}: goal row {_label(chosen)}: last tenth {again['tail_ppl']:.1f} +- "
