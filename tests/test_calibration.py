@@ -358,6 +358,10 @@ def test_calibration_stage_before_is_the_mixture_and_tails_are_paired(lm, tmp_pa
     assert (r["tail_nats"], r["tail_stderr_nats"]) == tuple(float(x) for x in clustered_mean(after.tail))
     assert r["tail_nats_before"] == pytest.approx(math.log(r["tail_ppl_before"]), abs=1e-12)
     assert 0 < r["mass_outside_topk"] < 1 and r["coverage_positions"] == 29 * 2 and r["epsilon"] == eps
+    # the first generation of each of the first 3 prefixes, kept as token ids for REPORT.md to show as words
+    assert [len(x["before"]) for x in r["samples"]] == [9, 9, 9] and r["samples"][1]["prefix"] == prefixes[1].tolist()
+    assert [x["tail_nats"] for x in r["samples"]] == after.tail[:3, 0].tolist()
+    assert [x["tail_nats_before"] for x in r["samples"]] == curve.tail[:3, 0].tolist()
 
 
 def test_topk_coverage_is_the_calibrated_models_own_mass_and_a_count_of_true_words(lm, text):

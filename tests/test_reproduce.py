@@ -118,6 +118,8 @@ def test_every_effect_sentence_of_the_report_agrees_with_results_json(uninterrup
     cal = res["calibration"]
     assert {"tail_nats", "tail_stderr_nats", "tail_nats_before", "tail_stderr_nats_before", "epsilon"} <= set(cal)
     assert "ε = 0 (no uniform mixture" in report and "clustered by prefix" in report
+    shown = report.split("## Generations, as words", 1)[1].split("\n## ", 1)[0]  # plain and calibrated, as words
+    assert shown.count("- plain (exp H, last tenth ") == shown.count("- calibrated (exp H, last tenth ") == 3
 
 
 def test_rerun_skips_finished_stages(uninterrupted, tmp_path):

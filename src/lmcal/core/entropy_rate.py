@@ -33,6 +33,7 @@ class EntropyCurve:
     per_prefix: np.ndarray  # [N, horizon] float64: the mean over each prefix's generations
     tail: np.ndarray  # [N, S] float64: each generation's mean entropy over the last tenth of the horizon (tail_steps)
     generation_seconds: float = 0.0  # wall time of the generated words (the prefixes' feeding left out)
+    kept: np.ndarray | None = None  # [keep, horizon - 1] int64: the words of generations 0..keep-1 (keep > 0)
 
     @property
     def tail_mean(self) -> float:
@@ -86,7 +87,8 @@ def entrate_ppl(curve: EntropyCurve) -> float:
 @timed("generation")
 @torch.no_grad()
 def generation_entropy_curve(lm: StepLM, prefixes: torch.Tensor, horizon: int, samples_per_prefix: int,
-                             seed: int = 0, max_batch: int = 4096, progress: bool = False) -> EntropyCurve:
+                             seed: int = 0, max_batch: int = 4096, progress: bool = False,
+                             keep: int = 0) -> EntropyCurve:
     """Entropy (nats) of `lm`'s next-word distribution along its own generations from prefixes of true text.
 
     prefixes [N, L], L >= 1. Every generation starts from lm.init_state, is fed its L prefix tokens, then word t is
@@ -105,6 +107,9 @@ def generation_entropy_curve(lm: StepLM, prefixes: torch.Tensor, horizon: int, s
     stderr treats the generations of one prefix as a cluster (they share the prefix, so they are correlated): it is
     std over prefixes of the per-prefix means / sqrt(N). With N = 1 it falls back to std over generations / sqrt(S).
 
+    `keep` > 0 also keeps the words of the first `keep` generations (of the first chunk: generation g reads prefix
+    g // samples_per_prefix), to be shown as text.
+
     `tail` keeps each generation's mean entropy over the last tenth of the horizon, so that two models run on the
     same prefixes and seed compare generation by generation (paired_tail_difference): generation i of both reads the
     same prefix and the same uniforms, and a model's own randomness (the calibrated model's tail draws) comes from
@@ -121,6 +126,7 @@ def generation_entropy_curve(lm: StepLM, prefixes: torch.Tensor, horizon: int, s
     last = tail_steps(horizon)
     bar = progress_bar(total=horizon * math.ceil(N / per_chunk), desc="generating", disable=not progress)
     gen_seconds = 0.0
+    kept = []  # [keep] tokens per generated word, first chunk only
     for lo in range(0, N, per_chunk):
         chunk = prefixes[lo:lo + per_chunk]  # [n, L]
         n = chunk.size(0)
@@ -149,6 +155,8 @@ def generation_entropy_curve(lm: StepLM, prefixes: torch.Tensor, horizon: int, s
             with span("sampling"):
                 tokens, mass = draw(p, uniforms(seed, gen_ids, t))
                 finite &= torch.isfinite(mass)  # a nan log-prob would hide in nansum; it shows in the mass
+            if keep and lo == 0:
+                kept.append(tokens[:keep])
             logp, state = lm.step(tokens, state)
         if not bool(finite.all()):
             raise ValueError("the model gave non-finite log-probabilities (nan or +inf) during generation")
@@ -164,4 +172,5 @@ def generation_entropy_curve(lm: StepLM, prefixes: torch.Tensor, horizon: int, s
         stderr = ent[:, 0, :].std(axis=1, ddof=1) / math.sqrt(S)  # the one chunk's generations
     else:
         stderr = np.full(horizon, np.nan)
-    return EntropyCurve(per_prefix.mean(axis=0), stderr, N * S, N, S, per_prefix, tail, gen_seconds)
+    words = torch.stack(kept, 1).cpu().numpy() if kept else None  # [keep, horizon - 1]
+    return EntropyCurve(per_prefix.mean(axis=0), stderr, N * S, N, S, per_prefix, tail, gen_seconds, words)

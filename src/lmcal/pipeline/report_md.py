@@ -23,6 +23,7 @@ from lmcal.pipeline.claims import (
 )
 from lmcal.pipeline.docs import provenance
 from lmcal.pipeline.results import OPERATIONS, PAPER_STAGES, collect_results
+from lmcal.pipeline.samples_md import calibration_samples_markdown
 from lmcal.pipeline.setup_text import (
     calibration_lines,
     decoders_lines,
@@ -263,6 +264,8 @@ def report_markdown(cfg: DictConfig, r: dict, out: Path) -> str:
            if cal["topk"] else "exact lookahead; ") +
         f"test perplexity on {cal['test_tokens']:,} test tokens. ![Figure 3](figure3_calibration.png)", "",
         *claims_markdown(calibration_claims(r)),
+        *(calibration_samples_markdown(out, cfg.dataset)
+          if (out / cfg.dataset / "calibration" / "calibration.json").is_file() else []),
         "## Decoders beside calibration", "",
         *decoders_lines(r),
         "The decoding rules practitioners use, on the same model, prefixes and seeds as calibration. Test CE is ∞ "

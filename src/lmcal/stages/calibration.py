@@ -63,7 +63,7 @@ def calibration_stage(lm, valid_tokens: torch.Tensor, test_tokens: torch.Tensor,
     curves = {}
     for label, model in (("before", plain), ("after", cal)):  # the same prefixes and uniforms: paired generations
         curves[label] = generation_entropy_curve(model, prefixes, horizon, samples_per_prefix, seed=seed,
-                                                 max_batch=max_batch, progress=True)
+                                                 max_batch=max_batch, progress=True, keep=3 * samples_per_prefix)
     tail_diff, tail_se = paired_tail_difference(curves["after"], curves["before"])
     levels = {k: clustered_mean(c.tail) for k, c in curves.items()}  # the last tenth's levels, se clustered by prefix
     diff_curve, diff_se = paired_difference_curve(curves["after"], curves["before"])
@@ -93,6 +93,7 @@ def calibration_stage(lm, valid_tokens: torch.Tensor, test_tokens: torch.Tensor,
         "topk": topk, "tail_samples": tail_samples if topk is not None else None, "epsilon": uniform_weight,
         "uniform_weight": uniform_weight, "horizon": horizon, "num_prefixes": prefixes.size(0),
         "samples_per_prefix": samples_per_prefix, "prefix_len": prefix_len, "seed": seed,
+        "samples": shown_generations(prefixes, curves["before"], curves["after"], samples_per_prefix),
         "fit_seconds": t_fit, "seconds": time.perf_counter() - t0, "unit": unit,
     }
     png = entropy_curve_figure({f"{model_name}": (curves["before"].mean, curves["before"].stderr),
@@ -119,6 +120,19 @@ def calibration_stage(lm, valid_tokens: torch.Tensor, test_tokens: torch.Tensor,
              f"{result['tail_ppl_after']:.1f} (paired difference {tail_diff:+.4f} +- {tail_se:.4f} nats; "
              f"{result['seconds']:.0f} s)")
     return result
+
+
+def shown_generations(prefixes: torch.Tensor, before, after, samples_per_prefix: int, shown: int = 3) -> list[dict]:
+    """The first generation from each of the first `shown` prefixes, plain and calibrated (the same prefix and
+    uniforms), as token ids with each one's mean entropy over the last tenth: for REPORT.md to show as words."""
+    out = []
+    for i in range(min(shown, prefixes.size(0))):
+        g = i * samples_per_prefix  # generation g reads prefix g // samples_per_prefix
+        if before.kept is None or g >= len(before.kept):
+            break
+        out.append({"prefix": prefixes[i].tolist(), "before": before.kept[g].tolist(), "after": after.kept[g].tolist(),
+                    "tail_nats_before": float(before.tail[i, 0]), "tail_nats": float(after.tail[i, 0])})
+    return out
 
 
 STAGE = Stage("calibration", calibration_stage,
