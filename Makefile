@@ -10,7 +10,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
 .DEFAULT_GOAL := help
-.PHONY: help install test test-all lint bench smoke reproduce docs clean
+.PHONY: help install test test-all lint bench smoke reproduce docs clean gpu-check test-slurm
 
 help: ## list the targets
 	@awk 'BEGIN{FS=":.*## "} /^[a-zA-Z_-]+:.*## /{printf "  make %-10s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -27,16 +27,22 @@ $(STAMP): pyproject.toml
 install: $(STAMP) ## create .venv: pinned torch first, then lmcal with its dependencies
 
 test: $(STAMP) ## the fast tests, under ~5 min (real PTB through LMCAL_DATA_ROOT if set; slow tests excluded)
-	$(PY) -m pytest -m "not slow"
+	$(PY) -m pytest -m "not slow and not slurm"
 
-test-all: $(STAMP) ## every test, the slow tier too (what CI runs)
-	$(PY) -m pytest
+test-all: $(STAMP) ## every test, the slow tier too (what CI runs), but the Slurm tier
+	$(PY) -m pytest -m "not slurm"
+
+test-slurm: $(STAMP) ## the Slurm tier: a single-node Slurm cluster on loopback (root; apt-get install slurm-wlm munge)
+	$(PY) -m pytest -m slurm tests/slurm -s
 
 lint: $(STAMP) ## ruff
 	$(VENV)/bin/ruff check src tests bench
 
 bench: $(STAMP) ## training throughput and FLOP utilisation (prints a Markdown table)
 	$(PY) bench/train_throughput.py
+
+gpu-check: $(STAMP) ## the CUDA path in a few minutes: gpu tests, throughput, a calibrated step (needs CUDA; report in outputs/gpu-check/)
+	$(PY) bench/gpu_check.py
 
 smoke: $(STAMP) ## a tiny training run (under a minute) that writes metrics.json
 	$(PY) -m lmcal.train experiment=smoke

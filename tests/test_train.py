@@ -96,3 +96,32 @@ def test_a_resumed_run_repeats_an_uninterrupted_one_exactly(tmp_path, data_overr
     assert resumed["resumed_from"] and resumed["epochs"] == straight["epochs"] == 2
     for k in ("val_ce_nats", "test_ce_nats", "train_tokens"):
         assert resumed[k] == straight[k], k
+
+
+@pytest.mark.parametrize("args", [["trainer.devices=2"], ["+trainer.strategy=ddp"], ["+trainer.num_nodes=2"],
+                                  ["trainer.devices=[0,1]"]])
+def test_several_devices_are_refused_before_any_work(tmp_path, args):
+    """DDP would shard the BPTT windows across processes (each carried hidden state skipping the other's tokens):
+    refused with one paragraph that says why and what to use, before the run lock, a checkpoint or a logger."""
+    run = tmp_path / "run"
+    r = _cli(["experiment=smoke", "logger=wandb", f"hydra.run.dir={run}", *args], tmp_path)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr
+    msg = r.stderr.split("lmcal: error:", 1)[1]
+    assert "hidden state" in msg and "DistributedSampler" in msg and "jobs=N" in msg and "launcher=slurm" in msg
+    assert len(msg.strip().splitlines()) == 1  # one paragraph
+    left = sorted(p.name for p in run.iterdir()) if run.is_dir() else []
+    assert set(left) <= {".hydra", "train.log"}, left  # only Hydra's own record of the command: no lock, no wandb
+
+
+def test_device_count_reads_every_form_lightning_takes():
+    from lmcal.train import device_count
+
+    assert device_count({"devices": 1}) == 1
+    assert device_count({"devices": 2}) == 2
+    assert device_count({"devices": "0,1"}) == 2
+    assert device_count({"devices": "3"}) == 3
+    assert device_count({"devices": [0, 1, 2]}) == 3
+    assert device_count({"devices": 1, "num_nodes": 2}) == 2
+    assert device_count({"devices": "auto", "accelerator": "cpu"}) == 1
+    assert device_count({"devices": -1, "accelerator": "cpu"}) == 1

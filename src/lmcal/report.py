@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import argparse
 import logging
-import sys
 from pathlib import Path
 
 from lmcal.errors import LmcalError
 from lmcal.pipeline.runs_table import runs_report
 from lmcal.pipeline.tabulate import collect_memory, decoders_report, memory_report
+from lmcal.utils.boundary import boundary
 from lmcal.utils.io import write_json_atomic
 
 
@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--group")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    try:
+    with boundary():
         for d in args.dirs:
             if not Path(d).is_dir():
                 raise LmcalError(f"{d} is not a folder; pass the sweep (or run) folders that hold memory.json or "
@@ -51,9 +51,6 @@ def main(argv: list[str] | None = None) -> None:
         if (decoders or runs) and not collect_memory(args.dirs):
             return  # training runs or a decoder sweep: nothing else to aggregate
         memory_report(args.dirs, args.out, args.wandb, args.project, args.group)
-    except LmcalError as e:
-        print(f"lmcal: error: {e}", file=sys.stderr)
-        sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,6 @@ the Hydra entry point around it, which turns `LmcalError`s into one-paragraph me
 from __future__ import annotations
 
 import logging
-import sys
 import time
 import traceback
 from pathlib import Path
@@ -21,6 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.plugins.io import TorchCheckpointIO
 
+from lmcal.core.lookahead import set_memory_budget
 from lmcal.errors import LmcalError
 from lmcal.models.checkpoint import base_checkpoint, load_base_net, load_net, model_name, read_checkpoint
 from lmcal.stages.registry import STAGES, check_plan, check_stages, stage_kinds, summary
@@ -28,6 +28,8 @@ from lmcal.stages.stage import KINDS
 from lmcal.stages.wandb_run import init_args, open_run
 from lmcal.training.callbacks import EpochEntropyRateCallback, MetricsCallback, StagesCallback, progress_bar
 from lmcal.training.module import LMModule
+from lmcal.utils.boundary import explain, fail, run_hydra
+from lmcal.utils.device import apply_precision_policy
 from lmcal.utils.io import atomic_path, write_json_atomic
 from lmcal.utils.lock import run_lock
 from lmcal.utils.quiet import quiet_third_party
@@ -140,10 +142,47 @@ def init_from(module: LMModule, path: str) -> None:
     log.info(f"Initialised the network from {path}")
 
 
+def device_count(trainer_cfg) -> int:
+    """How many devices (or nodes x devices) `trainer` settings would train on: devices=2, "0,1", [0, 1], -1/"auto"
+    (every visible GPU when the accelerator may be a GPU, else 1), times num_nodes."""
+    devices, accel = trainer_cfg.get("devices", 1), str(trainer_cfg.get("accelerator", "auto"))
+    if devices in (-1, "-1", "auto"):
+        import torch
+
+        n = torch.cuda.device_count() if accel in ("auto", "gpu", "cuda") else 1
+    elif isinstance(devices, str):
+        n = len([d for d in devices.split(",") if d.strip()]) if "," in devices else int(devices)
+    elif isinstance(devices, int):
+        n = devices
+    else:  # a list of device indices
+        n = len(devices)
+    return max(n, 1) * int(trainer_cfg.get("num_nodes", 1) or 1)
+
+
+def check_one_device(cfg: DictConfig) -> None:
+    """Training runs on one device: refused, before any folder is written, where Lightning would start several."""
+    t = cfg.get("trainer") or {}
+    n, strategy = device_count(t), str(t.get("strategy", "auto"))
+    if n > 1 or any(s in strategy for s in ("ddp", "fsdp", "deepspeed")):
+        raise LmcalError(
+            f"Training runs on one device, and these settings ask for more (trainer.devices="
+            f"{t.get('devices')}, trainer.num_nodes={t.get('num_nodes', 1)}, trainer.strategy={strategy}). The "
+            "AWD-LSTM is trained on BPTT streams that carry the hidden state from one window to the next; Lightning's "
+            "DistributedSampler would give each process alternate windows, so each carried state would skip the "
+            "other's tokens, the learning rate would follow each process's own window lengths and NT-ASGD each "
+            "process's own validation loss: a different model, silently. Nothing was run or written. Train on one "
+            "device (trainer.devices=1) and use the other devices for the runs that are independent: the tau-models "
+            "and the analysis stages, side by side with `make reproduce ARGS='jobs=N'` (one device per running "
+            "stage), as Slurm jobs with `make reproduce ARGS='launcher=slurm'`, or a tau-model sweep with "
+            "`python -m lmcal.train -m hydra/launcher=slurm_gpu ...`.")
+
+
 def train(cfg: DictConfig) -> dict:
     """Fit (or resume), evaluate the best checkpoint on valid and test, write metrics.json. Settings are checked
-    first, then the run folder is locked for this process."""
+    first (one device only), then the run folder is locked for this process."""
     check_config(cfg)
+    check_one_device(cfg)
+    apply_precision_policy()  # TF32 off, set explicitly (lmcal.utils.device)
     out = Path(cfg.paths.output_dir)
     with run_lock(out, "training"):
         return _train(cfg, out)
@@ -178,6 +217,7 @@ def _train(cfg: DictConfig, out: Path) -> dict:
     settings = {n: OmegaConf.to_container(cfg.analysis[n], resolve=True) for n in STAGES if n in cfg.analysis}
     stages = applicable_stages(list(cfg.analysis.get("stages") or []), "tau" if tau else "full", settings)
     check_plan(stages, "tau" if tau else "full", settings)  # before training: a misspelt stage or key costs nothing
+    set_memory_budget(cfg.analysis.get("memory_budget_gb"))  # the lookahead's chunks (lmcal.core.lookahead)
     base_ckpt = base_checkpoint(OmegaConf.to_container(cfg.memory, resolve=True) if cfg.get("memory") else None,
                                 cfg.data.name)
     if "memory" in stages and tau:  # (a full model's memory stage, limited=window, is its own base)
@@ -224,22 +264,22 @@ def main(cfg: DictConfig) -> float | None:
     if sweep:  # a rerun of the job: an earlier failure is no longer its status
         (Path(hc.runtime.output_dir) / "failed.json").unlink(missing_ok=True)
     try:
+        OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)  # every interpolation, before any work
         return train(cfg)["val_ce_nats"]
     except Exception as e:
-        user_error = isinstance(e, LmcalError)
-        message = str(e) if user_error else f"{type(e).__name__}: {e}"
+        explained = explain(e)
+        message = explained or f"{type(e).__name__}: {e}"
         if sweep:
-            log.error(f"job {hc.job.num} ({hc.job.override_dirname}) failed: {message}", exc_info=not user_error)
+            log.error(f"job {hc.job.num} ({hc.job.override_dirname}) failed: {message}", exc_info=not explained)
             write_json_atomic(Path(hc.runtime.output_dir) / "failed.json",
-                              {"error": message, "traceback": None if user_error else traceback.format_exc(),
+                              {"error": message, "traceback": None if explained else traceback.format_exc(),
                                "overrides": list(hc.overrides.task)})
             return None
-        if not user_error:
+        if not explained:
             raise
         log.error(message)
-        print(f"\nlmcal: error: {message}", file=sys.stderr)
-        sys.exit(2)
+        fail(message)
 
 
 if __name__ == "__main__":
-    main()
+    run_hydra(main)

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from lmcal.core.entropy_rate import (
+    clustered_mean,
     generation_entropy_curve,
 )
 from lmcal.core.sampling import random_prefixes
@@ -37,11 +38,13 @@ def entropy_rate_stage(lm, valid_tokens: torch.Tensor, test_ce_nats: float, out_
                                      progress=True)
     seconds = time.perf_counter() - t0
     n_gen = prefixes.size(0) * samples_per_prefix
+    tail, tail_se = clustered_mean(curve.tail)  # the last tenth's mean entropy, its se clustered by prefix
     result = {
         "model": model_name, "corpus": corpus,
         "test_ce_nats": test_ce_nats, "test_ppl": exp_or_inf(test_ce_nats),
         "entrate_nats": float(curve.mean[-1]), "entrate_ppl": exp_or_inf(curve.mean[-1]),
         "curve_nats": curve.mean.tolist(), "stderr_nats": curve.stderr.tolist(),
+        "tail_nats": float(tail), "tail_stderr_nats": float(tail_se),
         "horizon": horizon, "num_prefixes": prefixes.size(0), "samples_per_prefix": samples_per_prefix,
         "num_generations": n_gen, "prefix_len": prefix_len, "seed": seed,
         "seconds": seconds, "generated_tokens_per_s": n_gen * horizon / seconds, "unit": unit,

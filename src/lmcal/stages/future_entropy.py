@@ -14,7 +14,7 @@ import torch
 
 from lmcal.core.calibration import calibrated, fit_lookahead_calibration, fit_temperature, target_log_probs
 from lmcal.core.decoders import make_decoder
-from lmcal.core.entropy_rate import generation_entropy_curve
+from lmcal.core.entropy_rate import clustered_mean, generation_entropy_curve
 from lmcal.core.expfit import stream_block_sums
 from lmcal.core.future_entropy import (
     FutureCalibratedLM,
@@ -176,11 +176,15 @@ def future_entropy_stage(lm, train_tokens: torch.Tensor, valid_tokens: torch.Ten
             heads.append(("future_entropy_temperature" if two else "future_entropy", params, head, fit, stats))
         del g
     del logp, feats
+    head_lms = []  # each head's calibrated model, beside its row
     for method, params, head, fit, stats in heads:
-        rows.append(measure(method, params, FutureCalibratedLM(lm, head.to(getattr(lm, "device", None) or "cpu"),
-                                                                fit.alpha, fit.beta),
+        head_lms.append(FutureCalibratedLM(lm, head.to(getattr(lm, "device", None) or "cpu"), fit.alpha, fit.beta))
+        rows.append(measure(method, params, head_lms[-1],
                             {"head": stats, "fit_ce_before_nats": fit.ce_before, "fit_ce_after_nats": fit.ce_after,
                              "fit_tokens": fit.n_tokens}))
+    best_head = _best_head(rows[1:1 + len(heads)], head_lms, rows[0]["test_ce_nats"],
+                           lambda m, s: generation_entropy_curve(m, prefixes, horizon, samples_per_prefix, seed=s,
+                                                                 max_batch=max_batch, progress=True), seed)
     if do_exact:
         fit = fit_lookahead_calibration(lm, fit_text, topk=None, min_context=min_context, seed=seed, progress=True)
         rows.append(measure("lookahead_exact", {"alpha": fit.alpha, "alpha_stderr": fit.alpha_stderr},
@@ -213,7 +217,8 @@ def future_entropy_stage(lm, train_tokens: torch.Tensor, valid_tokens: torch.Ten
               "min_context": min_context, "cluster_size": cluster_size, "decoders_reused": bool(reuse),
               "exact_lookahead": do_exact, "timing_prefixes": timing_prefixes, "timing_horizon": timing_horizon,
               "timing_repeats": timing_repeats,
-              "mix_epsilon": mix_epsilon, **settings, "unit": unit, "seconds": time.perf_counter() - t0}
+              "mix_epsilon": mix_epsilon, "best_head": best_head, **settings, "unit": unit,
+              "seconds": time.perf_counter() - t0}
     png = future_entropy_figure(result, out / f"{name}.png")
     write_text_atomic(out / f"{name}.md", future_entropy_table(rows, ref_ce) + f"\nEntropies and cross-entropies in "
                       f"nats per {unit}; ms per generated {unit} on {timing_prefixes * samples_per_prefix} "
@@ -228,6 +233,24 @@ def future_entropy_stage(lm, train_tokens: torch.Tensor, valid_tokens: torch.Ten
     log.info(f"{name}: {len(rows)} methods in {result['seconds']:.0f} s; {out / (name + '.json')}\n"
              f"{future_entropy_table(rows, ref_ce)}")
     return result
+
+
+def _best_head(rows: list[dict], models: list, test_nats: float | None, curve_of, seed: int) -> dict | None:
+    """The head row whose last tenth comes closest to the test perplexity without a higher test CE than the model's,
+    chosen on the generations of `seed` (the rows') and measured again on those of seed + 1 (curve_of(model, seed)),
+    so that the level reported is not the one it was picked for; as the sequence_calibration stage's goal row."""
+    fair = [(r, m) for r, m in zip(rows, models, strict=True) if (r.get("test_ce_diff_nats") or 0) <= 0]
+    if not fair or test_nats is None:
+        return None
+    chosen, model = min(fair, key=lambda rm: abs(rm[0]["tail_nats"] - test_nats))
+    level, se = clustered_mean(curve_of(model, seed + 1).tail)  # [N, S] -> the level and its se, by prefix
+    log.info(f"future_entropy: closest head on seed {seed}: {chosen['method']}{_suffix(chosen)}; on seed "
+             f"{seed + 1} its last tenth is {exp_or_inf(float(level)):.1f} against the test perplexity "
+             f"{exp_or_inf(test_nats):.1f}")
+    return {"method": chosen["method"], "params": chosen["params"], "chosen_on_seed": seed,
+            "reported_on_seed": seed + 1, "tail_nats": float(level), "tail_stderr_nats": float(se),
+            "tail_ppl": exp_or_inf(float(level)), "tail_ppl_chosen_seed": chosen["tail_ppl"],
+            "candidates": [f"{r['method']}{_suffix(r)}" for r, _ in fair]}
 
 
 def _short_label(r: dict) -> str:

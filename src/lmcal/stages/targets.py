@@ -59,7 +59,9 @@ def hf_target(cfg: DictConfig, settings: dict[str, dict] | None = None) -> dict:
     m = cfg.model
     check_stages(list(cfg.stages), "hf", settings or stage_settings(cfg))  # before the model is loaded
     device = cfg.get("device") or ("cuda" if torch.cuda.is_available() else "cpu")
-    lm = load_hf_model(m.name_or_path, device=device, dtype=m.get("dtype"))
+    dmap = m.get("device_map")
+    lm = load_hf_model(m.name_or_path, device=device, dtype=m.get("dtype"),
+                       device_map=OmegaConf.to_container(dmap) if OmegaConf.is_config(dmap) else dmap)
     root = cfg.get("data_root")
     splits = ("train", "valid", "test") if "future_entropy" in cfg.stages else ("valid", "test")  # heads need train
     texts = {split: Path(m.get(f"{split}_text") or ptb_text_file(split, root)) for split in splits}

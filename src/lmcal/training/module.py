@@ -202,8 +202,23 @@ class LMModule(pl.LightningModule):
     @torch.no_grad()
     def _update_average(self):
         self.n_avg += 1
+        self._average_to_parameters()  # a guard: a resumed average read onto the CPU, the parameters moved since
         for name, p in self.net.named_parameters():
             self.avg[name].add_(p.detach() - self.avg[name], alpha=1.0 / self.n_avg)
+
+    def _average_to_parameters(self) -> None:
+        """Puts each averaged tensor on its parameter's device and dtype. Checkpoints are read onto the CPU, and
+        Lightning moves the module to the accelerator only after `on_load_checkpoint`; the average is a plain dict,
+        not a buffer, so it does not follow the module there by itself."""
+        if self.avg is None:
+            return
+        for name, p in self.net.named_parameters():
+            a = self.avg[name]
+            if a.device != p.device or a.dtype != p.dtype:
+                self.avg[name] = a.to(device=p.device, dtype=p.dtype)
+
+    def on_train_start(self):
+        self._average_to_parameters()  # the module is on its device by now
 
     def start_averaging(self):
         self.avg = {n: p.detach().clone() for n, p in self.net.named_parameters()}
@@ -216,6 +231,7 @@ class LMModule(pl.LightningModule):
         if self.avg is None:
             yield
             return
+        self._average_to_parameters()
         saved = {n: p.detach().clone() for n, p in self.net.named_parameters()}
         with torch.no_grad():
             for n, p in self.net.named_parameters():
@@ -292,5 +308,6 @@ class LMModule(pl.LightningModule):
         if "raw_state_dict" in checkpoint:  # resume: average from state_dict, iterate from raw_state_dict
             prefix = "net."
             averaged = checkpoint["state_dict"]
-            self.avg = {n: averaged[prefix + n].clone() for n, _ in self.net.named_parameters()}
+            self.avg = {n: averaged[prefix + n].to(device=p.device, dtype=p.dtype, copy=True)
+                        for n, p in self.net.named_parameters()}
             checkpoint["state_dict"] = checkpoint["raw_state_dict"]
