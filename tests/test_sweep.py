@@ -88,3 +88,15 @@ def test_a_stage_named_on_the_command_line_that_does_not_apply_stays_an_error(tm
                        cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert r.returncode == 2 and "Stage entropy_rate does not apply to a tau-limited model" in r.stderr
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_memory_base_runs_finds_each_datasets_base_model(tmp_path):
+    from lmcal.models.checkpoint import base_checkpoint
+
+    (tmp_path / "base_ptb" / "checkpoints").mkdir(parents=True)
+    runs = {"ptb": str(tmp_path / "base_ptb"), "markov": str(tmp_path / "markov.ckpt")}
+    assert base_checkpoint({"base_ckpt": None, "base_runs": runs}, "ptb") == str(
+        tmp_path / "base_ptb" / "checkpoints" / "best.ckpt")  # a run folder: its best checkpoint
+    assert base_checkpoint({"base_runs": runs}, "markov") == str(tmp_path / "markov.ckpt")  # a checkpoint as given
+    assert base_checkpoint({"base_ckpt": "/b.ckpt", "base_runs": runs}, "ptb") == "/b.ckpt"  # base_ckpt wins
+    assert base_checkpoint({"base_runs": runs}, "wikitext2") is None and base_checkpoint(None, "ptb") is None
