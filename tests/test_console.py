@@ -58,10 +58,14 @@ def test_the_training_bar_shows_tokens_per_second_and_no_logger_version():
         assert "ProcessingSpeedColumn" not in names and "BatchesProcessedColumn" in names
 
 
-def test_lightnings_start_up_tips_are_silenced_once():
+def test_lightnings_start_up_tips_are_silenced_once(monkeypatch):
     from lmcal.utils.quiet import quiet_third_party
 
-    quiet_third_party()
+    monkeypatch.delenv("HF_HUB_DISABLE_PROGRESS_BARS", raising=False)
+    quiet_third_party()  # stderr is captured here, as in a log file: no Hugging Face bars either
+    import os
+
+    assert os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] == "1"
     quiet_third_party()  # idempotent: one filter
     logger = logging.getLogger("pytorch_lightning.utilities.rank_zero")
     assert len(logger.filters) == 1

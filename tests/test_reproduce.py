@@ -24,8 +24,8 @@ def _cmd(out, *extra):
     return [sys.executable, "-m", "lmcal.reproduce", "profile=smoke", f"out={out}", "logger=csv", *extra]
 
 
-def _env():
-    return {**os.environ, "LMCAL_DATA_ROOT": DATA_ROOT, "WANDB_MODE": "offline"}
+def _env():  # no WANDB_MODE: offline is the runs' own setting, as for a user
+    return {**{k: v for k, v in os.environ.items() if k != "WANDB_MODE"}, "LMCAL_DATA_ROOT": DATA_ROOT}
 
 
 def _numbers(results: dict) -> dict:
@@ -42,7 +42,7 @@ def _numbers(results: dict) -> dict:
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     out = tmp_path_factory.mktemp("reproduce") / "straight"
-    r = subprocess.run(_cmd(out), env=_env(), capture_output=True, text=True, timeout=900,
+    r = subprocess.run(_cmd(out, "logger=wandb"), env=_env(), capture_output=True, text=True, timeout=900,
                        preexec_fn=lambda: os.umask(0o022))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return out, json.loads((out / "results.json").read_text())
@@ -99,6 +99,32 @@ def test_smoke_profile_writes_every_result(uninterrupted):
     for name in ("results.json", "REPORT.md", "ptb/base/metrics.json", "figure2_entropy_rate.png"):
         assert stat.S_IMODE((out / name).stat().st_mode) == 0o644, name  # readable by others under umask 022
     assert not list(out.rglob("*.tmp")) and not list(out.rglob(".lmcal.lock"))
+
+
+def test_the_wandb_dashboard_of_the_smoke_reproduction(uninterrupted):
+    """Its offline runs, read from their files: every run named and typed, all in the reproduction's group, the
+    generation curves as series, training's final numbers in its summary."""
+    from tests.test_wandb import runs_under
+
+    out, res = uninterrupted
+    runs = runs_under(out)
+    by_name = {r["name"]: r for r in runs}
+    assert len(by_name) == len(runs) and all(r["name"] and r["job_type"] for r in runs)
+    assert {r["group"] for r in runs} == {f"reproduce-{out.name}"}
+    jobs = sorted(r["job_type"] for r in runs)
+    assert jobs.count("train") == 3 and jobs.count("tau_model") == 4 and jobs.count("report") == 1  # PTB, Markov
+    assert {"entropy_rate", "calibration", "decoders", "future_entropy", "memory"} <= set(jobs)
+    assert all({"data", "model"} <= r["config"] for r in runs)
+    base = next(r for r in runs if r["job_type"] == "train" and r["name"].endswith("-ptb")
+                and r["name"].startswith("train-awd-lstm"))
+    assert base["summary"]["final/test_ppl"] == pytest.approx(res["base"]["test_ppl"])
+    assert any({"train/lr", "train/grad_norm", "train/tokens_per_s"} <= set(h) for h in base["history"])
+    cal = next(r for r in runs if r["job_type"] == "calibration")
+    horizon = res["entropy_rate"]["horizon"]
+    assert [h["calibration/curves/t"] for h in cal["history"] if "calibration/curves/after_nats" in h] == \
+        list(range(1, horizon + 1))
+    dec = next(r for r in runs if r["job_type"] == "decoders")
+    assert sum(k.startswith("decoders/curves/") for k in set().union(*dec["history"])) >= 8  # one per decoder
 
 
 def test_every_effect_sentence_of_the_report_agrees_with_results_json(uninterrupted):

@@ -344,7 +344,8 @@ def test_report_tabulates_the_training_runs_of_any_folders(tmp_path):
     """`lmcal.report` on folders of training runs: one table of them (overrides, val/test ppl, status, folder)."""
     for name, metrics in (("a", {"val_ppl": 101.234, "test_ppl": 99.5, "dataset": "ptb"}), ("b", None)):
         (tmp_path / "runs" / name / ".hydra").mkdir(parents=True)
-        (tmp_path / "runs" / name / ".hydra" / "overrides.yaml").write_text(f"- model.memory_tau={len(name) + 4}\n")
+        (tmp_path / "runs" / name / ".hydra" / "overrides.yaml").write_text(
+            f"- data=ptb\n- model.memory_tau={ord(name) - ord('a') + 5}\n")
         if metrics:
             (tmp_path / "runs" / name / "metrics.json").write_text(json.dumps(metrics))
         else:
@@ -353,9 +354,10 @@ def test_report_tabulates_the_training_runs_of_any_folders(tmp_path):
                         "--wandb", "disabled"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     lines = (tmp_path / "rep" / "runs.md").read_text().splitlines()
-    assert lines[2] == f"| model.memory_tau=5 | 101.23 | 99.50 | ok | {tmp_path / 'runs' / 'a'} |"
-    assert lines[3] == f"| model.memory_tau=5 | - | - | failed: tau must be > 0 | {tmp_path / 'runs' / 'b'} |"
-    assert lines[2] in r.stdout
+    assert lines[0] == "All runs: data=ptb"  # the overrides every run shares, once
+    assert lines[4] == f"| model.memory_tau=5 | 101.23 | 99.50 | ok | {tmp_path / 'runs' / 'a'} |"
+    assert lines[5] == f"| model.memory_tau=6 | - | - | failed: tau must be > 0 | {tmp_path / 'runs' / 'b'} |"
+    assert lines[4] in r.stdout
 
 
 def test_markov_memory_figure_shows_the_exact_value_and_counts_have_integer_ticks(tmp_path, monkeypatch):

@@ -77,7 +77,8 @@ def test_a_tau_sweep_skips_the_presets_full_model_stages_and_ends_with_one_table
     assert [r["status"].split(":")[0] for r in rows] == ["failed", "ok"]
     assert "model.memory_tau=2" in rows[1]["overrides"] and rows[1]["test_ppl"] > 1 and rows[1]["val_ppl"] > 1
     table = (tmp_path / "sweep" / "runs.md").read_text()
-    assert table.splitlines()[0] == "| run | val ppl | test ppl | status | folder |" and len(table.splitlines()) == 4
+    assert table.splitlines()[2] == "| run | val ppl | test ppl | status | folder |" and len(table.splitlines()) == 6
+    assert "| model.memory_tau=2 |" in table and table.splitlines()[0].startswith("All runs: experiment=smoke")
     assert table in r.stdout and "1 of 2 jobs ok" in r.stdout and "1 of 2 jobs failed" in r.stdout
 
 
@@ -87,3 +88,15 @@ def test_a_stage_named_on_the_command_line_that_does_not_apply_stays_an_error(tm
                        cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert r.returncode == 2 and "Stage entropy_rate does not apply to a tau-limited model" in r.stderr
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_memory_base_runs_finds_each_datasets_base_model(tmp_path):
+    from lmcal.models.checkpoint import base_checkpoint
+
+    (tmp_path / "base_ptb" / "checkpoints").mkdir(parents=True)
+    runs = {"ptb": str(tmp_path / "base_ptb"), "markov": str(tmp_path / "markov.ckpt")}
+    assert base_checkpoint({"base_ckpt": None, "base_runs": runs}, "ptb") == str(
+        tmp_path / "base_ptb" / "checkpoints" / "best.ckpt")  # a run folder: its best checkpoint
+    assert base_checkpoint({"base_runs": runs}, "markov") == str(tmp_path / "markov.ckpt")  # a checkpoint as given
+    assert base_checkpoint({"base_ckpt": "/b.ckpt", "base_runs": runs}, "ptb") == "/b.ckpt"  # base_ckpt wins
+    assert base_checkpoint({"base_runs": runs}, "wikitext2") is None and base_checkpoint(None, "ptb") is None

@@ -25,7 +25,7 @@ def _read(path: Path) -> dict | None:
     return data if isinstance(data, dict) else None
 
 
-def _overrides(run: Path) -> str:
+def _overrides(run: Path) -> list[str]:
     """The job's command-line overrides (Hydra's .hydra/overrides.yaml), else the folder's name."""
     import yaml
 
@@ -33,7 +33,7 @@ def _overrides(run: Path) -> str:
         items = yaml.safe_load((run / ".hydra" / "overrides.yaml").read_text())
     except (OSError, yaml.YAMLError):
         items = None
-    return " ".join(map(str, items)) if isinstance(items, list) else run.name
+    return [str(x) for x in items] if isinstance(items, list) else [run.name]
 
 
 def find_runs(dirs: list[str | Path], jobs: bool = False) -> list[Path]:
@@ -58,12 +58,15 @@ def run_row(run: Path) -> dict:
 
 
 def runs_markdown(rows: list[dict]) -> str:
+    """The table; with several runs, each shows the overrides that are its own, those all share go above it."""
     def ppl(x):
         return f"{x:.2f}" if isinstance(x, (int, float)) else "-"
 
-    lines = ["| run | val ppl | test ppl | status | folder |", "|---|---|---|---|---|"]
-    lines += [f"| {r['overrides']} | {ppl(r['val_ppl'])} | {ppl(r['test_ppl'])} | {r['status']} | {r['folder']} |"
-              for r in rows]
+    common = set.intersection(*(set(r["overrides"]) for r in rows)) if len(rows) > 1 else set()
+    lines = [f"All runs: {' '.join(o for o in rows[0]['overrides'] if o in common)}", ""] if common else []
+    lines += ["| run | val ppl | test ppl | status | folder |", "|---|---|---|---|---|"]
+    lines += [f"| {' '.join(o for o in r['overrides'] if o not in common) or '-'} | {ppl(r['val_ppl'])} "
+              f"| {ppl(r['test_ppl'])} | {r['status']} | {r['folder']} |" for r in rows]
     return "\n".join(lines) + "\n"
 
 

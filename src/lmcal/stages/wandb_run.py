@@ -70,7 +70,7 @@ def init_args(logger_cfg, out_dir: str | Path | None, job_type: str, model: str 
             "name": node.pop("name", None) or run_name(name or job_type, model, dataset),
             "group": node.pop("group", None) or group or Path(out_dir).resolve().name,
             "job_type": job_type,
-            "tags": sorted({job_type, *(slug(t) for t in (model, dataset, *tags) if t)}),
+            "tags": sorted({job_type, *(slug(t) for t in (model, dataset) if t), *(t for t in tags if t)}),
             "dir": str(save_dir), "mode": "offline" if offline else "online",
             "id": run_id(out_dir), "resume": "allow", "config": config,
             "settings": wandb.Settings(silent=True, console="off"), **node}

@@ -6,6 +6,8 @@ repeat them). lmcal's own messages and every other warning are untouched.
 from __future__ import annotations
 
 import logging
+import os
+import sys
 import warnings
 
 # (category, message regex) of warnings that are noise here
@@ -26,6 +28,10 @@ class _DropTips(logging.Filter):
 
 
 def quiet_third_party() -> None:
+    if not sys.stderr.isatty():  # in a log file, Hugging Face's tqdm bars (saving a transformer's hf/) are litter
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # read when transformers is imported
+        if "transformers" in sys.modules:
+            sys.modules["transformers"].utils.logging.disable_progress_bar()
     for category, message in _WARNINGS:
         warnings.filterwarnings("ignore", message=message, **({"category": category} if category else {}))
     for name in ("pytorch_lightning.utilities.rank_zero", "lightning.pytorch.utilities.rank_zero",
