@@ -10,7 +10,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
 .DEFAULT_GOAL := help
-.PHONY: help install test test-all lint bench smoke reproduce docs clean gpu-check
+.PHONY: help install test test-all lint bench smoke reproduce docs clean gpu-check test-slurm
 
 help: ## list the targets
 	@awk 'BEGIN{FS=":.*## "} /^[a-zA-Z_-]+:.*## /{printf "  make %-10s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -27,10 +27,13 @@ $(STAMP): pyproject.toml
 install: $(STAMP) ## create .venv: pinned torch first, then lmcal with its dependencies
 
 test: $(STAMP) ## the fast tests, under ~5 min (real PTB through LMCAL_DATA_ROOT if set; slow tests excluded)
-	$(PY) -m pytest -m "not slow"
+	$(PY) -m pytest -m "not slow and not slurm"
 
-test-all: $(STAMP) ## every test, the slow tier too (what CI runs)
-	$(PY) -m pytest
+test-all: $(STAMP) ## every test, the slow tier too (what CI runs), but the Slurm tier
+	$(PY) -m pytest -m "not slurm"
+
+test-slurm: $(STAMP) ## the Slurm tier: a single-node Slurm cluster on loopback (root; apt-get install slurm-wlm munge)
+	$(PY) -m pytest -m slurm tests/slurm -s
 
 lint: $(STAMP) ## ruff
 	$(VENV)/bin/ruff check src tests bench

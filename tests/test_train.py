@@ -11,6 +11,7 @@ from omegaconf import open_dict
 
 from lmcal.train import train
 from lmcal.utils.settings import CONF_DIR
+from tests.test_wandb import runs_under
 
 
 def smoke_cfg(tmp_path, overrides):
@@ -35,6 +36,13 @@ def test_smoke_run_through_hydra_writes_metrics_and_checkpoints(tmp_path, data_o
     import wandb
 
     assert wandb.run is None  # the run was finished
+    (run,) = runs_under(tmp_path)  # the stages' generation curves are series against t, beside their PNGs
+    assert run["job_type"] == "train" and run["summary"]["final/test_ppl"] == pytest.approx(m["test_ppl"])
+    horizon = len(json.loads((tmp_path / "entropy_rate.json").read_text())["curve_nats"])
+    for key, series in (("entropy_rate/curves", "entropy_nats"), ("calibration/curves", "before_nats"),
+                        ("calibration/curves", "after_nats")):
+        assert [h[f"{key}/t"] for h in run["history"] if f"{key}/{series}" in h] == list(range(1, horizon + 1))
+    assert any("calibration/figure/_type" in h for h in run["history"])  # the PNG
 
 
 def cfg_vocab(m, tmp_path):
@@ -88,3 +96,32 @@ def test_a_resumed_run_repeats_an_uninterrupted_one_exactly(tmp_path, data_overr
     assert resumed["resumed_from"] and resumed["epochs"] == straight["epochs"] == 2
     for k in ("val_ce_nats", "test_ce_nats", "train_tokens"):
         assert resumed[k] == straight[k], k
+
+
+@pytest.mark.parametrize("args", [["trainer.devices=2"], ["+trainer.strategy=ddp"], ["+trainer.num_nodes=2"],
+                                  ["trainer.devices=[0,1]"]])
+def test_several_devices_are_refused_before_any_work(tmp_path, args):
+    """DDP would shard the BPTT windows across processes (each carried hidden state skipping the other's tokens):
+    refused with one paragraph that says why and what to use, before the run lock, a checkpoint or a logger."""
+    run = tmp_path / "run"
+    r = _cli(["experiment=smoke", "logger=wandb", f"hydra.run.dir={run}", *args], tmp_path)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr
+    msg = r.stderr.split("lmcal: error:", 1)[1]
+    assert "hidden state" in msg and "DistributedSampler" in msg and "jobs=N" in msg and "launcher=slurm" in msg
+    assert len(msg.strip().splitlines()) == 1  # one paragraph
+    left = sorted(p.name for p in run.iterdir()) if run.is_dir() else []
+    assert set(left) <= {".hydra", "train.log"}, left  # only Hydra's own record of the command: no lock, no wandb
+
+
+def test_device_count_reads_every_form_lightning_takes():
+    from lmcal.train import device_count
+
+    assert device_count({"devices": 1}) == 1
+    assert device_count({"devices": 2}) == 2
+    assert device_count({"devices": "0,1"}) == 2
+    assert device_count({"devices": "3"}) == 3
+    assert device_count({"devices": [0, 1, 2]}) == 3
+    assert device_count({"devices": 1, "num_nodes": 2}) == 2
+    assert device_count({"devices": "auto", "accelerator": "cpu"}) == 1
+    assert device_count({"devices": -1, "accelerator": "cpu"}) == 1

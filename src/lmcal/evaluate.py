@@ -11,7 +11,6 @@ Decoders: `stages=[decoders]` (every method of analysis.decoders.methods), or on
 from __future__ import annotations
 
 import logging
-import sys
 from pathlib import Path
 
 import hydra
@@ -22,13 +21,16 @@ from lmcal.errors import LmcalError
 from lmcal.stages.registry import run_stages
 from lmcal.stages.targets import checkpoint_target, hf_target, stage_settings
 from lmcal.stages.wandb_run import finish_run, wandb_run
+from lmcal.utils.boundary import boundary, run_hydra
 from lmcal.utils.device import apply_precision_policy
 from lmcal.utils.io import write_json_atomic
 from lmcal.utils.lock import run_lock
+from lmcal.utils.quiet import quiet_third_party
 from lmcal.utils.settings import CONF_DIR  # noqa: F401  (it registers the configs' lmcal_root resolver)
 from lmcal.utils.validate import check_config
 
 log = logging.getLogger("lmcal")
+quiet_third_party()  # once per process
 
 
 def evaluate(cfg: DictConfig) -> dict:
@@ -54,7 +56,13 @@ def _evaluate(cfg: DictConfig, out: Path) -> dict:
                          "model.name_or_path=FOLDER (a Hugging Face causal LM).")
     target = hf_target(cfg, settings) if hf else checkpoint_target(cfg, settings)
     results = target["results"]
-    logger = wandb_run(cfg.get("logger"), OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False))
+    stages = list(cfg.stages)
+    window = (settings.get("memory") or {}).get("limited") == "window"
+    logger = wandb_run(cfg.get("logger"), OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False), out,
+                       job_type=stages[0] if len(stages) == 1 else "evaluate", model=target["name"],
+                       dataset=target["corpus"], tags=tuple(stages) + (("window",) if window else ()),
+                       name="-".join([*stages, *(["window", f"tau{settings['memory'].get('tau')}"] if window else [])])
+                       or "evaluate")
     try:
         results.update(run_stages(list(cfg.stages), target, settings, out, logger))
         write_json_atomic(out / "evaluation.json", results)
@@ -65,13 +73,10 @@ def _evaluate(cfg: DictConfig, out: Path) -> dict:
 
 @hydra.main(version_base="1.3", config_path="../../conf", config_name="evaluate")
 def main(cfg: DictConfig) -> None:
-    try:
+    with boundary():
+        OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)  # every interpolation, before any work
         evaluate(cfg)
-    except LmcalError as e:
-        log.error(str(e))
-        print(f"\nlmcal: error: {e}", file=sys.stderr)
-        sys.exit(2)
 
 
 if __name__ == "__main__":
-    main()
+    run_hydra(main)

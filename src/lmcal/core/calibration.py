@@ -176,8 +176,8 @@ def lookahead_statistics(lm, tokens: torch.Tensor, topk: int | None = None, epsi
     keys = advance_keys(start_keys(B, logp.device), tokens[0])
     steps = range(1, S)
     if progress:
-        from tqdm.auto import tqdm
-        steps = tqdm(steps, desc="lookahead")
+        from lmcal.utils.progress import progress_bar
+        steps = progress_bar(steps, desc="lookahead")
     for t in steps:
         y = tokens[t].to(logp.device)  # [B]
         if t >= t0:
@@ -285,6 +285,30 @@ def calibrated(lm, alpha: float, topk: int | None = None, epsilon: float = 0.0, 
 
 
 @torch.no_grad()
+def topk_coverage(cal: CalibratedLM, tokens: torch.Tensor) -> dict:
+    """How far the calibrated StepLM in top-k mode is from the fitted family, along time-major streams tokens [S, B]
+    (first token context only): the mean mass it gives outside the top k (the words sharing one estimated tilt), and
+    the fraction of true next words that fall there (each scored with that shared tilt, where the fit gave it its
+    own). In exact mode (topk None or >= V) both are 0 by construction."""
+    S, B = tokens.shape
+    if cal.topk is None or cal.topk >= cal.vocab_size:
+        return {"mass_outside_topk": 0.0, "true_word_outside_topk": 0.0, "positions": (S - 1) * B}
+    base, keys = cal.init_state(B)
+    mass, outside = [], []
+    for t in range(S - 1):
+        logp, base = cal.lm.step(tokens[t], base)  # [B, V]: as CalibratedLM.step, keeping the top k it tilts
+        keys = advance_keys(keys.to(logp.device), tokens[t])
+        logq = mix_uniform(logp, cal.epsilon)
+        top = logq.topk(cal.topk, dim=-1).indices  # [B, k]
+        logc = cal._tilted(logq, base, keys).log_softmax(-1)  # [B, V]
+        mass.append((1 - logc.gather(1, top).exp().sum(-1)).double().cpu())  # [B]
+        outside.append((top != tokens[t + 1].to(top.device)[:, None]).all(-1).cpu())  # [B]
+    mass, outside = torch.cat(mass), torch.cat(outside)
+    return {"mass_outside_topk": mass.mean().item(), "true_word_outside_topk": outside.double().mean().item(),
+            "positions": mass.numel()}
+
+
+@torch.no_grad()
 def target_log_probs(lm, tokens: torch.Tensor) -> torch.Tensor:
     """log q(next word) of any StepLM along time-major streams tokens [S, B] (first token context only):
     float64 [(S-1)*B], in position order t = 1..S-1 (B streams each); -inf where q gives the word probability 0."""
@@ -332,8 +356,8 @@ def next_token_rows(lm, tokens: torch.Tensor, progress: bool = False) -> tuple[t
     rows, ys = [], []
     steps = range(S - 1)
     if progress:
-        from tqdm.auto import tqdm
-        steps = tqdm(steps, desc="scoring")
+        from lmcal.utils.progress import progress_bar
+        steps = progress_bar(steps, desc="scoring")
     for t in steps:
         logp, state = lm.step(tokens[t], state)  # [B, V]
         rows.append(logp.float().cpu())
@@ -356,3 +380,4 @@ def fit_temperature(lm, tokens: torch.Tensor, bound: float = 100.0, progress: bo
     if b <= 0:
         raise RuntimeError(f"the fitted inverse temperature {b:.3g} is not positive: the model is worse than uniform")
     return TemperatureFit(1.0 / b, se_b / b**2, ce_before, ce_after, n)
+

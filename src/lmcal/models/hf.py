@@ -292,6 +292,10 @@ def hf_cross_entropy(lm: HFCausalLM, tokens: torch.Tensor, context: int | None =
     return total / n, n
 
 
+# what tokenizer.save_pretrained writes, for every kind of tokenizer (fast, BPE, WordPiece, SentencePiece)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt", "tokenizer.model",
+                   "spiece.model", "sentencepiece.bpe.model")
+
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
 
 
@@ -310,6 +314,7 @@ def load_hf_model(name_or_path, device="cpu", dtype=None, device_map=None) -> HF
     instead (`device` is then not used: each layer stays where the map put it).
 
     An existing path must be a folder written by `save_pretrained` (model and tokenizer); it is read from disk only.
+    No code from the folder or the hub runs (trust_remote_code=False): a model that needs its own Python is refused.
     A path that does not exist but looks like a hub id ("gpt2", "openai-community/gpt2") is handed to
     `from_pretrained`, which honours HF_HUB_OFFLINE=1 (then only the local hub cache is searched). dtype: a torch
     dtype, its name ("bfloat16") or None (float32). Every failure is one LmcalError saying what was tried.
@@ -328,7 +333,8 @@ def load_hf_model(name_or_path, device="cpu", dtype=None, device_map=None) -> HF
         raise LmcalError(f"No Hugging Face model folder at {path}: the path does not exist (and does not look like "
                          "a hub id, so the hub was not asked). " + how)
     source = f"the local folder {path}" if local else f"the hub id {name!r} (no such local folder)"
-    where = {"local_files_only": True} if local else {}  # an existing folder is never looked up on the hub
+    # never the folder's own Python (config.json's auto_map), and never a prompt asking whether to run it
+    where = {"local_files_only": True, "trust_remote_code": False} if local else {"trust_remote_code": False}
     kwargs = dict(where)
     if isinstance(dtype, str) and dtype != "auto":
         if not isinstance(getattr(torch, dtype, None), torch.dtype):
@@ -347,6 +353,10 @@ def load_hf_model(name_or_path, device="cpu", dtype=None, device_map=None) -> HF
                              "or set model.device_map=null to load the model on one device.") from None
         kwargs["device_map"] = device_map
     target = str(path) if local else name
+    if local and (path / "config.json").is_file() and not any((path / f).is_file() for f in TOKENIZER_FILES):
+        raise LmcalError(f"{path} holds a model but no tokenizer files (none of {', '.join(TOKENIZER_FILES)}), so "
+                         "it could not read text. Save the tokenizer beside the model: "
+                         "tokenizer.save_pretrained(folder).")
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(target, **where)
         model = transformers.AutoModelForCausalLM.from_pretrained(target, **kwargs)

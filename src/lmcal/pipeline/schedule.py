@@ -15,7 +15,9 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from lmcal.errors import LmcalError
-from lmcal.utils.io import read_json, write_json_atomic
+from lmcal.pipeline.devices import device_env, free_slot, visible_gpus
+from lmcal.pipeline.signals import end_groups, stage_process_options
+from lmcal.utils.io import read_record, write_json_atomic
 
 
 def clock(seconds: float) -> str:
@@ -69,9 +71,9 @@ def machine_gflops() -> float:
     return round(matmul_flops(seconds=0.5) / 1e9, 1)
 
 
-def launch(stage: dict, out: Path) -> dict:
-    """Starts a stage's process with its output appended to logs/<name>.log: {"proc" (None: nothing to run), "cmd",
-    "log", "log_path", "t0"}."""
+def launch(stage: dict, out: Path, env: dict | None = None) -> dict:
+    """Starts a stage's process with its output appended to logs/<name>.log, `env` added to its environment (its
+    GPU): {"proc" (None: nothing to run), "cmd", "log", "log_path", "t0"}."""
     log_path = out / "logs" / f"{stage['name']}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     cmd, run = stage_command(stage), {"proc": None, "log": None, "log_path": log_path, "t0": time.perf_counter()}
@@ -81,7 +83,8 @@ def launch(stage: dict, out: Path) -> dict:
         run["log"].write(f"\n$ {shlex.join(cmd)}\n")
         run["log"].flush()
         run["proc"] = subprocess.Popen(cmd, stdout=run["log"], stderr=subprocess.STDOUT,
-                                       env={**os.environ, "HYDRA_FULL_ERROR": "1"})
+                                       env={**os.environ, "HYDRA_FULL_ERROR": "1", **(env or {})},
+                                       **stage_process_options())
     return run
 
 
@@ -97,14 +100,16 @@ def check_finished(stage: dict, run: dict, rc: int) -> None:
                          f"with:\n  {shlex.join(run['cmd'])}\nor rerun the pipeline, which skips the finished stages.")
 
 
+def finished_file(path: Path) -> bool:
+    """A file that shows a stage finished: there, and, for JSON (results.json, metrics.json...), whole."""
+    return path.is_file() and (path.suffix != ".json" or read_record(path) is not None)
+
+
 def stop(runs: dict) -> None:
-    """Ends the stages still running (a failure elsewhere, Ctrl-C): a rerun resumes them."""
+    """Ends the stages still running, each with its process group (a failure elsewhere, Ctrl-C, SIGTERM, SIGHUP): a
+    rerun resumes them."""
+    end_groups([run["proc"] for run in runs.values() if run["proc"] is not None])
     for run in runs.values():
-        if run["proc"] is not None and run["proc"].poll() is None:
-            run["proc"].terminate()
-    for run in runs.values():
-        if run["proc"] is not None:
-            run["proc"].wait()
         if run["log"] is not None:
             run["log"].close()
 
@@ -113,7 +118,9 @@ def schedule(stages: list[dict], cfg: DictConfig, out: Path, current: dict, jobs
     """Runs the stages in plan order, up to `jobs` at once: a stage starts once every stage it depends on has
     finished (the report, in this process, once all have). A stage recorded as done is skipped unless a stage it
     depends on ran again. Every stage process gets the same environment (threads included) whatever `jobs` is, so
-    its results do not depend on what runs beside it. On a failure the others are stopped; a rerun resumes."""
+    its results do not depend on what runs beside it, apart from its GPU: with several, each running stage gets
+    its own (CUDA_VISIBLE_DEVICES). On a failure the others are stopped; a rerun resumes."""
+    gpus = visible_gpus() if jobs > 1 else []
     total, index = len(stages), {st["name"]: i for i, st in enumerate(stages, 1)}
     todo, running, finished, ran = list(stages), {}, set(), set()
     tty, shown = sys.stdout.isatty(), time.perf_counter()
@@ -128,15 +135,17 @@ def schedule(stages: list[dict], cfg: DictConfig, out: Path, current: dict, jobs
                 todo.remove(stage)
                 record = out / "stages" / f"{name}.json"
                 rec = {"dir": str(stage["dir"]), "cmd": stage.get("cmd"), "settings": current[name]}
-                if (record.is_file() and read_json(record).get("status") == "done" and not ran & set(stage["deps"])
-                        and all(p.is_file() for p in stage["done"])):
+                before = read_record(record)  # (None when it does not parse: not done, with a warning)
+                if (before is not None and before.get("status") == "done" and not ran & set(stage["deps"])
+                        and all(finished_file(p) for p in stage["done"])):
                     print(f"[{index[name]}/{total}] {name}: done before, skipped", flush=True)
-                    if read_json(record).get("settings") != rec["settings"]:  # the tau-models of a longer taus list
-                        write_json_atomic(record, {**read_json(record), **rec})
+                    if before.get("settings") != rec["settings"]:  # the tau-models of a longer taus list
+                        write_json_atomic(record, {**before, **rec})
                     finished.add(name)
                     continue
                 if "fn" not in stage and not running:  # the machine's speed as this stage starts (not when another
                     rec["matmul_gflop_per_s"] = machine_gflops()  # stage would share the cores with the probe)
+                rec["started_at"] = time.time()  # wall-clock: REPORT.md's total is the span the stages covered
                 write_json_atomic(record, {"status": "started", **rec})
                 ran.add(name)  # what uses its results runs again too
                 print(f"[{index[name]}/{total}] {name}: running (log: {out / 'logs' / (name + '.log')})", flush=True)
@@ -145,7 +154,8 @@ def schedule(stages: list[dict], cfg: DictConfig, out: Path, current: dict, jobs
                     stage["fn"](cfg, out)
                     run = {"t0": t0, "proc": None, "log": None, "rec": rec}
                 else:
-                    run = launch(stage, out) | {"rec": rec}
+                    slot = free_slot(running)
+                    run = launch(stage, out, device_env(slot, gpus)) | {"rec": rec, "slot": slot}
                 running[name] = run
             if todo and not running:  # nothing runs and nothing could start: a plan whose deps are not in it
                 raise LmcalError(f"Stages {', '.join(st['name'] for st in todo)} wait on stages that are not in the "
@@ -164,7 +174,7 @@ def schedule(stages: list[dict], cfg: DictConfig, out: Path, current: dict, jobs
                     check_finished(stage, run, rc)
                 seconds = time.perf_counter() - run["t0"]
                 write_json_atomic(out / "stages" / f"{name}.json", {"status": "done", "seconds": seconds,
-                                                                    **run["rec"]})
+                                                                    "finished_at": time.time(), **run["rec"]})
                 finished.add(name)
                 if tty:
                     print("\r\033[K", end="")

@@ -133,12 +133,17 @@ class LMModule(pl.LightningModule):
         self.check_divergence(ce, loss, batch_idx)
         opt.zero_grad()
         self.manual_backward(loss)
-        if hp.clip:
-            torch.nn.utils.clip_grad_norm_(self.net.parameters(), hp.clip)
+        # the norm before clipping (inf: no clipping, the norm alone)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.net.parameters(), hp.clip or float("inf"))
         opt.step()
         if self.avg is not None:
             self._update_average()
         self.log_dict({"train/loss": ce, "train/ppl": ce.exp()}, prog_bar=True, on_step=True, on_epoch=False)
+        self.log_dict({"train/lr": opt.param_groups[0]["lr"], "train/grad_norm": grad_norm}, on_step=True,
+                      on_epoch=False)
+        if self.train_seconds:  # the run's mean so far (training steps only, not validation)
+            self.log("train/tokens_per_s", self.train_tokens / self.train_seconds, prog_bar=True, on_step=True,
+                     on_epoch=False)
         return loss
 
     def check_divergence(self, ce: torch.Tensor, loss: torch.Tensor, batch_idx: int) -> None:

@@ -182,6 +182,7 @@ RULES: dict[str, tuple[Range, str]] = {
     "analysis.sequence_calibration.batch_size": (COUNT, "examples per step of a head's regression"),
     "analysis.sequence_calibration.lr": (POSITIVE, "a soft-value head's learning rate"),
     # make reproduce
+    "jobs": (COUNT, "stages run side by side"),
     "taus": (None, "the tau-models' memory lengths"),  # a list: each an integer >= 1 (checked below)
     "markov.taus": (None, "the Markov source's tau-models' memory lengths"),
 }

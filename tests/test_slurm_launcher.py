@@ -1,0 +1,125 @@
+"""launcher=slurm without a cluster: the profile's keys, the sbatch options submitit writes, and the pipeline's
+submissions and bookkeeping against a fake executor (the real cluster: tests/slurm, make test-slurm)."""
+
+import json
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from omegaconf import OmegaConf
+
+import lmcal.pipeline.slurm as SL
+from lmcal.errors import LmcalError
+from lmcal.pipeline.plan import load_profile
+from lmcal.pipeline.reproduce import reproduce
+
+
+def test_every_profile_takes_the_launcher_and_its_slurm_settings(tmp_path):
+    cfg = load_profile(["profile=smoke", "launcher=slurm", "slurm.partition=gpu", "slurm.gpus_per_job=1"])
+    assert cfg.launcher == "slurm" and cfg.slurm.partition == "gpu" and cfg.slurm.gpus_per_job == 1
+    assert load_profile(["profile=cpu"]).launcher == "local"
+    with pytest.raises(LmcalError, match="slurm.partiton"):
+        load_profile(["profile=smoke", "slurm.partiton=gpu"])
+    with pytest.raises(LmcalError, match="launcher=k8s is not a launcher"):
+        reproduce(load_profile(["profile=smoke", "launcher=k8s", f"out={tmp_path / 'out'}"]))
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_sbatch_options(tmp_path):
+    from submitit.slurm.slurm import _make_sbatch_string
+
+    s = OmegaConf.merge(SL.slurm_defaults(), {"partition": "gpu", "gpus_per_job": 1, "cpus_per_job": 8, "mem_gb": 32,
+                                              "account": "lab", "additional": {"exclude": "node13"}})
+    ex = SL.executor(s, tmp_path)
+    ex.update_parameters(job_name="lmcal-decoders", dependency="afterok:11:12")
+    script = _make_sbatch_string(command="python -m x", folder=str(tmp_path), **ex.parameters)
+    for line in ("--partition=gpu", "--gpus-per-node=1", "--cpus-per-task=8", "--mem=32GB", "--account=lab",
+                 "--time=2880", "--dependency=afterok:11:12", "--requeue", "--exclude=node13",
+                 "--job-name=lmcal-decoders"):
+        assert f"#SBATCH {line}\n" in script, line
+
+
+class FakeExecutor:
+    """Runs each submitted function at once, in this process; records each job's sbatch dependency."""
+
+    def __init__(self, fail=()):
+        self.params, self.submitted, self.fail = {}, [], fail
+
+    def update_parameters(self, **kw):
+        self.params.update(kw)
+
+    def submit(self, fn, *args):
+        job_id = str(100 + len(self.submitted))
+        name = self.params["job_name"].removeprefix("lmcal-")
+        self.submitted.append((name, self.params.get("dependency")))
+        ok = True
+        if name in self.fail:
+            ok = False
+        else:
+            fn(*args)
+        return SimpleNamespace(job_id=job_id, ok=ok, paths=SimpleNamespace(stdout=Path(f"/slurm/{job_id}_0_log.out")))
+
+
+def _stage(name, folder, deps=()):
+    done = folder / name / "done.txt"
+    return {"name": name, "dir": folder / name, "done": [done], "deps": list(deps),
+            "cmd": [sys.executable, "-c", f"import pathlib; p = pathlib.Path({str(done)!r}); "
+                                          "p.parent.mkdir(parents=True, exist_ok=True); p.write_text('ok')"]}
+
+
+def _plan(folder):
+    def report(cfg, out):
+        (out / "results.json").write_text("{}")
+
+    return [_stage("a", folder), _stage("b", folder), _stage("c", folder, ["a", "b"]), _stage("d", folder, ["c"]),
+            {"name": "report", "dir": folder, "done": [folder / "results.json"], "deps": ["a", "b", "c", "d"],
+             "fn": report}]
+
+
+def _run(tmp_path, monkeypatch, fake):
+    monkeypatch.setattr(SL, "executor", lambda s, folder: fake)
+    monkeypatch.setattr(SL, "job_states", lambda jobs: {n: ("COMPLETED" if j.ok else "CANCELLED", 7.0)
+                                                        for n, j in jobs.items()})
+    stages = _plan(tmp_path)
+    SL.schedule_slurm(stages, OmegaConf.create({"slurm": {"poll_s": 0}}), tmp_path,
+                      {st["name"]: {} for st in stages}, ref={})
+
+
+def test_each_stage_a_job_after_the_jobs_it_needs(tmp_path, monkeypatch, capsys):
+    fake = FakeExecutor()
+    _run(tmp_path, monkeypatch, fake)
+    assert fake.submitted == [("a", None), ("b", None), ("c", "afterok:100:101"), ("d", "afterok:102")]
+    rec = json.loads((tmp_path / "stages" / "c.json").read_text())
+    assert rec["status"] == "done" and rec["slurm_job_id"] == "102" and rec["seconds"] == 7.0
+    assert json.loads((tmp_path / "stages" / "report.json").read_text())["status"] == "done"
+    assert "c: Slurm job 102 after 100, 101" in capsys.readouterr().out
+
+    fake = FakeExecutor()  # a rerun with b's result gone: b, and what uses it, run again; a is not submitted
+    (tmp_path / "b" / "done.txt").unlink()
+    _run(tmp_path, monkeypatch, fake)
+    assert fake.submitted == [("b", None), ("c", "afterok:100"), ("d", "afterok:101")]
+
+
+def test_a_failed_job_names_its_logs_and_command_and_cancels_the_rest(tmp_path, monkeypatch):
+    cancelled = []
+    monkeypatch.setattr(SL, "cancel", lambda jobs: cancelled.extend(jobs))
+    with pytest.raises(LmcalError) as e:
+        _run(tmp_path, monkeypatch, FakeExecutor(fail=("b",)))
+    msg = str(e.value)
+    assert "Stage 'b' failed" in msg and str(tmp_path / "logs" / "b.log") in msg and "/slurm/101_0_log.out" in msg
+    assert "Slurm job 101 ended CANCELLED" in msg and "launcher=slurm" in msg and "-c" in msg
+    assert sorted(cancelled) == ["b", "c", "d"]  # a had finished; the others are cancelled
+    assert not (tmp_path / "results.json").exists()
+
+
+def test_job_states_from_squeue(tmp_path, monkeypatch):
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    (bin_ / "squeue").write_text("#!/bin/sh\necho '5|RUNNING|2026-01-01T10:00:00|2026-01-02T10:00:00'\n"
+                                 "echo '6|COMPLETED|2026-01-01T10:00:00|2026-01-01T10:01:05'\n")
+    (bin_ / "squeue").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_}:/usr/bin:/bin")
+    jobs = {"a": SimpleNamespace(job_id="5"), "b": SimpleNamespace(job_id="6")}
+    got = SL.job_states(jobs)
+    assert got["a"][0] == "RUNNING" and got["b"] == ("COMPLETED", 65.0)
