@@ -142,8 +142,9 @@ def test_legacy_tuple_cache_is_indexed_without_mutation():
 
 
 def test_context_longer_than_the_model_is_a_clear_error(lm):
-    with pytest.raises(LmcalError, match="at most 128 tokens"):
+    with pytest.raises(LmcalError, match="at most 128 tokens") as e:
         lm.step(torch.tensor([1]), (None, 128))
+    assert "fit_tokens / fit_streams" in str(e.value) and "check=true" in str(e.value)  # not only prefix + horizon
 
 
 def test_lookahead_entropies_match_full_forwards(lm):

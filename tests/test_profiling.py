@@ -64,3 +64,19 @@ def test_the_report_table_reads_each_stage_folder(tmp_path):
     lines = profile_markdown({"base": {"seconds": 600.0, "status": "done"}, "calibration": s}, peak_flops=100e9)
     assert len(lines) == 3  # the training stage has no profile: only the calibration row
     assert lines[2].startswith("| calibration | 10 | 20% | 40% | 0% | 20% |") and lines[2].endswith("| 10.0 | 10% |")
+
+
+def test_spans_synchronise_the_device_once_cuda_is_in_use(monkeypatch):
+    from lmcal.utils import profiling
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: calls.append("sync"))
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    with profiling.span("a"):
+        pass
+    assert calls == []  # the CPU's timeline: nothing to wait for
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    with profiling.span("a"):
+        calls.append("work")
+    assert calls == ["sync", "work", "sync"]  # the device's work, not its launches
+    assert profiling.matmul_flops(64, seconds=0.01, device="cpu") > 0

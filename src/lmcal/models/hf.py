@@ -190,8 +190,12 @@ class HFCausalLM:
     def _check_position(self, n: int) -> None:
         if self.max_positions is not None and n >= self.max_positions:
             raise LmcalError(f"The model takes at most {self.max_positions} tokens of context "
-                             f"(config max_position_embeddings/n_positions) and was asked for token {n + 1}. Use "
-                             "shorter prefixes or a shorter generation horizon.")
+                             f"(config max_position_embeddings/n_positions) and was asked for token {n + 1}. Every "
+                             "stream a stage feeds it must fit: prefix_len + horizon of the generations, "
+                             "fit_tokens / fit_streams and score_tokens / score_streams of the fitted and scored "
+                             "streams (raise fit_streams or score_streams to shorten them), the rollouts' lengths "
+                             "and a memory window tau. `make reproduce ... ARGS='check=true'` checks a profile's "
+                             "sizes before anything runs.")
 
     def step(self, tokens, state):
         return self.prefill(tokens[:, None], state)  # [B, V]

@@ -13,7 +13,9 @@ the wall-time figure is an estimate from FLOP counts at a stated device rate, la
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -215,7 +217,7 @@ def check(cfg: DictConfig) -> str:
         c = composed(entry, overrides)
         check_config(c, where=where)
         ckpt = next(o.split("=", 1)[1] for o in overrides if o.startswith("ckpt="))
-        m = next((mm for d, mm in models.items() if ckpt.startswith(d)), None)
+        m = next((mm for d, mm in models.items() if ckpt.startswith(d + os.sep)), None)  # tau_1 is not tau_10
         if m is None:
             lines.append(f"{st['name']}: model of {ckpt} not planned here; sizes not checked")
             continue
@@ -223,7 +225,7 @@ def check(cfg: DictConfig) -> str:
         a = OmegaConf.to_container(c.analysis[name], resolve=True)
         mem_tau = next((int(o.split("=")[1]) for o in overrides if o.startswith("model.memory_tau=")), None)
         if name == "memory" and "tau_" in ckpt:  # a tau-model's own memory length
-            mem_tau = int(ckpt.split("tau_")[-1].split("/")[0])
+            mem_tau = int(next(p for p in Path(ckpt).parts if p.startswith("tau_"))[4:])
         sizes = stream_sizes(name, a, m, mem_tau)
         if m.context:
             bad = [(w, s) for w, s in sizes if s > m.context]

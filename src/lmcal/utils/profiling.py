@@ -7,8 +7,9 @@
 `snapshot()` gives each path's *exclusive* seconds ({"generation/forward": {"seconds", "gflop"}, ...}): a span's
 time less its children's, so the parts add up to the whole. `mfu(snap, peak)` is the model forward's FLOP rate as a
 share of `peak`, the machine's float32 matmul rate measured by `matmul_flops()` in the same run. Spans cost about a
-microsecond each; nothing is synchronised on a GPU (the analysis runs on the CPU's timeline), so there they measure
-launch time unless the caller synchronises.
+microsecond each. Once this process has used CUDA, each span synchronises the device when it opens and closes, so
+that it times the GPU's work and not its launches (a GPU run then loses the CPU's run-ahead across spans); and
+`matmul_flops` measures the rate of the device the stages run on (CUDA when present), synchronised.
 """
 
 from __future__ import annotations
@@ -36,10 +37,15 @@ def span(name: str, flops: float = 0.0):
     """Times the block as `name` under the spans open around it; `flops`: the work it does, for the FLOP rate."""
     _STACK.append([name, 0.0])
     path = "/".join(s[0] for s in _STACK)
+    sync = torch.cuda.is_initialized()  # CUDA in use: time the device's work, not the launches
+    if sync:
+        torch.cuda.synchronize()
     t0 = time.perf_counter()
     try:
         yield
     finally:
+        if sync:
+            torch.cuda.synchronize()
         dt = time.perf_counter() - t0
         _, children = _STACK.pop()
         _SECONDS[path] += dt - children
@@ -116,15 +122,22 @@ def profiled(lm):
     return lm if isinstance(lm, _Profiled) else _Profiled(lm)
 
 
-def matmul_flops(n: int = 1024, seconds: float = 1.0) -> float:
-    """This machine's float32 matmul rate (FLOP/s) with torch's current threads: n x n products for about `seconds`."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
+def matmul_flops(n: int = 1024, seconds: float = 1.0, device: str | None = None) -> float:
+    """The float32 matmul rate (FLOP/s) of `device` (None: CUDA when present, the device the stages run on, else the
+    CPU with torch's current threads): n x n products for about `seconds`, synchronised on CUDA."""
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     a @ b  # warm-up
+    sync()
     reps, t0 = 0, time.perf_counter()
-    while (dt := time.perf_counter() - t0) < seconds:
+    while time.perf_counter() - t0 < seconds:
         a @ b
         reps += 1
-    return 2.0 * n**3 * reps / dt
+        if reps % 16 == 0:
+            sync()  # queued products count only once done
+    sync()
+    return 2.0 * n**3 * reps / (time.perf_counter() - t0)
 
 
 def best_of(fn, repeats: int) -> float:
