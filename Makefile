@@ -10,7 +10,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
 .DEFAULT_GOAL := help
-.PHONY: help install test test-all test-slurm lint bench smoke reproduce docs clean
+.PHONY: help install test test-all lint bench smoke reproduce docs clean gpu-check test-slurm
 
 help: ## list the targets
 	@awk 'BEGIN{FS=":.*## "} /^[a-zA-Z_-]+:.*## /{printf "  make %-10s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -40,6 +40,9 @@ lint: $(STAMP) ## ruff
 
 bench: $(STAMP) ## training throughput and FLOP utilisation (prints a Markdown table)
 	$(PY) bench/train_throughput.py
+
+gpu-check: $(STAMP) ## the CUDA path in a few minutes: gpu tests, throughput, a calibrated step (needs CUDA; report in outputs/gpu-check/)
+	$(PY) bench/gpu_check.py
 
 smoke: $(STAMP) ## a tiny training run (under a minute) that writes metrics.json
 	$(PY) -m lmcal.train experiment=smoke

@@ -3,7 +3,7 @@ Markdown table of the exit code and the first line of lmcal's message (docs/bad_
 
     python bench/bad_inputs.py [--reproduction DIR]     # DIR: a finished `make reproduce PROFILE=smoke out=DIR`
 
-Needs the real PTB files ($LMCAL_DATA_ROOT, or data/ in the project). About three minutes on 2 cores.
+Needs the real PTB files ($LMCAL_DATA_ROOT, or data/ in the project), and transformers for the Hugging Face rows.
 """
 
 from __future__ import annotations
@@ -27,11 +27,14 @@ class _Payload:
         return (os.system, (f"touch {self.marker}",))
 
 
-def run(args: list[str], cwd: Path) -> tuple[int, str, str]:
-    env = {**os.environ, "WANDB_MODE": "offline", "PYTHONWARNINGS": "ignore"}
-    r = subprocess.run([sys.executable, "-m", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
+def run(args: list[str], cwd: Path, env: dict | None = None) -> tuple[int, str, str]:
+    env = {**os.environ, "WANDB_MODE": "offline", "PYTHONWARNINGS": "ignore", **(env or {})}
+    r = subprocess.run([sys.executable, "-m", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=900,
+                       stdin=subprocess.DEVNULL)
     lines = [line for line in r.stderr.splitlines() if line.startswith("lmcal: error:")]
     first = lines[0] if lines else (r.stderr.strip().splitlines() or [""])[-1]
+    if r.stderr.startswith("\n"):
+        first = "(a blank line, then) " + first
     traceback = "yes" if "Traceback" in r.stderr else "no"
     return r.returncode, first, traceback
 
@@ -68,12 +71,13 @@ def main() -> None:
         cases.append(("`reproduce` rerun with another decoders setting",
                       ["lmcal.reproduce", "profile=smoke", f"out={a.reproduction}",
                        "analysis=[analysis=smoke,analysis.decoders.mix_epsilon=1e-4]"]))
+    cases = [(label, args, {}) for label, args in cases] + hostile_cases(tmp, ckpt)
     rows = []
-    for label, args in cases:
+    for label, args, env in cases:
         out = tmp / f"run{len(rows)}"
-        extra = [f"hydra.run.dir={out}"] if args[0] != "lmcal.reproduce" and not any("hydra.run.dir" in x
-                                                                                        for x in args) else []
-        rc, first, tb = run(args + extra, tmp)
+        extra = [f"hydra.run.dir={out}"] if args[0] not in ("lmcal.reproduce", "lmcal.report") and not any(
+            "hydra.run.dir" in x for x in args) else []
+        rc, first, tb = run(args + extra, tmp, env)
         wandb = "yes" if out.is_dir() and any(out.rglob("wandb")) else "no"
         rows.append((label, rc, tb, wandb, first[: a.width]))
         print(f"{label}: exit {rc}", file=sys.stderr, flush=True)
@@ -86,12 +90,107 @@ def main() -> None:
         rc, first, tb = run([*train, f"hydra.run.dir={busy}"], tmp)
     rows.append(("`train` into a folder another run holds", rc, tb, "no", first[: a.width]))
     rows.append(("(the crafted checkpoint's payload ran)", "", "", "", "yes" if (tmp / "PWNED").exists() else "no"))
+    rows.append(("(the checkpoint settings' builtins.open truncated its file)", "", "", "",
+                 "no" if (tmp / "victim.txt").read_text() == "precious" else "yes"))
+    rows.append(("(the Hugging Face folder's own Python ran)", "", "", "", "yes" if (tmp / "RAN").exists() else "no"))
+    outside = [*tmp.rglob("x.md"), *tmp.rglob("x.png")]
+    rows.append(("(the report wrote outside --out)", "", "", "", "yes" if outside else "no"))
     print("| input | exit | traceback | W&B run started | first line of the message |")
     print("|---|---|---|---|---|")
     for label, rc, tb, wandb, first in rows:
         first = first.replace("|", r"\|")
         print(f"| {label} | {rc} | {tb} | {wandb} | {first} |")
     print(json.dumps({"tmp": str(tmp)}), file=sys.stderr)
+
+
+def _hf_folder(folder: Path, tokenizer: bool = True) -> Path:
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=40,
+                                                         n_positions=64)).save_pretrained(folder)
+    if tokenizer:
+        tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(["<unk>", "the", "cat"])}, unk_token="<unk>"))
+        tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+        transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>").save_pretrained(folder)
+    return folder
+
+
+def _memory_json(path: Path, corpus: str, drop: tuple = ()) -> Path:
+    r = {"tau": 5, "corpus": corpus, "model": "m", "ce_limited_nats": 5.0, "mi_upper_bound_nats": 0.5,
+         "mi_stderr_nats": 0.01, "alpha": 0.001, "alpha_stderr": 0.002, "entropy_calibrated_nats": 4.5,
+         "test_tokens": 100, "cluster_size": 10}
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "memory.json").write_text(json.dumps({k: v for k, v in r.items() if k not in drop}))
+    return path
+
+
+def hostile_cases(tmp: Path, ckpt: Path) -> list[tuple[str, list[str], dict]]:
+    """Issue 29's probes: code named by a checkpoint's settings or a Hugging Face folder, names from files that would
+    become paths, operating-system errors, text that is not UTF-8, plugins, interpolations and sizes beyond reason."""
+    train = ["lmcal.train", "experiment=smoke", "logger=none", "trainer.enable_progress_bar=false"]
+    victim = tmp / "victim.txt"
+    victim.write_text("precious")
+    evil = tmp / "settings.ckpt"  # passes torch.load(weights_only=True); instantiate would open victim for writing
+    torch.save({"hyper_parameters": {"net": {"_target_": "lmcal.models.awd_lstm.AWDLSTM", "hidden_size": 8,
+                                             "emb_size": {"_target_": "builtins.open", "file": str(victim),
+                                                          "mode": "w"}}, "vocab_size": 10}, "state_dict": {}}, evil)
+    remote = _hf_folder(tmp / "remote_code")
+    (remote / "evil.py").write_text(f"open({str(tmp / 'RAN')!r}, 'w')\nfrom transformers import GPT2Config as C\n")
+    cfg = json.loads((remote / "config.json").read_text())
+    cfg.update(model_type="evil_unknown", auto_map={"AutoConfig": "evil.C", "AutoModelForCausalLM": "evil.C"})
+    (remote / "config.json").write_text(json.dumps(cfg))
+    latin1 = tmp / "latin1.txt"
+    latin1.write_bytes("caf\u00e9 au lait\n".encode("latin-1"))
+    (tmp / "afile").write_text("x")
+    (tmp / "loop").symlink_to(tmp / "loop")
+    (tmp / "raises_mod.py").write_text("raise RuntimeError('the plugin broke')\n")
+    (tmp / "syntax_mod.py").write_text("def (:\n")
+    plugins = {"PYTHONPATH": os.pathsep.join([str(tmp), os.environ.get("PYTHONPATH", "")])}
+    dec = tmp / "decoders_noparams"
+    dec.mkdir()
+    (dec / "decoders.json").write_text(json.dumps({"corpus": "ptb", "rows": [{"method": "model"}]}))
+    src = Path(__file__).resolve().parents[1] / "src" / "lmcal"
+    cafe = tmp / "caf\u00e9" / "out"
+    hf = ["lmcal.evaluate", "model=hf", "logger=none"]
+    repro = ["lmcal.reproduce", "profile=smoke", "logger=none"]
+    return [
+        ("`evaluate ckpt=` settings nesting `_target_: builtins.open`", ["lmcal.evaluate", f"ckpt={evil}",
+                                                                        "logger=none"], {}),
+        ("`train init_ckpt=` the same checkpoint", [*train, f"init_ckpt={evil}"], {}),
+        ("`train memory.base_ckpt=` the same checkpoint", [*train, "model.memory_tau=5", "analysis.stages=[memory]",
+                                                           f"memory.base_ckpt={evil}"], {}),
+        ("`evaluate model=hf` folder with `auto_map`, unknown model_type", [*hf, f"model.name_or_path={remote}"], {}),
+        ("`evaluate model=hf` folder without tokenizer files",
+         [*hf, f"model.name_or_path={_hf_folder(tmp / 'no_tokenizer', tokenizer=False)}"], {}),
+        ("`evaluate model=hf model.valid_text=` latin-1 bytes",
+         [*hf, f"model.name_or_path={_hf_folder(tmp / 'tiny_hf')}", f"model.valid_text={latin1}",
+          f"model.test_text={latin1}"], {}),
+        ("`report` memory.json with corpus `../../../tmp/x`",
+         ["lmcal.report", str(_memory_json(tmp / "trav" / "a" / "b", "../../../x")), "--wandb", "disabled"], {}),
+        ("`report` memory.json missing keys", ["lmcal.report", str(_memory_json(tmp / "nokeys", "ptb",
+                                                                                  ("mi_upper_bound_nats",)))], {}),
+        ("`report` a decoders row without params", ["lmcal.report", str(dec)], {}),
+        ("`train data.root=` a file (download on)", [*train, f"data.root={tmp / 'afile'}", "data.download=true"], {}),
+        ("`train data.root=` a symlink loop", [*train, f"data.root={tmp / 'loop'}"], {}),
+        ("`reproduce out=` a folder that cannot be made", [*repro, "out=/sys/lmcal_probe/out"], {}),
+        ("`report --out` a folder that cannot be made", ["lmcal.report", str(tmp / "nokeys"), "--out",
+                                                         "/sys/lmcal_probe/out"], {}),
+        ("`train` with `LMCAL_PLUGINS=no_such_module`", train, {"LMCAL_PLUGINS": "no_such_module", **plugins}),
+        ("`reproduce` with `LMCAL_PLUGINS=` a module that raises", repro, {"LMCAL_PLUGINS": "raises_mod", **plugins}),
+        ("`evaluate` with `LMCAL_PLUGINS=` a module that does not compile", ["lmcal.evaluate", f"ckpt={ckpt}"],
+         {"LMCAL_PLUGINS": "syntax_mod", **plugins}),
+        ("`train data.root=${oc.env:UNSET}`", [*train, "data.root=${oc.env:LMCAL_UNSET_VARIABLE}"], {}),
+        ("`train data.root=${evil:1}`", [*train, "data.root=${evil:1}"], {}),
+        ("`reproduce dataset=${oc.env:UNSET}`", [*repro, "dataset=${oc.env:LMCAL_UNSET_VARIABLE}"], {}),
+        ("`reproduce jobs=abc`", [*repro, f"out={tmp / 'jobs'}", "jobs=abc"], {}),
+        ("`reproduce out=/`", [*repro, "out=/"], {}),
+        ("`reproduce out=src/lmcal`", [*repro, f"out={src}"], {}),
+        ("`reproduce out=` with a non-ASCII letter", [*repro, f"out={cafe}"], {}),
+        *[(f"`train {k}=10^7`", [*train, "analysis.stages=[entropy_rate]", f"{k}=10000000"], {}) for k in (
+            "analysis.entropy_rate.horizon", "analysis.entropy_rate.prefix_len",
+            "analysis.entropy_rate.samples_per_prefix", "model.hidden_size")],
+    ]
 
 
 if __name__ == "__main__":

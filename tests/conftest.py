@@ -22,3 +22,15 @@ def data_overrides() -> list[str]:
     if HAVE_PTB:
         return [f"data.root={DATA_ROOT}"]
     return ["data.name=synthetic", "+data.corpus_kwargs={vocab_size: 60, n_train: 20000, n_valid: 3000, n_test: 3000}"]
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked gpu run only where CUDA is present (make gpu-check); elsewhere they are skipped, saying why."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA (a gpu test): none on this machine")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

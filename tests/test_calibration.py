@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from lmcal.core.calibration import calibrated, fit_lookahead_calibration, score, stream_block_stderr
-from lmcal.core.entropy_rate import generation_entropy_curve, paired_tail_difference
+from lmcal.core.calibration import calibrated, fit_lookahead_calibration, score, stream_block_stderr, topk_coverage
+from lmcal.core.entropy_rate import clustered_mean, generation_entropy_curve, paired_tail_difference
 from lmcal.core.expfit import calibration_objective, fit_alpha, newton_minimize, objective, sandwich_stderr
 from lmcal.core.lookahead import entropy, lookahead_entropies, mix_uniform
 from lmcal.core.sampling import random_prefixes
@@ -354,3 +354,28 @@ def test_calibration_stage_before_is_the_mixture_and_tails_are_paired(lm, tmp_pa
     assert (r["tail_diff_nats"], r["tail_diff_stderr_nats"]) == paired_tail_difference(after, curve)
     assert r["tail_ppl_after"] == pytest.approx(math.exp(after.tail_mean))
     assert (tmp_path / "calibration.png").stat().st_size > 1000
+    # issue 33: the absolute tail levels with standard errors clustered by prefix, and the top-k coverage
+    assert (r["tail_nats"], r["tail_stderr_nats"]) == tuple(float(x) for x in clustered_mean(after.tail))
+    assert r["tail_nats_before"] == pytest.approx(math.log(r["tail_ppl_before"]), abs=1e-12)
+    assert 0 < r["mass_outside_topk"] < 1 and r["coverage_positions"] == 29 * 2 and r["epsilon"] == eps
+
+
+def test_topk_coverage_is_the_calibrated_models_own_mass_and_a_count_of_true_words(lm, text):
+    """The mass the top-k calibrated model gives outside its top k, step by step as CalibratedLM.step gives it, and
+    the fraction of true next words outside the top k of the (mixed) base model; exact mode: 0 and 0."""
+    cal = calibrated(lm, -0.3, topk=3, epsilon=0.1, tail_samples=2, seed=5)
+    cov = topk_coverage(cal, text)
+    state, base = cal.init_state(text.size(1)), lm.init_state(text.size(1))
+    mass, outside = [], []
+    for t in range(text.size(0) - 1):
+        logc, state = cal.step(text[t], state)  # [B, V]
+        logp, base = lm.step(text[t], base)
+        top = mix_uniform(logp, 0.1).topk(3, dim=-1).indices  # [B, 3]
+        mass.append(1 - logc.gather(1, top).exp().sum(-1).double())
+        outside.append(~(top == text[t + 1][:, None]).any(-1))
+    assert cov["positions"] == 13 * 5
+    assert cov["mass_outside_topk"] == pytest.approx(torch.cat(mass).mean().item(), abs=1e-6)
+    assert cov["true_word_outside_topk"] == torch.cat(outside).double().mean().item()
+    assert 0 < cov["mass_outside_topk"] < 1
+    exact = topk_coverage(calibrated(lm, -0.3), text)
+    assert (exact["mass_outside_topk"], exact["true_word_outside_topk"]) == (0.0, 0.0)

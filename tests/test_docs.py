@@ -48,3 +48,24 @@ def test_snapshot_of_an_unfinished_run_is_one_paragraph(tmp_path, capsys):
         main(["--docs", str(tmp_path / "docs"), "--snapshot", str(tmp_path / "nothing")])
     assert e.value.code == 2 and "no finished reproduction" in capsys.readouterr().err
     assert not (tmp_path / "docs" / "RESULTS.md").exists()
+
+
+def test_results_md_writes_the_claims_an_older_report_lacks(tmp_path):
+    """issue 33: a snapshot whose REPORT.md predates lmcal.pipeline.claims gets the effect sentences its results.json
+    supports, above its report; one whose REPORT.md holds them all gets nothing added."""
+    from pathlib import Path
+
+    from lmcal.pipeline.claims import results_claims
+
+    cpu = json.loads((Path(__file__).resolve().parents[1] / "docs" / "runs" / "cpu" / "results.json").read_text())
+    run = tmp_path / "docs" / "runs" / "cpu"
+    run.mkdir(parents=True)
+    (run / "results.json").write_text(json.dumps(cpu))
+    (run / "REPORT.md").write_text("# lmcal reproduction\n\nCalibration flattens the drift.\n")
+    text = render(tmp_path / "docs")
+    claims = results_claims(cpu)
+    assert "### What the numbers support" in text and all(c.sentence in text for c in claims)
+    assert text.index("### What the numbers support") < text.index("Calibration flattens the drift.")
+    assert "Calibration lowers the drift but does not flatten it" in text
+    (run / "REPORT.md").write_text("# lmcal reproduction\n\n" + "\n\n".join(c.sentence for c in claims) + "\n")
+    assert "### What the numbers support" not in render(tmp_path / "docs")

@@ -192,3 +192,17 @@ def test_bad_settings_and_missing_inputs_are_one_paragraph(tmp_path):
     with pytest.raises(LmcalError, match="rollouts from the training text"):
         call(target, tmp_path, None, {})
     assert not any(tmp_path.iterdir())  # nothing written
+
+
+def test_the_table_is_in_nats_and_its_ratio_is_its_own_ms_column():
+    import math
+
+    from lmcal.stages.future_entropy import future_entropy_table
+
+    row = {"params": {}, "entropy_t1_nats": 1.0, "tail_ppl": math.e ** 2, "entrate_ppl": math.e ** 3,
+           "test_ce_nats": 4.0, "zero_prob_fraction": 0.0, "tail_diff_nats": 0.1, "tail_diff_stderr_nats": 0.01}
+    rows = [{**row, "method": "model", "ms_per_token": 1.838, "cost_ratio": 1.0},
+            {**row, "method": "future_entropy", "ms_per_token": 2.979, "cost_ratio": 2.73}]  # paired ratio differs
+    lines = future_entropy_table(rows, None).splitlines()
+    assert "H, last tenth (nats)" in lines[0] and "H(t=T) (nats)" in lines[0]
+    assert lines[3].endswith("| 2.000 | +0.100 ± 0.010 | 3.000 | 4.0000 | – | 0.0000 | 2.979 | 1.62 |")

@@ -324,6 +324,13 @@ def test_evaluate_model_hf_runs_the_generation_stages(tmp_path):
                   ("calibration", None, "decoders")]  # smoke: K in {1, 5}; V = 12, so exact lookahead runs too
     assert all(r["ms_per_token"] > 0 and r["test_ce_nats"] is not None for r in res["future_entropy"]["rows"]
                if r["method"] != "top_p")
+    # the head closest to the test perplexity is chosen on seed 0's generations and measured again on seed 1's
+    fair = [r for r in res["future_entropy"]["rows"][1:5] if r["test_ce_diff_nats"] <= 0]
+    best = res["future_entropy"]["best_head"]
+    assert (best is None) == (not fair)
+    if best:
+        assert (best["chosen_on_seed"], best["reported_on_seed"]) == (0, 1) and len(best["candidates"]) == len(fair)
+        assert best["tail_stderr_nats"] > 0 and best["tail_ppl"] == pytest.approx(math.exp(best["tail_nats"]))
     for name in ("entropy_rate.json", "calibration.json", "decoders.json", "decoders.md", "decoders.png",
                  "future_entropy.json", "future_entropy.md", "future_entropy.png", "evaluation.json"):
         assert (tmp_path / "eval" / name).is_file()

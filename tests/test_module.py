@@ -108,6 +108,41 @@ def test_checkpoint_holds_averaged_weights_and_resume_restores_raw(tmp_path):
         torch.testing.assert_close(p, dict(module.net.named_parameters())[n])
 
 
+def _resumed_after_switch(tmp_path):
+    """A module resumed from a checkpoint written after the NT-ASGD switch (read onto the CPU, as Lightning does)."""
+    module = LMModule(net=NET, vocab_size=20)
+    module.start_averaging()
+    ckpt = {"state_dict": module.state_dict(), "hyper_parameters": dict(module.hparams)}
+    module.on_save_checkpoint(ckpt)
+    torch.save(ckpt, tmp_path / "x.ckpt")
+    fresh = LMModule(net=NET, vocab_size=20)
+    loaded = torch.load(tmp_path / "x.ckpt", map_location="cpu", weights_only=True)
+    return fresh, loaded
+
+
+def test_resumed_average_follows_the_parameters_device_and_dtype(tmp_path):
+    fresh, loaded = _resumed_after_switch(tmp_path)
+    fresh.net.double()  # parameters that are not where the checkpoint was read (float64 standing in for cuda)
+    fresh.on_load_checkpoint(loaded)
+    for n, p in fresh.net.named_parameters():
+        assert fresh.avg[n].device == p.device and fresh.avg[n].dtype == p.dtype == torch.float64
+        assert fresh.avg[n].data_ptr() != loaded["state_dict"]["net." + n].data_ptr()  # a copy, not a view
+
+
+def test_average_update_after_the_module_moves_post_restore(tmp_path):
+    """Lightning restores a checkpoint before it moves the module to the accelerator: the first averaging step after
+    the move must not mix devices (it raised a device mismatch on CUDA, and a dtype error here, before the fix)."""
+    fresh, loaded = _resumed_after_switch(tmp_path)
+    fresh.on_load_checkpoint(loaded)
+    fresh.load_state_dict(loaded["state_dict"])
+    before = {n: a.clone() for n, a in fresh.avg.items()}
+    fresh.net.to(torch.float64)  # what strategy.setup does, later (a dtype standing in for cuda: meta unties weights)
+    fresh._update_average()
+    for n, p in fresh.net.named_parameters():
+        assert fresh.avg[n].device == p.device and fresh.avg[n].dtype == p.dtype
+        torch.testing.assert_close(fresh.avg[n], (before[n].double() + p.detach()) / 2)  # n_avg 1 -> 2
+
+
 def test_nt_asgd_switch_starts_averaging_once():
     module = LMModule(net=NET, vocab_size=20, nonmono=5)
     losses = [5.0, 4.0, 3.0, 3.1, 3.2, 3.3, 3.4, 3.5]

@@ -101,6 +101,25 @@ def test_smoke_profile_writes_every_result(uninterrupted):
     assert not list(out.rglob("*.tmp")) and not list(out.rglob(".lmcal.lock"))
 
 
+def test_every_effect_sentence_of_the_report_agrees_with_results_json(uninterrupted):
+    """issue 33: REPORT.md's effect sentences are the ones lmcal.pipeline.claims writes from results.json (and the
+    future_entropy and sequence_calibration stages' own json), word for word, with verdicts that follow from the
+    numbers; and each section says what it ran on."""
+    from tests.test_report_claims import check_effect_sentences
+
+    out, res = uninterrupted
+    report = (out / "REPORT.md").read_text()
+    assert len(check_effect_sentences(report, res, out)) >= 2  # at least calibration's tail and temperature claims
+    fe = json.loads((out / "ptb" / "future_entropy" / "future_entropy.json").read_text())
+    if fe["best_head"]:  # chosen on seed 0, measured on seed 1: the report says so
+        assert f"measured again on seed {fe['best_head']['reported_on_seed']}" in report
+    for section in ("Table 1", "calibration", "decoders", "future entropy", "memory"):
+        assert f"Setup ({section}): " in report, section
+    cal = res["calibration"]
+    assert {"tail_nats", "tail_stderr_nats", "tail_nats_before", "tail_stderr_nats_before", "epsilon"} <= set(cal)
+    assert "ε = 0 (no uniform mixture" in report and "clustered by prefix" in report
+
+
 def test_rerun_skips_finished_stages(uninterrupted, tmp_path):
     out, res = uninterrupted
     r = subprocess.run(_cmd(out), env=_env(), capture_output=True, text=True, timeout=300)

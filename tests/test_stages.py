@@ -77,12 +77,20 @@ def test_entropy_rate_every_n_epochs_during_training(tmp_path, data_overrides):
     assert not (tmp_path / "entropy_rate.json").exists() and "entrate_ppl" not in m  # not asked for at the end
 
 
-def test_memory_stage_after_training_on_the_checkpoint_and_in_the_report(tmp_path, data_overrides):
+MEMORY_DATA, TAU = ["data=markov", "data.corpus_kwargs.n_train=20000", "data.corpus_kwargs.n_valid=3000",
+                   "data.corpus_kwargs.n_test=3000"], 1  # an order-2 source: information from beyond 1 token back
+
+
+def test_memory_stage_after_training_on_the_checkpoint_and_in_the_report(tmp_path):
     """Base model, then a tau-model whose memory stage runs after training; the same stage through
-    `lmcal.evaluate` gives the same numbers, and `lmcal.report` collects them into the table and figure."""
+    `lmcal.evaluate` gives the same numbers, and `lmcal.report` collects them into the table and figure.
+
+    The data must carry information from beyond tau tokens back, or the fit of P^ towards P~ has no minimum (it runs
+    to its bound): the synthetic fallback corpus is a bigram source, which has none beyond tau = 1. So this test uses
+    the order-2 Markov source (data=markov, no files needed) with tau = 1, whose exact I_1 is positive."""
     def compose_train(*overrides):
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            return compose("train", overrides=["experiment=smoke", "logger=none", *data_overrides, *overrides])
+            return compose("train", overrides=["experiment=smoke", "logger=none", *MEMORY_DATA, *overrides])
 
     base_cfg = compose_train("analysis.stages=[]")
     with open_dict(base_cfg):
@@ -90,25 +98,25 @@ def test_memory_stage_after_training_on_the_checkpoint_and_in_the_report(tmp_pat
     base = train(base_cfg)
 
     with pytest.raises(LmcalError, match="memory.base_ckpt"):  # refused before training, not after
-        cfg = compose_train("model.memory_tau=5", "analysis.stages=[memory]", "memory.base_ckpt=/nonexistent.ckpt")
+        cfg = compose_train(f"model.memory_tau={TAU}", "analysis.stages=[memory]", "memory.base_ckpt=/nonexistent.ckpt")
         with open_dict(cfg):
             cfg.paths.output_dir = str(tmp_path / "bad")
         train(cfg)
     assert not (tmp_path / "bad" / "checkpoints").exists()
 
-    cfg = compose_train("model.memory_tau=5", "analysis.stages=[memory]", f"memory.base_ckpt={base['best_ckpt']}",
+    cfg = compose_train(f"model.memory_tau={TAU}", "analysis.stages=[memory]", f"memory.base_ckpt={base['best_ckpt']}",
                         f"init_ckpt={base['best_ckpt']}")
     with open_dict(cfg):
         cfg.paths.output_dir = str(tmp_path / "sweep" / "tau5")
     m = train(cfg)
     mem = json.loads((tmp_path / "sweep" / "tau5" / "memory.json").read_text())
-    assert mem["tau"] == 5 and mem["limited"] == "trained" and mem["test_tokens"] == 999 and mem["blocks"] == 10
+    assert mem["tau"] == TAU and mem["limited"] == "trained" and mem["test_tokens"] == 999 and mem["blocks"] == 10
     assert m["mi_upper_bound_nats"] == mem["mi_upper_bound_nats"]
     assert mem["mi_upper_bound_nats"] == pytest.approx(mem["ce_limited_nats"] - mem["entropy_calibrated_nats"])
     # P~ on the first 999 test positions is the tau-model's exact limited-context CE there
     net, _ = load_net(m["best_ckpt"])
     dm_tokens = _tokens(base_cfg, "test")[:1000]
-    assert mem["ce_limited_nats"] == pytest.approx(limited_context_ce(net, dm_tokens, 5)[0], rel=1e-6)
+    assert mem["ce_limited_nats"] == pytest.approx(limited_context_ce(net, dm_tokens, TAU)[0], rel=1e-6)
     assert mem["ce_calibrated_nats"] <= mem["ce_full_nats"] + 1e-9  # fitted on these rows: it never raises CE
     assert mem["mi_upper_bound_nats"] >= -1e-9  # ... and the bound is a mean KL divergence
     assert mem["delta_ce_nats"] == pytest.approx(mem["ce_limited_nats"] - mem["ce_full_nats"])
@@ -135,25 +143,26 @@ def test_memory_stage_after_training_on_the_checkpoint_and_in_the_report(tmp_pat
     with pytest.raises(LmcalError, match=r"memory runs on a tau-limited model .*limited=window"):
         evaluate(bad)
 
-    # the base model itself on 5-token windows: no tau-model needed
+    # the base model itself on tau-token windows: no tau-model needed
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         wcfg = compose("evaluate", overrides=[f"ckpt={base['best_ckpt']}", "stages=[memory]", "logger=none",
-                                              "analysis.memory.limited=window", "analysis.memory.tau=5",
+                                              "analysis.memory.limited=window", f"analysis.memory.tau={TAU}",
                                               "analysis.memory.score_tokens=1000"])
     with open_dict(wcfg):
         wcfg.paths.output_dir = str(tmp_path / "sweep" / "window_tau5")
     win = evaluate(wcfg)["memory"]
-    assert win["limited"] == "window" and win["tau"] == 5 and win["test_tokens"] == 999
+    assert win["limited"] == "window" and win["tau"] == TAU and win["test_tokens"] == 999
     assert win["ce_full_nats"] == pytest.approx(mem["ce_full_nats"], rel=1e-6)  # the same P^ on the same rows
     base_net, _ = load_net(base["best_ckpt"])
-    assert win["ce_limited_nats"] == pytest.approx(limited_context_ce(base_net, dm_tokens, 5)[0], rel=1e-6)
+    assert win["ce_limited_nats"] == pytest.approx(limited_context_ce(base_net, dm_tokens, TAU)[0], rel=1e-6)
 
     report = memory_report([tmp_path / "sweep"], tmp_path / "report", wandb_mode="disabled")
     corpus = mem["corpus"]
-    # two trained results for tau=5: the newer one is kept; the window one beside it
-    assert [(r["tau"], r["limited"]) for r in report[corpus]["rows"]] == [(5, "trained"), (5, "window")]
+    # two trained results for tau: the newer one is kept; the window one beside it
+    assert [(r["tau"], r["limited"]) for r in report[corpus]["rows"]] == [(TAU, "trained"), (TAU, "window")]
     assert (tmp_path / "report" / f"memory_{corpus}.png").stat().st_size > 1000
-    assert f"| 5 | trained | {mem['ce_limited_nats']:.4f}" in (tmp_path / "report" / f"memory_{corpus}.md").read_text()
+    table = (tmp_path / "report" / f"memory_{corpus}.md").read_text()
+    assert f"| {TAU} | trained | {mem['ce_limited_nats']:.4f}" in table
 
 
 def _tokens(cfg, split):
@@ -329,3 +338,46 @@ def test_an_analysis_wandb_run_is_written_offline_and_finished(tmp_path):
     assert wandb.run is None
     assert list((tmp_path / "run" / "wandb").glob("offline-run-*"))
     wandb_log(False, scalars={"x": 1.0})  # any other logger: nothing
+
+
+def test_report_tabulates_the_training_runs_of_any_folders(tmp_path):
+    """`lmcal.report` on folders of training runs: one table of them (overrides, val/test ppl, status, folder)."""
+    for name, metrics in (("a", {"val_ppl": 101.234, "test_ppl": 99.5, "dataset": "ptb"}), ("b", None)):
+        (tmp_path / "runs" / name / ".hydra").mkdir(parents=True)
+        (tmp_path / "runs" / name / ".hydra" / "overrides.yaml").write_text(f"- model.memory_tau={len(name) + 4}\n")
+        if metrics:
+            (tmp_path / "runs" / name / "metrics.json").write_text(json.dumps(metrics))
+        else:
+            (tmp_path / "runs" / name / "failed.json").write_text(json.dumps({"error": "tau must be > 0\nmore"}))
+    r = subprocess.run([sys.executable, "-m", "lmcal.report", str(tmp_path / "runs"), "--out", str(tmp_path / "rep"),
+                        "--wandb", "disabled"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = (tmp_path / "rep" / "runs.md").read_text().splitlines()
+    assert lines[2] == f"| model.memory_tau=5 | 101.23 | 99.50 | ok | {tmp_path / 'runs' / 'a'} |"
+    assert lines[3] == f"| model.memory_tau=5 | - | - | failed: tau must be > 0 | {tmp_path / 'runs' / 'b'} |"
+    assert lines[2] in r.stdout
+
+
+def test_markov_memory_figure_shows_the_exact_value_and_counts_have_integer_ticks(tmp_path, monkeypatch):
+    from lmcal.pipeline import tabulate
+    from lmcal.stages import plots
+
+    for tau, mi, exact in ((1, 0.30, 0.25), (2, 0.02, 0.0)):
+        (tmp_path / f"t{tau}").mkdir()
+        (tmp_path / f"t{tau}" / "memory.json").write_text(json.dumps({
+            "tau": tau, "corpus": "markov", "model": "m", "ce_limited_nats": 1.0, "mi_upper_bound_nats": mi,
+            "mi_stderr_nats": 0.01, "alpha": 0.1, "alpha_stderr": 0.01, "entropy_calibrated_nats": 1.0 - mi,
+            "exact_mi_nats": exact, "test_tokens": 100, "valid": {"tokens": 100}, "cluster_size": 10}))
+    figs = []
+    real_save = plots._save
+    monkeypatch.setattr(plots, "_save", lambda fig, path: (figs.append(fig), real_save(fig, path))[1])
+    seen = {}
+    real_figure = tabulate.memory_figure
+    monkeypatch.setattr(tabulate, "memory_figure", lambda series, *a, **k: (seen.update(series),
+                                                                            real_figure(series, *a, **k))[1])
+    memory_report([tmp_path], wandb_mode="disabled")
+    assert seen["exact I_tau (the source)"] == ([1, 2], [0.25, 0.0], None)
+    ticks = figs[-1].axes[0].get_xticks()
+    assert all(float(t).is_integer() for t in ticks)
+    plots.entropy_curve_figure({"m": (np.ones(3), np.zeros(3))}, tmp_path / "e.png")
+    assert all(float(t).is_integer() for t in figs[-1].axes[0].get_xticks())

@@ -11,6 +11,7 @@ from omegaconf import open_dict
 
 from lmcal.train import train
 from lmcal.utils.settings import CONF_DIR
+from tests.test_wandb import runs_under
 
 
 def smoke_cfg(tmp_path, overrides):
@@ -35,6 +36,13 @@ def test_smoke_run_through_hydra_writes_metrics_and_checkpoints(tmp_path, data_o
     import wandb
 
     assert wandb.run is None  # the run was finished
+    (run,) = runs_under(tmp_path)  # the stages' generation curves are series against t, beside their PNGs
+    assert run["job_type"] == "train" and run["summary"]["final/test_ppl"] == pytest.approx(m["test_ppl"])
+    horizon = len(json.loads((tmp_path / "entropy_rate.json").read_text())["curve_nats"])
+    for key, series in (("entropy_rate/curves", "entropy_nats"), ("calibration/curves", "before_nats"),
+                        ("calibration/curves", "after_nats")):
+        assert [h[f"{key}/t"] for h in run["history"] if f"{key}/{series}" in h] == list(range(1, horizon + 1))
+    assert any("calibration/figure/_type" in h for h in run["history"])  # the PNG
 
 
 def cfg_vocab(m, tmp_path):

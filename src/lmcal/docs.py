@@ -12,11 +12,10 @@ Two kinds of source, each carrying the command, date and machine that made it:
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
-from lmcal.errors import LmcalError
 from lmcal.pipeline.docs import DOCS, render, snapshot
+from lmcal.utils.boundary import boundary
 from lmcal.utils.io import write_text_atomic
 
 
@@ -27,13 +26,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--docs", default=str(DOCS), help="the docs folder (default: the project's docs/)")
     args = ap.parse_args(argv)
     docs = Path(args.docs)
-    try:
+    with boundary():
         for run in args.snapshot:
             print(f"snapshot {run} -> {snapshot(run, docs)}")
         write_text_atomic(docs / "RESULTS.md", render(docs))
-    except LmcalError as e:
-        print(f"\nlmcal: error: {e}", file=sys.stderr)
-        sys.exit(2)
     print(f"wrote {docs / 'RESULTS.md'}")
 
 

@@ -11,28 +11,33 @@ Decoders: `stages=[decoders]` (every method of analysis.decoders.methods), or on
 from __future__ import annotations
 
 import logging
-import sys
 from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from lmcal.core.lookahead import set_memory_budget
 from lmcal.errors import LmcalError
 from lmcal.stages.registry import run_stages
 from lmcal.stages.targets import checkpoint_target, hf_target, stage_settings
 from lmcal.stages.wandb_run import finish_run, wandb_run
+from lmcal.utils.boundary import boundary, run_hydra
+from lmcal.utils.device import apply_precision_policy
 from lmcal.utils.io import write_json_atomic
 from lmcal.utils.lock import run_lock
+from lmcal.utils.quiet import quiet_third_party
 from lmcal.utils.settings import CONF_DIR  # noqa: F401  (it registers the configs' lmcal_root resolver)
 from lmcal.utils.validate import check_config
 
 log = logging.getLogger("lmcal")
+quiet_third_party()  # once per process
 
 
 def evaluate(cfg: DictConfig) -> dict:
     """Runs the stages on the checkpoint or Hugging Face model, writes evaluation.json. Settings are checked first,
     then the run folder is locked for this process."""
     check_config(cfg)
+    apply_precision_policy()  # TF32 off, set explicitly (lmcal.utils.device)
     out = Path(cfg.paths.output_dir)
     with run_lock(out, "evaluation"):
         return _evaluate(cfg, out)
@@ -40,6 +45,7 @@ def evaluate(cfg: DictConfig) -> dict:
 
 def _evaluate(cfg: DictConfig, out: Path) -> dict:
     settings = stage_settings(cfg)  # before any model is loaded
+    set_memory_budget(cfg.analysis.get("memory_budget_gb"))  # the lookahead's chunks (lmcal.core.lookahead)
     hf = cfg.get("model") is not None
     has_ckpt = not OmegaConf.is_missing(cfg, "ckpt") and cfg.ckpt is not None
     if hf and has_ckpt:
@@ -50,7 +56,13 @@ def _evaluate(cfg: DictConfig, out: Path) -> dict:
                          "model.name_or_path=FOLDER (a Hugging Face causal LM).")
     target = hf_target(cfg, settings) if hf else checkpoint_target(cfg, settings)
     results = target["results"]
-    logger = wandb_run(cfg.get("logger"), OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False))
+    stages = list(cfg.stages)
+    window = (settings.get("memory") or {}).get("limited") == "window"
+    logger = wandb_run(cfg.get("logger"), OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False), out,
+                       job_type=stages[0] if len(stages) == 1 else "evaluate", model=target["name"],
+                       dataset=target["corpus"], tags=tuple(stages) + (("window",) if window else ()),
+                       name="-".join([*stages, *(["window", f"tau{settings['memory'].get('tau')}"] if window else [])])
+                       or "evaluate")
     try:
         results.update(run_stages(list(cfg.stages), target, settings, out, logger))
         write_json_atomic(out / "evaluation.json", results)
@@ -61,13 +73,10 @@ def _evaluate(cfg: DictConfig, out: Path) -> dict:
 
 @hydra.main(version_base="1.3", config_path="../../conf", config_name="evaluate")
 def main(cfg: DictConfig) -> None:
-    try:
+    with boundary():
+        OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)  # every interpolation, before any work
         evaluate(cfg)
-    except LmcalError as e:
-        log.error(str(e))
-        print(f"\nlmcal: error: {e}", file=sys.stderr)
-        sys.exit(2)
 
 
 if __name__ == "__main__":
-    main()
+    run_hydra(main)

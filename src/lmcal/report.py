@@ -10,44 +10,47 @@ Finds every `memory.json` under the given folders (written by the memory stage o
 Every `decoders.json` under them (a decoders stage, or each job of a sweep such as `python -m lmcal.evaluate -m
 stages=[decoders] decoder=top_p decoder.p=0.8,0.9,0.95`) goes into one table per corpus, `decoders_<corpus>.md`, and
 `decoders_<corpus>.png`: each setting's entropy at the horizon against its held-out cost, beside calibration's.
+
+Every training run under them (a folder with `metrics.json`, or a failed sweep job's `failed.json`) goes into one
+table, `runs.md` and `runs.json`: its overrides (or folder), validation and test perplexity, status and folder.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
-import sys
 from pathlib import Path
 
 from lmcal.errors import LmcalError
+from lmcal.pipeline.runs_table import runs_report
 from lmcal.pipeline.tabulate import collect_memory, decoders_report, memory_report
+from lmcal.utils.boundary import boundary
 from lmcal.utils.io import write_json_atomic
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m lmcal.report", description=__doc__.split("\n\n")[0])
-    ap.add_argument("dirs", nargs="+", help="sweep or run folders holding memory.json files (searched recursively)")
+    ap.add_argument("dirs", nargs="+", help="sweep or run folders holding metrics.json, memory.json or decoders.json "
+                                            "files (searched recursively)")
     ap.add_argument("--out", help="where to write the tables and figures (default: the first folder)")
     ap.add_argument("--wandb", default="offline", choices=["offline", "online", "disabled"])
     ap.add_argument("--project", default="lmcal")
     ap.add_argument("--group")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    try:
+    with boundary():
         for d in args.dirs:
             if not Path(d).is_dir():
                 raise LmcalError(f"{d} is not a folder; pass the sweep (or run) folders that hold memory.json or "
                                  "decoders.json files.")
         out = Path(args.out or args.dirs[0])
+        runs = runs_report(args.dirs, out)
         decoders = decoders_report(args.dirs, out)
         if decoders:
             write_json_atomic(out / "decoders_report.json", decoders)
-        if decoders and not collect_memory(args.dirs):
-            return  # a decoder sweep: nothing else to aggregate
+        if (decoders or runs) and not collect_memory(args.dirs):
+            return  # training runs or a decoder sweep: nothing else to aggregate
         memory_report(args.dirs, args.out, args.wandb, args.project, args.group)
-    except LmcalError as e:
-        print(f"lmcal: error: {e}", file=sys.stderr)
-        sys.exit(2)
 
 
 if __name__ == "__main__":

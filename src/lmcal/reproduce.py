@@ -27,10 +27,12 @@ from __future__ import annotations
 
 import sys
 
-from lmcal.errors import LmcalError
+from lmcal.pipeline.check import check
 from lmcal.pipeline.plan import load_profile
 from lmcal.pipeline.reproduce import reproduce
 from lmcal.pipeline.schedule import clock, progress_line, reference_seconds, schedule  # noqa: F401  (clock, progress_line: public)
+from lmcal.pipeline.signals import Stopped, stop_on_signals
+from lmcal.utils.boundary import boundary
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -39,13 +41,16 @@ def main(argv: list[str] | None = None) -> None:
         print(__doc__)
         return
     try:
-        reproduce(load_profile(argv))
-    except LmcalError as e:
-        print(f"\nlmcal: error: {e}", file=sys.stderr)
-        sys.exit(2)
-    except KeyboardInterrupt:
-        print("\nInterrupted: rerun the same command to resume; finished stages are kept.", file=sys.stderr)
-        sys.exit(130)
+        with boundary(), stop_on_signals():
+            cfg = load_profile(argv)
+            if cfg.get("check"):  # the plan check alone: composes and sizes every stage, runs nothing
+                print(check(cfg), flush=True)
+                return
+            reproduce(cfg)
+    except KeyboardInterrupt as e:  # Ctrl-C, SIGTERM, SIGHUP: the stages, temporary files and lock are cleaned up
+        how = f"Stopped by {e}" if isinstance(e, Stopped) else "Interrupted"
+        print(f"{how}: rerun the same command to resume; finished stages are kept.", file=sys.stderr)
+        sys.exit(128 + e.signum if isinstance(e, Stopped) else 130)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,6 @@ the Hydra entry point around it, which turns `LmcalError`s into one-paragraph me
 from __future__ import annotations
 
 import logging
-import sys
 import time
 import traceback
 from pathlib import Path
@@ -21,24 +20,75 @@ from omegaconf import DictConfig, OmegaConf
 from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.plugins.io import TorchCheckpointIO
 
+from lmcal.core.lookahead import set_memory_budget
 from lmcal.errors import LmcalError
-from lmcal.models.checkpoint import load_base_net, load_net, model_name, read_checkpoint
-from lmcal.stages.registry import STAGES, check_plan, check_stages, summary
-from lmcal.training.callbacks import EpochEntropyRateCallback, MetricsCallback, StagesCallback
+from lmcal.models.checkpoint import base_checkpoint, load_base_net, load_net, model_name, read_checkpoint
+from lmcal.stages.registry import STAGES, check_plan, check_stages, stage_kinds, summary
+from lmcal.stages.stage import KINDS
+from lmcal.stages.wandb_run import init_args, open_run
+from lmcal.training.callbacks import EpochEntropyRateCallback, MetricsCallback, StagesCallback, progress_bar
 from lmcal.training.module import LMModule
+from lmcal.utils.boundary import explain, fail, run_hydra
+from lmcal.utils.device import apply_precision_policy
 from lmcal.utils.io import atomic_path, write_json_atomic
 from lmcal.utils.lock import run_lock
+from lmcal.utils.quiet import quiet_third_party
 from lmcal.utils.settings import CONF_DIR  # noqa: F401  (the tests' and benches' import)
 from lmcal.utils.validate import check_config
 
 log = logging.getLogger("lmcal")
+quiet_third_party()  # once per process, before Lightning says anything
 
 
-def make_logger(cfg: DictConfig):
+def make_logger(cfg: DictConfig, out: Path):
+    """The run's logger: Lightning's WandbLogger with the W&B setup every run shares (lmcal.stages.wandb_run:
+    name, job type `train` or `tau_model`, tags, group, mode passed explicitly, the run id kept in the folder so a
+    resumed training continues its run), or the configured other logger (CSV), or none."""
     lg = cfg.get("logger")
     if not lg or lg.get("_target_") is None:
         return False
-    return instantiate(lg)
+    args = init_args(OmegaConf.to_container(lg, resolve=True), out,
+                     job_type="tau_model" if cfg.model.get("memory_tau") else "train", model=model_name(cfg.model),
+                     dataset=cfg.data.name, group=sweep_group(),
+                     config=OmegaConf.to_container(cfg, resolve=True))
+    if args is None:
+        return instantiate(lg)
+    from pytorch_lightning.loggers import WandbLogger
+
+    run = open_run(args)  # opened here, with the mode in its arguments: WandbLogger(offline=True) sets $WANDB_MODE
+    run.define_metric("trainer/global_step")  # as WandbLogger does for the runs it opens itself
+    run.define_metric("*", step_metric="trainer/global_step", step_sync=True)
+    return WandbLogger(experiment=run, project=args["project"], name=args["name"], id=args["id"],
+                       save_dir=args["dir"])
+
+
+def stages_on_command_line() -> bool:
+    """Whether analysis.stages was set on the command line (or the run is not a Hydra one: the compose API's
+    overrides count as the caller's own choice)."""
+    if not HydraConfig.initialized():
+        return True
+    return any(o.lstrip("+~").split("=")[0] == "analysis.stages" for o in HydraConfig.get().overrides.task)
+
+
+def applicable_stages(stages: list[str], kind: str, settings: dict[str, dict]) -> list[str]:
+    """The stages to run: those a preset lists (conf/experiment) but that do not apply to this kind of model (the
+    full model's stages in a tau sweep) are skipped with a one-line note; stages named on the command line
+    (analysis.stages=[...]) are kept, and one that does not apply stays an error (check_plan)."""
+    if stages_on_command_line():
+        return stages
+    skip = [n for n in stages if n in STAGES and kind not in stage_kinds(n, settings.get(n))]
+    if skip:
+        log.info(f"Skipping stage{'s' if len(skip) > 1 else ''} {', '.join(skip)}: the preset lists "
+                 f"{'them' if len(skip) > 1 else 'it'}, but {'they do' if len(skip) > 1 else 'it does'} not apply "
+                 f"to a {KINDS[kind]} (analysis.stages=[...] chooses the stages).")
+    return [n for n in stages if n not in skip]
+
+
+def sweep_group() -> str | None:
+    """A multirun's jobs share one W&B group, named after the sweep folder (None outside a multirun)."""
+    if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
+        return None
+    return f"multirun-{Path(HydraConfig.get().sweep.dir).name}"
 
 
 def finish_logger(logger) -> None:
@@ -46,7 +96,7 @@ def finish_logger(logger) -> None:
     if logger and type(logger).__name__ == "WandbLogger":
         import wandb
 
-        wandb.finish()
+        wandb.finish()  # not logger.experiment, which would open a run that never started
 
 
 TRAINABLE = ("AWDLSTM", "GPTLM")  # the networks python -m lmcal.train builds (lmcal.model, lmcal.transformer)
@@ -132,6 +182,7 @@ def train(cfg: DictConfig) -> dict:
     first (one device only), then the run folder is locked for this process."""
     check_config(cfg)
     check_one_device(cfg)
+    apply_precision_policy()  # TF32 off, set explicitly (lmcal.utils.device)
     out = Path(cfg.paths.output_dir)
     with run_lock(out, "training"):
         return _train(cfg, out)
@@ -162,11 +213,13 @@ def _train(cfg: DictConfig, out: Path) -> dict:
         check_resume(resume, net_cfg, dm.vocab_size)
         log.info(f"Resuming from {resume}")
 
-    stages = list(cfg.analysis.get("stages") or [])
     tau = cfg.model.get("memory_tau")
     settings = {n: OmegaConf.to_container(cfg.analysis[n], resolve=True) for n in STAGES if n in cfg.analysis}
+    stages = applicable_stages(list(cfg.analysis.get("stages") or []), "tau" if tau else "full", settings)
     check_plan(stages, "tau" if tau else "full", settings)  # before training: a misspelt stage or key costs nothing
-    base_ckpt = cfg.get("memory", {}).get("base_ckpt")
+    set_memory_budget(cfg.analysis.get("memory_budget_gb"))  # the lookahead's chunks (lmcal.core.lookahead)
+    base_ckpt = base_checkpoint(OmegaConf.to_container(cfg.memory, resolve=True) if cfg.get("memory") else None,
+                                cfg.data.name)
     if "memory" in stages and tau:  # (a full model's memory stage, limited=window, is its own base)
         load_base_net(base_ckpt, "cpu", cfg.data.name)  # fail now, not after training
     if cfg.get("init_ckpt") and not resume:
@@ -175,15 +228,17 @@ def _train(cfg: DictConfig, out: Path) -> dict:
                                              "resumed_from": resume})
     stages_cb = StagesCallback(out, stages, settings, model_name(cfg.model), base_ckpt)
     callbacks = [ckpt_cb, metrics_cb, stages_cb]  # in this order: metrics.json is written before any stage runs
+    if cfg.trainer.get("enable_progress_bar", True):
+        callbacks.append(progress_bar())
     every = (settings.get("entropy_rate") or {}).pop("every_n_epochs", None)
     if every:
         check_stages(["entropy_rate"], "tau" if tau else "full")
         callbacks.append(EpochEntropyRateCallback(out, every, model_name=model_name(cfg.model), corpus=cfg.data.name,
                                                   **settings["entropy_rate"]))
 
-    logger = make_logger(cfg)
+    logger = make_logger(cfg, out)
     try:
-        if logger:
+        if logger and type(logger).__name__ != "WandbLogger":  # W&B got the config when its run opened
             logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
         trainer: pl.Trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=logger, default_root_dir=str(out),
                                           plugins=[AtomicCheckpointIO()])
@@ -206,23 +261,25 @@ def main(cfg: DictConfig) -> float | None:
     in its own directory and returns, so the other jobs still run."""
     hc = HydraConfig.get()
     sweep = hc.mode == RunMode.MULTIRUN
+    if sweep:  # a rerun of the job: an earlier failure is no longer its status
+        (Path(hc.runtime.output_dir) / "failed.json").unlink(missing_ok=True)
     try:
+        OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)  # every interpolation, before any work
         return train(cfg)["val_ce_nats"]
     except Exception as e:
-        user_error = isinstance(e, LmcalError)
-        message = str(e) if user_error else f"{type(e).__name__}: {e}"
+        explained = explain(e)
+        message = explained or f"{type(e).__name__}: {e}"
         if sweep:
-            log.error(f"job {hc.job.num} ({hc.job.override_dirname}) failed: {message}", exc_info=not user_error)
+            log.error(f"job {hc.job.num} ({hc.job.override_dirname}) failed: {message}", exc_info=not explained)
             write_json_atomic(Path(hc.runtime.output_dir) / "failed.json",
-                              {"error": message, "traceback": None if user_error else traceback.format_exc(),
+                              {"error": message, "traceback": None if explained else traceback.format_exc(),
                                "overrides": list(hc.overrides.task)})
             return None
-        if not user_error:
+        if not explained:
             raise
         log.error(message)
-        print(f"\nlmcal: error: {message}", file=sys.stderr)
-        sys.exit(2)
+        fail(message)
 
 
 if __name__ == "__main__":
-    main()
+    run_hydra(main)

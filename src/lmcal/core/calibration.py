@@ -135,7 +135,7 @@ class CalibrationFit:
 
 
 def _atoms(lm, state, logq: torch.Tensor, y: torch.Tensor, keys: torch.Tensor, topk: int | None, tail_samples: int,
-           epsilon: float, seed: int, chunk: int):
+           epsilon: float, seed: int, chunk: int | None):
     """One position's atoms for B rows: (logw [B, K], h [B, K], h_y [B]); logq [B, V] the (eps-mixed) base
     distribution in `state`, y [B] the true next words, keys [B] the rows' history hashes."""
     B, V = logq.shape
@@ -163,7 +163,7 @@ def _atoms(lm, state, logq: torch.Tensor, y: torch.Tensor, keys: torch.Tensor, t
 
 @torch.no_grad()
 def lookahead_statistics(lm, tokens: torch.Tensor, topk: int | None = None, epsilon: float = 0.0, *,
-                         tail_samples: int = 16, min_context: int = 0, seed: int = 0, chunk: int = 512,
+                         tail_samples: int = 16, min_context: int = 0, seed: int = 0, chunk: int | None = None,
                          progress: bool = False):
     """One pass over time-major streams tokens [S, B] -> atoms (logw [n, K], h [n, K], logq_y [n], h_y [n]) on CPU,
     in position order t = t0..S-1 (B streams each), t0 = max(1, min_context): the first t0 tokens of every stream are
@@ -176,8 +176,8 @@ def lookahead_statistics(lm, tokens: torch.Tensor, topk: int | None = None, epsi
     keys = advance_keys(start_keys(B, logp.device), tokens[0])
     steps = range(1, S)
     if progress:
-        from tqdm.auto import tqdm
-        steps = tqdm(steps, desc="lookahead")
+        from lmcal.utils.progress import progress_bar
+        steps = progress_bar(steps, desc="lookahead")
     for t in steps:
         y = tokens[t].to(logp.device)  # [B]
         if t >= t0:
@@ -196,7 +196,7 @@ def lookahead_statistics(lm, tokens: torch.Tensor, topk: int | None = None, epsi
 @timed("fit")
 def fit_lookahead_calibration(lm, tokens: torch.Tensor, topk: int | None = None, epsilon: float = 0.0, *,
                               tail_samples: int = 16, min_context: int = 0, seed: int = 0, cluster_size: int = 100,
-                              chunk: int = 512, bound: float = 100.0, progress: bool = False) -> CalibrationFit:
+                              chunk: int | None = None, bound: float = 100.0, progress: bool = False) -> CalibrationFit:
     """Fit a* on held-out time-major streams tokens [S, B]: each stream starts from lm.init_state(B) and its first
     max(1, min_context) tokens are context only, so (S - max(1, min_context)) * B next words are scored
     ((S - 1) * B with min_context 0).
@@ -239,7 +239,7 @@ class CalibratedLM:
     tilt of the module docstring. a = 0 skips the lookahead and is the (eps-mixed) base model exactly."""
 
     def __init__(self, lm, alpha: float, topk: int | None = None, epsilon: float = 0.0, *, tail_samples: int = 16,
-                 seed: int = 0, chunk: int = 512):
+                 seed: int = 0, chunk: int | None = None):
         check_tail(topk, tail_samples)
         self.lm, self.alpha, self.topk, self.epsilon = lm, float(alpha), topk, float(epsilon)
         self.tail_samples, self.seed, self.chunk = tail_samples, seed, chunk
@@ -279,9 +279,33 @@ class CalibratedLM:
 
 
 def calibrated(lm, alpha: float, topk: int | None = None, epsilon: float = 0.0, *, tail_samples: int = 16,
-               seed: int = 0, chunk: int = 512) -> CalibratedLM:
+               seed: int = 0, chunk: int | None = None) -> CalibratedLM:
     """The lookahead-calibrated StepLM P_a of `lm` (see CalibratedLM)."""
     return CalibratedLM(lm, alpha, topk, epsilon, tail_samples=tail_samples, seed=seed, chunk=chunk)
+
+
+@torch.no_grad()
+def topk_coverage(cal: CalibratedLM, tokens: torch.Tensor) -> dict:
+    """How far the calibrated StepLM in top-k mode is from the fitted family, along time-major streams tokens [S, B]
+    (first token context only): the mean mass it gives outside the top k (the words sharing one estimated tilt), and
+    the fraction of true next words that fall there (each scored with that shared tilt, where the fit gave it its
+    own). In exact mode (topk None or >= V) both are 0 by construction."""
+    S, B = tokens.shape
+    if cal.topk is None or cal.topk >= cal.vocab_size:
+        return {"mass_outside_topk": 0.0, "true_word_outside_topk": 0.0, "positions": (S - 1) * B}
+    base, keys = cal.init_state(B)
+    mass, outside = [], []
+    for t in range(S - 1):
+        logp, base = cal.lm.step(tokens[t], base)  # [B, V]: as CalibratedLM.step, keeping the top k it tilts
+        keys = advance_keys(keys.to(logp.device), tokens[t])
+        logq = mix_uniform(logp, cal.epsilon)
+        top = logq.topk(cal.topk, dim=-1).indices  # [B, k]
+        logc = cal._tilted(logq, base, keys).log_softmax(-1)  # [B, V]
+        mass.append((1 - logc.gather(1, top).exp().sum(-1)).double().cpu())  # [B]
+        outside.append((top != tokens[t + 1].to(top.device)[:, None]).all(-1).cpu())  # [B]
+    mass, outside = torch.cat(mass), torch.cat(outside)
+    return {"mass_outside_topk": mass.mean().item(), "true_word_outside_topk": outside.double().mean().item(),
+            "positions": mass.numel()}
 
 
 @torch.no_grad()
@@ -332,8 +356,8 @@ def next_token_rows(lm, tokens: torch.Tensor, progress: bool = False) -> tuple[t
     rows, ys = [], []
     steps = range(S - 1)
     if progress:
-        from tqdm.auto import tqdm
-        steps = tqdm(steps, desc="scoring")
+        from lmcal.utils.progress import progress_bar
+        steps = progress_bar(steps, desc="scoring")
     for t in steps:
         logp, state = lm.step(tokens[t], state)  # [B, V]
         rows.append(logp.float().cpu())
@@ -356,3 +380,4 @@ def fit_temperature(lm, tokens: torch.Tensor, bound: float = 100.0, progress: bo
     if b <= 0:
         raise RuntimeError(f"the fitted inverse temperature {b:.3g} is not positive: the model is worse than uniform")
     return TemperatureFit(1.0 / b, se_b / b**2, ce_before, ce_after, n)
+

@@ -13,11 +13,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
 
 from lmcal.core.sampling import draw, uniforms
 from lmcal.utils.numbers import exp_or_inf
 from lmcal.utils.profiling import span, timed
+from lmcal.utils.progress import progress_bar
 
 if TYPE_CHECKING:
     from lmcal.models.step_lm import StepLM
@@ -119,7 +119,7 @@ def generation_entropy_curve(lm: StepLM, prefixes: torch.Tensor, horizon: int, s
     per_prefix = np.empty((N, horizon))
     tail = np.empty((N, S))
     last = tail_steps(horizon)
-    bar = tqdm(total=horizon * math.ceil(N / per_chunk), desc="generating", disable=not progress)
+    bar = progress_bar(total=horizon * math.ceil(N / per_chunk), desc="generating", disable=not progress)
     gen_seconds = 0.0
     for lo in range(0, N, per_chunk):
         chunk = prefixes[lo:lo + per_chunk]  # [n, L]

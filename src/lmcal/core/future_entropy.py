@@ -150,7 +150,7 @@ def rollout_examples(lm, text: torch.Tensor, horizons, *, contexts: int = 400, p
     run free. Model steps: 2 x contexts x (prefix_len + steps + K_max - 1)."""
     import time
 
-    from tqdm.auto import tqdm
+    from lmcal.utils.progress import progress_bar
 
     horizons = check_horizons(horizons)
     kmax = max(k for k, _ in horizons)
@@ -160,7 +160,7 @@ def rollout_examples(lm, text: torch.Tensor, horizons, *, contexts: int = 400, p
     n_rows = rows.size(0)
     feats, words, ents = [], [], []
     length = steps + kmax - 1  # free words after the first candidate
-    bar = tqdm(total=n_rows * (prefix_len + length + 1), desc="rollouts", unit="step", disable=not progress,
+    bar = progress_bar(total=n_rows * (prefix_len + length + 1), desc="rollouts", unit="step", disable=not progress,
                leave=False)
     for lo in range(0, n_rows, max_batch):
         chunk = rows[lo:lo + max_batch]
@@ -248,13 +248,13 @@ def fit_rows(lm, tokens: torch.Tensor, min_context: int = 0, progress: bool = Fa
     """One pass over time-major streams tokens [S, B]: (log P [n, V] float32, state features f [n, F], next words
     [n]) on CPU, t-major from t0 = max(1, min_context) (the first t0 tokens of each stream are context only). A head's
     g on these rows is head_rows(head, f)."""
-    from tqdm.auto import tqdm
+    from lmcal.utils.progress import progress_bar
 
     S, B = tokens.shape
     t0 = max(1, min_context)
     logps, fs, ys = [], [], []
     state = lm.init_state(B)
-    for t in tqdm(range(S - 1), desc="fit rows", disable=not progress, leave=False):
+    for t in progress_bar(range(S - 1), desc="fit rows", disable=not progress, leave=False):
         logp, f, state = step_features(lm, tokens[t], state)
         if t + 1 >= t0:
             logps.append(logp.float().cpu())

@@ -13,6 +13,49 @@ import torch
 from lmcal.errors import LmcalError
 from lmcal.utils.profiling import span, timed
 
+# The memory one lookahead chunk may hold (analysis.memory_budget_gb; the entry points set it once per process with
+# set_memory_budget). None: half the device's free memory on CUDA, CPU_BUDGET_GB on the CPU. A chunk holds, per
+# candidate, its copy of its row's state (a transformer's key/value cache: lm.row_bytes) and its logits' floats.
+CPU_BUDGET_GB = 2.0
+# On the CPU the chunk and the vocabulary block also keep their cache-sized caps (the sizes every CPU figure in docs/
+# was measured with); on CUDA the budget alone sets the chunk, and a chunk's logits are one [c, V] product.
+CPU_MAX_CHUNK, CPU_BLOCK = 512, 1024
+# On CUDA a chunk of 65,536 candidates already amortises the ~250 kernel launches of one chunk many times over; larger
+# ones only hold more memory.
+CUDA_MAX_CHUNK = 1 << 16
+_budget_gb: float | None = None
+
+
+def set_memory_budget(gb: float | None) -> None:
+    """The lookahead's memory budget in GB for this process (None: from the device, see above)."""
+    global _budget_gb
+    if gb is not None and not gb > 0:
+        raise LmcalError(f"analysis.memory_budget_gb={gb!r}: the lookahead's memory budget must be a positive number "
+                         "of GB, or null to take half the device's free memory (CUDA) or 2 GB (CPU).")
+    _budget_gb = None if gb is None else float(gb)
+
+
+def memory_budget(device: torch.device) -> float:
+    """Bytes one lookahead chunk may hold on `device`."""
+    if _budget_gb is not None:
+        return _budget_gb * 1e9
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return 0.5 * free
+    return CPU_BUDGET_GB * 1e9
+
+
+def chunk_sizes(lm, state, pairs: int, V: int, device: torch.device, fused: bool) -> tuple[int, int]:
+    """(candidates per forward, vocabulary words per block of linear_entropy) that keep one chunk within the memory
+    budget: each candidate holds its row's forked state (lm.row_bytes(state) bytes, where the model says) and about
+    three float32 rows of logits ([block] fused, [V] otherwise: the logits, their exp and the product)."""
+    block = CPU_BLOCK if device.type == "cpu" else V
+    row = lm.row_bytes(state) if hasattr(lm, "row_bytes") else 0
+    per = row + 4.0 * 3 * (min(block, V) if fused else V)
+    chunk = max(1, int(memory_budget(device) // per))
+    chunk = min(chunk, CPU_MAX_CHUNK if device.type == "cpu" else CUDA_MAX_CHUNK)
+    return min(chunk, max(1, pairs)), block
+
 
 def mix_uniform(logp: torch.Tensor, epsilon: float, vocab_size: int | None = None) -> torch.Tensor:
     """log((1 - eps) P + eps / V) of log-probs [..., V]; eps = 0 returns logp itself (bit for bit). vocab_size: V
@@ -62,17 +105,22 @@ def linear_entropy(f: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
 
 @timed("lookahead")
-def candidate_entropies(lm, state, cand: torch.Tensor, epsilon: float, chunk: int) -> torch.Tensor:
+def candidate_entropies(lm, state, cand: torch.Tensor, epsilon: float, chunk: int | None = None) -> torch.Tensor:
     """H of the (eps-mixed) next distribution after feeding candidate cand[b, k] to state row b. cand [B, K] -> [B, K].
 
-    All B*K (row, candidate) pairs are flattened and stepped `chunk` at a time from copies of their row's state. A
-    StepLM with a linear last layer (`features` and `head`, see StepLM) gets its entropies from linear_entropy
-    when eps = 0.
+    All B*K (row, candidate) pairs are flattened and stepped `chunk` at a time (None: as many as the memory budget
+    holds, chunk_sizes) from copies of their row's state. A StepLM with a linear last layer (`features` and `head`,
+    see StepLM) gets its entropies from linear_entropy when eps = 0.
     """
     B, K = cand.shape
     rows = torch.arange(B, device=cand.device).repeat_interleave(K)  # [B*K]: row b repeated K times
     toks = cand.reshape(-1)  # [B*K]
     fused = epsilon == 0.0 and getattr(lm, "head", None) is not None
+    device = lm.head[0].device if fused else cand.device
+    auto, block = chunk_sizes(lm, state, B * K, getattr(lm, "vocab_size", None) or 50_000, device, fused)
+    chunk = chunk or auto
+    # a fork for one step: a model that can (HFCausalLM) gives it room for that step only, not a growing buffer
+    fork = getattr(lm, "select_for_step", lm.select)
     # an LSTM's h W_hh^T once per row, not per candidate (lmcal.models.step_lm.LSTMStepLM.candidate_features)
     shared = lm.recurrent_terms(state) if fused and hasattr(lm, "candidate_features") else None
     h = []
@@ -81,19 +129,21 @@ def candidate_entropies(lm, state, cand: torch.Tensor, epsilon: float, chunk: in
         if shared is not None:
             f = lm.candidate_features(c_toks, state, c_rows, shared)  # [c, E]
         elif fused:
-            f, _ = lm.features(c_toks, lm.select(state, c_rows))  # [c, E]
+            f = lm.features(c_toks, fork(state, c_rows))[0]  # [c, E]; the stepped forks dropped at once, not kept
+            # alive (as `f, _ = ...` would) while the next chunk's are made: one chunk's forks at a time
         else:
-            lp, _ = lm.step(c_toks, lm.select(state, c_rows))  # [c, V]
+            lp = lm.step(c_toks, fork(state, c_rows))[0]  # [c, V]
             h.append(entropy(mix_uniform(lp, epsilon)))  # [c]
             continue
         with span("forward", 2.0 * lm.head[0].numel() * f.size(0)):  # the output layer, fused with its entropy
-            h.append(linear_entropy(f, *lm.head))
+            h.append(linear_entropy(f, *lm.head, block=block))
     return torch.cat(h).view(B, K)
 
 
 @torch.no_grad()
-def lookahead_entropies(lm, state, logp: torch.Tensor, epsilon: float = 0.0, chunk: int = 512) -> torch.Tensor:
-    """H_next(w) of every word w of every row, exactly: [B, V], V forwards per row, at most `chunk` per forward.
+def lookahead_entropies(lm, state, logp: torch.Tensor, epsilon: float = 0.0, chunk: int | None = None) -> torch.Tensor:
+    """H_next(w) of every word w of every row, exactly: [B, V], V forwards per row, at most `chunk` per forward (None:
+    from the memory budget).
 
     state: the lm state of B rows; logp [B, V]: the lm's next-token log-probs in that state (raw, eps is applied here,
     to the lookahead's distributions)."""

@@ -83,7 +83,7 @@ class MemoryBound:
     fitted: bool
     beta: float = 1.0  # the power of P^ (temperature=True), 1 in the one-parameter family
     beta_stderr: float = 0.0  # sandwich standard error of beta* (0: pinned to 1)
-    mi_upper_bound_crossfit: float = math.nan  # the bound with the parameters fitted on the other half of the blocks
+    mi_upper_bound_crossfit: float = math.nan  # each half of the blocks scored with the other half's fit (_crossfit)
     delta_ce: float = math.nan  # CE(P~) - CE(P^): how much worse the tau-limited model predicts
     delta_ce_stderr: float = math.nan  # its standard error (batch means over the blocks)
     n_blocks: int = 0  # blocks of cluster_size rows: the units of every standard error
@@ -220,13 +220,14 @@ def _jackknife(chunks: list, temperature: bool, rows: dict, theta: list[float], 
 
 def _crossfit(chunks: list, temperature: bool, n: int, cluster_size: int, bound: float, elements: int | None,
               start: list[float]) -> float:
-    """The bound over all rows, each half of the blocks (the first B // 2 blocks, the rest) scored with the parameters
-    fitted on the other half: the in-sample optimism removed (nan with fewer than 2 blocks)."""
+    """The bound over all rows, each half of the blocks scored with the parameters fitted on the other half: the
+    in-sample optimism removed (nan with fewer than 2 blocks). The halves are the first B // 2 blocks and the other
+    B - B // 2 (with B odd, the last block is in the second half), so every row is scored exactly once."""
     nb = -(-n // cluster_size)
     if nb < 2:
         return math.nan
-    groups = list(_groups(chunks, temperature, (nb // 2) * cluster_size))
-    halves = [[g for g in groups if g[0] == h] for h in (0, 1)]
+    groups = list(_groups(chunks, temperature, cluster_size))  # segment index = block index
+    halves = [[g for g in groups if (g[0] >= nb // 2) == second] for second in (False, True)]
     k = 2 if temperature else 1
     total = 0.0
     for fit_on, score_on in ((halves[0], halves[1]), (halves[1], halves[0])):
@@ -252,7 +253,7 @@ def memory_upper_bound(full_log_probs, limited_log_probs: torch.Tensor | None = 
     alpha=None fits a* on these rows (temperature=True: beta* and a* jointly), and the bound is reported on the same
     rows. mi_stderr is then the delete-one-block jackknife with the fit redone per replicate: `jackknife="onestep"`
     (one Newton step from the full fit, the bound linearised; the default) or "exact" (B full refits). With crossfit,
-    also the bound fitted on the even blocks and scored on the odd ones and vice versa (two more fits).
+    also the bound fitted on the first B // 2 blocks and scored on the rest, and vice versa (two more fits).
     `start`: the fit's first parameters ([beta - 1, alpha] with temperature), e.g. a nearby fit's; None: zeros.
     A given alpha (and, with temperature=True, beta) is only evaluated, streaming the chunks: mi_stderr is then by
     batch means, the parameters held fixed.

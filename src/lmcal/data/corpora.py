@@ -78,8 +78,25 @@ def corpus_folder(root: str | Path | None, name: str) -> Path:
 
 def tokenize_lines(path: Path) -> list[list[str]]:
     """Whitespace tokens of each line, one `<eos>` appended per line."""
-    with open(path, encoding="utf-8") as f:
+    with _utf8(path) as f:
         return [line.split() + [EOS] for line in f]
+
+
+class _utf8:
+    """`open(path, encoding="utf-8")` whose decoding error names the file and where in it (not a traceback)."""
+
+    def __init__(self, path: Path):
+        self.path, self.f = Path(path), open(path, encoding="utf-8")
+
+    def __enter__(self):
+        return self.f
+
+    def __exit__(self, kind, e, tb):
+        self.f.close()
+        if isinstance(e, UnicodeDecodeError):
+            raise DataError(f"{self.path} is not UTF-8 text (it holds the bytes {e.object[e.start:e.start + 8]!r}: "
+                            f"{e.reason}). Corpora and text files are read as UTF-8: convert it "
+                            f"(iconv -f latin1 -t utf-8 {self.path}) or give another file.") from None
 
 
 def build_vocab(lines: list[list[str]]) -> list[str]:
@@ -313,7 +330,7 @@ def hf_text_tokens(path: str | Path, tokenizer, max_tokens: int | None = None) -
         raise DataError(f"Text file not found: {path}. Give the path of an existing UTF-8 text file, e.g. "
                         f"ptb.valid.txt or ptb.test.txt of the Penn Treebank under <data root>/ptb/ (data root: "
                         f"$LMCAL_DATA_ROOT, else data/ in the project).")
-    with open(path, encoding="utf-8") as f:
+    with _utf8(path) as f:
         text = "".join(line.strip() + "\n" for line in f if line.strip())
     # verbose=False: a whole corpus exceeds the model's context length, which is fine for a token stream
     ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]

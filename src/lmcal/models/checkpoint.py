@@ -136,11 +136,26 @@ def load_net(ckpt_path: str | Path, map_location="cpu"):
     return net.eval(), ckpt
 
 
+def base_checkpoint(memory: dict | None, corpus: str | None) -> str | None:
+    """Where the memory stage's full-context base model is: memory.base_ckpt, else memory.base_runs[<corpus>] (a
+    run folder, meaning its checkpoints/best.ckpt, or a checkpoint), so that one tau sweep over datasets finds each
+    dataset's base model: `'memory.base_runs={ptb: RUN, markov: RUN}'`. None: neither names one."""
+    memory = dict(memory or {})
+    if memory.get("base_ckpt"):
+        return str(memory["base_ckpt"])
+    path = (memory.get("base_runs") or {}).get(corpus) if corpus else None
+    if not path:
+        return None
+    return str(Path(path) / "checkpoints" / "best.ckpt") if Path(path).is_dir() else str(path)
+
+
 def load_base_net(path: str | Path | None, device, corpus: str | None = None):
     """The full-context base model for the memory stage, with a clear error when it is missing or mismatched."""
     if not path:
         raise LmcalError("The memory stage needs the full-context base model: pass memory.base_ckpt=PATH (a "
-                         "checkpoint of the same corpus trained with model.memory_tau=null).")
+                         "checkpoint of the same corpus trained with model.memory_tau=null), or, for a sweep over "
+                         f"datasets, 'memory.base_runs={{{corpus or 'ptb'}: RUN_FOLDER, ...}}' (each dataset's base "
+                         "run).")
     if not Path(path).is_file():
         raise LmcalError(f"memory.base_ckpt={path} does not exist; train the base model first "
                          "(python -m lmcal.train with model.memory_tau=null) and point at its checkpoints/best.ckpt.")

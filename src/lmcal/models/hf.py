@@ -29,12 +29,14 @@ class _Store:
         self.keys, self.values, self.frontier = keys, values, frontier
 
 
-def _store_from(keys: torch.Tensor, values: torch.Tensor, n: int, extra: int, limit: int | None = None) -> _Store:
+def _store_from(keys: torch.Tensor, values: torch.Tensor, n: int, extra: int, limit: int | None = None,
+                exact: bool = False) -> _Store:
     """A new store holding keys/values[:, :, :n] with room for at least `extra` more positions (capacity doubled, but
-    never past `limit`, the model's context, when it is known)."""
+    never past `limit`, the model's context, when it is known; `exact`: room for `extra` only, for a fork that takes
+    one step and is dropped, as the lookahead's are)."""
     B, H, _, D = keys.shape
-    cap = max(64, 2 * (n + extra))
-    if limit:
+    cap = n + extra if exact else max(64, 2 * (n + extra))
+    if limit and not exact:
         cap = max(n + extra, min(cap, limit))
     k, v = keys.new_empty(B, H, cap, D), values.new_empty(B, H, cap, values.size(-1))
     k[:, :, :n], v[:, :, :n] = keys[:, :, :n], values[:, :, :n]
@@ -93,13 +95,15 @@ def _forkable_layer_class():
         def get_seq_length(self) -> int:
             return self.n
 
-        def fork(self, index: torch.Tensor | None = None):
-            """This layer's state for another line of steps; with `index`, of batch rows `index` (copied)."""
+        def fork(self, index: torch.Tensor | None = None, exact: bool = False):
+            """This layer's state for another line of steps; with `index`, of batch rows `index` (copied; `exact`:
+            with room for one more position only)."""
             if self.store is None or index is None:
                 return ForkableLayer(self.store, self.n, self.limit)
             st = self.store
             n = self.n  # only the positions this state owns are gathered
-            return ForkableLayer(_store_from(st.keys[index, :, :n], st.values[index, :, :n], n, 1, self.limit), n,
+            idx = index.to(st.keys.device)  # each layer's own device (a model spread by device_map)
+            return ForkableLayer(_store_from(st.keys[idx, :, :n], st.values[idx, :, :n], n, 1, self.limit, exact), n,
                                  self.limit)
 
     return ForkableLayer
@@ -115,8 +119,9 @@ def _new_cache(limit: int | None = None):
         return None
 
 
-def fork_cache(past, index: torch.Tensor | None = None):
-    """A cache that the model may extend without touching `past`; with `index` [B'], of batch rows `index` only.
+def fork_cache(past, index: torch.Tensor | None = None, exact: bool = False):
+    """A cache that the model may extend without touching `past`; with `index` [B'], of batch rows `index` only
+    (`exact`: our layers give the rows room for one more step only).
 
     Handles the cache layouts of transformers >= 4.40: a Cache whose `layers` hold keys/values (>= 4.56), the
     DynamicCache with `key_cache`/`value_cache` lists (4.40 - 4.55), and the legacy tuple of per-layer (key, value)
@@ -128,7 +133,7 @@ def fork_cache(past, index: torch.Tensor | None = None):
     layers = getattr(past, "layers", None)
     if layers and all(hasattr(layer, "fork") for layer in layers):  # ours: forks share or copy their buffers
         new = copy.copy(past)
-        new.layers = [layer.fork(index) for layer in layers]
+        new.layers = [layer.fork(index, exact) for layer in layers]
         return new
     if layers is not None and all(type(layer).__name__ in _REBINDING_LAYERS for layer in layers):
         new = copy.copy(past)
@@ -136,7 +141,8 @@ def fork_cache(past, index: torch.Tensor | None = None):
         if index is not None:
             for layer in new.layers:
                 if layer.is_initialized:
-                    layer.keys, layer.values = layer.keys[index], layer.values[index]  # [B', heads, T, head_dim]
+                    i = index.to(layer.keys.device)  # [B'] on the layer's own device (device_map)
+                    layer.keys, layer.values = layer.keys[i], layer.values[i]  # [B', heads, T, head_dim]
         return new
     if layers is None and type(past).__name__ == "DynamicCache" and hasattr(past, "key_cache"):
         new = copy.copy(past)  # 4.40 - 4.55: update assigns into these lists, so the lists are copied
@@ -236,6 +242,26 @@ class HFCausalLM:
         past, n = state
         return (None if past is None else fork_cache(past, index.to(self.device))), n
 
+    def select_for_step(self, state, index):
+        """`select` for a state that takes one step and is dropped (the lookahead's candidates): each row's copy of
+        the cache has room for that step only, half what a growing buffer reserves."""
+        past, n = state
+        return (None if past is None else fork_cache(past, index.to(self.device), exact=True)), n
+
+    def row_bytes(self, state) -> int:
+        """Bytes of one row's copy of the key/value cache of `state`, one step grown (the lookahead's budget)."""
+        past, n = state
+        if past is None:
+            return 0
+        layers = getattr(past, "layers", None)
+        if layers is not None:
+            kv = [layer.keys for layer in layers if getattr(layer, "keys", None) is not None]
+        elif isinstance(past, (tuple, list)):
+            kv = [layer[0] for layer in past]
+        else:
+            kv = list(getattr(past, "key_cache", []))
+        return sum(2 * k.size(1) * (n + 1) * k.size(-1) * k.element_size() for k in kv if k.dim() == 4)
+
 
 @torch.no_grad()
 def hf_cross_entropy(lm: HFCausalLM, tokens: torch.Tensor, context: int | None = None,
@@ -262,6 +288,10 @@ def hf_cross_entropy(lm: HFCausalLM, tokens: torch.Tensor, context: int | None =
     return total / n, n
 
 
+# what tokenizer.save_pretrained writes, for every kind of tokenizer (fast, BPE, WordPiece, SentencePiece)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt", "tokenizer.model",
+                   "spiece.model", "sentencepiece.bpe.model")
+
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
 
 
@@ -274,10 +304,13 @@ def import_transformers():
     return transformers
 
 
-def load_hf_model(name_or_path, device="cpu", dtype=None) -> HFCausalLM:
-    """A causal LM and its tokenizer as an HFCausalLM on `device`, from a local folder or the Hugging Face hub.
+def load_hf_model(name_or_path, device="cpu", dtype=None, device_map=None) -> HFCausalLM:
+    """A causal LM and its tokenizer as an HFCausalLM on `device`, from a local folder or the Hugging Face hub;
+    with `device_map` (e.g. "auto", or {"": "cuda:0"}), spread across the devices by transformers/accelerate
+    instead (`device` is then not used: each layer stays where the map put it).
 
     An existing path must be a folder written by `save_pretrained` (model and tokenizer); it is read from disk only.
+    No code from the folder or the hub runs (trust_remote_code=False): a model that needs its own Python is refused.
     A path that does not exist but looks like a hub id ("gpt2", "openai-community/gpt2") is handed to
     `from_pretrained`, which honours HF_HUB_OFFLINE=1 (then only the local hub cache is searched). dtype: a torch
     dtype, its name ("bfloat16") or None (float32). Every failure is one LmcalError saying what was tried.
@@ -296,7 +329,8 @@ def load_hf_model(name_or_path, device="cpu", dtype=None) -> HFCausalLM:
         raise LmcalError(f"No Hugging Face model folder at {path}: the path does not exist (and does not look like "
                          "a hub id, so the hub was not asked). " + how)
     source = f"the local folder {path}" if local else f"the hub id {name!r} (no such local folder)"
-    where = {"local_files_only": True} if local else {}  # an existing folder is never looked up on the hub
+    # never the folder's own Python (config.json's auto_map), and never a prompt asking whether to run it
+    where = {"local_files_only": True, "trust_remote_code": False} if local else {"trust_remote_code": False}
     kwargs = dict(where)
     if isinstance(dtype, str) and dtype != "auto":
         if not isinstance(getattr(torch, dtype, None), torch.dtype):
@@ -306,7 +340,19 @@ def load_hf_model(name_or_path, device="cpu", dtype=None) -> HFCausalLM:
     major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
     if dtype is not None:  # the keyword was renamed from torch_dtype in 4.56
         kwargs["dtype" if (major, minor) >= (4, 56) else "torch_dtype"] = dtype
+    if device_map is not None:
+        try:
+            import accelerate  # noqa: F401  (transformers needs it for device_map)
+        except ImportError:
+            raise LmcalError(f"model.device_map={device_map!r} needs the accelerate package, which is not installed. "
+                             "Install it (pip install accelerate, or the optional extra: pip install -e '.[hf]'), "
+                             "or set model.device_map=null to load the model on one device.") from None
+        kwargs["device_map"] = device_map
     target = str(path) if local else name
+    if local and (path / "config.json").is_file() and not any((path / f).is_file() for f in TOKENIZER_FILES):
+        raise LmcalError(f"{path} holds a model but no tokenizer files (none of {', '.join(TOKENIZER_FILES)}), so "
+                         "it could not read text. Save the tokenizer beside the model: "
+                         "tokenizer.save_pretrained(folder).")
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(target, **where)
         model = transformers.AutoModelForCausalLM.from_pretrained(target, **kwargs)
@@ -314,4 +360,4 @@ def load_hf_model(name_or_path, device="cpu", dtype=None) -> HFCausalLM:
         detail = " ".join(str(e).split())[:300]
         raise LmcalError(f"Could not load a Hugging Face causal LM and its tokenizer from {source}: "
                          f"{type(e).__name__}: {detail}. " + how) from None
-    return HFCausalLM(model, tokenizer, device)
+    return HFCausalLM(model, tokenizer, None if device_map is not None else device)

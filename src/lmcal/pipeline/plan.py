@@ -15,6 +15,7 @@ from lmcal.errors import LmcalError
 from lmcal.pipeline.report_md import report
 from lmcal.pipeline.slurm import slurm_defaults
 from lmcal.stages.registry import STAGES
+from lmcal.stages.wandb_run import reproduction_group
 from lmcal.utils.settings import CONF_DIR, composed, settings_of
 from lmcal.utils.validate import check_config
 
@@ -34,7 +35,7 @@ def resolve_profile(name: str) -> tuple[str, str | None]:
     return name, None
 
 
-CLI_ONLY = ("profile", "force")  # keys of the command line that are not the profile's settings
+CLI_ONLY = ("profile", "force", "force_size")  # keys of the command line that are not the profile's settings
 
 
 def _keys(node, prefix: str = "") -> list[str]:
@@ -60,12 +61,13 @@ def load_profile(argv: list[str]) -> DictConfig:
     if unknown:
         raise LmcalError(f"Unknown setting{'s' if len(unknown) > 1 else ''} {', '.join(unknown)} (in ARGS or on the "
                          f"command line). The {name} profile (conf/reproduce/{name}.yaml) has: {', '.join(known)}; "
-                         "and the command line also takes profile= and force=true (FORCE=1).")
+                         "and the command line also takes profile=, force=true (FORCE=1) and force_size=true.")
     cfg = OmegaConf.merge(profile, cli)
     cfg.profile = name
     cfg.force = bool(cfg.get("force", False))
     if cfg.get("out") is None:
         cfg.out = f"outputs/reproduce/{name}"
+    OmegaConf.to_container(cfg, resolve=True)  # every interpolation now: one that fails is an error before any work
     if note:
         print(note, flush=True)
     return cfg
@@ -74,7 +76,7 @@ def load_profile(argv: list[str]) -> DictConfig:
 def logger_overrides(cfg: DictConfig) -> list[str]:
     """One W&B project and group for every run of a reproduction (offline unless the profile says otherwise)."""
     if cfg.logger == "wandb":
-        return ["logger=wandb", f"logger.project={cfg.wandb_project}", f"logger.group=reproduce-{cfg.profile}",
+        return ["logger=wandb", f"logger.project={cfg.wandb_project}", f"logger.group={reproduction_group(cfg.out)}",
                 f"logger.offline={str(cfg.wandb_offline).lower()}"]
     return [f"logger={cfg.logger}"]
 

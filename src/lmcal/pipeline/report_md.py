@@ -14,8 +14,24 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from lmcal import paper
+from lmcal.pipeline.claims import (
+    best_head_claims,
+    calibration_claims,
+    claims_markdown,
+    heads_claims,
+    memory_flags,
+)
 from lmcal.pipeline.docs import provenance
 from lmcal.pipeline.results import OPERATIONS, PAPER_STAGES, collect_results
+from lmcal.pipeline.setup_text import (
+    calibration_lines,
+    decoders_lines,
+    entropy_rate_lines,
+    future_entropy_lines,
+    memory_lines,
+)
+from lmcal.stages.wandb_run import init_args, open_run, reproduction_group
+from lmcal.utils.device import precision_policy
 from lmcal.utils.io import copy_atomic, read_json, write_json_atomic, write_text_atomic
 from lmcal.utils.numbers import exp_or_inf, format_ce, format_params
 
@@ -72,7 +88,8 @@ def transformer_memory_markdown(r: dict) -> list[str]:
               "context: its P̂ conditions on the tokens within it (see full_context in its memory.json), so its "
               "bound is the information it draws from between τ and its context back.", "",
               "### The transformer's memory table", "",
-              memory_table([{**m, "corpus": "transformer"} for m in rows]), ""]
+              memory_table([{**m, "corpus": "transformer"} for m in rows]), "",
+              *claims_markdown(memory_flags(rows))]
     return lines
 
 
@@ -87,6 +104,7 @@ def report(cfg: DictConfig, out: Path, names: list[str]) -> None:
     from lmcal.utils.profiling import matmul_flops
 
     results["provenance"]["matmul_gflop_per_s"] = matmul_flops(seconds=2.0) / 1e9  # the MFU's denominator
+    results["provenance"]["precision"] = precision_policy()  # TF32 flags every stage ran with (lmcal.utils.device)
     import numpy as np
 
     er, cal = results["entropy_rate"], results["calibration"]
@@ -138,10 +156,9 @@ def future_entropy_markdown(cfg: DictConfig, out: Path) -> list[str]:
     from lmcal.stages.future_entropy import future_entropy_table
 
     fe = read_json(out / cfg.dataset / "future_entropy" / "future_entropy.json")
-    heads = [r for r in fe["rows"] if r["method"].startswith("future_entropy")]
-    best = min(heads, key=lambda r: abs(math.log(r["tail_ppl"] / fe["reference_test_ppl"])), default=None)
     return [
         "## Calibrating against future entropy (beyond one-step lookahead)", "",
+        *future_entropy_lines(fe),
         f"Heads on the frozen model's state predict each next word's discounted future entropy G_K (K words, "
         f"discount γ), trained on {fe['rollouts']} rollouts from the training text ({fe['rollout_examples']:,} "
         f"examples, one rollout each); P ∝ P̂ exp(α g) and P̂^β exp(α g) fitted by the cross-entropy of "
@@ -149,11 +166,11 @@ def future_entropy_markdown(cfg: DictConfig, out: Path) -> list[str]:
         "and test words. Δ test CE is paired with the model word by word (± one standard error, blocks of "
         f"{fe['cluster_size']} positions); ms / word: one generated word in {fe['timing_prefixes']} x "
         f"{fe['samples_per_prefix']} generations of {fe['timing_horizon']} words, the same run for every method, the "
-        f"best of {fe.get('timing_repeats', 1)}; × model: that time over the plain model's, timed in between.", "",
+        f"best of {fe.get('timing_repeats', 1)}; × model: that time over the plain model row's (the ratio timed "
+        "alternately with the plain model is cost_ratio in future_entropy.json). Entropies and cross-entropies in "
+        "nats.", "",
         future_entropy_table(fe["rows"], fe["reference_test_ce_nats"]).rstrip("\n"), "",
-        *([f"Closest to the test perplexity over the last tenth: {best['method']} "
-           f"({format_params(best['params'], drop=('stderr',))}), {best['tail_ppl']:.1f} against "
-           f"{fe['reference_test_ppl']:.1f}."] if best else []), "",
+        *claims_markdown([*best_head_claims(fe), *heads_claims(fe["rows"])]),
         "![future entropy](figure_future_entropy.png)", "",
     ]
 
@@ -185,6 +202,27 @@ def _bound(rows: list[dict], tau: int, limited: str) -> str:
     return f"{m['mi_upper_bound_nats']:.4f} ± {m['mi_stderr_nats']:.4f}" if m else "–"
 
 
+def markov_memory_markdown(mk: dict) -> list[str]:
+    """The Markov source's memory table, each bound beside its P̃'s cross-entropy (the exact order-τ conditional's in
+    the oracle column), and where the LSTM rows' slack comes from (lmcal.pipeline.setup_text.SLACK)."""
+    def cell(rows: list[dict], tau: int, limited: str) -> str:
+        m = next((m for m in rows if m["tau"] == tau and m.get("limited", "trained") == limited), None)
+        ce = f" (CE {m['ce_limited_nats']:.3f})" if m and m.get("ce_limited_nats") is not None else ""
+        return _bound(rows, tau, limited) + ce
+
+    excess = mk["estimated_entropy_rate_nats"] - mk["true_entropy_rate_nats"]
+    return ["| tau | I_tau bound (CE of P̃), trained τ-LSTMs | the LSTM on τ-token windows | exact oracles | exact "
+            "I_tau of the source |", "|---|---|---|---|---|",
+            *[f"| {o['tau']} | {cell(mk['memory'], o['tau'], 'trained')} | {cell(mk['memory'], o['tau'], 'window')} | "
+              f"{cell(mk['oracle']['memory'], o['tau'], 'window')} | {o['exact_mi_nats']:.4f} |"
+              for o in mk["oracle"]["memory"]], "",
+            "± is one standard error; CE: P̃'s test cross-entropy in nats, the exact oracles' that of the exact "
+            "order-τ conditional. The oracle rows check the estimators. The LSTM rows bound the information the "
+            "LSTM itself draws from beyond τ plus the slack E KL(D_τ ‖ P̃) of the memory section: they are loose "
+            "where their P̃ predicts worse than the exact order-τ conditional (the CEs side by side). The LSTM's own "
+            f"excess cross-entropy over the source is {excess:+.4f} nats.", ""]
+
+
 def report_markdown(cfg: DictConfig, r: dict, out: Path) -> str:
     b, er, cal, mk = r["base"], r["entropy_rate"], r["calibration"], r["markov"]
     orc = mk["oracle"]
@@ -195,6 +233,7 @@ def report_markdown(cfg: DictConfig, r: dict, out: Path) -> str:
         f"{b['val_ppl']:.1f}, test {b['test_ppl']:.1f} (the paper: {paper.AWD_LSTM_PTB_VAL_TEST[0]} / "
         f"{paper.AWD_LSTM_PTB_VAL_TEST[1]} after 500 epochs).", "",
         "## Entropy rate of generations (Table 1, Figure 2)", "",
+        *entropy_rate_lines(r),
         "| model | corpus | test ppl | EntRate = exp(entropy at the last step) | exp(mean entropy, last tenth) |",
         "|---|---|---|---|---|",
         entrate_row + f" {er['entrate_tail_ppl']:.1f} |",
@@ -207,6 +246,7 @@ def report_markdown(cfg: DictConfig, r: dict, out: Path) -> str:
            if "entropy_rate" in r.get("transformer", {}) else "")
         + ". ![Figure 2](figure2_entropy_rate.png)", "",
         "## Lookahead calibration (Algorithm 2, Figure 3)", "",
+        *calibration_lines(r),
         "| | alpha* | test ppl | EntRate (last step) | exp(mean entropy, last tenth) |", "|---|---|---|---|---|",
         f"| uncalibrated | 0 | {cal['test_ppl_before']:.2f} | {cal['entrate_ppl_before']:.1f} | "
         f"{cal['entrate_tail_ppl_before']:.1f} |",
@@ -221,9 +261,10 @@ def report_markdown(cfg: DictConfig, r: dict, out: Path) -> str:
         f"{max(1, cal['min_context'])} tokens of context, with "
         + (f"top-{cal['topk']} lookahead (the true word exact, {cal['tail_samples']} sampled words for the rest); "
            if cal["topk"] else "exact lookahead; ") +
-        f"test perplexity on {cal['test_tokens']:,} test tokens. The paper: {paper.CALIBRATION_EFFECT}. "
-        "![Figure 3](figure3_calibration.png)", "",
+        f"test perplexity on {cal['test_tokens']:,} test tokens. ![Figure 3](figure3_calibration.png)", "",
+        *claims_markdown(calibration_claims(r)),
         "## Decoders beside calibration", "",
+        *decoders_lines(r),
         "The decoding rules practitioners use, on the same model, prefixes and seeds as calibration. Test CE is ∞ "
         "where a rule gives a test word probability 0; the ε-mixed CE mixes in ε = 1e-6 of the uniform "
         "distribution, so it is finite for all. The fitted rows (temperature, calibration) are the only ones "
@@ -233,7 +274,10 @@ def report_markdown(cfg: DictConfig, r: dict, out: Path) -> str:
         *future_entropy_markdown(cfg, out),
         *sequence_calibration_markdown(cfg, out),
         "## Memory (Section 5, Figure 4)", "",
+        *memory_lines(bool(cfg.get("warm_start", False)), list(cfg.get("tau") or []),
+                      [m for m in r["memory"] if m.get("model") != "transformer"]),
         (out / f"memory_{cfg.dataset}.md").read_text().split("\n", 2)[2],
+        *claims_markdown(memory_flags([m for m in r["memory"] if m.get("model") != "transformer"])),
         *transformer_memory_markdown(r),
         "## The exact check: an order-k Markov source", "",
         f"Order {mk['order']}. Entropy rate: exact {mk['true_entropy_rate_nats']:.4f} nats, estimated (the trained "
@@ -242,14 +286,7 @@ def report_markdown(cfg: DictConfig, r: dict, out: Path) -> str:
         f"The same estimators on the exact oracles (P̂ = the true conditional, P̃_τ = the exact order-τ "
         f"conditional), on the same test text: entropy rate {orc['estimated_entropy_rate_nats']:.4f} ± "
         f"{orc['estimated_entropy_rate_stderr_nats']:.4f}.", "",
-        "| tau | I_tau bound, trained τ-LSTMs | I_tau bound, the LSTM on τ-token windows | I_tau bound, exact "
-        "oracles | exact I_tau of the source |", "|---|---|---|---|---|",
-        *[f"| {o['tau']} | {_bound(mk['memory'], o['tau'], 'trained')} | {_bound(mk['memory'], o['tau'], 'window')} | "
-          f"{o['mi_upper_bound_nats']:.4f} ± {o['mi_stderr_nats']:.4f} | {o['exact_mi_nats']:.4f} |"
-          for o in orc["memory"]], "",
-        "± is one standard error. The oracle rows check the estimators; the LSTM rows add the trained models' own "
-        "error (their bound is on the information *they* draw from beyond tau, and their excess cross-entropy "
-        "over the source enters it).", "",
+        *markov_memory_markdown(mk),
         "![Figure 4 on the Markov source](memory_markov.png)", "",
         *[line for n in cfg.stages if n not in (*PAPER_STAGES, "future_entropy", "sequence_calibration") for line in
           (f"## Stage {n}", "", *(f"- {k}: {v}" for k, v in r[n].items()), "")],
@@ -271,21 +308,36 @@ def report_markdown(cfg: DictConfig, r: dict, out: Path) -> str:
         tps = f"{s['tokens_per_s']:.0f}" if s.get("tokens_per_s") else "–"
         rate = f"{s['matmul_gflop_per_s']:.0f}" if s.get("matmul_gflop_per_s") else "–"
         lines.append(f"| {name} | {s['seconds']:.0f} | {tps} | {rate} | [{rel}]({rel}) |")
-    total = sum(s["seconds"] for s in r["stages"].values())
+    total = wall_seconds(r["stages"])
     rates = [s["matmul_gflop_per_s"] for s in r["stages"].values() if s.get("matmul_gflop_per_s")]
     speed = (f" The machine's matmul rate ranged {min(rates):.0f}-{max(rates):.0f} GFLOP/s over the {len(rates)} "
              f"stage{'s' if len(rates) > 1 else ''} that recorded it." if rates else "")
-    lines += ["", f"Total: {total / 60:.1f} minutes.{speed} Settings: [profile.yaml](profile.yaml); logs in "
+    summed = sum(s["seconds"] for s in r["stages"].values())
+    lines += ["", f"Total: {total / 60:.1f} minutes of wall time while stages ran (the stage times above, some run "
+              f"side by side, add up to {summed / 60:.1f}).{speed} Settings: [profile.yaml](profile.yaml); logs in "
               "[logs/](logs)."]
     return "\n".join(lines) + "\n"
+
+
+def wall_seconds(stages: dict[str, dict]) -> float:
+    """The wall time the stages covered: the union of their [started_at, finished_at] spans (stages run side by side
+    count once; the gaps between a pipeline's interrupted and resumed runs not at all). Records without the times
+    (older ones) add their seconds."""
+    spans = sorted((s["started_at"], s["finished_at"]) for s in stages.values() if "finished_at" in s
+                   and "started_at" in s)
+    total, end = 0.0, float("-inf")
+    for a, b in spans:
+        total += max(0.0, b - max(a, end))
+        end = max(end, b)
+    return total + sum(s["seconds"] for s in stages.values() if "finished_at" not in s or "started_at" not in s)
 
 
 def _log_report(cfg: DictConfig, results: dict, out: Path) -> None:
     import wandb
 
-    run = wandb.init(project=cfg.wandb_project, group=f"reproduce-{cfg.profile}", job_type="report",
-                     name=f"report-{cfg.profile}", mode="offline" if cfg.wandb_offline else "online", dir=str(out),
-                     reinit="finish_previous")
+    node = {"_target_": "WandbLogger", "project": cfg.wandb_project, "offline": cfg.wandb_offline}
+    run = open_run(init_args(node, out, job_type="report", dataset=cfg.dataset, name=f"report-{cfg.profile}",
+                             group=reproduction_group(out), config={"profile": cfg.profile}))
     try:
         run.summary.update({"test_ppl": results["base"]["test_ppl"],
                             "entrate_ppl": results["entropy_rate"]["entrate_ppl"],

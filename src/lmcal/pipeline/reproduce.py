@@ -12,13 +12,14 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from lmcal.errors import LmcalError
+from lmcal.pipeline.check import check
 from lmcal.pipeline.plan import plan, stage_settings
 from lmcal.pipeline.results import PAPER_STAGES
 from lmcal.pipeline.schedule import reference_seconds, schedule
 from lmcal.pipeline.slurm import schedule_slurm
 from lmcal.stages.registry import check_stages
-from lmcal.utils.io import read_json, write_json_atomic, write_text_atomic
-from lmcal.utils.lock import run_lock
+from lmcal.utils.io import read_record, write_json_atomic, write_text_atomic
+from lmcal.utils.lock import check_output_folder, run_lock, sweep_temp_files
 from lmcal.utils.settings import differences
 from lmcal.utils.validate import check_config
 
@@ -30,9 +31,9 @@ def stale_stages(stages: list[dict], current: dict, out: Path, force: bool) -> d
     changed = {}
     for st in stages:
         rec = out / "stages" / f"{st['name']}.json"
-        if not rec.is_file():
+        record = read_record(rec, warn=False)  # none, or one that does not parse: not done (the schedule warns)
+        if record is None:
             continue
-        record = read_json(rec)
         if "settings" not in record:  # a record of an lmcal that did not keep settings: adopt the current ones
             print(f"{st['name']}: recorded without its settings (an older lmcal); taking it as run with the current "
                   "ones.", flush=True)
@@ -74,6 +75,23 @@ def clear_stage(stage: dict, taus: set[str] | None, out: Path) -> None:
             shutil.rmtree(d)
 
 
+def check_quotable(out: Path) -> None:
+    """The stages get their folders as Hydra overrides (hydra.run.dir=<out>/...): a path Hydra's override grammar
+    cannot read is refused before any folder is made, not after."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    path = str(out / "base")
+    try:
+        (o,) = OverridesParser.create().parse_overrides([f"hydra.run.dir={path}"])
+        why = None if o.value() == path else f"it reads as {o.value()!r}"
+    except Exception as e:
+        why = " ".join(str(e).split())[:160]
+    if why:
+        raise LmcalError(f"out={out} cannot be passed to the stages: Hydra cannot read that path in an override "
+                         f"({why}). Nothing was made. Choose a folder whose path has only letters, digits and / . _ - "
+                         "(no non-ASCII letters, quotes, brackets, commas, = or ~).")
+
+
 def reproduce(cfg: DictConfig) -> dict:
     check_config(cfg)  # the profile's own values (taus), before the folder is touched
     check_stages(list(cfg.stages), "full")
@@ -83,13 +101,20 @@ def reproduce(cfg: DictConfig) -> dict:
     if missing:
         raise LmcalError(f"stages= must include {', '.join(PAPER_STAGES)}: the report is built on them (missing: "
                          f"{', '.join(missing)}). Add stages after them, e.g. stages=[{','.join(PAPER_STAGES)},NEW].")
+    check(cfg)  # every stage composed and sized against its model, before the folder is touched
     if cfg.get("launcher", "local") not in ("local", "slurm"):
         raise LmcalError(f"launcher={cfg.launcher} is not a launcher: launcher=local runs the stages on this machine "
                          "(jobs=N at once), launcher=slurm submits each as a Slurm job (settings: slurm.<key>=..., "
                          "see conf/reproduce/launcher/slurm.yaml).")
     out = Path(cfg.out).resolve()
+    check_quotable(out)
+    check_output_folder(out)
     with run_lock(out, "reproduction"):
+        sweep_temp_files(out)  # half-written files of a run that was killed
         stages = plan(cfg)
+        if cfg.get("force_size"):  # each stage's own size check is told too
+            for st in stages:
+                st.get("cmd", []).append("force_size=true")
         current = {st["name"]: stage_settings(st, cfg) for st in stages}  # every stage checked before any runs
         for name, taus in stale_stages(stages, current, out, bool(cfg.get("force"))).items():
             clear_stage(next(st for st in stages if st["name"] == name), taus, out)

@@ -43,7 +43,8 @@ def collect_results(cfg: DictConfig, out: Path, names: list[str]) -> dict:
         "entropy_rate": {"horizon": er["horizon"], "num_generations": er["num_generations"],
                          "curve_nats": er["curve_nats"], "stderr_nats": er["stderr_nats"],
                          "entrate_ppl": er["entrate_ppl"], "test_ppl": er["test_ppl"],
-                         "entrate_tail_ppl": tail_ppl(er["curve_nats"])},
+                         "entrate_tail_ppl": tail_ppl(er["curve_nats"])}
+        | _present(er, "num_prefixes", "samples_per_prefix", "prefix_len", "seed", "tail_nats", "tail_stderr_nats"),
         "calibration": {k: cal[k] for k in ("alpha", "alpha_stderr", "test_ppl_before", "test_ppl_after",
                                             "curve_nats", "stderr_nats", "curve_nats_before", "stderr_nats_before",
                                             "entrate_ppl_before", "entrate_ppl_after", "topk", "tail_samples",
@@ -51,12 +52,15 @@ def collect_results(cfg: DictConfig, out: Path, names: list[str]) -> dict:
                                             "tail_ppl_before", "tail_ppl_after", "tail_diff_nats",
                                             "tail_diff_stderr_nats", "diff_curve_nats", "diff_stderr_nats")}
         | {"entrate_tail_ppl_before": tail_ppl(cal["curve_nats_before"]),
-           "entrate_tail_ppl_after": tail_ppl(cal["curve_nats"])},
+           "entrate_tail_ppl_after": tail_ppl(cal["curve_nats"])}
+        | _present(cal, *SETTINGS, "epsilon", "tail_nats_before", "tail_stderr_nats_before", "tail_nats",
+                   "tail_stderr_nats", "mass_outside_topk", "true_word_outside_topk", "coverage_positions"),
         "decoders": [{k: r[k] for k in ("method", "params", "entrate_ppl", "test_ce_nats", "zero_prob_fraction",
                                         "test_ce_kept_nats", "test_ce_mixed_nats", "entropy_t1_nats",
                                         "entropy_last_nats", "tail_diff_nats", "tail_diff_stderr_nats")}
-                     | {"entrate_tail_ppl": tail_ppl(r["curve_nats"])}
+                     | {"entrate_tail_ppl": tail_ppl(r["curve_nats"])} | _present(r, "tail_nats", "tail_stderr_nats")
                      for r in dec["rows"]],
+        "decoders_setup": _present(dec, *SETTINGS, "fit_tokens", "test_tokens", "calibration_reused"),
         "table1": [{"model": base["model"], "corpus": cfg.dataset, "test_ppl": er["test_ppl"],
                     "entrate_ppl": er["entrate_ppl"], "horizon": er["horizon"], "unit": er.get("unit", "word")},
                    *tr.pop("table1", [])],
@@ -72,14 +76,23 @@ def collect_results(cfg: DictConfig, out: Path, names: list[str]) -> dict:
                    "test_ce_nats": mbase["test_ce_nats"],
                    "memory": [{k: m[k] for k in ("tau", "mi_upper_bound_nats", "mi_stderr_nats", "exact_mi_nats",
                                                  "alpha", "limited", "mi_upper_bound_crossfit_nats", "delta_ce_nats",
-                                                 "two_parameter")} for m in mmem],
+                                                 "two_parameter")} | _present(m, "ce_limited_nats") for m in mmem],
                    "oracle": markov_oracle(cfg, mk)},
         **{n: _unwrap(n, STAGES[n].summary(read_json(ptb / n / "evaluation.json")[n]))
            for n in cfg.stages if n not in PAPER_STAGES},
-        "stages": {name: {"seconds": r["seconds"], "status": r["status"]} | stage_profile(Path(r["dir"]))
+        "stages": {name: {k: r[k] for k in ("seconds", "status", "started_at", "finished_at") if k in r}
+                   | stage_profile(Path(r["dir"]))
                    | ({"matmul_gflop_per_s": r["matmul_gflop_per_s"]} if r.get("matmul_gflop_per_s") else {})
                    for name, r in records.items()},
     }
+
+
+SETTINGS = ("num_prefixes", "samples_per_prefix", "prefix_len", "horizon", "seed")  # a generation stage's setup
+
+
+def _present(d: dict, *keys: str) -> dict:
+    """The keys of d among `keys` that it has (a stage's file from before a key existed lacks it)."""
+    return {k: d[k] for k in keys if k in d}
 
 
 def _unwrap(name: str, summary: dict):

@@ -16,7 +16,8 @@ from omegaconf import DictConfig
 
 from lmcal.errors import LmcalError
 from lmcal.pipeline.devices import device_env, free_slot, visible_gpus
-from lmcal.utils.io import read_json, write_json_atomic
+from lmcal.pipeline.signals import end_groups, stage_process_options
+from lmcal.utils.io import read_record, write_json_atomic
 
 
 def clock(seconds: float) -> str:
@@ -82,7 +83,8 @@ def launch(stage: dict, out: Path, env: dict | None = None) -> dict:
         run["log"].write(f"\n$ {shlex.join(cmd)}\n")
         run["log"].flush()
         run["proc"] = subprocess.Popen(cmd, stdout=run["log"], stderr=subprocess.STDOUT,
-                                       env={**os.environ, "HYDRA_FULL_ERROR": "1", **(env or {})})
+                                       env={**os.environ, "HYDRA_FULL_ERROR": "1", **(env or {})},
+                                       **stage_process_options())
     return run
 
 
@@ -98,14 +100,16 @@ def check_finished(stage: dict, run: dict, rc: int) -> None:
                          f"with:\n  {shlex.join(run['cmd'])}\nor rerun the pipeline, which skips the finished stages.")
 
 
+def finished_file(path: Path) -> bool:
+    """A file that shows a stage finished: there, and, for JSON (results.json, metrics.json...), whole."""
+    return path.is_file() and (path.suffix != ".json" or read_record(path) is not None)
+
+
 def stop(runs: dict) -> None:
-    """Ends the stages still running (a failure elsewhere, Ctrl-C): a rerun resumes them."""
+    """Ends the stages still running, each with its process group (a failure elsewhere, Ctrl-C, SIGTERM, SIGHUP): a
+    rerun resumes them."""
+    end_groups([run["proc"] for run in runs.values() if run["proc"] is not None])
     for run in runs.values():
-        if run["proc"] is not None and run["proc"].poll() is None:
-            run["proc"].terminate()
-    for run in runs.values():
-        if run["proc"] is not None:
-            run["proc"].wait()
         if run["log"] is not None:
             run["log"].close()
 
@@ -131,15 +135,17 @@ def schedule(stages: list[dict], cfg: DictConfig, out: Path, current: dict, jobs
                 todo.remove(stage)
                 record = out / "stages" / f"{name}.json"
                 rec = {"dir": str(stage["dir"]), "cmd": stage.get("cmd"), "settings": current[name]}
-                if (record.is_file() and read_json(record).get("status") == "done" and not ran & set(stage["deps"])
-                        and all(p.is_file() for p in stage["done"])):
+                before = read_record(record)  # (None when it does not parse: not done, with a warning)
+                if (before is not None and before.get("status") == "done" and not ran & set(stage["deps"])
+                        and all(finished_file(p) for p in stage["done"])):
                     print(f"[{index[name]}/{total}] {name}: done before, skipped", flush=True)
-                    if read_json(record).get("settings") != rec["settings"]:  # the tau-models of a longer taus list
-                        write_json_atomic(record, {**read_json(record), **rec})
+                    if before.get("settings") != rec["settings"]:  # the tau-models of a longer taus list
+                        write_json_atomic(record, {**before, **rec})
                     finished.add(name)
                     continue
                 if "fn" not in stage and not running:  # the machine's speed as this stage starts (not when another
                     rec["matmul_gflop_per_s"] = machine_gflops()  # stage would share the cores with the probe)
+                rec["started_at"] = time.time()  # wall-clock: REPORT.md's total is the span the stages covered
                 write_json_atomic(record, {"status": "started", **rec})
                 ran.add(name)  # what uses its results runs again too
                 print(f"[{index[name]}/{total}] {name}: running (log: {out / 'logs' / (name + '.log')})", flush=True)
@@ -168,7 +174,7 @@ def schedule(stages: list[dict], cfg: DictConfig, out: Path, current: dict, jobs
                     check_finished(stage, run, rc)
                 seconds = time.perf_counter() - run["t0"]
                 write_json_atomic(out / "stages" / f"{name}.json", {"status": "done", "seconds": seconds,
-                                                                    **run["rec"]})
+                                                                    "finished_at": time.time(), **run["rec"]})
                 finished.add(name)
                 if tty:
                     print("\r\033[K", end="")

@@ -12,9 +12,28 @@ from lmcal import paper
 from lmcal.errors import LmcalError
 from lmcal.stages.plots import decoders_tradeoff_figure, memory_figure
 from lmcal.stages.tables import decoders_table, memory_table
-from lmcal.utils.io import write_json_atomic, write_text_atomic
+from lmcal.stages.wandb_run import init_args, open_run
+from lmcal.utils.io import file_name, inside, write_json_atomic, write_text_atomic
+
+# what the tables and figures read from each result (a file missing one is refused, naming the keys)
+MEMORY_KEYS = ("corpus", "tau", "model", "ce_limited_nats", "mi_upper_bound_nats", "mi_stderr_nats", "alpha",
+               "alpha_stderr", "entropy_calibrated_nats", "test_tokens", "cluster_size")
+DECODER_KEYS = ("method", "params", "entrate_ppl", "test_ce_nats", "zero_prob_fraction", "test_ce_mixed_nats",
+                    "entropy_last_nats", "stderr_nats")
+
+
+def _missing(r, keys) -> list[str]:
+    return [k for k in keys if k not in r] if isinstance(r, dict) else list(keys)
 
 log = logging.getLogger("lmcal")
+
+
+def _file_name(corpus: str, rows: list[dict]) -> str:
+    """The corpus's name in file names (see lmcal.utils.io.file_name), with a warning when it had to change."""
+    name = file_name(corpus, rows[0]["path"], "corpus")
+    if name != corpus:
+        log.warning(f"{rows[0]['path']}: the corpus {corpus!r} is written as {name!r} in file names.")
+    return name
 
 
 def collect_memory(dirs: list[str | Path]) -> dict[str, list[dict]]:
@@ -28,9 +47,12 @@ def collect_memory(dirs: list[str | Path]) -> dict[str, list[dict]]:
         for path in sorted(d.rglob("memory.json")):
             try:
                 r = json.loads(path.read_text())
-                key = (r["corpus"], int(r["tau"]), r.get("limited", "trained"))
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise LmcalError(f"{path} is not a memory-stage result ({e}); delete it or rerun that stage.") from None
+                if missing := _missing(r, MEMORY_KEYS):
+                    raise KeyError(f"it lacks {', '.join(missing)}")
+                key = (str(r["corpus"]), int(r["tau"]), r.get("limited", "trained"))
+            except (ValueError, KeyError, TypeError) as e:  # (JSONDecodeError and UnicodeDecodeError are ValueErrors)
+                raise LmcalError(f"{path} is not a memory-stage result ({str(e).strip(chr(39))}); delete it or "
+                                 "rerun that stage.") from None
             r["path"] = str(path)
             mtime = path.stat().st_mtime
             if key in found:
@@ -52,10 +74,13 @@ def collect_decoders(dirs: list[str | Path]) -> dict[str, list[dict]]:
         for path in sorted(Path(d).rglob("decoders.json")):
             try:
                 res = json.loads(path.read_text())
-                rows, corpus = res["rows"], res["corpus"]
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise LmcalError(f"{path} is not a decoders-stage result ({e}); delete it or rerun that "
-                                 "stage.") from None
+                rows, corpus = res["rows"], str(res["corpus"])
+                bad = [f"row {i} lacks {', '.join(m)}" for i, r in enumerate(rows) if (m := _missing(r, DECODER_KEYS))]
+                if bad or not all(isinstance(r["params"], dict) for r in rows):
+                    raise KeyError("; ".join(bad[:3]) or "a row's params is not a mapping")
+            except (ValueError, KeyError, TypeError) as e:
+                raise LmcalError(f"{path} is not a decoders-stage result ({str(e).strip(chr(39))}); delete it or "
+                                 "rerun that stage.") from None
             mtime = path.stat().st_mtime
             for r in rows:
                 params = {k: v for k, v in r["params"].items() if "stderr" not in k}
@@ -77,14 +102,15 @@ def decoders_report(dirs: list[str | Path], out: str | Path) -> dict:
     for corpus, rows in collect_decoders(dirs).items():
         out.mkdir(parents=True, exist_ok=True)
         table = decoders_table(rows)
-        png = decoders_tradeoff_figure(rows, out / f"decoders_{corpus}.png",
+        name = _file_name(corpus, rows)
+        png = decoders_tradeoff_figure(rows, inside(out, out / f"decoders_{name}.png"),
                                        title=f"Decoders on {corpus}: flatness against held-out cost")
-        write_text_atomic(out / f"decoders_{corpus}.md", f"# Decoders on {corpus}\n\n{table}\n"
-                                                         f"![entropy at the horizon against test CE]"
-                                                         f"(decoders_{corpus}.png)\n")
+        write_text_atomic(inside(out, out / f"decoders_{name}.md"), f"# Decoders on {corpus}\n\n{table}\n"
+                                                                    f"![entropy at the horizon against test CE]"
+                                                                    f"(decoders_{name}.png)\n")
         report[corpus] = {"rows": [{k: r[k] for k in ("method", "params", "entrate_ppl", "test_ce_nats",
                                                       "zero_prob_fraction", "test_ce_mixed_nats", "path")}
-                                   for r in rows], "table_md": str(out / f"decoders_{corpus}.md"), "figure": str(png)}
+                                   for r in rows], "table_md": str(out / f"decoders_{name}.md"), "figure": str(png)}
         print(f"{corpus} decoders:\n{table}")
     return report
 
@@ -107,23 +133,27 @@ def memory_report(dirs: list[str | Path], out: str | Path | None = None, wandb_m
             mine = [r for r in rows if r.get("limited", "trained") == lim]
             series[f"ours ({lim} P̃)"] = ([r["tau"] for r in mine], [r["mi_upper_bound_nats"] for r in mine],
                                          [r["mi_stderr_nats"] for r in mine])
+        exact = sorted({r["tau"]: r["exact_mi_nats"] for r in rows if r.get("exact_mi_nats") is not None}.items())
+        if exact:  # the Markov source: the exact I_tau beside its bounds, as its table gives it
+            series["exact I_tau (the source)"] = ([t for t, _ in exact], [v for _, v in exact], None)
         if corpus == "ptb":
             taus = sorted(paper.MEMORY_PTB)
             series["paper (AWD-LSTM, 500 epochs)"] = (taus, [paper.MEMORY_PTB[t][1] for t in taus], None)
-        png = memory_figure(series, out / f"memory_{corpus}.png",
+        name = _file_name(corpus, rows)
+        png = memory_figure(series, inside(out, out / f"memory_{name}.png"),
                             title=f"{rows[0]['model'].split(', tau=')[0]} on {corpus}: information from beyond "
                                   "tau tokens back")
-        write_text_atomic(out / f"memory_{corpus}.md", f"# Memory bound on {corpus}\n\n{table}\n"
-                                                       f"![I_tau bound against tau](memory_{corpus}.png)\n")
+        write_text_atomic(inside(out, out / f"memory_{name}.md"), f"# Memory bound on {corpus}\n\n{table}\n"
+                                                                  f"![I_tau bound against tau](memory_{name}.png)\n")
         report[corpus] = {"rows": [{k: r[k] for k in ("tau", "ce_limited_nats", "mi_upper_bound_nats",
                                                       "mi_stderr_nats", "alpha", "alpha_stderr",
                                                       "entropy_calibrated_nats", "path")}
                                    | {k: r.get(k, "trained" if k == "limited" else None) for k in (
                                        "limited", "mi_upper_bound_crossfit_nats", "delta_ce_nats",
                                        "two_parameter")} for r in rows],
-                          "table_md": str(out / f"memory_{corpus}.md"), "figure": str(png)}
+                          "table_md": str(out / f"memory_{name}.md"), "figure": str(png)}
         print(f"{corpus}:\n{table}")
-    write_json_atomic(out / "memory_report.json", report)
+    write_json_atomic(inside(out, out / "memory_report.json"), report)
     if wandb_mode != "disabled":
         _log_wandb(report, out, wandb_mode, project, group)
     return report
@@ -132,8 +162,9 @@ def memory_report(dirs: list[str | Path], out: str | Path | None = None, wandb_m
 def _log_wandb(report: dict, out: Path, mode: str, project: str, group: str | None) -> None:
     import wandb
 
-    run = wandb.init(project=project, group=group, job_type="report", name="memory_report", mode=mode, dir=str(out),
-                     reinit="finish_previous")
+    node = {"_target_": "WandbLogger", "project": project, "offline": mode != "online"}
+    run = open_run(init_args(node, out, job_type="report", name="memory_report", group=group,
+                             dataset="+".join(report)))
     try:
         for corpus, r in report.items():
             cols = ["tau", "limited", "ce_limited_nats", "delta_ce_nats", "mi_upper_bound_nats", "mi_stderr_nats",

@@ -10,9 +10,10 @@ from pathlib import Path
 
 import torch
 
-from lmcal.core.calibration import calibrated, fit_lookahead_calibration
+from lmcal.core.calibration import calibrated, fit_lookahead_calibration, topk_coverage
 from lmcal.core.decoders import heldout_cost
 from lmcal.core.entropy_rate import (
+    clustered_mean,
     generation_entropy_curve,
     paired_difference_curve,
     paired_tail_difference,
@@ -22,7 +23,7 @@ from lmcal.core.sampling import random_prefixes
 from lmcal.data.batching import batchify
 from lmcal.stages.plots import entropy_curve_figure
 from lmcal.stages.stage import Stage, pick, stage_context
-from lmcal.stages.wandb_run import wandb_log
+from lmcal.stages.wandb_run import log_curves, wandb_log
 from lmcal.utils.io import write_json_atomic
 from lmcal.utils.numbers import exp_or_inf
 
@@ -56,6 +57,7 @@ def calibration_stage(lm, valid_tokens: torch.Tensor, test_tokens: torch.Tensor,
     test = batchify(test_tokens[:score_tokens] if score_tokens else test_tokens, score_streams)
     cost_before = heldout_cost(plain, test)
     cost_after = heldout_cost(cal, test)
+    coverage = topk_coverage(cal, test[:201])  # the first 200 steps of the score streams: what top-k generation skips
     ce_before, ce_after, n_scored = cost_before["test_ce_nats"], cost_after["test_ce_nats"], cost_after["test_tokens"]
     prefixes = random_prefixes(valid_tokens, num_prefixes, prefix_len, seed=seed)
     curves = {}
@@ -63,6 +65,7 @@ def calibration_stage(lm, valid_tokens: torch.Tensor, test_tokens: torch.Tensor,
         curves[label] = generation_entropy_curve(model, prefixes, horizon, samples_per_prefix, seed=seed,
                                                  max_batch=max_batch, progress=True)
     tail_diff, tail_se = paired_tail_difference(curves["after"], curves["before"])
+    levels = {k: clustered_mean(c.tail) for k, c in curves.items()}  # the last tenth's levels, se clustered by prefix
     diff_curve, diff_se = paired_difference_curve(curves["after"], curves["before"])
     result = {
         "model": model_name, "corpus": corpus, "alpha": fit.alpha, "alpha_stderr": fit.alpha_stderr,
@@ -72,7 +75,8 @@ def calibration_stage(lm, valid_tokens: torch.Tensor, test_tokens: torch.Tensor,
         "test_ppl_before": exp_or_inf(ce_before), "test_ppl_after": exp_or_inf(ce_after), "test_tokens": n_scored,
         "test_ce_mixed_nats_before": cost_before["test_ce_mixed_nats"],
         "test_ce_mixed_nats_after": cost_after["test_ce_mixed_nats"], "mix_epsilon": cost_after["mix_epsilon"],
-        "score_streams": score_streams,
+        "score_streams": score_streams, "mass_outside_topk": coverage["mass_outside_topk"],
+        "true_word_outside_topk": coverage["true_word_outside_topk"], "coverage_positions": coverage["positions"],
         "curve_nats_before": curves["before"].mean.tolist(), "stderr_nats_before": curves["before"].stderr.tolist(),
         "curve_nats": curves["after"].mean.tolist(), "stderr_nats": curves["after"].stderr.tolist(),
         "entrate_ppl_before": exp_or_inf(curves["before"].mean[-1]),
@@ -81,6 +85,8 @@ def calibration_stage(lm, valid_tokens: torch.Tensor, test_tokens: torch.Tensor,
         "tail_ppl_before": exp_or_inf(curves["before"].tail_mean),
         "tail_ppl_after": exp_or_inf(curves["after"].tail_mean),
         "tail_diff_nats": tail_diff, "tail_diff_stderr_nats": tail_se,
+        "tail_nats_before": float(levels["before"][0]), "tail_stderr_nats_before": float(levels["before"][1]),
+        "tail_nats": float(levels["after"][0]), "tail_stderr_nats": float(levels["after"][1]),
         "diff_curve_nats": diff_curve.tolist(), "diff_stderr_nats": diff_se.tolist(),
         "tail_nats_per_generation_before": curves["before"].tail.tolist(),
         "tail_nats_per_generation": curves["after"].tail.tolist(),
@@ -104,6 +110,9 @@ def calibration_stage(lm, valid_tokens: torch.Tensor, test_tokens: torch.Tensor,
                                                                    "tail_ppl_before", "tail_ppl_after",
                                                                    "tail_diff_nats", "tail_diff_stderr_nats")},
               images={f"{name}/figure": png})
+    log_curves(logger, f"{name}/curves", "t", range(1, horizon + 1),
+               {"before_nats": curves["before"].mean.tolist(), "after_nats": curves["after"].mean.tolist(),
+                "after_minus_before_nats": diff_curve.tolist()})
     log.info(f"{name}: alpha* {fit.alpha:.4f} +- {fit.alpha_stderr:.4f}; test ppl {result['test_ppl_before']:.2f} -> "
              f"{result['test_ppl_after']:.2f}; EntRate {result['entrate_ppl_before']:.1f} -> "
              f"{result['entrate_ppl_after']:.1f}; last tenth {result['tail_ppl_before']:.1f} -> "

@@ -23,7 +23,7 @@ from lmcal.stages.plots import entropy_curve_figure
 from lmcal.stages.rows import curve_row, generation_settings, same_settings
 from lmcal.stages.stage import Stage, earlier_result, stage_context
 from lmcal.stages.tables import decoders_table
-from lmcal.stages.wandb_run import wandb_log
+from lmcal.stages.wandb_run import log_curves, wandb_log
 from lmcal.utils.io import write_json_atomic, write_text_atomic
 from lmcal.utils.numbers import format_params
 
@@ -141,6 +141,8 @@ def decoders_stage(lm, valid_tokens: torch.Tensor, test_tokens: torch.Tensor, ou
               images={f"{name}/figure": png},
               tables={f"{name}/table": (cols, [[format_params(r[c]) if c == "params" else r[c] for c in cols]
                                                for r in rows])})
+    log_curves(logger, f"{name}/curves", "t", range(1, len(rows[0]["curve_nats"]) + 1),
+               {label(r): r["curve_nats"] for r in rows if r.get("curve_nats")})
     log.info(f"{name}: {len(rows)} methods in {result['seconds']:.0f} s; {out / (name + '.json')}\n"
              f"{decoders_table(rows)}")
     return result

@@ -10,13 +10,14 @@ from pathlib import Path
 import torch
 
 from lmcal.core.entropy_rate import (
+    clustered_mean,
     generation_entropy_curve,
 )
 from lmcal.core.sampling import random_prefixes
 from lmcal.stages.plots import entropy_curve_figure
 from lmcal.stages.stage import Stage, pick, stage_context
 from lmcal.stages.tables import table1_markdown
-from lmcal.stages.wandb_run import wandb_log
+from lmcal.stages.wandb_run import log_curves, wandb_log
 from lmcal.utils.io import write_json_atomic, write_text_atomic
 from lmcal.utils.numbers import exp_or_inf
 
@@ -37,11 +38,13 @@ def entropy_rate_stage(lm, valid_tokens: torch.Tensor, test_ce_nats: float, out_
                                      progress=True)
     seconds = time.perf_counter() - t0
     n_gen = prefixes.size(0) * samples_per_prefix
+    tail, tail_se = clustered_mean(curve.tail)  # the last tenth's mean entropy, its se clustered by prefix
     result = {
         "model": model_name, "corpus": corpus,
         "test_ce_nats": test_ce_nats, "test_ppl": exp_or_inf(test_ce_nats),
         "entrate_nats": float(curve.mean[-1]), "entrate_ppl": exp_or_inf(curve.mean[-1]),
         "curve_nats": curve.mean.tolist(), "stderr_nats": curve.stderr.tolist(),
+        "tail_nats": float(tail), "tail_stderr_nats": float(tail_se),
         "horizon": horizon, "num_prefixes": prefixes.size(0), "samples_per_prefix": samples_per_prefix,
         "num_generations": n_gen, "prefix_len": prefix_len, "seed": seed,
         "seconds": seconds, "generated_tokens_per_s": n_gen * horizon / seconds, "unit": unit,
@@ -55,6 +58,8 @@ def entropy_rate_stage(lm, valid_tokens: torch.Tensor, test_ce_nats: float, out_
     rows = [[t + 1, float(m), float(se)] for t, (m, se) in enumerate(zip(curve.mean, curve.stderr, strict=True))]
     wandb_log(logger, scalars={f"{name}/entrate_ppl": result["entrate_ppl"], f"{name}/test_ppl": result["test_ppl"]},
               images={f"{name}/figure": png}, tables={f"{name}/curve": (["t", "entropy_nats", "stderr_nats"], rows)})
+    log_curves(logger, f"{name}/curves", "t", range(1, horizon + 1),
+               {"entropy_nats": curve.mean.tolist(), "stderr_nats": curve.stderr.tolist()})
     log.info(f"{name}: test ppl {result['test_ppl']:.1f}, EntRate {result['entrate_ppl']:.1f} at t={horizon} "
              f"({n_gen} generations, {seconds:.0f} s); {out / (name + '.json')}")
     return result

@@ -23,6 +23,10 @@ from lmcal.utils.profiling import add_flops, flops_per_token, span
 
 log = logging.getLogger("lmcal")
 
+# the memory table's columns on W&B (one row per run here; the report's table gathers every tau)
+MEMORY_COLUMNS = ["tau", "limited", "ce_limited_nats", "delta_ce_nats", "mi_upper_bound_nats", "mi_stderr_nats",
+                  "mi_upper_bound_crossfit_nats", "alpha", "exact_mi_nats"]
+
 
 def _row_flops(lm, tau: int | None) -> float:
     """FLOPs of one row of context_rows: an AWD-LSTM, or a model read by whole windows, runs its body on every token
@@ -39,9 +43,9 @@ def _memory_rows(full, limited, tau: int, tokens: torch.Tensor, windows_per_batc
     """(log P^ [n, V], log P~_tau [n, V], targets [n]) chunks along `tokens`, kept on the CPU in store_dtype (the fit
     rereads them): P^ the model `full` with the whole past, P~ the model `limited` fed only the last tau tokens (each
     a StepLM or an AWDLSTM; see lmcal.core.context.context_rows), with a progress bar."""
-    from tqdm.auto import tqdm
+    from lmcal.utils.progress import progress_bar
 
-    bar = tqdm(total=max(0, tokens.numel() - 1), desc=desc, unit="tok", leave=False)
+    bar = progress_bar(total=max(0, tokens.numel() - 1), desc=desc, unit="tok", leave=False)
     kept = []
     rows = zip_rows(context_rows(full, tokens, None, windows_per_batch),
                     context_rows(limited, tokens, tau, windows_per_batch))
@@ -121,7 +125,8 @@ def memory_stage(full_net, limited_net, valid_tokens: torch.Tensor, test_tokens:
     write_json_atomic(out / f"{name}.json", result)
     wandb_log(logger, scalars={f"{name}/{k}": result[k] for k in (
         "tau", "alpha", "ce_limited_nats", "mi_upper_bound_nats", "mi_upper_bound_crossfit_nats", "delta_ce_nats",
-        "entropy_calibrated_nats")})
+        "entropy_calibrated_nats")},
+        tables={f"{name}/table": (MEMORY_COLUMNS, [[result.get(c) for c in MEMORY_COLUMNS]])})
     two = result["two_parameter"]
     log.info(f"{name} tau={tau} ({limited}): alpha* {result['alpha']:.5f} +- {result['alpha_stderr']:.5f}; "
              f"CE(P||P~) {result['ce_limited_nats']:.4f}, ΔCE {result['delta_ce_nats']:.4f}; I_tau <= "

@@ -43,6 +43,7 @@ def entropy_curve_figure(curves: dict[str, tuple[np.ndarray, np.ndarray]], path:
     for label, value in (reference_nats or {}).items():
         ax.axhline(value, ls=":", color="k", lw=1.2, label=label)
     ax.set_xlabel("t (generated words)")
+    ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))  # t is a count: no t = 2.5
     ax.set_ylabel("entropy of the t-th word's distribution (nats)")
     ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
@@ -71,6 +72,7 @@ def _difference_axes(ax, label: str, mean: np.ndarray, stderr: np.ndarray, tail:
                     alpha=0.15, lw=0)
     ax.axhline(0.0, color="k", lw=0.8)
     ax.set_xlabel("t (generated words)")
+    ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))  # t is a count: no t = 2.5
     ax.set_ylabel("paired difference (nats, ±1.96 se)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
@@ -106,11 +108,13 @@ def memory_figure(series: dict[str, tuple[list, list, list | None]], path: str |
     path = Path(path)
     fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=120)
     for label, (tau, value, se) in series.items():
-        style = {"ls": "--", "marker": "s"} if label.startswith("paper") else {"marker": "o"}
+        style = ({"ls": "--", "marker": "s"} if label.startswith("paper") else
+                 {"ls": ":", "marker": "x", "color": "k"} if label.startswith("exact") else {"marker": "o"})
         yerr = None if se is None else 1.96 * np.asarray(se, dtype=float)
         ax.errorbar(tau, value, yerr=yerr, label=label, capsize=3, lw=1.4, **style)
     ax.axhline(0.0, color="k", lw=0.8)
     ax.set_xlabel("tau (tokens of context the limited model sees)")
+    ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))  # tau is a count: no tau = 1.2
     ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)

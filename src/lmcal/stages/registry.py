@@ -113,6 +113,10 @@ def load_plugins() -> None:
     for name in filter(None, os.environ.get("LMCAL_PLUGINS", "").split(",")):
         try:
             importlib.import_module(name.strip())
-        except ImportError as e:
-            raise LmcalError(f"LMCAL_PLUGINS names {name!r}, which does not import ({e}); it should be a module on "
-                             "the Python path that calls lmcal.stages.register(...).") from None
+        except Exception as e:  # missing, raising, or not Python (SyntaxError): the plugin's fault, told as such
+            where = f" ({e.filename}, line {e.lineno})" if isinstance(e, SyntaxError) else ""
+            detail = " ".join(str(e).split())[:200]
+            raise LmcalError(f"LMCAL_PLUGINS names {name.strip()!r}, which does not import ({type(e).__name__}"
+                             f"{where}: {detail}); it should be a module on the Python path that calls "
+                             "lmcal.stages.register(...). Fix the module, or unset LMCAL_PLUGINS "
+                             "(or remove that name from it).") from None

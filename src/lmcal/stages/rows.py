@@ -34,8 +34,11 @@ def curve_row(method: str, params: dict, curve, stderr, tail, plain_tail: np.nda
     generations' last-tenth means, same prefixes and uniforms; prefixes as clusters); `columns`: its costs."""
     tail = np.asarray(tail, dtype=np.float64)  # [N, S]
     diff, diff_se = clustered_mean(tail - plain_tail)
+    level, level_se = clustered_mean(tail)
     curve, stderr = [float(x) for x in curve], [float(x) for x in stderr]
     return {"method": method, "params": params, "entropy_t1_nats": curve[0], "entropy_last_nats": curve[-1],
-            "entrate_ppl": exp_or_inf(curve[-1]), "tail_ppl": exp_or_inf(tail.mean()), "tail_diff_nats": float(diff),
+            "entrate_ppl": exp_or_inf(curve[-1]), "tail_ppl": exp_or_inf(tail.mean()),
+            "tail_nats": float(level), "tail_stderr_nats": float(level_se), "tail_diff_nats": float(diff),
+            "tail_nats_per_generation": tail.tolist(),  # [N][S]: what a later stage pairs with (sequence_calibration)
             "tail_diff_stderr_nats": float(diff_se), **columns, "curve_nats": curve, "stderr_nats": stderr,
             "seconds": seconds}

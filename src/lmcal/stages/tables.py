@@ -78,6 +78,7 @@ def memory_table(rows: list[dict]) -> str:
                  "reported on, so the bound is the mean KL(P̂_alpha*‖P̃) ≥ 0; ± is one standard error: a "
                  f"delete-one-block jackknife over blocks of {r0['cluster_size']:,} positions with alpha refitted in "
                  "each replicate. Cross-fitted: alpha* fitted on one half of the blocks, the bound scored on the "
-                 "other, both ways. ΔCE = CE(P‖P̃) − CE(P‖P̂). With temperature: P̂^beta·P̃^alpha fitted jointly, so "
-                 "a mere sharpening of P̂ does not count as memory.")
+                 "other, both ways. ΔCE = CE(P‖P̃) − CE(P‖P̂). With temperature: P̂^beta·P̃^alpha fitted jointly, meant "
+                 "to keep a mere sharpening of P̂ from counting as memory; read it beside beta* (far from 1, the "
+                 "calibrated model is largely a re-weighting of P̂ itself).")
     return "\n".join(lines) + "\n"

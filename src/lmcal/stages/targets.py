@@ -12,7 +12,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from lmcal.data.markov import markov_exact_mi
 from lmcal.models.awd_lstm import evaluate_ce
-from lmcal.models.checkpoint import checkpoint_data, load_base_net, load_net, model_name
+from lmcal.models.checkpoint import base_checkpoint, checkpoint_data, load_base_net, load_net, model_name
 from lmcal.models.step_lm import as_step_lm
 from lmcal.stages.registry import STAGES, check_plan, check_stages
 from lmcal.utils.numbers import exp_or_inf
@@ -59,7 +59,9 @@ def hf_target(cfg: DictConfig, settings: dict[str, dict] | None = None) -> dict:
     m = cfg.model
     check_stages(list(cfg.stages), "hf", settings or stage_settings(cfg))  # before the model is loaded
     device = cfg.get("device") or ("cuda" if torch.cuda.is_available() else "cpu")
-    lm = load_hf_model(m.name_or_path, device=device, dtype=m.get("dtype"))
+    dmap = m.get("device_map")
+    lm = load_hf_model(m.name_or_path, device=device, dtype=m.get("dtype"),
+                       device_map=OmegaConf.to_container(dmap) if OmegaConf.is_config(dmap) else dmap)
     root = cfg.get("data_root")
     splits = ("train", "valid", "test") if "future_entropy" in cfg.stages else ("valid", "test")  # heads need train
     texts = {split: Path(m.get(f"{split}_text") or ptb_text_file(split, root)) for split in splits}
@@ -91,10 +93,12 @@ def checkpoint_target(cfg: DictConfig, settings: dict[str, dict] | None = None) 
               "results": {"ckpt": str(Path(cfg.ckpt).resolve()), "model": name, "dataset": dm.name}}
     if "memory" in cfg.stages:
         if tau:
-            target["base_ckpt"] = str(Path(cfg.memory.base_ckpt).resolve()) if cfg.memory.base_ckpt else None
-            target["base"] = load_base_net(cfg.get("memory", {}).get("base_ckpt"), net.decoder.weight.device, dm.name)
+            base = base_checkpoint(OmegaConf.to_container(cfg.memory, resolve=True) if cfg.get("memory") else None,
+                                   dm.name)
+            target["base_ckpt"] = str(Path(base).resolve()) if base else None
+            target["base"] = load_base_net(base, net.decoder.weight.device, dm.name)
             # the splits as the base model has them: a tau-model may have been validated on a prefix only
-            _, _, dm = load_checkpoint_and_data(cfg.memory.base_ckpt, cfg.get("data_root"), cfg.get("device"))
+            _, _, dm = load_checkpoint_and_data(base, cfg.get("data_root"), cfg.get("device"))
         else:  # limited=window (check_stages allowed it): the model is its own base
             target["base_ckpt"], target["base"] = target["ckpt"], net
         mtau = settings["memory"].get("tau") or tau  # the window length, else the tau-model's own

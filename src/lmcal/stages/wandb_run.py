@@ -1,25 +1,95 @@
-"""The W&B run of an analysis process, opened with wandb itself (analysis processes never import Lightning), and
-logging to it or to the run behind training's Lightning WandbLogger.
+"""One W&B setup for every run: `init_args` gives the keyword arguments of `wandb.init`, which training hands to
+Lightning's WandbLogger and analysis, report and tabulation processes to `wandb.init` itself (these never import
+Lightning), so every run has the same project, mode, name, job type, tags and group.
+
+The mode is passed explicitly (offline unless logger.offline=false), never through $WANDB_MODE: Lightning's
+`offline=True` sets WANDB_MODE=dryrun, which wandb no longer reads once another run has started in the process
+(it then asks for an API key). A run's id is kept in its folder (`wandb_run_id`), so a resumed training, or a rerun
+in the same folder, continues its W&B run.
 """
 
 from __future__ import annotations
 
+import re
+import secrets
 from pathlib import Path
 
+ID_FILE = "wandb_run_id"
+_ID = re.compile(r"[a-z0-9]{8,32}")
 
-def wandb_run(logger_cfg, config: dict | None = None):
-    """The W&B run of an analysis entry point, from the logger node (conf/logger) that training gives Lightning's
-    WandbLogger, opened with wandb itself so that these processes never import Lightning; False for any other logger
-    (the stages' results are in their JSON files)."""
+
+def slug(text: str) -> str:
+    """A display name as a run-name part ('AWD-LSTM 400/1150/3, tau=5': awd-lstm-400-1150-3-tau5)."""
+    return re.sub(r"[^a-z0-9.]+", "-", str(text).lower().replace("tau=", "tau")).strip("-")
+
+
+def run_name(job: str, model: str | None = None, dataset: str | None = None) -> str:
+    """`<stage>-<model>-<dataset>`: the run's display name on the dashboard."""
+    return "-".join([job, *(slug(x) for x in (model, dataset) if x)])
+
+
+def reproduction_group(out: str | Path) -> str:
+    """The W&B group of every run of a reproduction, named after its folder (outputs/reproduce/cpu: reproduce-cpu)."""
+    return f"reproduce-{Path(out).resolve().name}"
+
+
+def run_id(out_dir: str | Path) -> str:
+    """The W&B id of the run in `out_dir`: the one written there before (checked: 8-32 lower-case letters and
+    digits, else a new one), or a new one, written down."""
+    path = Path(out_dir) / ID_FILE
+    old = path.read_text().strip() if path.is_file() else ""
+    if _ID.fullmatch(old):
+        return old
+    new = "".join(secrets.choice("abcdefghijklmnopqrstuvwxyz0123456789") for _ in range(8))  # W&B's own form
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(new + "\n")
+    return new
+
+
+def init_args(logger_cfg, out_dir: str | Path | None, job_type: str, model: str | None = None,
+              dataset: str | None = None, group: str | None = None, tags: tuple[str, ...] = (),
+              config: dict | None = None, name: str | None = None) -> dict | None:
+    """`wandb.init` keyword arguments from the logger node (conf/logger/wandb.yaml: project, group, name, offline,
+    save_dir) for the run in `out_dir`; None for any other logger. `group` is the default group (a multirun's or a
+    reproduction's; else the run folder's name); the node's own group and name win. `out_dir` None: the node's
+    save_dir."""
     node = dict(logger_cfg or {})
     if not str(node.pop("_target_", "")).endswith("WandbLogger"):
+        return None
+    import wandb
+
+    offline = node.pop("offline", True)
+    save_dir = node.pop("save_dir", None) or out_dir
+    out_dir = out_dir or save_dir or "."
+    node.pop("log_model", None)
+    Path(save_dir).mkdir(parents=True, exist_ok=True)
+    config = dict(config or {})
+    config["data"] = config.get("data") or {"name": dataset}  # every run filterable by dataset and model
+    config["model"] = config.get("model") or {"name": model}
+    return {"project": node.pop("project", None) or "lmcal",
+            "name": node.pop("name", None) or run_name(name or job_type, model, dataset),
+            "group": node.pop("group", None) or group or Path(out_dir).resolve().name,
+            "job_type": job_type,
+            "tags": sorted({job_type, *(slug(t) for t in (model, dataset, *tags) if t)}),
+            "dir": str(save_dir), "mode": "offline" if offline else "online",
+            "id": run_id(out_dir), "resume": "allow", "config": config,
+            "settings": wandb.Settings(silent=True, console="off"), **node}
+
+
+def open_run(args: dict | None):
+    """A W&B run opened with `init_args`'s arguments (False for None: no W&B run); a run left open in this process
+    is finished first."""
+    if not args:
         return False
     import wandb
 
-    offline, save_dir = node.pop("offline", False), node.pop("save_dir", None)
-    node.pop("log_model", None)
-    Path(save_dir or ".").mkdir(parents=True, exist_ok=True)
-    return wandb.init(**node, dir=save_dir, mode="offline" if offline else "online", resume="allow", config=config)
+    return wandb.init(**args, reinit="finish_previous")
+
+
+def wandb_run(logger_cfg, config: dict | None = None, out_dir: str | Path | None = None, **kw):
+    """The W&B run of an analysis entry point (`init_args`, then `open_run`); False for any other logger (the
+    stages' results are in their JSON files)."""
+    return open_run(init_args(logger_cfg, out_dir, config=config, **{"job_type": "evaluate", **kw}))
 
 
 def finish_run(run) -> None:
@@ -28,14 +98,42 @@ def finish_run(run) -> None:
         run.finish()
 
 
-def wandb_log(logger, scalars: dict | None = None, images: dict | None = None, tables: dict | None = None) -> None:
-    """Log to a W&B run, or the one behind a Lightning WandbLogger; a no-op for any other logger."""
+def _run_of(logger):
     run = logger.experiment if type(logger).__name__ == "WandbLogger" else logger
-    if type(run).__name__ != "Run":
+    return run if type(run).__name__ == "Run" else None
+
+
+def wandb_log(logger, scalars: dict | None = None, images: dict | None = None, tables: dict | None = None,
+              summary: dict | None = None) -> None:
+    """Log to a W&B run, or the one behind a Lightning WandbLogger; a no-op for any other logger. `summary` goes to
+    the run summary (final numbers), not to its history."""
+    run = _run_of(logger)
+    if run is None:
         return
     import wandb
 
     payload = dict(scalars or {})
     payload.update({k: wandb.Image(str(v)) for k, v in (images or {}).items()})
     payload.update({k: wandb.Table(columns=cols, data=rows) for k, (cols, rows) in (tables or {}).items()})
-    run.log(payload)
+    if payload:
+        run.log(payload)
+    if summary:
+        run.summary.update(summary)
+
+
+def log_curves(logger, key: str, step_key: str, steps, curves: dict[str, list]) -> None:
+    """Generation curves as data W&B plots and overlays: one history row per step, `step_key` the x axis
+    (define_metric), each curve a series `key/<label>`; also a line-series chart of all of them."""
+    run = _run_of(logger)
+    if run is None or not curves:
+        return
+    import wandb
+
+    steps = [int(s) for s in steps]
+    run.define_metric(f"{key}/{step_key}", hidden=True)
+    for label in curves:
+        run.define_metric(f"{key}/{label}", step_metric=f"{key}/{step_key}")
+    for i, s in enumerate(steps):
+        run.log({f"{key}/{step_key}": s, **{f"{key}/{label}": float(v[i]) for label, v in curves.items()}})
+    run.log({f"{key}/chart": wandb.plot.line_series(xs=steps, ys=[[float(x) for x in v] for v in curves.values()],
+                                                    keys=list(curves), title=key, xname=step_key)})

@@ -16,6 +16,7 @@ from lmcal.models.checkpoint import load_base_net, load_net
 from lmcal.models.step_lm import as_step_lm
 from lmcal.stages.entropy_rate import entropy_rate_stage
 from lmcal.stages.registry import run_stages
+from lmcal.stages.wandb_run import wandb_log
 from lmcal.utils.io import write_json_atomic
 from lmcal.utils.numbers import exp_or_inf
 
@@ -83,9 +84,12 @@ class MetricsCallback(pl.Callback):
             folder = net.save_hf(self.out_dir / "hf", trainer.datamodule.prepare().itos)
             self.metrics["hf_folder"] = str(folder.resolve())
         write_json_atomic(self.out_dir / "metrics.json", self.metrics)
-        if trainer.logger:
-            trainer.logger.log_metrics({f"final/{k}": v for k, v in self.metrics.items()
-                                        if isinstance(v, (int, float)) and not isinstance(v, bool)})
+        final = {f"final/{k}": v for k, v in self.metrics.items()
+                 if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        if type(trainer.logger).__name__ == "WandbLogger":  # final numbers: the run's summary, not a history row
+            wandb_log(trainer.logger, summary=final)
+        elif trainer.logger:
+            trainer.logger.log_metrics(final)
         log.info(f"val ppl {self.metrics['val_ppl']:.2f}, test ppl {self.metrics['test_ppl']:.2f}; "
                  f"{self.out_dir / 'metrics.json'}")
 
@@ -132,3 +136,23 @@ class StagesCallback(pl.Callback):
                           base_ckpt=str(self.base_ckpt) if tau else s["path"],
                           exact_mi=markov_exact_mi(dm.prepare().info, mtau) if dm.name == "markov" and mtau else None)
         self.results = run_stages(self.stages, target, self.settings, self.out_dir, trainer.logger)
+
+
+def progress_bar():
+    """Lightning's training bar (Rich's when installed, as Lightning picks it) showing the run's tokens/s
+    (train/tokens_per_s, logged by LMModule) in place of batches/s, and not Lightning's logger version (the tail of a
+    W&B run id)."""
+    from pytorch_lightning.callbacks import RichProgressBar, TQDMProgressBar
+    from pytorch_lightning.utilities.imports import _RICH_AVAILABLE
+
+    class TokensProgressBar(RichProgressBar if _RICH_AVAILABLE else TQDMProgressBar):
+        def get_metrics(self, trainer, module):
+            items = super().get_metrics(trainer, module)
+            items.pop("v_num", None)
+            tps = items.pop("train/tokens_per_s", None)
+            return {**({"tokens/s": f"{float(tps):,.0f}"} if tps is not None else {}), **items}
+
+        def configure_columns(self, trainer):  # Rich: every column but the last, batches/s
+            return super().configure_columns(trainer)[:-1]
+
+    return TokensProgressBar()

@@ -133,12 +133,17 @@ class LMModule(pl.LightningModule):
         self.check_divergence(ce, loss, batch_idx)
         opt.zero_grad()
         self.manual_backward(loss)
-        if hp.clip:
-            torch.nn.utils.clip_grad_norm_(self.net.parameters(), hp.clip)
+        # the norm before clipping (inf: no clipping, the norm alone)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.net.parameters(), hp.clip or float("inf"))
         opt.step()
         if self.avg is not None:
             self._update_average()
         self.log_dict({"train/loss": ce, "train/ppl": ce.exp()}, prog_bar=True, on_step=True, on_epoch=False)
+        self.log_dict({"train/lr": opt.param_groups[0]["lr"], "train/grad_norm": grad_norm}, on_step=True,
+                      on_epoch=False)
+        if self.train_seconds:  # the run's mean so far (training steps only, not validation)
+            self.log("train/tokens_per_s", self.train_tokens / self.train_seconds, prog_bar=True, on_step=True,
+                     on_epoch=False)
         return loss
 
     def check_divergence(self, ce: torch.Tensor, loss: torch.Tensor, batch_idx: int) -> None:
@@ -197,8 +202,23 @@ class LMModule(pl.LightningModule):
     @torch.no_grad()
     def _update_average(self):
         self.n_avg += 1
+        self._average_to_parameters()  # a guard: a resumed average read onto the CPU, the parameters moved since
         for name, p in self.net.named_parameters():
             self.avg[name].add_(p.detach() - self.avg[name], alpha=1.0 / self.n_avg)
+
+    def _average_to_parameters(self) -> None:
+        """Puts each averaged tensor on its parameter's device and dtype. Checkpoints are read onto the CPU, and
+        Lightning moves the module to the accelerator only after `on_load_checkpoint`; the average is a plain dict,
+        not a buffer, so it does not follow the module there by itself."""
+        if self.avg is None:
+            return
+        for name, p in self.net.named_parameters():
+            a = self.avg[name]
+            if a.device != p.device or a.dtype != p.dtype:
+                self.avg[name] = a.to(device=p.device, dtype=p.dtype)
+
+    def on_train_start(self):
+        self._average_to_parameters()  # the module is on its device by now
 
     def start_averaging(self):
         self.avg = {n: p.detach().clone() for n, p in self.net.named_parameters()}
@@ -211,6 +231,7 @@ class LMModule(pl.LightningModule):
         if self.avg is None:
             yield
             return
+        self._average_to_parameters()
         saved = {n: p.detach().clone() for n, p in self.net.named_parameters()}
         with torch.no_grad():
             for n, p in self.net.named_parameters():
@@ -287,5 +308,6 @@ class LMModule(pl.LightningModule):
         if "raw_state_dict" in checkpoint:  # resume: average from state_dict, iterate from raw_state_dict
             prefix = "net."
             averaged = checkpoint["state_dict"]
-            self.avg = {n: averaged[prefix + n].clone() for n, _ in self.net.named_parameters()}
+            self.avg = {n: averaged[prefix + n].to(device=p.device, dtype=p.dtype, copy=True)
+                        for n, p in self.net.named_parameters()}
             checkpoint["state_dict"] = checkpoint["raw_state_dict"]

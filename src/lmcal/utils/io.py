@@ -7,12 +7,36 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
+import sys
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
 
+from lmcal.errors import LmcalError
 from lmcal.utils.profiling import timed
+
+
+def file_name(value, source: str | Path, key: str) -> str:
+    """`value`, a name read from a file (`source`, its `key`), made safe to become part of a file name: every run of
+    characters other than letters, digits, _ + - becomes one _ (so no separator, no dot, no ..), at most 64 of them.
+    "valid (gpt2 tokens)" -> "valid_gpt2_tokens", "../../../tmp/x" -> "tmp_x"; a name left empty is an error."""
+    name = re.sub(r"[^A-Za-z0-9_+-]+", "_", str(value)).strip("_")[:64]
+    if not name:
+        raise LmcalError(f"{source}: its {key} {str(value)[:80]!r} has no letter or digit to name a file by. Fix that "
+                         "value or delete the file.")
+    return name
+
+
+def inside(folder: str | Path, path: str | Path) -> Path:
+    """`path`, after checking that it resolves (links followed) inside `folder`: no write lands outside its output
+    folder, whatever a name in it held."""
+    folder, path = Path(folder), Path(path)
+    if not path.resolve().is_relative_to(folder.resolve()):
+        raise LmcalError(f"Refusing to write {path}: it resolves to {path.resolve()}, outside the output folder "
+                         f"{folder.resolve()}. Remove the link or the name that leads there.")
+    return path
 
 
 def temp_path(path: str | Path) -> Path:
@@ -79,6 +103,27 @@ def write_json_atomic(path: str | Path, obj) -> None:
 def read_json(path: str | Path):
     """The JSON value in a file."""
     return json.loads(Path(path).read_text())
+
+
+def read_record(path: str | Path, warn: bool = True) -> dict | None:
+    """The JSON object in `path`; None when there is none, or when the file does not hold one (truncated, edited, not
+    an object), with a warning naming it: a record or result that does not parse means "not done", and its stage
+    runs again."""
+    path = Path(path)
+    if not path.is_file():
+        return None
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError) as e:  # (ValueError: JSONDecodeError, UnicodeDecodeError)
+        why = " ".join(str(e).split())[:120]
+    else:
+        if isinstance(value, dict):
+            return value
+        why = f"a JSON {type(value).__name__}, not an object"
+    if warn:
+        print(f"warning: {path} does not parse ({why}); taking its stage as not done, so it runs again.",
+              file=sys.stderr, flush=True)
+    return None
 
 
 def copy_atomic(src: str | Path, dst: str | Path) -> None:

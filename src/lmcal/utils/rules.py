@@ -126,6 +126,8 @@ RULES: dict[str, tuple[Range, str]] = {
     "analysis.*.horizon": (COUNT, "generated tokens per generation"),
     "analysis.*.seed": (SEED, "sampling seed"),
     "analysis.*.max_batch": (COUNT, "generations advanced together"),
+    "analysis.memory_budget_gb": (Range(lo=0, lo_open=True, optional=True),
+                                   "GB one lookahead chunk may hold (null: from the device)"),
     "analysis.entropy_rate.every_n_epochs": (OPT_COUNT, "entropy-rate curve every N epochs during training"),
     # analysis: fitting and scoring
     "analysis.*.fit_tokens": (Range(lo=2, integer=True, optional=True), "validation tokens the fit uses"),
@@ -180,6 +182,7 @@ RULES: dict[str, tuple[Range, str]] = {
     "analysis.sequence_calibration.batch_size": (COUNT, "examples per step of a head's regression"),
     "analysis.sequence_calibration.lr": (POSITIVE, "a soft-value head's learning rate"),
     # make reproduce
+    "jobs": (COUNT, "stages run side by side"),
     "taus": (None, "the tau-models' memory lengths"),  # a list: each an integer >= 1 (checked below)
     "markov.taus": (None, "the Markov source's tau-models' memory lengths"),
 }

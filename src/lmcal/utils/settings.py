@@ -23,7 +23,7 @@ OmegaConf.register_new_resolver("lmcal_root", lambda: str(PROJECT_ROOT), replace
 # Keys that do not change any result: where things are read from and written to, and how progress is shown
 # (the same list Hydra's override_dirname leaves out, in conf/train.yaml, plus the run's own bookkeeping).
 NOT_SETTINGS = ("paths", "logger", "task_name", "data.root", "data.download", "data_root", "ckpt_path",
-                "trainer.enable_progress_bar")
+                "trainer.enable_progress_bar", "force_size")
 
 
 def composed(entry: str, overrides: list[str]) -> DictConfig:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from lmcal.errors import LmcalError
+from lmcal.utils.budget import oversized
 from lmcal.utils.rules import COUNT, RULES, decoder_problems, show_value
 
 
@@ -78,3 +79,9 @@ def check_config(cfg: DictConfig, where: str = "") -> None:
         s = "s" if len(bad) > 1 else ""
         raise LmcalError(f"{where}Setting{s} out of range: " + "; ".join(bad) + ". Nothing was run. Fix the value"
                          f"{s} on the command line or in the preset that sets {'them' if s else 'it'}.")
+    if not cfg.get("force_size"):
+        plain = {k: OmegaConf.to_container(cfg[k], resolve=True) if _resolvable(cfg[k]) else None
+                 for k in ("model", "analysis") if isinstance(cfg.get(k), DictConfig)}
+        if big := oversized(plain):
+            raise LmcalError(f"{where}Sizes beyond reason: " + "; ".join(big) + ". Nothing was run. Lower them, or, "
+                             "if you mean it, add force_size=true to the command line.")

@@ -1,0 +1,68 @@
+"""Sizes beyond reason, refused before any work (unless force_size=true): a setting far past any run of the paper
+(generation lengths, generations per point), a network whose training would not fit in this machine's memory, or
+generation stages whose work or results would not. Each refusal shows the estimate it rests on.
+"""
+
+from __future__ import annotations
+
+import os
+
+# the largest value of each generation setting that is still a plausible run (the paper: 100, 5 and 700 with more than
+# 100 points; a 100k-token context is larger than any model here reads)
+CAPS = {"num_prefixes": 10**6, "samples_per_prefix": 10**5, "prefix_len": 10**5, "horizon": 10**5}
+MAX_TOKEN_STEPS = 10**10  # generated or prefix tokens of one stage: the paper's settings are about 4 x 10^5
+VOCAB = 10_000  # PTB's vocabulary, for the network's size before the corpus is read
+SIZE_KEYS = ("emb_size", "hidden_size", "num_layers", "n_embd", "n_layer", "n_positions")
+BYTES_PER_PARAMETER = 16  # float32 weights, gradients and two optimiser (or averaging) buffers
+
+
+def memory_bytes() -> int:
+    """This machine's memory (RAM), or 0 where it cannot be read."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def network_parameters(model: dict) -> int | None:
+    """About how many parameters the network `model` (a conf/model node) has; None for one not built here."""
+    target = str(model.get("_target_") or "")
+
+    def n(key, default=0):
+        v = model.get(key, default)
+        return v if isinstance(v, int) and not isinstance(v, bool) else default
+
+    if target.endswith("AWDLSTM"):
+        e, h, layers = n("emb_size"), n("hidden_size"), max(n("num_layers", 1), 1)
+        return VOCAB * e + 4 * (e + h + 2) * h * layers  # embedding (tied to the output) and the LSTMs' gates
+    if target.endswith("GPTLM"):
+        d, layers = n("n_embd"), n("n_layer")
+        return 12 * d * d * layers + (VOCAB + n("n_positions")) * d
+    return None
+
+
+def _gb(b: float) -> str:
+    return f"{b / 1e9:,.1f} GB" if b < 1e12 else f"{b / 1e12:,.3g} TB"
+
+
+def oversized(cfg: dict) -> list[str]:
+    """What is beyond reason in the resolved config `cfg` (a plain dict), each with its estimate."""
+    found, ram = [], memory_bytes()
+    model = cfg.get("model")
+    params = network_parameters(model) if isinstance(model, dict) else None
+    if params is not None and ram and params * BYTES_PER_PARAMETER > ram:
+        sizes = ", ".join(f"model.{k}={model[k]:,}" for k in SIZE_KEYS if isinstance(model.get(k), int))
+        found.append(f"the network ({sizes}) has about {params:.3g} parameters, whose training needs about "
+                     f"{_gb(params * BYTES_PER_PARAMETER)} of memory, more than this machine's {_gb(ram)}")
+    analysis = cfg.get("analysis")
+    for name, node in (analysis.items() if isinstance(analysis, dict) else []):
+        if not isinstance(node, dict) or not all(isinstance(node.get(k), int) for k in CAPS):
+            continue
+        big = [f"analysis.{name}.{k}={node[k]:,} (at most {cap:,})" for k, cap in CAPS.items() if node[k] > cap]
+        steps = node["num_prefixes"] * node["samples_per_prefix"] * (node["prefix_len"] + node["horizon"])
+        results = node["num_prefixes"] * node["samples_per_prefix"] * node["horizon"] * 8  # float64 per step
+        if big or steps > MAX_TOKEN_STEPS or (ram and results > ram / 2):
+            found.append(f"{', '.join(big) or f'the {name} stage'}: num_prefixes x samples_per_prefix x (prefix_len "
+                         f"+ horizon) = {steps:.3g} model steps (the paper's settings: 4e+05; at most "
+                         f"{MAX_TOKEN_STEPS:.0e}), with about {_gb(results)} of per-step results")
+    return found

@@ -1,0 +1,59 @@
+"""One progress style for the long loops of the analysis stages: a tqdm bar when stderr is a terminal; otherwise (a
+log file, such as a reproduction's logs/<stage>.log) a plain log line now and then, with no carriage returns.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+
+log = logging.getLogger("lmcal")
+
+
+def progress_bar(iterable=None, total: int | None = None, desc: str = "", unit: str = "it", disable: bool = False,
+             leave: bool = True):
+    """A progress bar over `iterable` (or updated by hand: `.update(n)`, `.close()`) with `total` steps."""
+    if not disable and sys.stderr.isatty():
+        from tqdm.auto import tqdm
+
+        return tqdm(iterable, total=total, desc=desc, unit=unit, leave=leave)
+    return LineProgress(iterable, total, desc, unit, quiet=disable)
+
+
+class LineProgress:
+    """Progress as log lines: one whenever another tenth is done and 5 s have passed since the last, and one at the
+    end when the loop took over 5 s."""
+
+    def __init__(self, iterable=None, total: int | None = None, desc: str = "", unit: str = "it", quiet: bool = False):
+        self.iterable, self.desc, self.unit, self.quiet = iterable, desc, unit, quiet
+        self.total = total if total is not None else (len(iterable) if hasattr(iterable, "__len__") else None)
+        self.n, self.t0 = 0, time.perf_counter()
+        self.last_t, self.last_n, self.closed = self.t0, 0, False
+
+    def __iter__(self):
+        for x in self.iterable:
+            yield x
+            self.update()
+        self.close()
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+        now = time.perf_counter()
+        if self.total and (self.n - self.last_n) * 10 >= self.total and now - self.last_t >= 5.0:
+            self._line(now)
+
+    def close(self) -> None:
+        now = time.perf_counter()
+        if not self.closed and self.n > self.last_n and now - self.t0 >= 5.0:
+            self._line(now)
+        self.closed = True
+
+    def _line(self, now: float) -> None:
+        self.last_t, self.last_n = now, self.n
+        if self.quiet:
+            return
+        of = f"/{self.total:,}" if self.total else ""
+        pct = f" {100 * self.n / self.total:.0f}%" if self.total else ""
+        log.info(f"{self.desc}:{pct} ({self.n:,}{of} {self.unit}, {now - self.t0:.0f} s, "
+                 f"{self.n / max(now - self.t0, 1e-9):,.1f} {self.unit}/s)")

@@ -1,0 +1,33 @@
+"""Each REPORT.md section's setup sentence from its stage's settings (lmcal.pipeline.setup_text), on exact inputs."""
+
+from lmcal.pipeline import setup_text as S
+
+
+def test_setup_sentence_states_what_is_recorded_and_the_departures():
+    s = {"num_prefixes": 100, "samples_per_prefix": 3, "prefix_len": 100, "horizon": 200, "epsilon": 0.0,
+         "fit_tokens": 10000, "test_tokens": 9990, "seed": 0, "topk": 16, "tail_samples": 16}
+    text = S.setup_sentence("calibration", "AWD-LSTM", s, [S.topk_departure(s)])
+    assert text.startswith("Setup (calibration): AWD-LSTM; 300 generations (100 validation prefixes of 100 words, 3 "
+                           "each); horizon 200 words (the paper: 700); ε = 0 (no uniform mixture: the paper mixes ε")
+    assert "fitted on 10,000 validation positions; scored on 9,990 test tokens; seed 0; per-token top-16" in text
+    assert S.setup_sentence("Table 1", "M", {"num_generations": 500, "horizon": 700}) == \
+        "Setup (Table 1): M; 500 generations; horizon 700 words."  # the paper's horizon: no departure to state
+    assert S.topk_departure({"topk": None}) is None
+
+
+def test_entrate_note_explains_two_entrates_of_one_model():
+    er = {"horizon": 700, "num_generations": 500, "entrate_ppl": 202.4, "stderr_nats": [0.1] * 700}
+    cal = {"horizon": 200, "num_prefixes": 100, "samples_per_prefix": 3, "entrate_ppl_before": 187.6,
+           "stderr_nats_before": [0.05] * 200}
+    note = S.entrate_note(er, cal)
+    assert note.startswith("The uncalibrated model's EntRate here (187.6 ± 9.4: 300 generations, horizon 200) is not "
+                           "Table 1's (202.4 ± 20.2: 500 generations, horizon 700)")
+    assert S.entrate_note(er, {**cal, "horizon": 700, "num_prefixes": 100, "samples_per_prefix": 5}) is None
+
+
+def test_tau_models_and_tail_levels():
+    assert S.tau_models_sentence(True, ["trainer.max_epochs=1"]).startswith(
+        "The trained τ-models are warm-started from the base model and trained with `trainer.max_epochs=1`; the paper "
+        "trains them from scratch.")
+    assert S.tau_models_sentence(False, None) == "The trained τ-models are trained from scratch, as in the paper."
+    assert S.tail_level_sentence("L", 5.0, 0.05) == "L: 5.000 ± 0.050 nats, exp 148.4 ± 7.4"

@@ -1,0 +1,139 @@
+"""One W&B setup for every run (lmcal.stages.wandb_run): training's Lightning WandbLogger and the analysis runs open
+offline in one process in either order without $WANDB_MODE (the README's `make test` sets none), and their offline
+run files hold the names, job types, groups, tags, series and summaries the dashboard is read by."""
+
+import json
+import struct
+import time
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import open_dict
+
+from lmcal.stages.wandb_run import finish_run, init_args, log_curves, wandb_log, wandb_run
+from lmcal.train import train
+from lmcal.utils.settings import CONF_DIR
+
+
+def records(path: Path):
+    """The records of an offline run's .wandb file (wandb.proto Record messages): a 7-byte header (':W&B', 0xBEE1,
+    version), then a LevelDB log: 32 KiB blocks of chunks, each a 4-byte checksum, 2-byte length and 1-byte type
+    (1 full, 2 first, 3 middle, 4 last)."""
+    from wandb.proto import wandb_internal_pb2
+
+    data, block = path.read_bytes(), 32768
+    assert data[:4] == b":W&B"
+    pos, buf = 7, b""
+    while pos + 7 <= len(data):
+        left = block - pos % block
+        if left < 7:
+            pos += left
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if kind == 0:  # zero padding to the block's end
+            pos += left
+            continue
+        if pos + 7 + length > len(data):  # a chunk still being written
+            return
+        buf = (b"" if kind in (1, 2) else buf) + data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):
+            rec = wandb_internal_pb2.Record()
+            rec.ParseFromString(buf)
+            yield rec
+
+
+def offline_run(folder: Path, wait_s: float = 60.0) -> dict:
+    """What one offline run folder holds: its run record's id, name, job type, group, tags and config keys, the
+    keys of its history rows and its final summary. wandb's service process writes the file and can still be
+    flushing it when `finish()` has returned: read it once it ends with its exit record (up to `wait_s`)."""
+    (f,) = folder.glob("run-*.wandb")
+    deadline = time.monotonic() + wait_s
+    while not any(r.WhichOneof("record_type") == "exit" for r in records(f)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    out = {"history": [], "summary": {}}
+    for r in records(f):
+        kind = r.WhichOneof("record_type")
+        if kind == "run":
+            out.update(id=r.run.run_id, name=r.run.display_name, job_type=r.run.job_type, group=r.run.run_group,
+                       tags=list(r.run.tags), config={u.key for u in r.run.config.update})
+        elif kind == "history":
+            out["history"].append({"/".join(i.nested_key) or i.key: json.loads(i.value_json) for i in r.history.item})
+        elif kind == "summary":
+            out["summary"].update({"/".join(u.nested_key) or u.key: json.loads(u.value_json) for u in r.summary.update})
+    return out
+
+
+def runs_under(root: Path) -> list[dict]:
+    return [offline_run(d) for d in sorted(root.rglob("offline-run-*")) if d.is_dir()]
+
+
+def _train_cfg(out, overrides):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("train", overrides=["experiment=smoke", "analysis.stages=[]", "trainer.max_epochs=1",
+                                          *overrides])
+    with open_dict(cfg):
+        cfg.paths.output_dir = str(out)
+    return cfg
+
+
+def _analysis_run(out):
+    node = {"_target_": "pytorch_lightning.loggers.WandbLogger", "project": "lmcal", "offline": True}
+    run = wandb_run(node, {"stages": ["entropy_rate"]}, out, job_type="entropy_rate", model="AWD-LSTM 8/8/1",
+                    dataset="ptb")
+    try:
+        wandb_log(run, scalars={"entropy_rate/entrate_ppl": 1.5}, summary={"entropy_rate/final": 2.0})
+        log_curves(run, "entropy_rate/curves", "t", [1, 2, 3], {"model": [1.0, 1.5, 2.0], "true": [1.0, 1.0, 1.0]})
+    finally:
+        finish_run(run)
+
+
+@pytest.mark.parametrize("order", ["training_first", "analysis_first"])
+def test_training_logger_and_analysis_run_in_one_process_without_wandb_mode(order, tmp_path, monkeypatch,
+                                                                            data_overrides):
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # no ~/.netrc key to fall back on
+    cfg = _train_cfg(tmp_path / "train", data_overrides)
+    steps = [lambda: _analysis_run(tmp_path / "analysis"), lambda: train(cfg)]
+    for step in steps if order == "analysis_first" else steps[::-1]:
+        step()
+    import os
+
+    assert "WANDB_MODE" not in os.environ  # nothing set it behind the next run's back
+
+    (tr,) = runs_under(tmp_path / "train")
+    assert tr["job_type"] == "train" and tr["name"].startswith("train-awd-lstm-")
+    assert tr["name"].endswith("-" + cfg.data.name)
+    assert tr["group"] == "train" and cfg.data.name in tr["tags"] and "train" in tr["tags"]
+    assert {"data", "model", "optim"} <= tr["config"]
+    steps_logged = [h for h in tr["history"] if "train/loss" in h]
+    assert steps_logged and all({"train/lr", "train/grad_norm"} <= set(h) for h in steps_logged)
+    assert any("train/tokens_per_s" in h for h in tr["history"])
+    assert tr["summary"]["final/test_ppl"] > 1 and not any("final/test_ppl" in h for h in tr["history"])
+
+    (an,) = runs_under(tmp_path / "analysis")
+    assert (an["name"], an["job_type"], an["group"]) == ("entropy_rate-awd-lstm-8-8-1-ptb", "entropy_rate", "analysis")
+    assert {"data", "model"} <= an["config"] and an["summary"]["entropy_rate/final"] == 2.0
+    curve = [h for h in an["history"] if "entropy_rate/curves/t" in h]
+    assert [(h["entropy_rate/curves/t"], h["entropy_rate/curves/model"]) for h in curve] == [(1, 1.0), (2, 1.5),
+                                                                                            (3, 2.0)]
+
+
+def test_a_resumed_training_continues_its_wandb_run(tmp_path, monkeypatch, data_overrides):
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    train(_train_cfg(tmp_path, data_overrides))
+    train(_train_cfg(tmp_path, [*data_overrides, "trainer.max_epochs=2"]))  # resumes from last.ckpt
+    first, second = runs_under(tmp_path)
+    assert first["id"] == second["id"] == (tmp_path / "wandb_run_id").read_text().strip()
+
+
+def test_init_args_explicit_mode_and_a_checked_run_id(tmp_path):
+    assert init_args({"_target_": "pytorch_lightning.loggers.CSVLogger"}, tmp_path, "train") is None
+    node = {"_target_": "pytorch_lightning.loggers.WandbLogger", "offline": False, "group": "mine"}
+    (tmp_path / "wandb_run_id").write_text("../../etc\n")  # not an id: a new one replaces it
+    a = init_args(node, tmp_path, "memory", model="AWD-LSTM 8/8/1, tau=5", dataset="markov")
+    assert a["mode"] == "online" and a["group"] == "mine" and a["name"] == "memory-awd-lstm-8-8-1-tau5-markov"
+    assert a["id"] != "../../etc" and (tmp_path / "wandb_run_id").read_text().strip() == a["id"]
+    assert init_args(node, tmp_path, "memory")["id"] == a["id"]
