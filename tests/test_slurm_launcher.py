@@ -123,3 +123,14 @@ def test_job_states_from_squeue(tmp_path, monkeypatch):
     jobs = {"a": SimpleNamespace(job_id="5"), "b": SimpleNamespace(job_id="6")}
     got = SL.job_states(jobs)
     assert got["a"][0] == "RUNNING" and got["b"] == ("COMPLETED", 65.0)
+
+
+@pytest.mark.parametrize("launcher", ["slurm_cpu", "slurm_gpu"])
+def test_hydras_slurm_launcher_presets_compose(launcher):
+    from hydra import compose, initialize_config_dir
+
+    from lmcal.utils.settings import CONF_DIR
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=[f"hydra/launcher={launcher}"], return_hydra_config=True)
+    assert cfg.hydra.launcher._target_.endswith("SlurmLauncher") and cfg.hydra.launcher.tasks_per_node == 1

@@ -157,5 +157,8 @@ def test_the_tau_models_multirun_through_hydras_slurm_launcher(slurm_cluster, tm
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     for tau in (2, 3):
         assert json.loads((tmp_path / "sweep" / f"tau_{tau}" / "metrics.json").read_text())["epochs"] == 1
-    new = [rec for rec in jobcomp(slurm_cluster) if rec["JobId"] not in before]
+    deadline = time.time() + 120  # the launcher returns once both results are written; the jobs end just after
+    while len(new := [rec for rec in jobcomp(slurm_cluster) if rec["JobId"] not in before]) < 2 and (
+            time.time() < deadline):
+        time.sleep(1)
     assert len(new) == 2 and all(rec["JobState"] == "COMPLETED" for rec in new)

@@ -93,6 +93,10 @@ def check_quotable(out: Path) -> None:
 
 
 def reproduce(cfg: DictConfig) -> dict:
+    if cfg.get("launcher", "local") not in ("local", "slurm"):
+        raise LmcalError(f"launcher={cfg.launcher} is not a launcher: launcher=local runs the stages on this machine "
+                         "(jobs=N at once), launcher=slurm submits each as a Slurm job (settings: slurm.<key>=..., "
+                         "see conf/reproduce/launcher/slurm.yaml).")
     check_config(cfg)  # the profile's own values (taus), before the folder is touched
     check_stages(list(cfg.stages), "full")
     if cfg.get("transformer"):
@@ -102,10 +106,6 @@ def reproduce(cfg: DictConfig) -> dict:
         raise LmcalError(f"stages= must include {', '.join(PAPER_STAGES)}: the report is built on them (missing: "
                          f"{', '.join(missing)}). Add stages after them, e.g. stages=[{','.join(PAPER_STAGES)},NEW].")
     check(cfg)  # every stage composed and sized against its model, before the folder is touched
-    if cfg.get("launcher", "local") not in ("local", "slurm"):
-        raise LmcalError(f"launcher={cfg.launcher} is not a launcher: launcher=local runs the stages on this machine "
-                         "(jobs=N at once), launcher=slurm submits each as a Slurm job (settings: slurm.<key>=..., "
-                         "see conf/reproduce/launcher/slurm.yaml).")
     out = Path(cfg.out).resolve()
     check_quotable(out)
     check_output_folder(out)
