@@ -112,7 +112,7 @@ def test_an_unreadable_corpus_file(tmp_path):
 def test_an_output_folder_that_cannot_be_written(tmp_path):
     out = "/sys/lmcal_probe/run"  # not writable, even by root
     r = run("lmcal.train", ["experiment=smoke", "logger=none", *SYNTHETIC, f"hydra.run.dir={out}"], tmp_path)
-    assert r.returncode in (1, 2) and "Traceback" not in r.stderr  # Hydra makes the folder before lmcal runs
+    assert_one_paragraph(r, "/sys/lmcal_probe")  # Hydra makes the run folder: its error reaches the boundary too
     r = run("lmcal.reproduce", ["profile=smoke", f"out={out}"], tmp_path)
     assert_one_paragraph(r, "/sys/lmcal_probe")
     _memory_json(tmp_path / "runs" / "t5" / "memory.json", "ptb")
