@@ -40,17 +40,25 @@ def stop_on_signals():
             signal.signal(s, handler)
 
 
+def _libc_prctl():
+    with contextlib.suppress(Exception):
+        return ctypes.CDLL(None, use_errno=True).prctl
+    return None
+
+
+_PRCTL = _libc_prctl() if sys.platform == "linux" else None  # looked up here: the child must not load libraries
+
+
 def _die_with_parent() -> None:
     """In a stage's process before it starts (Linux): if the pipeline dies without cleaning up (SIGKILL), the kernel
     ends the stage too, as when both shared one process group."""
-    with contextlib.suppress(Exception):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    _PRCTL(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 def stage_process_options() -> dict:
     """Popen keywords for a stage: its own session (a process group that `end_groups` ends whole, and that a
     terminal's Ctrl-C does not reach: the pipeline stops it), dying with the pipeline on Linux."""
-    return {"start_new_session": True, **({"preexec_fn": _die_with_parent} if sys.platform == "linux" else {})}
+    return {"start_new_session": True, **({"preexec_fn": _die_with_parent} if _PRCTL is not None else {})}
 
 
 def end_groups(procs: list[subprocess.Popen], grace: float = 20.0) -> None:
