@@ -377,3 +377,15 @@ def test_a_corpus_file_that_is_not_utf8_is_named(tmp_path):
     bad.write_bytes("caf\u00e9\n".encode("latin-1"))
     with pytest.raises(DataError, match=f"{bad} is not UTF-8 text"):
         tokenize_lines(bad)
+
+
+def test_a_snapshots_profile_name_stays_inside_docs_runs(tmp_path):
+    from lmcal.pipeline.docs import snapshot
+
+    run_dir, docs = tmp_path / "run", tmp_path / "docs"
+    run_dir.mkdir()
+    (run_dir / "results.json").write_text(json.dumps({"profile": "../../../escaped"}))
+    (run_dir / "REPORT.md").write_text("# r\n")
+    dest = snapshot(run_dir, docs)
+    assert dest == docs / "runs" / "escaped" and (dest / "REPORT.md").is_file()
+    assert not (tmp_path / "escaped").exists()
