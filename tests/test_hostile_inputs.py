@@ -280,7 +280,7 @@ def test_out_is_refused_for_root_home_and_the_projects_own_folders(out, tmp_path
 @pytest.mark.parametrize("name", ["caf\u00e9", *(pytest.param(n, marks=pytest.mark.slow) for n in ("a=b", "a,b"))])
 def test_an_out_hydra_cannot_read_is_refused_before_any_folder_is_made(name, tmp_path):
     r = run("lmcal.reproduce", ["profile=smoke", f"out={tmp_path / name / 'run'}"], tmp_path)
-    assert_one_paragraph(r, "Hydra cannot read that path")
+    assert_one_paragraph(r, name)  # (Hydra cannot read that path; or, where every stage is composed first, that)
     assert not (tmp_path / name).exists()
 
 
