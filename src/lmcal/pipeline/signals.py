@@ -1,5 +1,6 @@
-"""Stopping a pipeline: SIGTERM and SIGHUP stop `make reproduce` as Ctrl-C does (`stop_on_signals`), and each stage
-runs in its own process group (`stage_process_options`) that `end_groups` ends whole, the stage's own children too.
+"""Stopping a pipeline's stages: each runs in its own process group (`stage_process_options`) that `end_groups` ends
+whole, the stage's own children too. (SIGTERM and SIGHUP stop the pipeline itself as Ctrl-C does:
+lmcal.utils.boundary.stop_on_signals.)
 """
 
 from __future__ import annotations
@@ -10,34 +11,6 @@ import os
 import signal
 import subprocess
 import sys
-
-SIGNALS = (signal.SIGTERM, signal.SIGHUP)
-
-
-class Stopped(KeyboardInterrupt):
-    """A SIGTERM or SIGHUP, raised where the pipeline is, so that it unwinds as on Ctrl-C: the stages are ended, the
-    temporary files and the lock removed."""
-
-    def __init__(self, signum: int):
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-
-
-def _raise_stopped(signum, frame):
-    for s in SIGNALS:  # one stop: a second signal must not interrupt the cleaning up
-        signal.signal(s, signal.SIG_IGN)
-    raise Stopped(signum)
-
-
-@contextlib.contextmanager
-def stop_on_signals():
-    """While the block runs, SIGTERM and SIGHUP raise `Stopped` (a KeyboardInterrupt) in the main thread."""
-    before = {s: signal.signal(s, _raise_stopped) for s in SIGNALS}
-    try:
-        yield
-    finally:
-        for s, handler in before.items():
-            signal.signal(s, handler)
 
 
 def _libc_prctl():
