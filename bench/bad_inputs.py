@@ -43,6 +43,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reproduction", type=Path, help="a finished smoke reproduction, for the changed-settings row")
     ap.add_argument("--width", type=int, default=160, help="characters of each message shown")
+    ap.add_argument("--only-new", action="store_true", help="only issue 29's probes (hostile_cases)")
+    ap.add_argument("--unguarded", action="store_true",
+                    help="the lmcal under test may lack issue 29's checks: skip the probes that would then write into "
+                         "/ or the sources, or run for hours (out=/, out=src/lmcal, horizon=10^7)")
     a = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="lmcal-bad-"))
     train = ["lmcal.train", "experiment=smoke", "logger=wandb", "trainer.enable_progress_bar=false"]
@@ -71,7 +75,9 @@ def main() -> None:
         cases.append(("`reproduce` rerun with another decoders setting",
                       ["lmcal.reproduce", "profile=smoke", f"out={a.reproduction}",
                        "analysis=[analysis=smoke,analysis.decoders.mix_epsilon=1e-4]"]))
-    cases = [(label, args, {}) for label, args in cases] + hostile_cases(tmp, ckpt)
+    cases = [(label, args, {}) for label, args in cases if not a.only_new] + hostile_cases(tmp, ckpt)
+    if a.unguarded:
+        cases = [c for c in cases if not any(x in c[0] for x in ("out=/`", "out=src/lmcal", "horizon=10^7"))]
     rows = []
     for label, args, env in cases:
         out = tmp / f"run{len(rows)}"
@@ -86,10 +92,11 @@ def main() -> None:
     from lmcal.utils.lock import run_lock
 
     busy = tmp / "busy"
-    with run_lock(busy):
-        rc, first, tb = run([*train, f"hydra.run.dir={busy}"], tmp)
-    rows.append(("`train` into a folder another run holds", rc, tb, "no", first[: a.width]))
-    rows.append(("(the crafted checkpoint's payload ran)", "", "", "", "yes" if (tmp / "PWNED").exists() else "no"))
+    if not a.only_new:
+        with run_lock(busy):
+            rc, first, tb = run([*train, f"hydra.run.dir={busy}"], tmp)
+        rows.append(("`train` into a folder another run holds", rc, tb, "no", first[: a.width]))
+        rows.append(("(the crafted checkpoint's payload ran)", "", "", "", "yes" if (tmp / "PWNED").exists() else "no"))
     rows.append(("(the checkpoint settings' builtins.open truncated its file)", "", "", "",
                  "no" if (tmp / "victim.txt").read_text() == "precious" else "yes"))
     rows.append(("(the Hugging Face folder's own Python ran)", "", "", "", "yes" if (tmp / "RAN").exists() else "no"))
@@ -166,7 +173,7 @@ def hostile_cases(tmp: Path, ckpt: Path) -> list[tuple[str, list[str], dict]]:
         ("`evaluate model=hf model.valid_text=` latin-1 bytes",
          [*hf, f"model.name_or_path={_hf_folder(tmp / 'tiny_hf')}", f"model.valid_text={latin1}",
           f"model.test_text={latin1}"], {}),
-        ("`report` memory.json with corpus `../../../tmp/x`",
+        ("`report` memory.json with corpus `../../../x`",
          ["lmcal.report", str(_memory_json(tmp / "trav" / "a" / "b", "../../../x")), "--wandb", "disabled"], {}),
         ("`report` memory.json missing keys", ["lmcal.report", str(_memory_json(tmp / "nokeys", "ptb",
                                                                                   ("mi_upper_bound_nats",)))], {}),
@@ -174,8 +181,8 @@ def hostile_cases(tmp: Path, ckpt: Path) -> list[tuple[str, list[str], dict]]:
         ("`train data.root=` a file (download on)", [*train, f"data.root={tmp / 'afile'}", "data.download=true"], {}),
         ("`train data.root=` a symlink loop", [*train, f"data.root={tmp / 'loop'}"], {}),
         ("`reproduce out=` a folder that cannot be made", [*repro, "out=/sys/lmcal_probe/out"], {}),
-        ("`report --out` a folder that cannot be made", ["lmcal.report", str(tmp / "nokeys"), "--out",
-                                                         "/sys/lmcal_probe/out"], {}),
+        ("`report --out` a folder that cannot be made", ["lmcal.report", str(_memory_json(tmp / "mem", "ptb")),
+                                                         "--out", "/sys/lmcal_probe/out", "--wandb", "disabled"], {}),
         ("`train` with `LMCAL_PLUGINS=no_such_module`", train, {"LMCAL_PLUGINS": "no_such_module", **plugins}),
         ("`reproduce` with `LMCAL_PLUGINS=` a module that raises", repro, {"LMCAL_PLUGINS": "raises_mod", **plugins}),
         ("`evaluate` with `LMCAL_PLUGINS=` a module that does not compile", ["lmcal.evaluate", f"ckpt={ckpt}"],

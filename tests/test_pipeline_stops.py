@@ -80,8 +80,9 @@ def _reproduce(out: Path, tmp_path: Path) -> subprocess.Popen:
                             start_new_session=True)
 
 
-def _stage_pids(out: Path, timeout: float = 240) -> list[int]:
-    """The PIDs of the trainings running under `out`, from their run locks (once both base stages hold theirs)."""
+def _stage_pids(out: Path, timeout: float = 240, old: tuple = ()) -> list[int]:
+    """The PIDs of the trainings running under `out`, from their run locks (once both base stages hold theirs; not
+    `old` ones, nor locks that processes which ended left behind)."""
     deadline = time.time() + timeout
     while time.time() < deadline:
         locks = [p for p in out.rglob(LOCK_NAME) if p.parent != out]
@@ -91,6 +92,7 @@ def _stage_pids(out: Path, timeout: float = 240) -> list[int]:
                 pids.append(json.loads(lock.read_text())["pid"])
             except (OSError, ValueError, KeyError):
                 pass
+        pids = [pid for pid in pids if pid not in old and _alive(pid)]
         if len(pids) >= 2:
             return pids
         time.sleep(0.2)
@@ -120,11 +122,11 @@ def test_sigterm_and_sighup_stop_the_pipeline_and_its_stages(sig, tmp_path):
                                             "resume; finished stages are kept.")
     assert "Traceback" not in err
     assert not any(_alive(pid) for pid in children)
-    assert not (out / LOCK_NAME).exists()
+    assert not list(out.rglob(LOCK_NAME))  # the pipeline's, and its stages' (they stop as on Ctrl-C too)
     assert not [f for f in out.rglob("*.tmp") if f != dead]
 
     again = _reproduce(out, tmp_path)  # not refused by a lock, and it sweeps the dead run's temporary file
-    _stage_pids(out)
+    _stage_pids(out, old=tuple(children))
     assert again.poll() is None and not dead.exists()
     os.kill(again.pid, signal.SIGTERM)
     _, err = again.communicate(timeout=120)

@@ -31,8 +31,7 @@ from lmcal.pipeline.check import check
 from lmcal.pipeline.plan import load_profile
 from lmcal.pipeline.reproduce import reproduce
 from lmcal.pipeline.schedule import clock, progress_line, reference_seconds, schedule  # noqa: F401  (clock, progress_line: public)
-from lmcal.pipeline.signals import Stopped, stop_on_signals
-from lmcal.utils.boundary import boundary
+from lmcal.utils.boundary import Stopped, boundary, stop_on_signals
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import errno
 import os
+import signal
 import sys
 from contextlib import contextmanager
 from typing import NoReturn
@@ -128,12 +129,45 @@ def boundary():
         fail(message)
 
 
+class Stopped(KeyboardInterrupt):
+    """SIGTERM or SIGHUP, raised where the process is, so that it unwinds as on Ctrl-C (locks and temporary files
+    removed on the way out)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _raise_stopped(signum, frame):
+    for s in (signal.SIGTERM, signal.SIGHUP):  # one stop: a second signal must not interrupt the cleaning up
+        signal.signal(s, signal.SIG_IGN)
+    raise Stopped(signum)
+
+
+@contextmanager
+def stop_on_signals():
+    """While the block runs, SIGTERM and SIGHUP raise `Stopped` (a KeyboardInterrupt) in the main thread."""
+    before = {s: signal.signal(s, _raise_stopped) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
+
+
 def run_hydra(main) -> None:
     """Runs a @hydra.main entry point inside the boundary. HYDRA_FULL_ERROR=1 lets Hydra's own errors (an override it
-    cannot parse, a run folder it cannot make) reach the boundary rather than Hydra's printout and exit status 1."""
+    cannot parse, a run folder it cannot make) reach the boundary rather than Hydra's printout and exit status 1.
+    SIGTERM and SIGHUP stop it as Ctrl-C does, so that its lock and temporary files are removed (a pipeline ends its
+    stages this way); one line says how to go on."""
     os.environ.setdefault("HYDRA_FULL_ERROR", "1")
-    with boundary():
-        main()
+    try:
+        with boundary(), stop_on_signals():
+            main()
+    except KeyboardInterrupt as e:
+        name = f"Stopped by {e}" if isinstance(e, Stopped) else "Interrupted"
+        print(f"{name}: rerun the same command to resume from the last checkpoint.", file=sys.stderr, flush=True)
+        sys.exit(128 + e.signum if isinstance(e, Stopped) else 130)
 
 
 def fail_at_import(e: LmcalError) -> None:
