@@ -105,10 +105,10 @@ def reproduce(cfg: DictConfig) -> dict:
     if missing:
         raise LmcalError(f"stages= must include {', '.join(PAPER_STAGES)}: the report is built on them (missing: "
                          f"{', '.join(missing)}). Add stages after them, e.g. stages=[{','.join(PAPER_STAGES)},NEW].")
-    check(cfg)  # every stage composed and sized against its model, before the folder is touched
     out = Path(cfg.out).resolve()
-    check_quotable(out)
+    check_quotable(out)  # before the check, which composes every stage's command with paths under out
     check_output_folder(out)
+    check(cfg)  # every stage composed and sized against its model, before the folder is touched
     with run_lock(out, "reproduction"):
         sweep_temp_files(out)  # half-written files of a run that was killed
         stages = plan(cfg)
