@@ -98,7 +98,8 @@ def calibration_stage(lm, valid_tokens: torch.Tensor, test_tokens: torch.Tensor,
     }
     png = entropy_curve_figure({f"{model_name}": (curves["before"].mean, curves["before"].stderr),
                                 f"calibrated, alpha={fit.alpha:.3g}": (curves["after"].mean, curves["after"].stderr)},
-                               out / f"{name}.png", reference_nats={"test cross-entropy": ce_before},
+                               out / f"{name}.png",  # (Figure 2's line is the whole test set's)
+                               reference_nats={f"test cross-entropy ({test.numel():,} test {unit}s scored)": ce_before},
                                title=f"{model_name} on {corpus}: EntRate {result['entrate_ppl_before']:.1f} -> "
                                      f"{result['entrate_ppl_after']:.1f}, test ppl {result['test_ppl_before']:.1f} -> "
                                      f"{result['test_ppl_after']:.1f}",

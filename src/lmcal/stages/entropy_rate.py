@@ -50,7 +50,7 @@ def entropy_rate_stage(lm, valid_tokens: torch.Tensor, test_ce_nats: float, out_
         "seconds": seconds, "generated_tokens_per_s": n_gen * horizon / seconds, "unit": unit,
     }
     png = entropy_curve_figure({f"{model_name} generations": (curve.mean, curve.stderr)}, out / f"{name}.png",
-                               reference_nats={"test cross-entropy": test_ce_nats},
+                               reference_nats={f"test cross-entropy (every test {unit})": test_ce_nats},
                                title=f"{model_name} on {corpus}: test ppl {result['test_ppl']:.1f}, "
                                      f"EntRate {result['entrate_ppl']:.1f} (t={horizon})")
     write_text_atomic(out / f"{name}.md", table1_markdown([result]) + f"\nPerplexities and entropies per {unit}.\n")

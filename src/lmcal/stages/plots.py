@@ -44,7 +44,7 @@ def entropy_curve_figure(curves: dict[str, tuple[np.ndarray, np.ndarray]], path:
         ax.axhline(value, ls=":", color="k", lw=1.2, label=label)
     ax.set_xlabel("t (generated words)")
     ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))  # t is a count: no t = 2.5
-    ax.set_ylabel("entropy of the t-th word's distribution (nats)")
+    ax.set_ylabel("entropy of the t-th word's distribution\n(nats; bands ±1.96 se)")
     ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
     if legend_outside:

@@ -230,7 +230,8 @@ def sequence_calibration_stage(lm, train_tokens: torch.Tensor, valid_tokens: tor
               "future_entropy_reused": bool(reuse_fe), "decoders_reused": bool(temp), **settings, "unit": unit,
               "seconds": time.perf_counter() - t0}
     png = entropy_curve_figure(
-        {_label(r): (np.asarray(r["curve_nats"]), np.asarray(r["stderr_nats"])) for r in rows},
+        {_label(r) + (" (surprisal -log P̂ of its words)" if r.get("curve_kind") == "surprisal" else ""):
+         (np.asarray(r["curve_nats"]), np.asarray(r["stderr_nats"])) for r in rows},
         out / f"{name}.png", reference_nats={"test cross-entropy (the test stream)": ref_ce},
         title=f"{model_name} on {corpus}: Algorithm 1 (SMC, soft values) beside per-word calibration",
         legend_outside=True, tail_differences={_label(r): (r["tail_diff_nats"], r["tail_diff_stderr_nats"])
