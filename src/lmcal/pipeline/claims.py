@@ -248,6 +248,18 @@ def best_head_claims(fe: dict) -> list[Claim]:
     return [within(who, level, se, ref, key="best_head_within")]
 
 
+def sequence_goal_claims(sc: dict | None) -> list[Claim]:
+    """The sequence_calibration stage's goal: its row closest to the test perplexity, chosen on one seed's
+    generations and measured again on the next seed's, within 10% of the test perplexity or not."""
+    g = (sc or {}).get("goal")
+    if not g or "tail_nats" not in g:
+        return []
+    who = (f"Algorithm 1's stage: the row closest to the test perplexity on the generations of seed "
+           f"{g['chosen_on_seed']} ({g['method']}, among {len(g['candidates'])} with a test CE not above the "
+           f"model's), measured again on seed {g['reported_on_seed']},")
+    return [within(who, g["tail_nats"], g["tail_stderr_nats"], g["test_ppl"], key="sequence_goal_within")]
+
+
 def memory_flags(rows: list[dict], beta_far: float = 0.2, z: float = Z) -> list[Claim]:
     """A flag for each memory row (results.json "memory") whose ΔCE = CE(P~) - CE(P^) is below zero (beyond z standard
     errors or not: the τ-limited model predicts at least as well as the full one there), or whose two-parameter fit puts

@@ -20,6 +20,7 @@ from lmcal.pipeline.claims import (
     claims_markdown,
     heads_claims,
     memory_flags,
+    sequence_goal_claims,
 )
 from lmcal.pipeline.docs import provenance
 from lmcal.pipeline.results import OPERATIONS, PAPER_STAGES, collect_results
@@ -193,6 +194,7 @@ def sequence_calibration_markdown(cfg: DictConfig, out: Path) -> list[str]:
         f"over the last {sc['tail_steps']} words (SMC: the sequence law's, by nested SMC runs), ± one standard error "
         "clustered by prefix; Δ: paired with the model's generations.", "",
         sequence_table(sc).rstrip("\n"), "",
+        *claims_markdown(sequence_goal_claims(sc)),
         "![sequence calibration](figure_sequence_calibration.png)", "",
     ]
 
