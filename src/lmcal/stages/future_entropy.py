@@ -31,7 +31,7 @@ from lmcal.core.sampling import random_prefixes
 from lmcal.data.batching import batchify
 from lmcal.errors import LmcalError
 from lmcal.stages.plots import entropy_curve_figure
-from lmcal.stages.rows import curve_row, generation_settings, same_settings
+from lmcal.stages.rows import curve_row, generation_settings, same_settings, timed_generation
 from lmcal.stages.stage import Stage, earlier_result, stage_context
 from lmcal.stages.wandb_run import log_curves, wandb_log
 from lmcal.utils.io import write_json_atomic, write_text_atomic
@@ -105,21 +105,9 @@ def future_entropy_stage(lm, train_tokens: torch.Tensor, valid_tokens: torch.Ten
     if decoders and not reuse:
         log.info(f"{name}: the decoders result has other generation or scoring settings; its rows are left out")
 
-    def timing(model) -> tuple[float, float]:
-        """(ms per generated word on the timing protocol, its ratio to the plain model's): each the best of
-        `timing_repeats` runs (the machine's own noise only ever adds time), the plain model's runs interleaved with
-        the method's so that both see the same machine."""
-        def run(m) -> float:
-            c = generation_entropy_curve(m, prefixes[:timing_prefixes], timing_horizon, samples_per_prefix, seed=seed,
-                                         max_batch=max_batch)
-            return 1000.0 * c.generation_seconds / (c.num_generations * timing_horizon)
-
-        best, best_plain = math.inf, math.inf
-        for _ in range(timing_repeats):
-            best = min(best, run(model))
-            if model is not lm:
-                best_plain = min(best_plain, run(lm))
-        return best, (1.0 if model is lm else best / best_plain)
+    def timing(model) -> tuple[float, float]:  # (ms per generated word, its ratio to the plain model's)
+        return timed_generation(model, lm, prefixes[:timing_prefixes], timing_horizon, samples_per_prefix, seed,
+                                max_batch, timing_repeats)
 
     plain_tail, plain_logq = [], []
 

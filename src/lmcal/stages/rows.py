@@ -1,15 +1,15 @@
-"""What the comparison stages (decoders, future_entropy) share: the settings that make two stages' generations and
-test scores the same, and one method's row of a comparison table.
+"""What the comparison stages (decoders, future_entropy, sequence_calibration) share: the settings that make two
+stages' generations and test scores the same, one method's row of a comparison table, and the timing protocol.
 """
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
-from lmcal.core.entropy_rate import (
-    clustered_mean,
-)
+from lmcal.core.entropy_rate import clustered_mean, generation_entropy_curve
 from lmcal.utils.numbers import exp_or_inf
 
 
@@ -42,3 +42,20 @@ def curve_row(method: str, params: dict, curve, stderr, tail, plain_tail: np.nda
             "tail_nats_per_generation": tail.tolist(),  # [N][S]: what a later stage pairs with (sequence_calibration)
             "tail_diff_stderr_nats": float(diff_se), **columns, "curve_nats": curve, "stderr_nats": stderr,
             "seconds": seconds}
+
+
+def timed_generation(model, lm, prefixes: torch.Tensor, horizon: int, samples_per_prefix: int, seed: int,
+                     max_batch: int, repeats: int) -> tuple[float, float]:
+    """(ms per generated word of `model` from `prefixes` [n, P], its ratio to the plain model `lm`'s): each the best
+    of `repeats` runs (the machine's own noise only ever adds time), the plain model's runs interleaved with the
+    method's so that both see the same machine."""
+    def run(m) -> float:
+        c = generation_entropy_curve(m, prefixes, horizon, samples_per_prefix, seed=seed, max_batch=max_batch)
+        return 1000.0 * c.generation_seconds / (c.num_generations * horizon)
+
+    best, best_plain = math.inf, math.inf
+    for _ in range(repeats):
+        best = min(best, run(model))
+        if model is not lm:
+            best_plain = min(best_plain, run(lm))
+    return best, (1.0 if model is lm else best / best_plain)

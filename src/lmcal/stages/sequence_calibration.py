@@ -37,7 +37,7 @@ from lmcal.core.soft_value import soft_value_lm, train_soft_value
 from lmcal.data.batching import batchify
 from lmcal.errors import LmcalError
 from lmcal.stages.plots import entropy_curve_figure
-from lmcal.stages.rows import generation_settings, same_settings
+from lmcal.stages.rows import generation_settings, same_settings, timed_generation
 from lmcal.stages.stage import Stage, earlier_result, stage_context
 from lmcal.stages.wandb_run import wandb_log
 from lmcal.utils.io import write_json_atomic, write_text_atomic
@@ -114,18 +114,9 @@ def sequence_calibration_stage(lm, train_tokens: torch.Tensor, valid_tokens: tor
     smc_ce = (-(1 + alpha) * y_test + run.log_z) / horizon  # [B]: per word, each test continuation
     smc_ce_diff = _paired(smc_ce, -y_test / horizon, smc_ce.numel())
 
-    def timing(model) -> tuple[float, float]:
-        """(ms per generated word, its ratio to the plain model's): the best of timing_repeats interleaved runs."""
-        def once(m) -> float:
-            c = generation_entropy_curve(m, prefixes[:timing_prefixes], timing_horizon, samples_per_prefix, seed=seed,
-                                         max_batch=max_batch)
-            return 1000.0 * c.generation_seconds / (c.num_generations * timing_horizon)
-
-        best, plain = math.inf, math.inf
-        for _ in range(timing_repeats):
-            best = min(best, once(model))
-            plain = min(plain, once(lm)) if model is not lm else best
-        return best, best / plain
+    def timing(model) -> tuple[float, float]:  # (ms per generated word, its ratio to the plain model's)
+        return timed_generation(model, lm, prefixes[:timing_prefixes], timing_horizon, samples_per_prefix, seed,
+                                max_batch, timing_repeats)
 
     plain_logq = target_log_probs(lm, test)  # [n]: the test stream, every per-word row paired with it
     plain_tail: list[np.ndarray] = []  # the model's [N, S] last-tenth entropies, what every row is paired with
