@@ -182,7 +182,7 @@ def test_killed_and_rerun_gives_the_same_results(uninterrupted, tmp_path):
 def test_changed_settings_are_reported_and_force_redoes_them_and_what_uses_them(uninterrupted, tmp_path):
     """A copy of the finished reproduction (paths are recorded relative to it), rerun with another decoders setting
     (which future_entropy shares, for its rows beside the decoders'): one paragraph naming the stages and the keys,
-    nothing run; with force=true only they and the report rerun."""
+    nothing run; with force=true only they, sequence_calibration (which reads both) and the report rerun."""
     out = tmp_path / "copy"
     shutil.copytree(uninterrupted[0], out)
     changed = "analysis=[analysis=smoke,analysis.decoders.mix_epsilon=1e-4]"
@@ -191,11 +191,11 @@ def test_changed_settings_are_reported_and_force_redoes_them_and_what_uses_them(
     msg = r.stderr.strip().splitlines()[-1]
     assert "The settings of 2 stages in" in msg and "decoders (analysis.decoders.mix_epsilon: 1e-06 -> 0.0001)" in msg
     assert "future_entropy (analysis.future_entropy.mix_epsilon: 1e-06 -> 0.0001)" in msg
-    assert "(report)" in msg and "FORCE=1" in msg and "running" not in r.stdout
+    assert "(sequence_calibration, report)" in msg and "FORCE=1" in msg and "running" not in r.stdout
     r = subprocess.run(_cmd(out, changed, "force=true"), env=_env(), capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     ran = [line.split("]")[1].split(":")[0].strip() for line in r.stdout.splitlines() if ": running (log" in line]
-    assert ran == ["decoders", "future_entropy", "report"], r.stdout
+    assert ran == ["decoders", "future_entropy", "sequence_calibration", "report"], r.stdout  # it reads both
     res = json.loads((out / "results.json").read_text())
     assert _numbers(res)["calibration"] == _numbers(uninterrupted[1])["calibration"]
     assert res["decoders"] != uninterrupted[1]["decoders"]  # the mixed CE moved with epsilon
