@@ -9,6 +9,7 @@ set -euo pipefail
 DIR=${LMCAL_SLURM_DIR:-/tmp/lmcal-slurm}
 CPUS=${LMCAL_SLURM_CPUS:-2}
 export SLURM_CONF=$DIR/slurm.conf
+export PATH="$PATH:/usr/sbin:/sbin"  # the daemons live in sbin, which a user's (or env -i's) PATH may leave out
 
 pid_of() { [[ -s $DIR/$1.pid ]] && kill -0 "$(cat "$DIR/$1.pid")" 2>/dev/null && cat "$DIR/$1.pid"; }
 

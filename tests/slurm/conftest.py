@@ -18,7 +18,8 @@ DIR = Path(os.environ.get("LMCAL_SLURM_DIR", "/tmp/lmcal-slurm"))
 @pytest.fixture(scope="session")
 def slurm_cluster():
     """{"env": the environment for Slurm's clients (SLURM_CONF), "dir": the cluster's folder (jobcomp.log, logs)}."""
-    if not (shutil.which("slurmctld") and shutil.which("slurmd") and shutil.which("munged")):
+    path = os.environ.get("PATH", "") + ":/usr/sbin:/sbin"  # the daemons live in sbin (cluster.sh adds it too)
+    if not all(shutil.which(d, path=path) for d in ("slurmctld", "slurmd", "munged")):
         pytest.skip("Slurm is not installed: apt-get install -y slurm-wlm munge")
     if os.geteuid() != 0:
         pytest.skip("the test cluster's slurmd runs as root")
