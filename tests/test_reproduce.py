@@ -268,7 +268,7 @@ def test_stages_side_by_side_write_the_same_results_as_one_at_a_time(uninterrupt
     of every stage is the same but for its wall times."""
     straight, _ = uninterrupted
     out = tmp_path / "sequential"
-    r = subprocess.run(_cmd(out, "jobs=1"), env=_env(), capture_output=True, text=True, timeout=900)
+    r = subprocess.run(_cmd(out, "jobs=1"), env=_env(), capture_output=True, text=True, timeout=1800)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     names = sorted(str(p.relative_to(straight)) for p in straight.rglob("*.json")
                    if "wandb" not in p.parts and p.parts[len(straight.parts)] != "stages")
