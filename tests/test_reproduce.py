@@ -42,7 +42,7 @@ def _numbers(results: dict) -> dict:
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     out = tmp_path_factory.mktemp("reproduce") / "straight"
-    r = subprocess.run(_cmd(out, "logger=wandb"), env=_env(), capture_output=True, text=True, timeout=900,
+    r = subprocess.run(_cmd(out, "logger=wandb"), env=_env(), capture_output=True, text=True, timeout=1800,
                        preexec_fn=lambda: os.umask(0o022))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return out, json.loads((out / "results.json").read_text())
@@ -171,7 +171,7 @@ def test_killed_and_rerun_gives_the_same_results(uninterrupted, tmp_path):
     assert json.loads((out / "stages" / "tau_models.json").read_text())["status"] == "started"
     assert (out / ".lmcal.lock").is_file()  # left by the killed process: the rerun takes it over
 
-    r = subprocess.run(_cmd(out), env=_env(), capture_output=True, text=True, timeout=900)
+    r = subprocess.run(_cmd(out), env=_env(), capture_output=True, text=True, timeout=1800)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "base: done before, skipped" in r.stdout
     m = json.loads((out / "ptb" / "tau" / "tau_2" / "metrics.json").read_text())
