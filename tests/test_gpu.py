@@ -12,10 +12,8 @@ import torch
 from lmcal.core.lookahead import candidate_entropies
 from lmcal.models.awd_lstm import AWDLSTM
 from lmcal.models.step_lm import LSTMStepLM
-from lmcal.training.module import LMModule
 from lmcal.utils.device import apply_precision_policy
-
-NET = {"_target_": "lmcal.models.awd_lstm.AWDLSTM", "emb_size": 8, "hidden_size": 16, "num_layers": 2}
+from tests.test_module import resumed_after_switch
 
 
 @pytest.fixture(autouse=True)
@@ -44,13 +42,7 @@ def test_weight_dropped_lstm_outputs_and_gradients_match_the_cpu():
 
 @pytest.mark.gpu
 def test_resume_after_the_switch_averages_on_cuda(tmp_path):
-    module = LMModule(net=NET, vocab_size=20)
-    module.start_averaging()
-    ckpt = {"state_dict": module.state_dict(), "hyper_parameters": dict(module.hparams)}
-    module.on_save_checkpoint(ckpt)
-    torch.save(ckpt, tmp_path / "x.ckpt")
-    fresh = LMModule(net=NET, vocab_size=20)
-    loaded = torch.load(tmp_path / "x.ckpt", map_location="cpu", weights_only=True)
+    fresh, loaded = resumed_after_switch(tmp_path)
     fresh.on_load_checkpoint(loaded)  # Lightning: restored on the CPU, then moved
     fresh.load_state_dict(loaded["state_dict"])
     fresh.cuda()

@@ -108,7 +108,7 @@ def test_checkpoint_holds_averaged_weights_and_resume_restores_raw(tmp_path):
         torch.testing.assert_close(p, dict(module.net.named_parameters())[n])
 
 
-def _resumed_after_switch(tmp_path):
+def resumed_after_switch(tmp_path):
     """A module resumed from a checkpoint written after the NT-ASGD switch (read onto the CPU, as Lightning does)."""
     module = LMModule(net=NET, vocab_size=20)
     module.start_averaging()
@@ -121,7 +121,7 @@ def _resumed_after_switch(tmp_path):
 
 
 def test_resumed_average_follows_the_parameters_device_and_dtype(tmp_path):
-    fresh, loaded = _resumed_after_switch(tmp_path)
+    fresh, loaded = resumed_after_switch(tmp_path)
     fresh.net.double()  # parameters that are not where the checkpoint was read (float64 standing in for cuda)
     fresh.on_load_checkpoint(loaded)
     for n, p in fresh.net.named_parameters():
@@ -132,7 +132,7 @@ def test_resumed_average_follows_the_parameters_device_and_dtype(tmp_path):
 def test_average_update_after_the_module_moves_post_restore(tmp_path):
     """Lightning restores a checkpoint before it moves the module to the accelerator: the first averaging step after
     the move must not mix devices (it raised a device mismatch on CUDA, and a dtype error here, before the fix)."""
-    fresh, loaded = _resumed_after_switch(tmp_path)
+    fresh, loaded = resumed_after_switch(tmp_path)
     fresh.on_load_checkpoint(loaded)
     fresh.load_state_dict(loaded["state_dict"])
     before = {n: a.clone() for n, a in fresh.avg.items()}
