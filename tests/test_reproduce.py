@@ -255,9 +255,12 @@ TIMING = {"seconds", "fit_seconds", "rows_seconds", "wall_seconds", "train_secon
 
 
 def _without_timing(obj, out: str):
-    """A result file's content less its wall times, with its own folder's path as <out>."""
+    """A result file's content less its wall times and where its runs logged (the straight run logs to W&B, the
+    others to CSV; a sweep's runs.json records that among each run's overrides), with its own folder's path as
+    <out>."""
     if isinstance(obj, dict):
-        return {k: _without_timing(v, out) for k, v in obj.items() if k not in TIMING}
+        return {k: _without_timing([o for o in v if not o.startswith("logger")] if k == "overrides" else v, out)
+                for k, v in obj.items() if k not in TIMING}
     if isinstance(obj, list):
         return [_without_timing(v, out) for v in obj]
     return obj.replace(out, "<out>") if isinstance(obj, str) else obj
