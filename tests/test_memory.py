@@ -476,7 +476,7 @@ def test_memory_stage_with_window_rows_on_any_step_lm(tmp_path):
     assert r["limited"] == "window" and r["tau"] == 1 and r["test_tokens"] == 19_999 and r["blocks"] == 10
     assert abs(r["mi_upper_bound_nats"] - r["exact_mi_nats"]) < 3 * r["mi_stderr_nats"]
     assert set(r["two_parameter"]) >= {"alpha", "beta", "mi_upper_bound_nats", "mi_stderr_nats"}
-    assert (tmp_path / "memory.json").is_file()
+    assert (tmp_path / "memory.json").is_file() and (tmp_path / "memory.png").is_file()  # the run's own figure
     from lmcal.errors import LmcalError
 
     with pytest.raises(LmcalError, match="analysis.memory.tau=TAU"):

@@ -383,3 +383,44 @@ def test_markov_memory_figure_shows_the_exact_value_and_counts_have_integer_tick
     assert all(float(t).is_integer() for t in ticks)
     plots.entropy_curve_figure({"m": (np.ones(3), np.zeros(3))}, tmp_path / "e.png")
     assert all(float(t).is_integer() for t in figs[-1].axes[0].get_xticks())
+
+
+def test_a_line_drawn_over_an_equal_one_says_so_in_the_legend(tmp_path, monkeypatch):
+    """issue 30: lines hid others without a word. A curve equal to an earlier one (within a fraction of the y range,
+    under a line's width) is dashed and its legend names the curve it covers; a curve that differs is left alone."""
+    from lmcal.stages import plots
+
+    figs = []
+    real_save = plots._save
+    monkeypatch.setattr(plots, "_save", lambda fig, path: (figs.append(fig), real_save(fig, path))[1])
+    a = np.linspace(4.0, 5.0, 50)
+    curves = {"model": (a, 0.01 * np.ones(50)), "calibrated": (a + 1e-4, 0.01 * np.ones(50)),
+              "temperature": (a + 0.05, 0.01 * np.ones(50))}
+    assert plots.covered_curves({k: m for k, (m, _) in curves.items()}) == {"calibrated": "model"}
+    plots.entropy_curve_figure(curves, tmp_path / "e.png")
+    lines = {ln.get_label(): ln.get_linestyle() for ln in figs[-1].axes[0].get_lines()}
+    assert lines == {"model": "-", "calibrated (the same curve as model, drawn over it)": "--", "temperature": "-"}
+    plots.memory_figure({"trained": ([2, 4], [0.3, 0.1], [0.01, 0.01]), "window": ([2, 4], [0.3, 0.1], None),
+                         "shifted": ([3, 5], [0.3, 0.1], None)}, tmp_path / "m.png")
+    labels = figs[-1].axes[0].get_legend_handles_labels()[1]
+    assert labels == ["trained", "window (the same points as trained, drawn over them)", "shifted"]
+
+
+def test_a_memory_run_draws_its_bound_and_the_parts_it_is_made_of(tmp_path, monkeypatch):
+    """issue 30: memory runs log their figure too. Left the CEs and entropy (nats), right the bound by estimator,
+    with the exact I_tau where the source is known."""
+    from lmcal.stages import plots
+
+    figs = []
+    real_save = plots._save
+    monkeypatch.setattr(plots, "_save", lambda fig, path: (figs.append(fig), real_save(fig, path))[1])
+    r = {"ce_full_nats": 4.6, "ce_full_stderr_nats": 0.02, "ce_limited_nats": 4.86, "ce_calibrated_nats": 4.7,
+         "entropy_calibrated_nats": 4.67, "mi_upper_bound_nats": 0.19, "mi_stderr_nats": 0.005,
+         "mi_upper_bound_crossfit_nats": 0.18, "two_parameter": {"mi_upper_bound_nats": 0.17, "mi_stderr_nats": 0.004},
+         "exact_mi_nats": 0.15, "paper": None}
+    assert plots.memory_bound_figure(r, tmp_path / "memory.png", title="t").is_file()
+    left, right = figs[-1].axes
+    assert [t.get_text() for t in left.get_yticklabels()] == [
+        "CE of the model", "CE of P~ (tau-limited)", "CE of P~ calibrated (alpha*)", "entropy of P~ calibrated"]
+    assert [t.get_text() for t in right.get_yticklabels()] == [
+        "alpha*, fit on the test rows", "alpha*, cross-fit", "alpha*, beta* (with temperature)", "exact I_tau"]

@@ -16,6 +16,7 @@ from lmcal.core.memory import memory_summary
 from lmcal.errors import LmcalError
 from lmcal.models.awd_lstm import AWDLSTM
 from lmcal.models.step_lm import as_step_lm
+from lmcal.stages.plots import memory_bound_figure
 from lmcal.stages.stage import Stage, pick, stage_context
 from lmcal.stages.wandb_run import wandb_log
 from lmcal.utils.io import write_json_atomic
@@ -122,11 +123,14 @@ def memory_stage(full_net, limited_net, valid_tokens: torch.Tensor, test_tokens:
         "paper": dict(zip(("ce_limited_nats", "mi_upper_bound_nats", "alpha"), ref, strict=True)) if ref else None,
         "base_ckpt": base_ckpt, "ckpt": ckpt, "rows_seconds": t_rows, "seconds": time.perf_counter() - t0,
     }
-    write_json_atomic(out / f"{name}.json", result)
+    png = memory_bound_figure(result, out / f"{name}.png",
+                              title=f"{model_name} on {corpus}, tau = {tau} ({limited}): the memory bound's parts")
+    write_json_atomic(out / f"{name}.json", result)  # last: its presence marks the stage done
     wandb_log(logger, scalars={f"{name}/{k}": result[k] for k in (
         "tau", "alpha", "ce_limited_nats", "mi_upper_bound_nats", "mi_upper_bound_crossfit_nats", "delta_ce_nats",
         "entropy_calibrated_nats")},
-        tables={f"{name}/table": (MEMORY_COLUMNS, [[result.get(c) for c in MEMORY_COLUMNS]])})
+        tables={f"{name}/table": (MEMORY_COLUMNS, [[result.get(c) for c in MEMORY_COLUMNS]])},
+        images={f"{name}/figure": png})
     two = result["two_parameter"]
     log.info(f"{name} tau={tau} ({limited}): alpha* {result['alpha']:.5f} +- {result['alpha_stderr']:.5f}; "
              f"CE(P||P~) {result['ce_limited_nats']:.4f}, ΔCE {result['delta_ce_nats']:.4f}; I_tau <= "

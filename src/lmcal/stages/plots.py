@@ -36,9 +36,12 @@ def entropy_curve_figure(curves: dict[str, tuple[np.ndarray, np.ndarray]], path:
     fig, axes = plt.subplots(2 if second else 1, 1, figsize=(width, 7.0 if second else 4.0), dpi=120, squeeze=False,
                              height_ratios=[1.4, 1] if second else None)
     ax = axes[0, 0]
+    covers = covered_curves({k: m for k, (m, _) in curves.items()})
     for label, (mean, se) in curves.items():
         t = np.arange(1, len(mean) + 1)
-        (line,) = ax.plot(t, mean, label=label, lw=1.4)
+        hides = covers.get(label)  # drawn over an earlier, equal curve: dashed, and the legend says which
+        (line,) = ax.plot(t, mean, label=f"{label} (the same curve as {hides}, drawn over it)" if hides else label,
+                          lw=1.4, ls="--" if hides else "-")
         ax.fill_between(t, mean - 1.96 * se, mean + 1.96 * se, color=line.get_color(), alpha=0.2, lw=0)
     for label, value in (reference_nats or {}).items():
         ax.axhline(value, ls=":", color="k", lw=1.2, label=label)
@@ -56,6 +59,24 @@ def entropy_curve_figure(curves: dict[str, tuple[np.ndarray, np.ndarray]], path:
     elif tail_differences:
         _tail_difference_axes(axes[1, 0], tail_differences)
     return _save(fig, path)
+
+
+def covered_curves(curves: dict[str, np.ndarray], rel_tol: float = 0.003) -> dict[str, str]:
+    """label -> the first earlier label whose curve it hides: the same length and, at every point, within rel_tol of
+    the figure's y range (well under a line's width on these axes). Drawn later, it would cover the earlier curve
+    without a word."""
+    arrays = {k: np.asarray(v, dtype=float) for k, v in curves.items()}
+    finite = np.concatenate([a[np.isfinite(a)] for a in arrays.values()]) if arrays else np.zeros(0)
+    span_ = float(finite.max() - finite.min()) if finite.size else 0.0
+    tol = rel_tol * span_ if span_ > 0 else 1e-12
+    covers: dict[str, str] = {}
+    labels = list(arrays)
+    for i, b in enumerate(labels):
+        for a in labels[:i]:
+            if a not in covers and arrays[a].shape == arrays[b].shape and np.all(np.abs(arrays[a] - arrays[b]) <= tol):
+                covers[b] = a
+                break
+    return covers
 
 
 def _difference_axes(ax, label: str, mean: np.ndarray, stderr: np.ndarray, tail: float, tail_stderr: float,
@@ -107,9 +128,15 @@ def memory_figure(series: dict[str, tuple[list, list, list | None]], path: str |
     Written atomically."""
     path = Path(path)
     fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=120)
+    # a series at the same taus and values as an earlier one would hide it: it is said in the legend
+    covers = {b: a for b, a in covered_curves({k: v for k, (_, v, _) in series.items()}).items()
+              if list(series[a][0]) == list(series[b][0])}
     for label, (tau, value, se) in series.items():
         style = ({"ls": "--", "marker": "s"} if label.startswith("paper") else
                  {"ls": ":", "marker": "x", "color": "k"} if label.startswith("exact") else {"marker": "o"})
+        if label in covers:
+            style = {**style, "ls": "--", "marker": "+", "ms": 10}
+            label = f"{label} (the same points as {covers[label]}, drawn over them)"
         yerr = None if se is None else 1.96 * np.asarray(se, dtype=float)
         ax.errorbar(tau, value, yerr=yerr, label=label, capsize=3, lw=1.4, **style)
     ax.axhline(0.0, color="k", lw=0.8)
@@ -148,4 +175,41 @@ def decoders_tradeoff_figure(rows: list[dict], path: str | Path, title: str = ""
     ax.grid(alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=7)
+    return _save(fig, path)
+
+
+def memory_bound_figure(result: dict, path: str | Path, title: str = "") -> Path:
+    """One memory run (a memory.json's keys): left, the cross-entropies and the entropy the bound is made of (nats);
+    right, the upper bound on I_tau = CE(P||P~) - H(calibrated P~) by each estimator, ±1.96 se where there is one,
+    beside the exact I_tau (synthetic sources) and the paper's value when known. Written atomically."""
+    path = Path(path)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9.6, 3.6), dpi=120, width_ratios=[1.2, 1])
+    levels = [("CE of the model", result.get("ce_full_nats"), result.get("ce_full_stderr_nats")),
+              ("CE of P~ (tau-limited)", result.get("ce_limited_nats"), None),
+              ("CE of P~ calibrated (alpha*)", result.get("ce_calibrated_nats"), None),
+              ("entropy of P~ calibrated", result.get("entropy_calibrated_nats"), None)]
+    levels = [(k, v, se) for k, v, se in levels if v is not None]
+    y = np.arange(len(levels))[::-1]
+    left.errorbar([v for _, v, _ in levels], y, xerr=[1.96 * (se or 0.0) for _, _, se in levels], fmt="o",
+                  capsize=3, ms=5)
+    left.set_yticks(y, [k for k, _, _ in levels], fontsize=8)
+    left.set_xlabel("nats (±1.96 se where known)")
+    left.grid(alpha=0.3, axis="x")
+    two = result.get("two_parameter") or {}
+    bounds = [("alpha*, fit on the test rows", result.get("mi_upper_bound_nats"), result.get("mi_stderr_nats")),
+              ("alpha*, cross-fit", result.get("mi_upper_bound_crossfit_nats"), None),
+              ("alpha*, beta* (with temperature)", two.get("mi_upper_bound_nats"), two.get("mi_stderr_nats")),
+              ("exact I_tau", result.get("exact_mi_nats"), None),
+              ("paper", (result.get("paper") or {}).get("mi_upper_bound_nats"), None)]
+    bounds = [(k, v, se) for k, v, se in bounds if v is not None]
+    y = np.arange(len(bounds))[::-1]
+    for yi, (k, v, se) in zip(y, bounds, strict=True):
+        exact = k.startswith(("exact", "paper"))
+        right.errorbar([v], [yi], xerr=[1.96 * (se or 0.0)], fmt="x" if exact else "o", color="k" if exact else None,
+                       capsize=3, ms=6)
+    right.axvline(0.0, color="k", lw=0.8)
+    right.set_yticks(y, [k for k, _, _ in bounds], fontsize=8)
+    right.set_xlabel("upper bound on I_tau (nats, ±1.96 se)")
+    right.grid(alpha=0.3, axis="x")
+    fig.suptitle(title, fontsize=10)
     return _save(fig, path)
