@@ -101,12 +101,29 @@ def test_rollout_targets_match_the_closed_form_within_their_monte_carlo_error():
         assert abs(err[trig].mean()) < 4 * err[trig].std() / math.sqrt(trig.sum()) + 1e-9
 
 
+def test_rollouts_with_a_stride_keep_the_same_examples_at_every_stride_th_word():
+    """issue 33: rollouts run the whole horizon and keep every stride-th word's example; the draws are counter-based,
+    so those examples are the very ones a stride-1 run gives at the same words, and each knows its word's index."""
+    orc, horizons = _oracle(trigger_rate=0.05), [(1, 1.0), (5, 0.95)]
+    every = rollout_examples(orc, _text(5000, 0), horizons, contexts=50, prefix_len=5, steps=20, seed=0)
+    some = rollout_examples(orc, _text(5000, 0), horizons, contexts=50, prefix_len=5, steps=20, stride=4, seed=0)
+    assert every.step.tolist()[:20] == list(range(1, 21)) and some.step.tolist()[:5] == [1, 5, 9, 13, 17]
+    keep = (every.step - 1) % 4 == 0
+    for a, b in ((every.features[keep], some.features), (every.words[keep], some.words),
+                 (every.targets[keep], some.targets), (every.group[keep], some.group)):
+        assert torch.equal(a, b)
+    assert some.model_steps == every.model_steps  # the runs are as long; fewer of their words are kept
+
+
 @pytest.mark.parametrize("oracle", ["delayed", "drifting"])
 def test_k1_head_gives_the_alpha_of_exact_one_step_lookahead(oracle):
     orc = _oracle() if oracle == "delayed" else DriftingOracle(CHAIN, T=50, noise_vocab=32)
     ex = rollout_examples(orc, _text(20000, 0), [(1, 1.0)], contexts=1000, prefix_len=5, steps=30, seed=0)
     head, stats = train_head(ex, 0, orc.vocab_size, hidden=128, rank=orc.vocab_size, epochs=6)
     assert stats["r2"] > 0.999  # exact targets: the head learns H_next itself
+    by = stats["r2_by_step"]  # ... at every stage of the free run, words 1-30 in five ranges
+    assert [b["steps"] for b in by] == [[1, 6], [7, 12], [13, 18], [19, 24], [25, 30]]
+    assert sum(b["examples"] for b in by) == stats["valid_examples"] and all(b["r2"] > 0.99 for b in by)
     fit_text = batchify(_text(20000, 1), 20)
     logp, f, y = fit_rows(orc, fit_text, min_context=5)
     fit = fit_future_calibration(logp, head_rows(head, f), y, streams=20, cluster_size=100)

@@ -318,6 +318,11 @@ def test_evaluate_model_hf_runs_the_generation_stages(tmp_path):
     assert res["decoders"]["calibration_reused"]  # same settings: the calibration stage's row, not a refit
     assert rows["calibration"]["entrate_ppl"] == res["calibration"]["entrate_ppl_after"]
     fe = [(r["method"], r["params"].get("horizon_k"), r["source"]) for r in res["future_entropy"]["rows"]]
+    # the heads' rollouts run the whole horizon (20 words: 5 examples, one every 4th) and the .md gives R² by word
+    assert (res["future_entropy"]["rollout_steps"], res["future_entropy"]["examples_per_rollout"]) == (20, 5)
+    by = res["future_entropy"]["rows"][1]["head"]["r2_by_step"]  # words 1, 5, ..., 17: one in each fifth
+    assert len(by) == 5 and by[0]["steps"][0] == 1 and by[-1]["steps"][1] == 17
+    assert "| K=1, γ=1 |" in (tmp_path / "eval" / "future_entropy.md").read_text()
     assert fe == [("model", None, "future_entropy"), ("future_entropy", 1, "future_entropy"),
                   ("future_entropy_temperature", 1, "future_entropy"), ("future_entropy", 5, "future_entropy"),
                   ("future_entropy_temperature", 5, "future_entropy"), ("lookahead_exact", None, "future_entropy"),

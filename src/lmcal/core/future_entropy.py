@@ -20,9 +20,10 @@ regression only. At use U is formed once, so a step costs one [r, V] product mor
 
 Training data (rollout_examples): rows start at random points of the training text; each row reads a prefix, then
 its first candidate is the true next word (half the rows) or a draw from the model (the other half), and the row then
-runs free for `steps + K_max - 1` words. Each of its first `steps` words w_i gives an example (state before w_i, w_i,
-sum_j discount**(j-1) H_{i+j}), with every horizon's target from the same run: one rollout per example, unbiased for
-G_K (the entropies are exact; only the continuation is sampled), and exact for K = 1.
+runs free for `steps + K_max - 1` words. Every `stride`-th of its first `steps` words w_i gives an example (state
+before w_i, w_i, sum_j discount**(j-1) H_{i+j}), with every horizon's target from the same run: one rollout per
+example, unbiased for G_K (the entropies are exact; only the continuation is sampled), and exact for K = 1. With
+`steps` the generation horizon, the examples cover every stage of a free run, the late ones where the drift is too.
 
 Everything here runs on the StepLM interface; the state features come from `features` (networks) or
 `state_features(state)` (the oracles).
@@ -119,7 +120,8 @@ class FutureEntropyHead(nn.Module):
 @dataclass
 class Examples:
     """Regression data of rollout_examples: f [n, F], words [n], targets [n, H] (one column per horizon), group [n]
-    (the rollout row each example came from: the unit of the train/validation split)."""
+    (the rollout row each example came from: the unit of the train/validation split), step [n] (the generated word
+    it chooses, 1 = the first after the prefix)."""
 
     features: torch.Tensor
     words: torch.Tensor
@@ -128,6 +130,7 @@ class Examples:
     horizons: list[tuple[int, float]]
     model_steps: int = 0
     seconds: float = 0.0
+    step: torch.Tensor | None = None
 
 
 def check_horizons(horizons) -> list[tuple[int, float]]:
@@ -144,16 +147,21 @@ def check_horizons(horizons) -> list[tuple[int, float]]:
 
 @torch.no_grad()
 def rollout_examples(lm, text: torch.Tensor, horizons, *, contexts: int = 400, prefix_len: int = 50,
-                     steps: int = 50, seed: int = 0, max_batch: int = 1024, progress: bool = False) -> Examples:
+                     steps: int = 50, stride: int = 1, seed: int = 0, max_batch: int = 1024,
+                     progress: bool = False) -> Examples:
     """Regression examples for every horizon at once, from 2 x `contexts` rollouts (see the module docstring): text
     [N] (training text); rows read `prefix_len` tokens, then half take the true next word and half a draw, and all
-    run free. Model steps: 2 x contexts x (prefix_len + steps + K_max - 1)."""
+    run free. Each row gives ceil(steps / stride) examples, at words 1, 1 + stride, ... of its free run. Model steps:
+    2 x contexts x (prefix_len + steps + K_max - 1)."""
     import time
 
     from lmcal.utils.progress import progress_bar
 
     horizons = check_horizons(horizons)
     kmax = max(k for k, _ in horizons)
+    if stride < 1 or steps < 1:
+        raise ValueError(f"rollout_examples: steps={steps} and stride={stride} must be positive")
+    kept = torch.arange(0, steps, stride)  # [E]: the words of each run that give examples
     t0 = time.perf_counter()
     windows = random_prefixes(text, contexts, prefix_len + 1, seed=seed)  # [C, L + 1]: the last is the true next word
     rows = torch.cat([windows, windows])  # [2C, L + 1]: the first half keeps the true word, the second draws
@@ -176,32 +184,35 @@ def rollout_examples(lm, text: torch.Tensor, horizons, *, contexts: int = 400, p
             w, _ = draw(logp.exp(), uniforms(seed + 1, gen, i))  # [B]
             if i == 0:
                 w = torch.where(true_word, chunk[:, -1].to(w.device), w)
-            if i < steps:
+            if i < steps and i % stride == 0:
                 f_buf.append(f.float().cpu())
                 w_buf.append(w.cpu())
             logp, f, state = step_features(lm, w, state)
             h_buf.append(entropy(logp).double().cpu())  # H_{i+1}: the law after word i
             bar.update(B)
-        feats.append(torch.stack(f_buf, 1))  # [B, steps, F]
-        words.append(torch.stack(w_buf, 1))  # [B, steps]
+        feats.append(torch.stack(f_buf, 1))  # [B, E, F]
+        words.append(torch.stack(w_buf, 1))  # [B, E]
         ents.append(torch.stack(h_buf, 1))  # [B, length + 1]
     bar.close()
     feats, words, ents = torch.cat(feats), torch.cat(words), torch.cat(ents)
     targets = []
     for k, d in horizons:  # G at example i = sum_{j<k} d**j H[:, i + j]
         weights = d ** torch.arange(k, dtype=torch.float64)
-        targets.append(ents.unfold(1, k, 1)[:, :steps] @ weights)  # [rows, steps]
-    group = torch.arange(n_rows)[:, None].expand(n_rows, steps)
+        targets.append(ents.unfold(1, k, 1)[:, kept] @ weights)  # [rows, E]
+    group = torch.arange(n_rows)[:, None].expand(n_rows, kept.numel())
+    step = (kept + 1)[None, :].expand(n_rows, kept.numel())
     F = feats.size(-1)
     return Examples(feats.reshape(-1, F), words.reshape(-1), torch.stack(targets, -1).reshape(-1, len(horizons)),
-                    group.reshape(-1), horizons, n_rows * (prefix_len + length + 1), time.perf_counter() - t0)
+                    group.reshape(-1), horizons, n_rows * (prefix_len + length + 1), time.perf_counter() - t0,
+                    step.reshape(-1))
 
 
 def train_head(ex: Examples, column: int, vocab_size: int, words: torch.Tensor | None = None, *, hidden: int = 256,
                rank: int = 64, epochs: int = 8, batch_size: int = 512, lr: float = 3e-3, weight_decay: float = 1e-4,
-               valid_fraction: float = 0.1, seed: int = 0) -> tuple[FutureEntropyHead, dict]:
+               valid_fraction: float = 0.1, seed: int = 0, step_bins: int = 5) -> tuple[FutureEntropyHead, dict]:
     """The head for horizon ex.horizons[column], by Adam on the squared error of standardised targets; the rollout
-    rows of `valid_fraction` are held out. Returns (head in eval mode, {"r2", "rmse_nats", "valid_examples", ...})."""
+    rows of `valid_fraction` are held out. Returns (head in eval mode, {"r2", "rmse_nats", "valid_examples", ...,
+    "r2_by_step": the held-out R² over `step_bins` equal ranges of the generated word's index, when ex has steps})."""
     k, d = ex.horizons[column]
     g = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)  # the head's initial weights
@@ -235,7 +246,27 @@ def train_head(ex: Examples, column: int, vocab_size: int, words: torch.Tensor |
              "rmse_nats": err.pow(2).mean().sqrt().item(),
              "r2": 1 - err.pow(2).mean().item() / var if var > 0 else None,
              "target_mean_nats": y.mean().item(), "target_std_nats": y.std().item()}
+    if ex.step is not None:
+        stats["r2_by_step"] = r2_by_step(err, y[va].double(), ex.step[va], step_bins)
     return head, stats
+
+
+def r2_by_step(err: torch.Tensor, target: torch.Tensor, step: torch.Tensor, bins: int) -> list[dict]:
+    """Held-out fit by stage of the free run: err, target, step [n] (prediction error, target, generated word index)
+    -> one row per range of steps: {"steps": [first, last], "examples", "r2" (None where the targets do not vary),
+    "rmse_nats"}. The ranges split [1, max step] into `bins` equal parts (fewer where there are fewer steps)."""
+    top = int(step.max())
+    edges = torch.linspace(0, top, min(bins, top) + 1).round().long()
+    rows = []
+    for lo, hi in zip(edges[:-1].tolist(), edges[1:].tolist(), strict=True):
+        m = (step > lo) & (step <= hi)
+        if not m.any():
+            continue
+        e, y = err[m], target[m]
+        var = y.var().item() if m.sum() > 1 else 0.0
+        rows.append({"steps": [lo + 1, hi], "examples": int(m.sum()), "rmse_nats": e.pow(2).mean().sqrt().item(),
+                     "r2": 1 - e.pow(2).mean().item() / var if var > 0 else None})
+    return rows
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -105,8 +105,9 @@ def stream_sizes(name: str, a: dict, m: Model, memory_tau: int | None) -> list[t
                           score // a["score_streams"]))
     if name == "future_entropy":
         k = max(a["horizon_k"]) if isinstance(a["horizon_k"], list) else a["horizon_k"]
+        steps = a.get("rollout_steps") or a["horizon"]  # null: the horizon
         sizes.append((f"rollout_prefix + rollout_steps + max(horizon_k) = {a['rollout_prefix']} + "
-                      f"{a['rollout_steps']} + {k}", a["rollout_prefix"] + a["rollout_steps"] + k))
+                      f"{steps} + {k}", a["rollout_prefix"] + steps + k))
     if name == "sequence_calibration" and a.get("soft_value"):
         sizes.append((f"sv_prefix + sv_steps = {a['sv_prefix']} + {a['sv_steps']}", a["sv_prefix"] + a["sv_steps"]))
     if name == "memory":
@@ -132,7 +133,8 @@ def model_steps(name: str, a: dict, m: Model, memory_tau: int | None = None) -> 
     if name == "future_entropy":
         k = max(a["horizon_k"]) if isinstance(a["horizon_k"], list) else a["horizon_k"]
         heads = len(a["horizon_k"]) * len(a["discount"])
-        return a["rollouts"] * (a["rollout_prefix"] + a["rollout_steps"] + k) + fit + (heads + 1) * (score + gen)
+        steps = a.get("rollout_steps") or a["horizon"]
+        return a["rollouts"] * (a["rollout_prefix"] + steps + k) + fit + (heads + 1) * (score + gen)
     if name == "sequence_calibration":  # SMC rows, alpha*'s ~10 bracketing fits, the soft-value rounds
         window = a["prefix_len"] + a["horizon"]
         smc = sum(a["particles"]) * gen + 10 * a["fit_prefixes"] * a["fit_particles"] * window

@@ -155,7 +155,7 @@ def future_entropy_markdown(cfg: DictConfig, out: Path) -> list[str]:
     """REPORT.md's section of the future_entropy stage (none where the profile does not run it)."""
     if "future_entropy" not in cfg.stages:
         return []
-    from lmcal.stages.future_entropy import future_entropy_table
+    from lmcal.stages.future_entropy import future_entropy_table, heads_fit_table
 
     fe = read_json(out / cfg.dataset / "future_entropy" / "future_entropy.json")
     return [
@@ -163,7 +163,10 @@ def future_entropy_markdown(cfg: DictConfig, out: Path) -> list[str]:
         *future_entropy_lines(fe),
         f"Heads on the frozen model's state predict each next word's discounted future entropy G_K (K words, "
         f"discount γ), trained on {fe['rollouts']} rollouts from the training text ({fe['rollout_examples']:,} "
-        f"examples, one rollout each); P ∝ P̂ exp(α g) and P̂^β exp(α g) fitted by the cross-entropy of "
+        f"examples, one rollout each"
+        + (f"; {fe['examples_per_rollout']} per rollout, spread over its {fe['rollout_steps']} free words, so the "
+           "late words where the drift is are learnt too" if fe.get("rollout_steps") else "") +
+        f"); P ∝ P̂ exp(α g) and P̂^β exp(α g) fitted by the cross-entropy of "
         f"{fe['fit_tokens']:,} validation positions. Rows from the decoders stage are on the same prefixes, seeds "
         "and test words. Δ test CE is paired with the model word by word (± one standard error, blocks of "
         f"{fe['cluster_size']} positions); ms / word: one generated word in {fe['timing_prefixes']} x "
@@ -173,6 +176,9 @@ def future_entropy_markdown(cfg: DictConfig, out: Path) -> list[str]:
         "nats.", "",
         future_entropy_table(fe["rows"], fe["reference_test_ce_nats"]).rstrip("\n"), "",
         *claims_markdown([*best_head_claims(fe), *heads_claims(fe["rows"])]),
+        *(["The heads' held-out R² on rollouts they did not learn from, overall and by generated word:", "",
+           heads_fit_table(fe["rows"], fe.get("unit", "word")).rstrip("\n"), ""] if heads_fit_table(fe["rows"])
+          else []),
         "![future entropy](figure_future_entropy.png)", "",
     ]
 

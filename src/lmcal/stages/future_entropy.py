@@ -62,7 +62,8 @@ def _paired_ce(logq: torch.Tensor, logq_ref: torch.Tensor, streams: int, cluster
 
 def future_entropy_stage(lm, train_tokens: torch.Tensor, valid_tokens: torch.Tensor, test_tokens: torch.Tensor,
                          out_dir: str | Path, *, horizon_k=(1, 5, 20, 100), discount=(1.0, 0.95), rollouts: int = 800,
-                         rollout_prefix: int = 50, rollout_steps: int = 50, hidden: int = 256, rank: int = 64,
+                         rollout_prefix: int = 50, rollout_steps: int | None = None,
+                         examples_per_rollout: int = 50, hidden: int = 256, rank: int = 64,
                          epochs: int = 8, batch_size: int = 512, lr: float = 3e-3, weight_decay: float = 1e-4,
                          temperature: bool = True, exact_lookahead: str | bool = "auto", exact_max_vocab: int = 2000,
                          fit_tokens: int = 20_000, fit_streams: int = 20, min_context: int = 100,
@@ -74,7 +75,9 @@ def future_entropy_stage(lm, train_tokens: torch.Tensor, valid_tokens: torch.Ten
                          horizon: int = 700, seed: int = 0, max_batch: int = 1024, model_name: str = "model",
                          corpus: str = "ptb", logger=None, name: str = "future_entropy", unit: str = "word") -> dict:
     """Calibration against future-entropy heads (lmcal.core.future_entropy) beside every other method, from the same
-    prefixes and seeds: one head per (horizon_k, discount) trained on `rollouts` rollouts from the training text,
+    prefixes and seeds: one head per (horizon_k, discount) trained on `rollouts` rollouts from the training text (each
+    runs `rollout_steps` words past its prefix, the generation horizon when null, and gives `examples_per_rollout`
+    examples spread evenly over them, so the heads learn the late words too, where the drift is),
     P ∝ P exp(a g) (and, with `temperature`, P^b exp(a g)) fitted on the first `fit_tokens` validation tokens; the
     plain model; exact one-step lookahead where affordable (`exact_lookahead`: auto = vocabularies up to
     exact_max_vocab); and the decoders stage's rows (`decoders`: its result, with the same generation and scoring
@@ -136,8 +139,10 @@ def future_entropy_stage(lm, train_tokens: torch.Tensor, valid_tokens: torch.Ten
     rows = [measure("model", {}, lm)]
     # the heads: rollouts on the training text, one regression per horizon, all from the same rollouts
     t_roll = time.perf_counter()
+    steps = int(rollout_steps or horizon)  # the heads learn from the whole run they are used on
+    stride = max(1, math.ceil(steps / examples_per_rollout))
     ex = rollout_examples(lm, train_tokens, heads_spec, contexts=max(1, rollouts // 2), prefix_len=rollout_prefix,
-                          steps=rollout_steps, seed=seed, max_batch=max_batch, progress=True)
+                          steps=steps, stride=stride, seed=seed, max_batch=max_batch, progress=True)
     log.info(f"{name}: {ex.targets.size(0):,} examples from {rollouts} rollouts ({ex.model_steps:,} model steps, "
              f"{time.perf_counter() - t_roll:.0f} s)")
     logp, feats, y = fit_rows(lm, fit_text, min_context, progress=True)
@@ -201,6 +206,7 @@ def future_entropy_stage(lm, train_tokens: torch.Tensor, valid_tokens: torch.Ten
     result = {"model": model_name, "corpus": corpus, "rows": rows, "reference_test_ce_nats": ref_ce,
               "reference_test_ppl": exp_or_inf(ref_ce), "heads": [list(h) for h in heads_spec],
               "rollouts": rollouts, "rollout_examples": int(ex.targets.size(0)), "rollout_model_steps": ex.model_steps,
+              "rollout_steps": steps, "examples_per_rollout": len(range(0, steps, stride)),
               "rollout_seconds": ex.seconds, "fit_tokens": int(y.numel()), "fit_streams": fit_streams,
               "min_context": min_context, "cluster_size": cluster_size, "decoders_reused": bool(reuse),
               "exact_lookahead": do_exact, "timing_prefixes": timing_prefixes, "timing_horizon": timing_horizon,
@@ -208,9 +214,11 @@ def future_entropy_stage(lm, train_tokens: torch.Tensor, valid_tokens: torch.Ten
               "mix_epsilon": mix_epsilon, "best_head": best_head, **settings, "unit": unit,
               "seconds": time.perf_counter() - t0}
     png = future_entropy_figure(result, out / f"{name}.png")
+    fit_table = heads_fit_table(rows, unit)
+    fit_table = f"\nThe heads' held-out R² on their rollouts, by generated {unit}:\n\n{fit_table}" if fit_table else ""
     write_text_atomic(out / f"{name}.md", future_entropy_table(rows, ref_ce) + f"\nEntropies and cross-entropies in "
                       f"nats per {unit}; ms per generated {unit} on {timing_prefixes * samples_per_prefix} "
-                      f"generations of {timing_horizon}.\n")
+                      f"generations of {timing_horizon}.\n" + fit_table)
     write_json_atomic(out / f"{name}.json", result)
     wandb_log(logger, scalars={f"{name}/{r['method']}{_suffix(r)}/{k}": r[k] for r in rows
                                for k in ("tail_ppl", "test_ce_nats", "ms_per_token") if r[k] is not None},
@@ -287,6 +295,24 @@ def future_entropy_table(rows: list[dict], ref_ce: float | None) -> str:
                      f"| {r['ms_per_token']:.3f} | {ratio} |")
     if ref_ce is not None:
         lines.append(f"\nThe model's test perplexity: {exp_or_inf(ref_ce):.1f}.")
+    return "\n".join(lines) + "\n"
+
+
+def heads_fit_table(rows: list[dict], unit: str = "word") -> str:
+    """Each head's held-out R² on its rollouts, overall and by stage of the free run (the generated word's index):
+    one line per head (its plain row; the temperature row shares the head). Empty when no row has r2_by_step."""
+    heads = [r for r in rows if r["method"] == "future_entropy" and (r.get("head") or {}).get("r2_by_step")]
+    if not heads:
+        return ""
+    bins = [tuple(b["steps"]) for b in heads[0]["head"]["r2_by_step"]]
+    lines = ["| head | R², all | " + " | ".join(f"R², {unit}s {a}–{b}" for a, b in bins) + " |",
+             "|" + "---|" * (len(bins) + 2)]
+    for r in heads:
+        h = r["head"]
+        by = {tuple(b["steps"]): b["r2"] for b in h["r2_by_step"]}
+        cells = ["–" if by.get(b) is None else f"{by[b]:.3f}" for b in bins]
+        lines.append(f"| K={h['horizon_k']}, γ={h['discount']:g} | "
+                     f"{'–' if h.get('r2') is None else format(h['r2'], '.3f')} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
