@@ -8,7 +8,9 @@ def test_setup_sentence_states_what_is_recorded_and_the_departures():
          "fit_tokens": 10000, "test_tokens": 9990, "seed": 0, "topk": 16, "tail_samples": 16}
     text = S.setup_sentence("calibration", "AWD-LSTM", s, [S.topk_departure(s)])
     assert text.startswith("Setup (calibration): AWD-LSTM; 300 generations (100 validation prefixes of 100 words, 3 "
-                           "each); horizon 200 words (the paper: 700); ε = 0 (no uniform mixture: the paper mixes ε")
+                           "each); horizon 200 words (the paper: 700; shorter here because every method generates "
+                           "the whole horizon for each generation, so this stage's time grows with it, and the profile "
+                           "keeps to its time budget); ε = 0 (no uniform mixture: the paper mixes ε")
     assert "fitted on 10,000 validation positions; scored on 9,990 test tokens; seed 0; per-token top-16" in text
     assert S.setup_sentence("Table 1", "M", {"num_generations": 500, "horizon": 700}) == \
         "Setup (Table 1): M; 500 generations; horizon 700 words."  # the paper's horizon: no departure to state

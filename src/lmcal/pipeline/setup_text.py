@@ -21,11 +21,15 @@ def generations(s: dict) -> str | None:
 
 
 def horizon(s: dict) -> str | None:
-    """'horizon 200 words (the paper: 700)', or None where the setting is not recorded."""
+    """'horizon 200 words (the paper: 700; ...why)', or None where the setting is not recorded."""
     h = s.get("horizon")
     if not h:
         return None
-    return f"horizon {h} words" + ("" if h == paper.HORIZON else f" (the paper: {paper.HORIZON})")
+    if h == paper.HORIZON:
+        return f"horizon {h} words"
+    return f"horizon {h} words (the paper: {paper.HORIZON}" + (
+        "; shorter here because every method generates the whole horizon for each generation, so this stage's time "
+        "grows with it, and the profile keeps to its time budget)" if h < paper.HORIZON else ")")
 
 
 def setup_sentence(what: str, model: str, s: dict, extra: list[str] | None = None) -> str:
