@@ -123,6 +123,15 @@ def test_best_head_chosen_on_one_seed_reported_on_another():
     (c,) = C.best_head_claims({"rows": rows, "reference_test_ppl": 115.8})
     assert c.verdict == "not_within" and "on the same generations it is reported on (so optimistic)" in c.sentence
     assert "K=100" in c.sentence and c.numbers["se"] == pytest.approx(0.04)
+    # results.json keeps the chosen rows (future_entropy_best_head, sequence_calibration_goal), so the claims that
+    # docs/RESULTS.md writes from it alone are the ones REPORT.md wrote from the stages' own files
+    goal = {"method": "soft_value", "chosen_on_seed": 0, "reported_on_seed": 1, "tail_nats": math.log(137.5),
+            "tail_stderr_nats": 0.046, "test_ppl": 115.8, "candidates": ["a", "b", "c", "d"]}
+    res = {"future_entropy": [{"method": "model", "params": {}, "test_ce_nats": math.log(115.8)}],
+           "future_entropy_best_head": best, "sequence_calibration_goal": goal}
+    live = [*C.best_head_claims({"best_head": best, "reference_test_ppl": 115.8, "rows": []}),
+            *C.sequence_goal_claims({"goal": goal})]
+    assert [c.sentence for c in C.results_claims(res)] == [c.sentence for c in live]
 
 
 def test_memory_flags():

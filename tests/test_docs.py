@@ -57,7 +57,8 @@ def test_results_md_writes_the_claims_an_older_report_lacks(tmp_path):
 
     from lmcal.pipeline.claims import results_claims
 
-    cpu = json.loads((Path(__file__).resolve().parents[1] / "docs" / "runs" / "cpu" / "results.json").read_text())
+    # the cpu reproduction issue 33 read (2026-11-24), whose REPORT.md predated the claims module
+    cpu = json.loads((Path(__file__).resolve().parent / "fixtures" / "cpu_results_2026-11-24.json").read_text())
     run = tmp_path / "docs" / "runs" / "cpu"
     run.mkdir(parents=True)
     (run / "results.json").write_text(json.dumps(cpu))

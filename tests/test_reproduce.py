@@ -125,6 +125,8 @@ def test_the_wandb_dashboard_of_the_smoke_reproduction(uninterrupted):
         list(range(1, horizon + 1))
     dec = next(r for r in runs if r["job_type"] == "decoders")
     assert sum(k.startswith("decoders/curves/") for k in set().union(*dec["history"])) >= 8  # one per decoder
+    memory = [r for r in runs if r["job_type"] == "memory"]  # each logs its table row and its own figure
+    assert memory and all({"memory/table/_type", "memory/figure/_type"} <= set().union(*r["history"]) for r in memory)
 
 
 def test_every_effect_sentence_of_the_report_agrees_with_results_json(uninterrupted):

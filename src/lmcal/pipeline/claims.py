@@ -289,13 +289,16 @@ def memory_flags(rows: list[dict], beta_far: float = 0.2, z: float = Z) -> list[
 
 def results_claims(r: dict) -> list[Claim]:
     """Every claim that results.json alone supports (docs/RESULTS.md writes them for snapshots whose REPORT.md
-    predates this module): calibration, the future-entropy heads, and the memory flags."""
+    predates this module): calibration, the future-entropy heads (the best one as chosen on one seed and measured
+    on the next), Algorithm 1's goal row, and the memory flags."""
     out = calibration_claims(r) if "calibration" in r else []
     fe = r.get("future_entropy")
     model = _row(fe, "model")
     if fe and model and _finite(model.get("test_ce_nats")):
-        out += best_head_claims({"rows": fe, "reference_test_ppl": math.exp(model["test_ce_nats"])})
+        out += best_head_claims({"rows": fe, "reference_test_ppl": math.exp(model["test_ce_nats"]),
+                                 "best_head": r.get("future_entropy_best_head")})
     out += heads_claims(fe)
+    out += sequence_goal_claims({"goal": r.get("sequence_calibration_goal")})
     return out + memory_flags(r.get("memory", []))
 
 

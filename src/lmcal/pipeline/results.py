@@ -80,6 +80,7 @@ def collect_results(cfg: DictConfig, out: Path, names: list[str]) -> dict:
                    "oracle": markov_oracle(cfg, mk)},
         **{n: _unwrap(n, STAGES[n].summary(read_json(ptb / n / "evaluation.json")[n]))
            for n in cfg.stages if n not in PAPER_STAGES},
+        **_chosen_rows(cfg, ptb),
         "stages": {name: {k: r[k] for k in ("seconds", "status", "started_at", "finished_at") if k in r}
                    | stage_profile(Path(r["dir"]))
                    | ({"matmul_gflop_per_s": r["matmul_gflop_per_s"]} if r.get("matmul_gflop_per_s") else {})
@@ -93,6 +94,19 @@ SETTINGS = ("num_prefixes", "samples_per_prefix", "prefix_len", "horizon", "seed
 def _present(d: dict, *keys: str) -> dict:
     """The keys of d among `keys` that it has (a stage's file from before a key existed lacks it)."""
     return {k: d[k] for k in keys if k in d}
+
+
+def _chosen_rows(cfg: DictConfig, ptb: Path) -> dict:
+    """The rows chosen on one seed and measured again on the next (future_entropy's best head, sequence_calibration's
+    goal row), so that results.json alone supports the claims REPORT.md makes of them (docs/RESULTS.md)."""
+    out = {}
+    for stage, key, name in (("future_entropy", "best_head", "future_entropy_best_head"),
+                             ("sequence_calibration", "goal", "sequence_calibration_goal")):
+        if stage in cfg.stages:
+            chosen = read_json(ptb / stage / "evaluation.json")[stage].get(key)
+            if chosen:
+                out[name] = chosen
+    return out
 
 
 def _unwrap(name: str, summary: dict):
