@@ -158,6 +158,7 @@ def future_entropy_markdown(cfg: DictConfig, out: Path) -> list[str]:
     from lmcal.stages.future_entropy import future_entropy_table, heads_fit_table
 
     fe = read_json(out / cfg.dataset / "future_entropy" / "future_entropy.json")
+    fit_table = heads_fit_table(fe["rows"], fe.get("unit", "word"))
     return [
         "## Calibrating against future entropy (beyond one-step lookahead)", "",
         *future_entropy_lines(fe),
@@ -177,8 +178,7 @@ def future_entropy_markdown(cfg: DictConfig, out: Path) -> list[str]:
         future_entropy_table(fe["rows"], fe["reference_test_ce_nats"]).rstrip("\n"), "",
         *claims_markdown([*best_head_claims(fe), *heads_claims(fe["rows"])]),
         *(["The heads' held-out R² on rollouts they did not learn from, overall and by generated word:", "",
-           heads_fit_table(fe["rows"], fe.get("unit", "word")).rstrip("\n"), ""] if heads_fit_table(fe["rows"])
-          else []),
+           fit_table.rstrip("\n"), ""] if fit_table else []),
         "![future entropy](figure_future_entropy.png)", "",
     ]
 
