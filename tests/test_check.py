@@ -2,6 +2,7 @@
 sizes that do not fit a transformer's context are refused before anything runs, and the model arithmetic is exact."""
 
 import os
+import re
 import subprocess
 import sys
 
@@ -12,7 +13,7 @@ from omegaconf import OmegaConf
 from lmcal.errors import LmcalError
 from lmcal.models.awd_lstm import AWDLSTM
 from lmcal.models.transformer import GPTLM
-from lmcal.pipeline.check import check, model_of, stream_sizes
+from lmcal.pipeline.check import RATES, check, model_of, side_by_side, stream_sizes
 from lmcal.pipeline.plan import load_profile
 from lmcal.utils.settings import CONF_DIR
 
@@ -89,3 +90,33 @@ def test_stream_sizes_of_each_stage():
     assert [s for _, s in stream_sizes("memory", {"tau": None}, m, 30)] == [30]
     # the fit never reads more than the split holds: 73,760 validation tokens
     assert stream_sizes("calibration", {"fit_tokens": 10**9, "fit_streams": 1}, m, None)[0][1] == 73_760
+
+
+def _estimate_hours(text: str) -> float:
+    return float(re.search(r"= ([\d,]+) s = ([\d.]+) h\.\n", text).group(2))
+
+
+def test_the_paper_profile_is_sized_for_four_hours_on_one_gpu(tmp_path):
+    """Issue 32: the paper profile aims at 4 hours on one H100-class GPU, its six tau-models side by side; paper_full
+    keeps the paper's 500 epochs. The side-by-side term is max(rounds x one model at the recurrent rate, all of them at
+    the batched rate), recomputed here from the plan's own FLOP counts."""
+    text = check(load_profile(["profile=paper", f"out={tmp_path / 'p'}", "check=true"]))
+    full = check(load_profile(["profile=paper_full", f"out={tmp_path / 'f'}", "check=true"]))
+    assert 3.5 <= _estimate_hours(text) <= 4.2 < 8 <= _estimate_hours(full)
+    assert "tau_models: the 6 trainings side by side on the one GPU, 6 at once (hydra/launcher=local_parallel)" in text
+    assert "300 epochs" in next(ln for ln in text.splitlines() if ln.startswith("base:"))
+    assert "500 epochs" in next(ln for ln in full.splitlines() if ln.startswith("base:"))
+    one = float(re.search(r"tau_models tau=5: .* = ([\d.e+]+) FLOP;", text).group(1))
+    term = re.search(r"max\(1 x ([\d.e+]+) FLOP / 5e12, ([\d.e+]+) FLOP / 25e12\) = ([\d,]+) s "
+                     r"\(tau_models: 6 side by side, 6 at once\)", text)
+    assert float(term.group(1)) == one and float(term.group(2)) == pytest.approx(6 * one, rel=1e-3)
+    expect = max(one / (RATES["recurrent training"] * 1e12), 6 * one / (RATES["batched"] * 1e12))
+    assert int(term.group(3).replace(",", "")) == pytest.approx(expect, abs=1)
+    assert "67 TFLOP/s dense FP32 peak: TF32 is off" in text  # the precision policy's own peak, not TF32's
+
+
+def test_side_by_side_reads_the_launcher_and_its_jobs():
+    assert side_by_side(["lmcal.train", "-m", "experiment=paper"], 6) == 1  # the basic launcher: one after another
+    assert side_by_side(["hydra/launcher=slurm_gpu"], 6) == 1  # separate GPUs, not the one of the estimate
+    assert side_by_side(["hydra/launcher=local_parallel"], 6) == 2  # the preset's n_jobs
+    assert side_by_side(["hydra/launcher=local_parallel", "hydra.launcher.n_jobs=6"], 3) == 3  # no more than jobs

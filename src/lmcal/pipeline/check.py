@@ -13,6 +13,7 @@ the wall-time figure is an estimate from FLOP counts at a stated device rate, la
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 from lmcal.core.lookahead import CUDA_MAX_CHUNK
 from lmcal.errors import LmcalError
 from lmcal.pipeline.plan import plan
-from lmcal.utils.settings import composed
+from lmcal.utils.settings import CONF_DIR, composed
 from lmcal.utils.validate import check_config
 
 # Tokens of each split (PTB with its <eos>; the Markov source's come from its config). A corpus not listed is
@@ -30,12 +31,16 @@ from lmcal.utils.validate import check_config
 CORPUS_TOKENS = {"ptb": {"train": 929_589, "valid": 73_760, "test": 82_430}}
 PTB_VOCAB = 10_000
 # The device the wall-time estimate is for, and the rates assumed sustained on it: stated assumptions, not
-# measurements (no GPU has run this project). Batched work (transformer training, the analysis stages' wide batches
-# and lookahead chunks): about 10% of an H100's ~495 TFLOP/s dense TF32 peak. The AWD-LSTM's training steps 20 streams
-# through 3 layers token by token: latency-bound, a tenth of that. The FLOP counts per token are exact for the
-# matmuls (the cpu training bench, docs/bench/train_throughput.md, measures the same 1.45e8 FLOP a paper-model token).
-DEVICE, PEAK_TFLOPS, GPU_FREE_GB = "one H100-class GPU", 495.0, 80.0
-RATES = {"batched": 50.0, "recurrent training": 5.0}  # TFLOP/s
+# measurements (no GPU has run this project). The precision policy keeps TF32 off (lmcal.utils.device), so the peak is
+# an H100 SXM's ~67 TFLOP/s of dense FP32, not its TF32 tensor-core rate. Batched work (transformer training, the
+# analysis stages' wide batches and lookahead chunks) is taken at 25 TFLOP/s (37% of it). The AWD-LSTM's training
+# steps 20 streams through 3 layers token by token: latency-bound, 5 TFLOP/s (27 s a PTB epoch of the paper model).
+# Trainings side by side on the one GPU (the tau-models under hydra/launcher=local_parallel) overlap until together
+# they reach the batched rate. The FLOP counts per token are exact for the matmuls (the cpu training bench,
+# docs/bench/train_throughput.md, measures the same 1.45e8 FLOP a paper-model token).
+DEVICE, PEAK_TFLOPS, GPU_FREE_GB = "one H100-class GPU", 67.0, 80.0
+RATES = {"batched": 25.0, "recurrent training": 5.0}  # TFLOP/s
+SIDE_BY_SIDE_LAUNCHER = "hydra/launcher=local_parallel"  # a sweep's jobs as parallel local processes (joblib)
 GB = 1e9
 
 
@@ -172,6 +177,17 @@ def peak_tensors(name: str, a: dict, m: Model, budget_gb: float | None = None) -
     return out
 
 
+def side_by_side(cmd: list[str], n: int) -> int:
+    """How many of a training sweep's `n` jobs run at once on the one GPU: hydra.launcher.n_jobs (its preset's default
+    where not given) under hydra/launcher=local_parallel, else 1 (the basic launcher runs them one after another; a
+    Slurm launcher spreads them over GPUs the one-GPU estimate does not have)."""
+    if SIDE_BY_SIDE_LAUNCHER not in cmd:
+        return 1
+    given = [o.split("=", 1)[1] for o in cmd if o.startswith("hydra.launcher.n_jobs=")]
+    default = OmegaConf.load(CONF_DIR / "hydra" / "launcher" / "local_parallel.yaml").n_jobs
+    return max(1, min(n, int(given[-1] if given else default)))
+
+
 def _refuse(stage: str, m: Model, bad: list[tuple[str, int]], fix: str) -> LmcalError:
     listed = "; ".join(f"{what} = {size:,} tokens" for what, size in bad)
     return LmcalError(
@@ -184,7 +200,7 @@ def check(cfg: DictConfig) -> str:
     checked against the model it meets; raises LmcalError naming the stage, the keys and the limit otherwise."""
     stages = plan(cfg)
     models: dict[str, Model] = {}  # training stage dir -> its model
-    lines, est = [], []
+    lines, est, groups = [], [], []  # est: (name, FLOP, rate kind) one at a time; groups: trainings side by side
     for st in stages:
         if "fn" in st:
             lines.append(f"{st['name']}: results.json, REPORT.md (in-process)")
@@ -193,6 +209,7 @@ def check(cfg: DictConfig) -> str:
         where = f"Stage '{st['name']}' (python -m {entry}): "
         if entry == "lmcal.train":
             taus = [None] if "taus" not in st else list(st["taus"])
+            at_once, group = side_by_side(st["cmd"], len(taus)), []
             for t in taus:
                 c = composed(entry, overrides + ([f"model.memory_tau={t}"] if t else []))
                 check_config(c, where=where)  # every setting in its range (lmcal.utils.rules), as the run will
@@ -213,8 +230,14 @@ def check(cfg: DictConfig) -> str:
                              f"{m.corpus.get('train', 0):,} tokens = {tokens:,} tokens, "
                              f"3 x {m.step_flops:.3g} FLOP x tokens = {flops:.3g} FLOP; peak: "
                              + "; ".join(f"{w} {_bytes(b)}" for w, b in peak))
-                est.append((st["name"] + ("" if t is None else f" tau={t}"), flops,
-                            "recurrent training" if m.kind == "awd_lstm" else "batched"))
+                kind = "recurrent training" if m.kind == "awd_lstm" else "batched"
+                (group.append((flops, sum(b for _, b in peak))) if at_once > 1 else
+                 est.append((st["name"] + ("" if t is None else f" tau={t}"), flops, kind)))
+            if group:
+                groups.append((st["name"], len(group), at_once, [f for f, _ in group]))
+                lines.append(f"{st['name']}: the {len(group)} trainings side by side on the one GPU, {at_once} at once "
+                             f"({SIDE_BY_SIDE_LAUNCHER}): peak {at_once} x {_bytes(max(b for _, b in group))} of the "
+                             "tensors above, plus each process's CUDA context")
             continue
         c = composed(entry, overrides)
         check_config(c, where=where)
@@ -247,15 +270,21 @@ def check(cfg: DictConfig) -> str:
                      + (f" (largest {_bytes(top[1])})" if top else ""))
     seconds = {n: f / (RATES[kind] * 1e12) for n, f, kind in est}
     by_kind = {k: sum(f for _, f, kind in est if kind == k) for k in RATES}
+    terms = [f"{by_kind[k]:.3g} FLOP / {r:g}e12 ({k}, one at a time)" for k, r in RATES.items() if by_kind[k]]
+    for name, n, k, flops in groups:  # each alone latency-bound; together at most the batched rate
+        rounds, slow, fast = math.ceil(n / k), RATES["recurrent training"], RATES["batched"]
+        seconds[f"{name} ({n} side by side)"] = t = max(rounds * max(flops) / (slow * 1e12), sum(flops) / (fast * 1e12))
+        terms.append(f"max({rounds} x {max(flops):.3g} FLOP / {slow:g}e12, {sum(flops):.3g} FLOP / {fast:g}e12) "
+                     f"= {t:,.0f} s ({name}: {n} side by side, {k} at once)")
     total = sum(seconds.values())
     head = [f"Plan of the {cfg.profile} profile: {len(stages)} stages, all composed and within their ranges; every "
             "stream fits its model's context.", ""]
     tail = ["", f"Wall time on {DEVICE}: an ESTIMATE from FLOP counts at assumed rates, not a measurement "
-            f"(stages one after another, kernel-launch overheads not counted). Assumed sustained rates: "
-            + ", ".join(f"{k} {r:g} TFLOP/s ({100 * r / PEAK_TFLOPS:.0f}% of a {PEAK_TFLOPS:g} TFLOP/s dense TF32 "
-                        "peak)" for k, r in RATES.items()) + ". "
-            + " + ".join(f"{by_kind[k]:.3g} FLOP / {r:g}e12 ({k})" for k, r in RATES.items())
-            + f" = {total:,.0f} s = {total / 3600:.1f} h.",
+            "(stages one after another, trainings side by side where the profile's launcher runs them so, "
+            "kernel-launch overheads not counted). Assumed sustained rates: "
+            + ", ".join(f"{k} {r:g} TFLOP/s ({100 * r / PEAK_TFLOPS:.0f}% of a {PEAK_TFLOPS:g} TFLOP/s dense FP32 "
+                        "peak: TF32 is off)" for k, r in RATES.items()) + ". "
+            + " + ".join(terms) + f" = {total:,.0f} s = {total / 3600:.1f} h.",
             "Largest stages: " + ", ".join(f"{n} {t / 3600:.2f} h" for n, t in
                                            sorted(seconds.items(), key=lambda e: -e[1])[:6])]
     return "\n".join(head + lines + tail)

@@ -19,7 +19,7 @@ from lmcal.stages.wandb_run import reproduction_group
 from lmcal.utils.settings import CONF_DIR, composed, settings_of
 from lmcal.utils.validate import check_config
 
-PROFILES = ("paper", "cpu", "smoke")
+PROFILES = ("paper", "paper_full", "cpu", "smoke")
 
 
 def resolve_profile(name: str) -> tuple[str, str | None]:
@@ -29,9 +29,10 @@ def resolve_profile(name: str) -> tuple[str, str | None]:
 
         name = "paper" if torch.cuda.is_available() else "cpu"
         return name, (f"PROFILE=auto: running the '{name}' profile ({'CUDA found' if name == 'paper' else 'no CUDA'}"
-                      "); choose another with `make reproduce PROFILE=paper|cpu|smoke`.")
+                      "); choose another with `make reproduce PROFILE=paper|paper_full|cpu|smoke`.")
     if name not in PROFILES:
-        raise LmcalError(f"Unknown profile {name!r}: use auto, paper, cpu or smoke.")
+        raise LmcalError(f"Unknown profile {name!r}: use auto, paper (one GPU, about 4 hours), paper_full (the "
+                         "paper's 500 epochs), cpu or smoke.")
     return name, None
 
 
