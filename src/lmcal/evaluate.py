@@ -14,7 +14,7 @@ import logging
 from pathlib import Path
 
 import hydra
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from lmcal.core.lookahead import set_memory_budget
 from lmcal.errors import LmcalError
@@ -22,7 +22,7 @@ from lmcal.stages.registry import run_stages
 from lmcal.stages.targets import checkpoint_target, hf_target, stage_settings
 from lmcal.stages.wandb_run import finish_run, wandb_run
 from lmcal.utils.boundary import boundary, run_hydra
-from lmcal.utils.device import apply_precision_policy
+from lmcal.utils.device import apply_precision_policy, resolve_device
 from lmcal.utils.io import write_json_atomic
 from lmcal.utils.lock import run_lock
 from lmcal.utils.quiet import quiet_third_party
@@ -37,6 +37,8 @@ def evaluate(cfg: DictConfig) -> dict:
     """Runs the stages on the checkpoint or Hugging Face model, writes evaluation.json. Settings are checked first,
     then the run folder is locked for this process."""
     check_config(cfg)
+    with open_dict(cfg):  # the one device every model of the run goes to (not one of the recorded settings)
+        cfg.device = resolve_device(cfg.get("device"))
     apply_precision_policy()  # TF32 off, set explicitly (lmcal.utils.device)
     out = Path(cfg.paths.output_dir)
     with run_lock(out, "evaluation"):
@@ -56,6 +58,7 @@ def _evaluate(cfg: DictConfig, out: Path) -> dict:
                          "model.name_or_path=FOLDER (a Hugging Face causal LM).")
     target = hf_target(cfg, settings) if hf else checkpoint_target(cfg, settings)
     results = target["results"]
+    results["device"] = str(cfg.device)
     stages = list(cfg.stages)
     window = (settings.get("memory") or {}).get("limited") == "window"
     logger = wandb_run(cfg.get("logger"), OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False), out,

@@ -177,11 +177,25 @@ def check_one_device(cfg: DictConfig) -> None:
             "`python -m lmcal.train -m hydra/launcher=slurm_gpu ...`.")
 
 
+def check_accelerator(cfg: DictConfig) -> None:
+    """trainer.accelerator=gpu (or cuda) on a machine without CUDA: refused in the words of the analysis entry point's
+    device=cuda (lmcal.utils.device.resolve_device), before any folder is written."""
+    import torch
+
+    accel = str((cfg.get("trainer") or {}).get("accelerator", "auto"))
+    if accel in ("gpu", "cuda") and not torch.cuda.is_available():
+        raise LmcalError(f"trainer.accelerator={accel}, but this machine has no CUDA device torch can use (torch "
+                         f"{torch.__version__}, CUDA build {torch.version.cuda or 'none: a CPU-only wheel'}). Nothing "
+                         "was run or written. Train with trainer.accelerator=auto (the GPU where there is one, else "
+                         "the CPU) or cpu, or install a CUDA wheel of torch on a machine with an NVIDIA GPU.")
+
+
 def train(cfg: DictConfig) -> dict:
     """Fit (or resume), evaluate the best checkpoint on valid and test, write metrics.json. Settings are checked
     first (one device only), then the run folder is locked for this process."""
     check_config(cfg)
     check_one_device(cfg)
+    check_accelerator(cfg)
     apply_precision_policy()  # TF32 off, set explicitly (lmcal.utils.device)
     out = Path(cfg.paths.output_dir)
     with run_lock(out, "training"):

@@ -24,3 +24,34 @@ def precision_policy() -> dict:
     return {"tf32_matmul": bool(torch.backends.cuda.matmul.allow_tf32),
             "tf32_cudnn": bool(torch.backends.cudnn.allow_tf32),
             "float32_matmul_precision": torch.get_float32_matmul_precision()}
+
+
+def resolve_device(name: str | None) -> str:
+    """The analysis entry point's one `device` key as a torch device string: null is cuda where CUDA is available,
+    else cpu. A device this machine cannot run on is refused in one paragraph (LmcalError), before any model loads."""
+    from lmcal.errors import LmcalError
+
+    if name is None or str(name).strip() in ("", "auto"):
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        dev = torch.device(str(name))
+    except (RuntimeError, ValueError):
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda", "mps"):
+        raise LmcalError(f"device={name} is not a device lmcal runs on: use cpu, cuda, cuda:N (the N-th visible GPU), "
+                         "mps, or null (cuda where available, else cpu).")
+    if dev.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise LmcalError(f"device={name}, but this machine has no CUDA device torch can use (torch "
+                             f"{torch.__version__}, CUDA build {torch.version.cuda or 'none: a CPU-only wheel'}). Run "
+                             "with device=cpu (or device=null), or install a CUDA wheel of torch on a machine with an "
+                             "NVIDIA GPU.")
+        if dev.index is not None and dev.index >= count:
+            raise LmcalError(f"device={name}, but only {count} CUDA device{'s are' if count > 1 else ' is'} visible "
+                             f"(cuda:0{f' .. cuda:{count - 1}' if count > 1 else ''}; CUDA_VISIBLE_DEVICES limits "
+                             "them). Choose one of those.")
+    if dev.type == "mps" and not torch.backends.mps.is_available():
+        raise LmcalError(f"device={name}, but this machine has no MPS (Apple GPU) device torch can use. Run with "
+                         "device=cpu or device=null.")
+    return str(dev)
