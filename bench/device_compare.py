@@ -73,7 +73,7 @@ def run_device(device: str, folder: Path, analysis_ckpt: Path) -> Path:
         _run([sys.executable, "-m", "lmcal.train", *TRAIN, f"trainer.accelerator={_accelerator(device)}",
               f"trainer.max_epochs={epochs}", f"hydra.run.dir={train}"], folder)
     _run([sys.executable, "-m", "lmcal.evaluate", f"ckpt={train / 'checkpoints' / 'last.ckpt'}", f"device={device}",
-          "logger=none", "stages=[entropy_rate]", f"hydra.run.dir={folder / 'train_eval'}"], folder)
+          "logger=none", "analysis=smoke", "stages=[entropy_rate]", f"hydra.run.dir={folder / 'train_eval'}"], folder)
     _run([sys.executable, "-m", "lmcal.evaluate", f"ckpt={analysis_ckpt}", f"device={device}", *EVALUATE,
           f"stages=[{','.join(STAGES)}]", f"hydra.run.dir={folder / 'evaluate'}"], folder)
     return folder
