@@ -5,8 +5,9 @@
     compare(a_dir, b_dir) -> rows              # their results, quantity by quantity, each against its tolerance
 
 What runs, on the order-2 Markov source (generated in memory: no corpus on disk is needed):
-- training: `experiment=smoke` with `optim.nonmono=1`, killed after 3 epochs (the NT-ASGD switch comes at epoch 2) and
-  rerun in the same folder to 4 epochs, so it resumes from `last.ckpt` with the averages; the resumed run's last
+- training: `experiment=smoke` with `optim.nonmono=1`, stopped after 3 epochs (the NT-ASGD switch comes at epoch 2,
+  so this is a run interrupted after its switch) and rerun in the same folder to 4 epochs, so it resumes from
+  `last.ckpt` with the averages; the resumed run's last
   checkpoint (the averaged weights) is then scored on the test text on the same device;
 - analysis: one small model of `experiment=markov`, trained once on the CPU (`train_analysis_model`: it learns the
   source, so alpha* is finite), through every stage (`STAGES`, `analysis=smoke`; memory on tau=2 windows) with
@@ -65,7 +66,7 @@ def train_analysis_model(folder: Path) -> Path:
 
 
 def run_device(device: str, folder: Path, analysis_ckpt: Path) -> Path:
-    """On `device` (cpu, cuda): the smoke training killed after the switch and resumed, its last checkpoint scored, and
+    """On `device` (cpu, cuda): the smoke training stopped after the switch and resumed, its last checkpoint scored, and
     every analysis stage on `analysis_ckpt`. Results under folder/{train,train_eval,evaluate}."""
     folder.mkdir(parents=True, exist_ok=True)
     train = folder / "train"

@@ -10,7 +10,7 @@ Needs CUDA. Without it the report says so (which torch is installed, whether it 
 - paper-size training tokens/s, ours against a plain cuDNN nn.LSTM stack in one run (bench/train_throughput.py);
 - one calibrated paper-size lookahead step (100 rows, top-64 + the true word + 16 draws, V = 10,000): time, with
   synchronisation, and peak memory (torch.cuda.max_memory_allocated);
-- "CPU against CUDA" (bench/device_compare.py): a smoke training killed after the NT-ASGD switch and resumed through
+- "CPU against CUDA" (bench/device_compare.py): a smoke training stopped after the NT-ASGD switch and resumed through
   `python -m lmcal.train`, and every analysis stage through `python -m lmcal.evaluate`, on the CPU and on CUDA, with
   the table of quantities (alpha*, entropy curves, CE, the memory bound...) and each one's stated tolerance. Its runs
   go to outputs/gpu-check/devices/ (next to the report).
@@ -78,7 +78,7 @@ def devices_section(devices: list[str], work: Path) -> tuple[list[str], bool]:
     names = devices if devices[0] != devices[1] else [devices[0], f"{devices[1]} (2nd run)"]
     bad = [r["quantity"] for r in rows if not r["ok"]]
     lines = ["### CPU against CUDA", "",
-             f"{' and '.join(devices)}: a smoke training killed after the NT-ASGD switch and resumed, and every "
+             f"{' and '.join(devices)}: a smoke training stopped after the NT-ASGD switch and resumed, and every "
              f"analysis stage on one checkpoint (tolerances: bench/device_compare.py). {len(rows) - len(bad)} of "
              f"{len(rows)} quantities agree; {time.perf_counter() - t0:.0f} s; runs in {work}.", "",
              *markdown(rows, *names), ""]
