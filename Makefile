@@ -41,7 +41,7 @@ lint: $(STAMP) ## ruff
 bench: $(STAMP) ## training throughput and FLOP utilisation (prints a Markdown table)
 	$(PY) bench/train_throughput.py
 
-gpu-check: $(STAMP) ## the CUDA path in a few minutes: gpu tests, throughput, a calibrated step (needs CUDA; report in outputs/gpu-check/)
+gpu-check: $(STAMP) ## the CUDA path in a few minutes: gpu tests, throughput, a calibrated step, CPU against CUDA (needs CUDA; report in outputs/gpu-check/)
 	$(PY) bench/gpu_check.py
 
 smoke: $(STAMP) ## a tiny training run (under a minute) that writes metrics.json

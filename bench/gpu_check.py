@@ -1,6 +1,6 @@
 """`make gpu-check`: what proves the CUDA path, in a few minutes, as one Markdown report.
 
-    python bench/gpu_check.py [--out outputs/gpu-check/REPORT.md]
+    python bench/gpu_check.py [--out outputs/gpu-check/REPORT.md] [--compare-devices cpu,cuda]
 
 Needs CUDA. Without it the report says so (which torch is installed, whether it is a CUDA build) and the script exits
 1: nothing here can stand in for a GPU. With CUDA it records
@@ -9,8 +9,13 @@ Needs CUDA. Without it the report says so (which torch is installed, whether it 
   resume after the NT-ASGD switch with the module on CUDA, the lookahead's two paths under the TF32 policy);
 - paper-size training tokens/s, ours against a plain cuDNN nn.LSTM stack in one run (bench/train_throughput.py);
 - one calibrated paper-size lookahead step (100 rows, top-64 + the true word + 16 draws, V = 10,000): time, with
-  synchronisation, and peak memory (torch.cuda.max_memory_allocated).
-Not yet in it: the smoke training, resume and every analysis stage on CUDA and on CPU side by side (issue 32).
+  synchronisation, and peak memory (torch.cuda.max_memory_allocated);
+- "CPU against CUDA" (bench/device_compare.py): a smoke training stopped after the NT-ASGD switch and resumed through
+  `python -m lmcal.train`, and every analysis stage through `python -m lmcal.evaluate`, on the CPU and on CUDA, with
+  the table of quantities (alpha*, entropy curves, CE, the memory bound...) and each one's stated tolerance. Its runs
+  go to outputs/gpu-check/devices/ (next to the report).
+`--compare-devices cpu,cpu` runs that last section alone on two CPU runs (no CUDA needed: the tests use it; on one
+device every quantity agrees exactly).
 """
 
 from __future__ import annotations
@@ -61,12 +66,47 @@ def calibrated_step() -> list[str]:
             f"| {rows} x {k} | {1000 * min(times):.2f} | {peak / 1e6:.1f} MB |"]
 
 
+def devices_section(devices: list[str], work: Path) -> tuple[list[str], bool]:
+    """The "CPU against CUDA" section: both devices' runs side by side; True when every row is within tolerance."""
+    from device_compare import compare_devices, markdown  # bench/: this script's own folder is on sys.path
+
+    t0 = time.perf_counter()
+    try:
+        rows = compare_devices(*devices, work)
+    except RuntimeError as e:  # a run that failed: its command and the end of its stderr
+        return ["### CPU against CUDA", "", f"failed: {e}", ""], False
+    names = devices if devices[0] != devices[1] else [devices[0], f"{devices[1]} (2nd run)"]
+    bad = [r["quantity"] for r in rows if not r["ok"]]
+    lines = ["### CPU against CUDA", "",
+             f"{' and '.join(devices)}: a smoke training stopped after the NT-ASGD switch and resumed, and every "
+             f"analysis stage on one checkpoint (tolerances: bench/device_compare.py). {len(rows) - len(bad)} of "
+             f"{len(rows)} quantities agree; {time.perf_counter() - t0:.0f} s; runs in {work}.", "",
+             *markdown(rows, *names), ""]
+    return lines, not bad
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="outputs/gpu-check/REPORT.md")
+    ap.add_argument("--compare-devices", default=None, metavar="A,B",
+                    help="the two devices of the side-by-side section (default cpu,cuda); without CUDA, "
+                         "cpu,cpu runs that section alone")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    work = out.parent / "devices"
+    if args.compare_devices and not torch.cuda.is_available():
+        devices = args.compare_devices.split(",")
+        if len(devices) != 2 or any(d.startswith("cuda") for d in devices):
+            print(f"--compare-devices takes two devices, A,B, and without CUDA only cpu: got {args.compare_devices!r}",
+                  file=sys.stderr)
+            return 2
+        lines, ok = devices_section(devices, work)
+        lines = ["## GPU check", "", "CUDA missing: only the side-by-side section ran (--compare-devices).", "",
+                 *lines]
+        out.write_text("\n".join(lines))
+        print("\n".join(lines))
+        return 0 if ok else 1
     if not torch.cuda.is_available():
         out.write_text(no_cuda_report())
         print(no_cuda_report(), file=sys.stderr)
@@ -84,9 +124,11 @@ def main(argv: list[str] | None = None) -> int:
     lines += ["### Paper-size training, ours against cuDNN's nn.LSTM", "",
               bench.stdout.strip() if bench.returncode == 0 else f"failed: {bench.stderr.strip()[-2000:]}", ""]
     lines += ["### One calibrated paper-size lookahead step", "", *calibrated_step(), ""]
+    section, agree = devices_section((args.compare_devices or "cpu,cuda").split(","), work)
+    lines += section
     out.write_text("\n".join(lines))
     print("\n".join(lines))
-    return 0 if tests.returncode == 0 and bench.returncode == 0 else 1
+    return 0 if tests.returncode == 0 and bench.returncode == 0 and agree else 1
 
 
 if __name__ == "__main__":

@@ -1,6 +1,8 @@
 """The CUDA path (marker `gpu`: skipped without CUDA; `make gpu-check` runs these and writes its report): the
 weight-dropped LSTM on CUDA against the CPU, a resume after the NT-ASGD switch with the module on CUDA, and the
-lookahead's two paths under the TF32 policy. Tolerances: float32 rounding with TF32 off (lmcal.utils.device)."""
+lookahead's two paths under the TF32 policy. Tolerances: float32 rounding with TF32 off (lmcal.utils.device). Without
+CUDA: the no-CUDA report, and gpu_check's side-by-side section (bench/device_compare.py) on two CPU runs, its comparator
+on made-up results (fast) and end to end (slow)."""
 
 import subprocess
 import sys
@@ -78,3 +80,89 @@ def test_precision_policy_is_set_explicitly_and_reported():
     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = True, True  # PyTorch's cuDNN default
     assert apply_precision_policy() == {"tf32_matmul": False, "tf32_cudnn": False,
                                         "float32_matmul_precision": "highest"} == precision_policy()
+
+
+def _device_compare():
+    """bench/device_compare.py (a bench script, not a package module), loaded from its path."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "device_compare.py"
+    spec = importlib.util.spec_from_file_location("device_compare", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _fake_run(folder: Path, alpha: float = 0.25, curve_shift: float = 0.0, resumed: bool = True) -> Path:
+    """The result files compare() reads, with the keys it reads (the slow test below checks them on real runs)."""
+    import json
+
+    curve = {"curve_nats": [2.5 + curve_shift, 2.4], "stderr_nats": [0.01, 0.01], "tail_nats": 2.4,
+             "tail_stderr_nats": 0.01}
+    row = {"tail_nats": 2.4, "tail_stderr_nats": 0.01, "test_ce_nats": 2.55}
+    files = {
+        "train/metrics.json": {"resumed_from": "/x/checkpoints/last.ckpt" if resumed else None, "asgd_epoch": 2,
+                               "epochs": 4, "val_ce_nats": 2.75, "test_ce_nats": 2.76},
+        "train_eval/entropy_rate.json": {"test_ce_nats": 2.76},
+        "evaluate/entropy_rate.json": {"test_ce_nats": 2.48, **curve},
+        "evaluate/calibration.json": {"alpha": alpha, "test_ce_before_nats": 2.55, "test_ce_after_nats": 2.54,
+                                      **curve},
+        "evaluate/decoders.json": {"rows": [{"method": "model", "params": {}, **row},
+                                            {"method": "fitted_temperature",
+                                             "params": {"temperature": 1.02, "temperature_stderr": 0.08}, **row}]},
+        "evaluate/future_entropy.json": {"rows": [{"method": "future_entropy", "source": "future_entropy",
+                                                   "params": {"horizon_k": 1, "alpha": 3.0, "alpha_stderr": 1.0},
+                                                   "test_ce_diff_stderr_nats": 0.002, **row},
+                                                  {"method": "top_k", "source": "decoders", "params": {"k": 50},
+                                                   "test_ce_nats": 2.6}]},
+        "evaluate/sequence_calibration.json": {"alpha": -0.01, "alpha_stderr": 0.1,
+                                               "rows": [{"method": "model", **row}]},
+        "evaluate/memory.json": {"ce_full_nats": 2.49, "ce_limited_nats": 2.55, "alpha": 0.06,
+                                 "mi_upper_bound_nats": 0.04, "two_parameter": {"beta": 1.3}},
+    }
+    for name, content in files.items():
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_text(json.dumps(content))
+    return folder
+
+
+def test_device_comparison_passes_equal_runs_and_flags_each_value_beyond_its_tolerance(tmp_path):
+    dc = _device_compare()
+    same = dc.compare(_fake_run(tmp_path / "a"), _fake_run(tmp_path / "b"))
+    assert len(same) == 29 and all(r["ok"] for r in same)
+    assert all(r["difference"] in (0, "same") for r in same)
+    assert not any(r["quantity"].startswith("future_entropy top_k") for r in same)  # decoders' row, compared there
+
+    def failing(**changed):
+        return [r["quantity"] for r in dc.compare(tmp_path / "a", _fake_run(tmp_path / "c", **changed)) if not r["ok"]]
+
+    # alpha* (fit): 1e-3 + 1e-3 |alpha| = 1.25e-3 at alpha = 0.25
+    assert failing(alpha=0.25 + 1.0e-3) == []
+    assert failing(alpha=0.25 + 1.5e-3) == ["calibration: alpha*"]
+    # an entropy curve (sampled): 3 combined standard errors, 3 * sqrt(2) * 0.01 = 0.0424 nats at its worst step
+    assert failing(curve_shift=0.04) == []
+    assert failing(curve_shift=0.05) == ["entropy_rate: entropy curve (nats) (mean of 2 steps; max step difference)",
+                                         "calibration: entropy curve after (nats) (mean of 2 steps; max step "
+                                         "difference)"]
+    assert failing(resumed=False) == ["training: resumed after the NT-ASGD switch"]
+    table = dc.markdown(dc.compare(tmp_path / "a", tmp_path / "c"), "cpu", "cuda")
+    assert table[0] == "| quantity | cpu | cuda | difference | tolerance | ok |" and len(table) == 2 + 29
+
+
+@pytest.mark.slow  # nine runs of the entry points in subprocesses: about a minute and a half on 2 cores
+def test_gpu_check_compares_two_cpu_runs_end_to_end(tmp_path):
+    """`--compare-devices cpu,cpu` runs the side-by-side section without CUDA: every quantity within its tolerance,
+    and, on one device, equal (seeds repeat runs exactly)."""
+    report = tmp_path / "REPORT.md"
+    r = subprocess.run([sys.executable, "bench/gpu_check.py", "--out", str(report), "--compare-devices", "cpu,cpu"],
+                       cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    text = report.read_text()
+    assert "### CPU against CUDA" in text and "| quantity | cpu | cpu (2nd run) | difference | tolerance | ok |" in text
+    rows = [line.split(" | ") for line in text.splitlines() if line.startswith("| ") and line.endswith(" |")][2:]
+    assert len(rows) > 50 and all(row[-1] == "yes |" for row in rows)
+    assert all(row[3] in ("0", "same") for row in rows), [row for row in rows if row[3] not in ("0", "same")]
+    stages = {row[0].removeprefix("| ").split(":")[0].split(" ")[0] for row in rows}
+    assert stages == {"training", "entropy_rate", "calibration", "decoders", "future_entropy",
+                      "sequence_calibration", "memory"}
+    assert (tmp_path / "devices" / "a" / "evaluate" / "memory.json").is_file()
