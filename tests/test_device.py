@@ -27,7 +27,12 @@ def test_a_device_lmcal_does_not_run_on_is_refused(name):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for a machine without CUDA")
 @pytest.mark.parametrize("name", ["cuda", "cuda:1"])
 def test_cuda_without_cuda_is_refused_with_the_wheel_named(name):
-    with pytest.raises(LmcalError, match=rf"device={name}, but this machine has no CUDA device .*CUDA build none"):
+    """A CPU-only wheel (this machine's venv) and a CUDA build without a GPU (a fresh `make install` may fetch one) are
+    told apart, each with what would give torch a device."""
+    why = "is a CPU-only wheel; on a machine with an NVIDIA GPU install a CUDA wheel" if not torch.version.cuda else \
+        f"is built for CUDA {torch.version.cuda}, but no GPU or driver is visible: see nvidia-smi"
+    with pytest.raises(LmcalError, match=rf"device={name}, but this machine has no CUDA device torch can use \(torch "
+                                         rf"\S+ {why}.*\)\. Run with device=cpu"):
         resolve_device(name)
 
 

@@ -29,7 +29,7 @@ from lmcal.stages.wandb_run import init_args, open_run
 from lmcal.training.callbacks import EpochEntropyRateCallback, MetricsCallback, StagesCallback, progress_bar
 from lmcal.training.module import LMModule
 from lmcal.utils.boundary import explain, fail, run_hydra
-from lmcal.utils.device import apply_precision_policy
+from lmcal.utils.device import apply_precision_policy, cuda_missing
 from lmcal.utils.io import atomic_path, write_json_atomic
 from lmcal.utils.lock import run_lock
 from lmcal.utils.quiet import quiet_third_party
@@ -184,10 +184,9 @@ def check_accelerator(cfg: DictConfig) -> None:
 
     accel = str((cfg.get("trainer") or {}).get("accelerator", "auto"))
     if accel in ("gpu", "cuda") and not torch.cuda.is_available():
-        raise LmcalError(f"trainer.accelerator={accel}, but this machine has no CUDA device torch can use (torch "
-                         f"{torch.__version__}, CUDA build {torch.version.cuda or 'none: a CPU-only wheel'}). Nothing "
-                         "was run or written. Train with trainer.accelerator=auto (the GPU where there is one, else "
-                         "the CPU) or cpu, or install a CUDA wheel of torch on a machine with an NVIDIA GPU.")
+        raise LmcalError(f"trainer.accelerator={accel}, but this machine has no CUDA device torch can use "
+                         f"({cuda_missing()}). Nothing was run or written. Train with trainer.accelerator=auto (the "
+                         "GPU where there is one, else the CPU) or cpu.")
 
 
 def train(cfg: DictConfig) -> dict:

@@ -26,6 +26,15 @@ def precision_policy() -> dict:
             "float32_matmul_precision": torch.get_float32_matmul_precision()}
 
 
+def cuda_missing() -> str:
+    """Why torch sees no CUDA device here, and what would give it one: a CPU-only wheel, or no GPU or driver."""
+    if not torch.version.cuda:
+        return (f"torch {torch.__version__} is a CPU-only wheel; on a machine with an NVIDIA GPU install a CUDA wheel "
+                "of torch")
+    return (f"torch {torch.__version__} is built for CUDA {torch.version.cuda}, but no GPU or driver is visible: see "
+            "nvidia-smi, and CUDA_VISIBLE_DEVICES where it is set")
+
+
 def resolve_device(name: str | None) -> str:
     """The analysis entry point's one `device` key as a torch device string: null is cuda where CUDA is available,
     else cpu. A device this machine cannot run on is refused in one paragraph (LmcalError), before any model loads."""
@@ -43,10 +52,8 @@ def resolve_device(name: str | None) -> str:
     if dev.type == "cuda":
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if count == 0:
-            raise LmcalError(f"device={name}, but this machine has no CUDA device torch can use (torch "
-                             f"{torch.__version__}, CUDA build {torch.version.cuda or 'none: a CPU-only wheel'}). Run "
-                             "with device=cpu (or device=null), or install a CUDA wheel of torch on a machine with an "
-                             "NVIDIA GPU.")
+            raise LmcalError(f"device={name}, but this machine has no CUDA device torch can use ({cuda_missing()}). "
+                             "Run with device=cpu (or device=null).")
         if dev.index is not None and dev.index >= count:
             raise LmcalError(f"device={name}, but only {count} CUDA device{'s are' if count > 1 else ' is'} visible "
                              f"(cuda:0{f' .. cuda:{count - 1}' if count > 1 else ''}; CUDA_VISIBLE_DEVICES limits "
