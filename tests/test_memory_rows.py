@@ -66,11 +66,17 @@ def markov_text():
 
 
 @pytest.mark.parametrize("limited", ["window", "trained"])
-def test_memory_stage_rows_stream_device_and_auto_equal_cpu(tmp_path, markov_text, limited):
+def test_memory_stage_rows_stream_device_and_auto_equal_cpu(tmp_path, markov_text, limited, monkeypatch):
     """The stage on an oracle (window) and on a small AWD-LSTM against a tau-model (trained): every setting gives
-    memory.json's numbers of rows=cpu exactly; the choice and the bytes it keeps are recorded."""
+    memory.json's numbers of rows=cpu exactly; the choice and the bytes it keeps are recorded; streamed CPU rows trim
+    the C heap as they go (kept rows do not)."""
     from lmcal.models.oracles import MarkovOracle
+    from lmcal.stages import memory
     from lmcal.stages.memory import memory_stage
+
+    trims = {}
+    monkeypatch.setattr(memory, "TRIM_BYTES", 1)  # every chunk
+    monkeypatch.setattr(memory, "_trim_heap", lambda: trims.__setitem__(rows, trims.get(rows, 0) + 1))
 
     chain, w = markov_text
     if limited == "window":
@@ -91,6 +97,7 @@ def test_memory_stage_rows_stream_device_and_auto_equal_cpu(tmp_path, markov_tex
     assert [out[r]["rows"] for r in out] == ["cpu", "cpu", "cpu", "stream"]  # on the CPU device and auto are cpu
     assert out["cpu"]["rows_bytes"] == 2 * n * MV * 4 and out["stream"]["rows_bytes"] == 2 * 256 * MV * 4
     assert out["stream"]["rows_passes"] > 3 and out["cpu"]["rows_passes"] == 1
+    assert set(trims) == {"stream"} and trims["stream"] >= out["stream"]["rows_passes"]
     skip = {"rows", "rows_bytes", "rows_passes", "rows_seconds", "seconds"}
     for rows in ("device", "auto", "stream"):
         _same({k: v for k, v in out[rows].items() if k not in skip},
