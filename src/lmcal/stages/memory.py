@@ -196,7 +196,8 @@ def memory_stage(full_net, limited_net, valid_tokens: torch.Tensor, test_tokens:
              f"CE(P||P~) {result['ce_limited_nats']:.4f}, ΔCE {result['delta_ce_nats']:.4f}; I_tau <= "
              f"{result['mi_upper_bound_nats']:.4f} +- {result['mi_stderr_nats']:.4f} nats (cross-fit "
              f"{result['mi_upper_bound_crossfit_nats']:.4f}; with the temperature, beta* {two['beta']:.4f}: "
-             f"{two['mi_upper_bound_nats']:.4f} +- {two['mi_stderr_nats']:.4f}) ({result['seconds']:.0f} s)")
+             f"{two['mi_upper_bound_nats']:.4f} +- {two['mi_stderr_nats']:.4f}) ({result['seconds']:.0f} s; "
+             f"rows {where}, {passes[0]} forward pass{'es' if passes[0] > 1 else ''})")
     return result
 
 
