@@ -134,6 +134,14 @@ def test_memory_stage_after_training_on_the_checkpoint_and_in_the_report(tmp_pat
     res = evaluate(ecfg)["memory"]
     for k in ("alpha", "ce_limited_nats", "mi_upper_bound_nats"):
         assert res[k] == pytest.approx(mem[k], rel=1e-6, abs=1e-9)
+    with open_dict(ecfg):  # the rows recomputed on each pass of the fit, none kept: the very same numbers
+        ecfg.analysis.memory.rows, ecfg.paths.output_dir = "stream", str(tmp_path / "sweep" / "eval_tau5_stream")
+    evaluate(ecfg)
+    kept, streamed = (json.loads((tmp_path / "sweep" / d / "memory.json").read_text())
+                      for d in ("eval_tau5", "eval_tau5_stream"))
+    assert (kept["rows"], streamed["rows"], kept["rows_passes"]) == ("cpu", "stream", 1) and streamed["rows_passes"] > 3
+    for k in ("alpha", "mi_upper_bound_nats", "mi_stderr_nats", "mi_upper_bound_crossfit_nats", "two_parameter"):
+        assert streamed[k] == kept[k], k
 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         bad = compose("evaluate", overrides=[f"ckpt={base['best_ckpt']}", "stages=[memory]", "logger=none",

@@ -41,7 +41,7 @@ raises.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -94,6 +94,17 @@ class MemoryBound:
 # ---------------------------------------------------------------------------------------------------------------------
 # The calibrated model is the k-statistic family of lmcal.core.expfit with base P^ and statistics (log P~,) or, with the
 # temperature, (log P^, log P~) and theta = (beta - 1, a); log P~(y) is always the last column of s(y).
+
+
+class _Passes:
+    """Rows that the fits reread, one pass per iteration: each pass calls make() afresh (rows given as a function
+    are then recomputed on every pass, not kept)."""
+
+    def __init__(self, make: Callable[[], Iterable]):
+        self.make = make
+
+    def __iter__(self):
+        return iter(self.make())
 
 
 def _check(full: torch.Tensor, limited: torch.Tensor, targets: torch.Tensor) -> None:
@@ -171,9 +182,9 @@ def _fit(groups: list, k: int, bound: float, elements: int | None, start=None) -
     """theta* of the calibrated family on `groups` ([(segment, rows)]) by expfit.fit_theta (damped Newton from
     `start`, e.g. a nearby fit); a alone (k = 1) by expfit.fit_alpha where P^ or P~ has zeros (its domain cut keeps
     a >= 0 where a < 0 is undefined)."""
-    rows = [g for _, g in groups]
+    rows = _Passes(lambda: (g for _, g in groups))
     if k == 1 and any(x.numel() and x.amin().item() == -math.inf for g in rows for x in (g[0], g[2], g[3])):
-        return [fit_alpha([_one_param(g) for g in rows], bound, elements, what="memory bound")]
+        return [fit_alpha(_Passes(lambda: map(_one_param, rows)), bound, elements, what="memory bound")]
     return fit_theta(rows, k, bound, elements, what="memory bound", start=start)
 
 
@@ -192,7 +203,7 @@ def _sandwich(grad: torch.Tensor, hess_mean: torch.Tensor, cluster_size: int) ->
     return cov.diagonal().sqrt().tolist()
 
 
-def _jackknife(chunks: list, temperature: bool, rows: dict, theta: list[float], cluster_size: int, exact: bool,
+def _jackknife(chunks: Iterable, temperature: bool, rows: dict, theta: list[float], cluster_size: int, exact: bool,
                bound: float, elements: int | None) -> float:
     """Delete-one-block jackknife standard error of the bound, the fit redone in every replicate."""
     x = rows["ce_limited"] - rows["entropy"]  # [N]: the bound's per-row terms
@@ -200,10 +211,10 @@ def _jackknife(chunks: list, temperature: bool, rows: dict, theta: list[float], 
     if nb < 2:
         return math.nan
     if exact:
-        groups = list(_groups(chunks, temperature, cluster_size))
+        groups = _Passes(lambda: _groups(chunks, temperature, cluster_size))
         reps = []
         for b in range(nb):
-            rest = [g for g in groups if g[0] != b]
+            rest = _Passes(lambda b=b: (g for g in groups if g[0] != b))
             r = _rows_at(rest, _fit(rest, len(theta), bound, elements, theta), elements, per_row=False)
             reps.append((r["ce_limited"] - r["entropy"]).mean())
         return jackknife_stderr(torch.stack(reps))
@@ -218,7 +229,7 @@ def _jackknife(chunks: list, temperature: bool, rows: dict, theta: list[float], 
     return jackknife_stderr(reps)
 
 
-def _crossfit(chunks: list, temperature: bool, n: int, cluster_size: int, bound: float, elements: int | None,
+def _crossfit(chunks: Iterable, temperature: bool, n: int, cluster_size: int, bound: float, elements: int | None,
               start: list[float]) -> float:
     """The bound over all rows, each half of the blocks scored with the parameters fitted on the other half: the
     in-sample optimism removed (nan with fewer than 2 blocks). The halves are the first B // 2 blocks and the other
@@ -226,8 +237,9 @@ def _crossfit(chunks: list, temperature: bool, n: int, cluster_size: int, bound:
     nb = -(-n // cluster_size)
     if nb < 2:
         return math.nan
-    groups = list(_groups(chunks, temperature, cluster_size))  # segment index = block index
-    halves = [[g for g in groups if (g[0] >= nb // 2) == second] for second in (False, True)]
+    groups = _Passes(lambda: _groups(chunks, temperature, cluster_size))  # segment index = block index
+    halves = [_Passes(lambda second=second: (g for g in groups if (g[0] >= nb // 2) == second))
+              for second in (False, True)]
     k = 2 if temperature else 1
     total = 0.0
     for fit_on, score_on in ((halves[0], halves[1]), (halves[1], halves[0])):
@@ -247,8 +259,9 @@ def memory_upper_bound(full_log_probs, limited_log_probs: torch.Tensor | None = 
 
     Inputs: log P^ [N, V], log P~ [N, V] (natural log, rows normalised) and targets [N] long, or, as the only
     positional argument, an iterable of (log P^ [n, V], log P~ [n, V], targets [n]) chunks, consumed once (a
-    generator is fine). Rows are positions in text order; blocks of `cluster_size` consecutive rows are the
-    independent units of every standard error (for dependence along the text; 1 = positions independent).
+    generator is fine), or a function returning a fresh iterable of them on every call (streamed, below). Rows are
+    positions in text order; blocks of `cluster_size` consecutive rows are the independent units of every standard
+    error (for dependence along the text; 1 = positions independent).
 
     alpha=None fits a* on these rows (temperature=True: beta* and a* jointly), and the bound is reported on the same
     rows. mi_stderr is then the delete-one-block jackknife with the fit redone per replicate: `jackknife="onestep"`
@@ -261,8 +274,10 @@ def memory_upper_bound(full_log_probs, limited_log_probs: torch.Tensor | None = 
     Memory: the fit needs CE at several parameters, and log Z_t is no finite statistic of a row, so chunks from an
     iterable are kept (moved to `store_device`, cast to `store_dtype` if given): 2 * N * V * (bytes per element),
     e.g. 2 * 82,430 * 10,000 * 4 = 6.6 GB of float32 for the PTB test set; float16 halves that but rounds log-probs
-    near -20 by up to ~0.008 nats. Whole tensors, or a list of chunks, are used in place. The reductions run in
-    float64, about `elements` row entries at a time. The two-parameter fit needs P~ > 0 wherever P^ > 0.
+    near -20 by up to ~0.008 nats. Whole tensors, or a list of chunks, are used in place. A function is called once
+    per pass over the rows and nothing is kept: memory stays at one chunk, and every pass (each Newton step, each
+    check; about 25 in a memory_summary) recomputes the rows. The reductions run in float64, about `elements` row
+    entries at a time. The two-parameter fit needs P~ > 0 wherever P^ > 0.
     """
     if isinstance(full_log_probs, torch.Tensor):
         if limited_log_probs is None or targets is None:
@@ -271,7 +286,7 @@ def memory_upper_bound(full_log_probs, limited_log_probs: torch.Tensor | None = 
     else:
         if limited_log_probs is not None or targets is not None:
             raise TypeError("with an iterable of (full, limited, targets) chunks, pass no separate tensors")
-        chunks = full_log_probs
+        chunks = _Passes(full_log_probs) if callable(full_log_probs) else full_log_probs
     if cluster_size < 1:
         raise ValueError(f"cluster_size must be >= 1, got {cluster_size}")
     if jackknife not in ("onestep", "exact"):
@@ -282,10 +297,10 @@ def memory_upper_bound(full_log_probs, limited_log_probs: torch.Tensor | None = 
     k = 2 if temperature else 1
 
     if fitted:
-        if not isinstance(chunks, list):  # one pass over the source; the Newton iterations reread the kept rows
+        if not isinstance(chunks, list | _Passes):  # one pass over the source; the fits reread the kept rows
             keep = lambda t, dtype: t.detach().to(device=store_device, dtype=dtype)
             chunks = [(keep(f, store_dtype), keep(q, store_dtype), keep(y, None)) for f, q, y in chunks]
-        groups = list(_groups(chunks, temperature))
+        groups = _Passes(lambda: _groups(chunks, temperature))
         if not any(g[1][1].numel() for g in groups):
             raise ValueError("no rows")
         theta = _fit(groups, k, bound, elements, start)
@@ -326,9 +341,10 @@ def memory_upper_bound(full_log_probs, limited_log_probs: torch.Tensor | None = 
 
 
 @timed("fit")
-def memory_summary(chunks: list[Chunk], *, cluster_size: int, jackknife: str = "onestep", bound: float = 100.0,
-                   elements: int | None = None) -> dict:
-    """The memory stage's numbers for one tau from kept chunks (log P^ [n, V], log P~ [n, V], targets [n]): the
+def memory_summary(chunks: list[Chunk] | Callable[[], Iterable[Chunk]], *, cluster_size: int,
+                   jackknife: str = "onestep", bound: float = 100.0, elements: int | None = None) -> dict:
+    """The memory stage's numbers for one tau from kept chunks (log P^ [n, V], log P~ [n, V], targets [n]), or a
+    function returning a fresh iterable of them on each call (streamed: see memory_upper_bound): the
     one-parameter bound fitted on these rows with its jackknife standard error and cross-fit, ΔCE, and the
     two-parameter variant (P^^beta P~^alpha), as the JSON keys of memory.json (nats)."""
     one = memory_upper_bound(chunks, cluster_size=cluster_size, jackknife=jackknife, bound=bound, elements=elements)

@@ -170,10 +170,7 @@ def peak_tensors(name: str, a: dict, m: Model, budget_gb: float | None = None) -
         kv = 2.0 * m.layers * B * T * m.emb * 4
         out.append((f"KV cache 2 x layers x [max_batch, T, E] = 2 x {m.layers} x [{B:,}, {T}, {m.emb}]", kv))
     if name == "memory":
-        n = min(a["score_tokens"], m.corpus.get("test", a["score_tokens"])) if a.get("score_tokens") \
-            else m.corpus.get("test", 0)
-        size = {"float32": 4, "float16": 2, "bfloat16": 2}[a.get("store_dtype", "float32")]
-        out.append((f"kept rows 2 x [N, V] {a.get('store_dtype', 'float32')} = 2 x [{n:,}, {V:,}]", 2.0 * n * V * size))
+        out.append(_memory_rows(a, m, budget_gb))
     return out
 
 
@@ -186,6 +183,27 @@ def side_by_side(cmd: list[str], n: int) -> int:
     given = [o.split("=", 1)[1] for o in cmd if o.startswith("hydra.launcher.n_jobs=")]
     default = OmegaConf.load(CONF_DIR / "hydra" / "launcher" / "local_parallel.yaml").n_jobs
     return max(1, min(n, int(given[-1] if given else default)))
+
+
+def _memory_rows(a: dict, m: Model, budget_gb: float | None) -> tuple[str, float]:
+    """The memory stage's fit rows where analysis.memory.rows keeps them (lmcal.stages.memory.rows_where), on the
+    GPU: auto keeps them there when they fit the budget (null: half of GPU_FREE_GB), else streams them."""
+    n = min(a["score_tokens"], m.corpus.get("test", a["score_tokens"])) if a.get("score_tokens") \
+        else m.corpus.get("test", 0)
+    dtype, rows = a.get("store_dtype", "float32"), a.get("rows", "auto")
+    size = 2.0 * m.vocab * {"float32": 4, "float16": 2, "bfloat16": 2}[dtype]  # one row of log P^ and log P~
+    why, where = f"rows={rows}", {"cpu": "on the CPU", "device": "on the model's device"}.get(rows)
+    if rows == "auto":
+        budget = (budget_gb or GPU_FREE_GB / 2) * GB
+        fits = n * size <= budget
+        why += f": {_bytes(n * size)} {'within' if fits else 'over'} the {budget / GB:g} GB budget"
+        why += "; a model on the CPU keeps them there" if fits else ""
+        rows, where = ("device", "on the GPU") if fits else ("stream", None)
+    if rows == "stream":
+        c = min(n, a.get("windows_per_batch", 512))
+        return (f"streamed rows, one chunk 2 x [{c:,}, {m.vocab:,}] {dtype} ({why}; recomputed on each pass of the "
+                "fit)", c * size)
+    return f"kept rows 2 x [N, V] {dtype} = 2 x [{n:,}, {m.vocab:,}] {where} ({why})", n * size
 
 
 def _refuse(stage: str, m: Model, bad: list[tuple[str, int]], fix: str) -> LmcalError:

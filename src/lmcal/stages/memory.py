@@ -4,6 +4,7 @@ tau-token windows.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import time
 from pathlib import Path
@@ -12,6 +13,7 @@ import torch
 
 from lmcal import paper
 from lmcal.core.context import context_rows, full_context_span, zip_rows
+from lmcal.core.lookahead import memory_budget
 from lmcal.core.memory import memory_summary
 from lmcal.errors import LmcalError
 from lmcal.models.awd_lstm import AWDLSTM
@@ -39,34 +41,73 @@ def _row_flops(lm, tau: int | None) -> float:
     return flops_per_token(lm) * (tau or 1)
 
 
+# Streamed rows on the CPU hand the C heap's free pages back every TRIM_BYTES of rows. glibc serves chunk-sized blocks
+# from its heap once one has been freed, and keeps the holes they leave: streaming 20,000 rows of 10,000 words (a small
+# AWD-LSTM, 22 passes) peaked at 2.46 GB of RSS, more than keeping them (1.95 GB, 11 s); trimmed (every 4 chunks of
+# 41 MB), 0.68 GB, in 36 s against 28 s untrimmed.
+TRIM_BYTES = 128e6
+
+
+def _trim_heap() -> None:
+    """glibc's malloc_trim(0) where the C library has it (a no-op elsewhere)."""
+    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
+    if trim is not None:
+        trim(0)
+
+
 def _memory_rows(full, limited, tau: int, tokens: torch.Tensor, windows_per_batch: int, store_dtype: torch.dtype,
-                 desc: str) -> list:
-    """(log P^ [n, V], log P~_tau [n, V], targets [n]) chunks along `tokens`, kept on the CPU in store_dtype (the fit
-    rereads them): P^ the model `full` with the whole past, P~ the model `limited` fed only the last tau tokens (each
-    a StepLM or an AWDLSTM; see lmcal.core.context.context_rows), with a progress bar."""
+                 device: str | None, desc: str, trim: bool = False):
+    """(log P^ [n, V], log P~_tau [n, V], targets [n]) chunks along `tokens` in store_dtype, moved to `device` (None:
+    left where the models put them), lazily, with a progress bar: P^ the model `full` with the whole past, P~ the
+    model `limited` fed only the last tau tokens (each a StepLM or an AWDLSTM; see lmcal.core.context.context_rows).
+    trim: the C heap trimmed every TRIM_BYTES of rows (streamed rows on the CPU)."""
     from lmcal.utils.progress import progress_bar
 
     bar = progress_bar(total=max(0, tokens.numel() - 1), desc=desc, unit="tok", leave=False)
-    kept = []
     rows = zip_rows(context_rows(full, tokens, None, windows_per_batch),
                     context_rows(limited, tokens, tau, windows_per_batch))
     per_row = _row_flops(full, None) + _row_flops(limited, tau)
-    while True:
-        with span("forward"):  # both models' rows for one chunk
-            f, q, y = next(rows, (None, None, None))
-            if y is None:
-                break
-            add_flops(per_row * y.numel())
-        kept.append((f.to("cpu", store_dtype), q.to("cpu", store_dtype), y.cpu()))
-        bar.update(y.numel())
-    bar.close()
-    return kept
+    since = 0  # bytes of rows since the last trim
+    try:
+        while True:
+            with span("forward"):  # both models' rows for one chunk
+                f, q, y = next(rows, (None, None, None))
+                if y is None:
+                    break
+                add_flops(per_row * y.numel())
+            yield f.to(device=device, dtype=store_dtype), q.to(device=device, dtype=store_dtype), y.to(device=device)
+            bar.update(y.numel())
+            since += f.numel() * 2 * store_dtype.itemsize
+            if trim and since >= TRIM_BYTES:
+                _trim_heap()
+                since = 0
+    finally:  # also when a pass stops early (the fit's first check reads one chunk)
+        bar.close()
+
+
+ROWS = ("auto", "device", "cpu", "stream")
+
+
+def rows_where(rows: str, device: torch.device, nbytes: float) -> str:
+    """Where the fit's rows go (analysis.memory.rows): cpu, device (the model's) or stream (recomputed on every pass
+    of the fit, one chunk held). auto: cpu for a model on the CPU (the rows are kept there, as always); on another
+    device, kept there if their 2 x N x V x bytes fit its memory budget (analysis.memory_budget_gb, null: half its
+    free memory, as the lookahead's), else streamed. device on the CPU is cpu."""
+    if rows not in ROWS:
+        raise LmcalError(f"analysis.memory.rows={rows!r}: choose auto (on the model's device when the rows fit the "
+                         "memory budget, else streamed), device, cpu or stream (recomputed on every pass of the fit, "
+                         "one chunk of windows_per_batch rows held).")
+    if device.type == "cpu" and rows in ("auto", "device"):
+        return "cpu"
+    if rows == "auto":
+        return "device" if nbytes <= memory_budget(device) else "stream"
+    return rows
 
 
 def memory_stage(full_net, limited_net, valid_tokens: torch.Tensor, test_tokens: torch.Tensor, out_dir: str | Path,
                  *, limited: str = "trained", tau: int | None = None, score_tokens: int | None = None,
                  cluster_size: int = 2000, windows_per_batch: int = 512, store_dtype: str = "float32",
-                 jackknife: str = "onestep", model_name: str = "model", corpus: str = "ptb",
+                 jackknife: str = "onestep", rows: str = "auto", model_name: str = "model", corpus: str = "ptb",
                  base_ckpt: str | None = None, ckpt: str | None = None, exact_mi_nats: float | None = None,
                  logger=None, name: str = "memory") -> dict:
     """The memory bound for one tau (Section 5) on the first `score_tokens` test tokens (all when null), read as one
@@ -77,7 +118,8 @@ def memory_stage(full_net, limited_net, valid_tokens: torch.Tensor, test_tokens:
     alpha* is fitted on the very rows the bound is reported on (so the bound is >= 0), with standard errors from a
     delete-one-block jackknife over blocks of `cluster_size` positions that refits alpha per block (`jackknife`:
     "onestep" or "exact"); also the bound cross-fitted over two halves of the blocks, ΔCE = CE(P~) - CE(P^), and the
-    two-parameter calibration P^^beta P~^alpha. The rows are kept: 2 x N x V floats of `store_dtype`.
+    two-parameter calibration P^^beta P~^alpha. The fit rereads its rows: 2 x N x V floats of `store_dtype`, kept
+    where `rows` says (rows_where), or streamed: recomputed, both models' forward, on each of the fit's passes.
     `exact_mi_nats` (the source's true I_tau, on the Markov corpus) is stored beside. Writes `<name>.json`.
     valid_tokens is not read (kept so that every stage takes the same texts)."""
     if limited not in ("trained", "window"):
@@ -110,17 +152,35 @@ def memory_stage(full_net, limited_net, valid_tokens: torch.Tensor, test_tokens:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    rows = _memory_rows(full_net, lim, tau, test, windows_per_batch, getattr(torch, store_dtype),
-                        f"memory tau={tau} ({limited})")
+    dtype, desc = getattr(torch, store_dtype), f"memory tau={tau} ({limited})"
+    row_bytes = 2 * full_net.vocab_size * dtype.itemsize  # one row of log P^ and log P~
+    device = torch.device(getattr(full_net, "device", "cpu"))
+    where = rows_where(rows, device, row_bytes * max(0, test.numel() - 1))
+    passes = [0]
+
+    def stream():  # every pass of the fit recomputes the rows
+        passes[0] += 1
+        return _memory_rows(full_net, lim, tau, test, windows_per_batch, dtype, None, f"{desc}, pass {passes[0]}",
+                            trim=device.type == "cpu")
+
+    if where == "stream":
+        kept, held = stream, row_bytes * min(windows_per_batch, max(0, test.numel() - 1))
+    else:
+        kept = list(_memory_rows(full_net, lim, tau, test, windows_per_batch, dtype,
+                                 "cpu" if where == "cpu" else None, desc))
+        held, passes[0] = row_bytes * sum(c[2].numel() for c in kept), 1
     t_rows = time.perf_counter() - t0
-    bound = memory_summary(rows, cluster_size=cluster_size, jackknife=jackknife)
-    del rows
+    bound = memory_summary(kept, cluster_size=cluster_size, jackknife=jackknife)
+    del kept
     ref = paper.MEMORY_PTB.get(tau) if corpus == "ptb" else None
     result = {
         "tau": tau, "limited": limited, "model": model_name, "corpus": corpus, **bound,
         "full_context": full_context_span(full_net, test.numel()),
         "exact_mi_nats": exact_mi_nats,
         "paper": dict(zip(("ce_limited_nats", "mi_upper_bound_nats", "alpha"), ref, strict=True)) if ref else None,
+        # where the fit's rows were (analysis.memory.rows resolved), the bytes held at once (streamed: one chunk) and
+        # the passes of both models' forward over the text
+        "rows": where, "rows_bytes": held, "rows_passes": passes[0],
         "base_ckpt": base_ckpt, "ckpt": ckpt, "rows_seconds": t_rows, "seconds": time.perf_counter() - t0,
     }
     png = memory_bound_figure(result, out / f"{name}.png",
@@ -136,7 +196,8 @@ def memory_stage(full_net, limited_net, valid_tokens: torch.Tensor, test_tokens:
              f"CE(P||P~) {result['ce_limited_nats']:.4f}, ΔCE {result['delta_ce_nats']:.4f}; I_tau <= "
              f"{result['mi_upper_bound_nats']:.4f} +- {result['mi_stderr_nats']:.4f} nats (cross-fit "
              f"{result['mi_upper_bound_crossfit_nats']:.4f}; with the temperature, beta* {two['beta']:.4f}: "
-             f"{two['mi_upper_bound_nats']:.4f} +- {two['mi_stderr_nats']:.4f}) ({result['seconds']:.0f} s)")
+             f"{two['mi_upper_bound_nats']:.4f} +- {two['mi_stderr_nats']:.4f}) ({result['seconds']:.0f} s; "
+             f"rows {where}, {passes[0]} forward pass{'es' if passes[0] > 1 else ''})")
     return result
 
 

@@ -147,6 +147,8 @@ RULES: dict[str, tuple[Range, str]] = {
     "analysis.memory.cluster_size": (COUNT, "consecutive positions per unit of the standard error"),
     "analysis.memory.windows_per_batch": (COUNT, "tau-windows per forward of the limited model"),
     "analysis.memory.store_dtype": (Range(choices=("float32", "float16", "bfloat16")), "dtype of the kept fit rows"),
+    "analysis.memory.rows": (Range(choices=("auto", "device", "cpu", "stream")),
+                             "where the fit's rows stay: the model's device, the CPU, or recomputed on every pass"),
     "analysis.future_entropy.rollouts": (Range(lo=2, integer=True), "rollouts the heads learn from"),
     "analysis.future_entropy.rollout_prefix": (COUNT, "true tokens each rollout reads first"),
     "analysis.future_entropy.rollout_steps": (OPT_COUNT, "free words each rollout runs (null: the horizon)"),
