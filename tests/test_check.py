@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 from lmcal.errors import LmcalError
 from lmcal.models.awd_lstm import AWDLSTM
 from lmcal.models.transformer import GPTLM
-from lmcal.pipeline.check import RATES, check, model_of, side_by_side, stream_sizes
+from lmcal.pipeline.check import RATES, check, model_of, side_by_side, stream_passes, stream_sizes
 from lmcal.pipeline.plan import load_profile
 from lmcal.utils.settings import CONF_DIR
 
@@ -120,3 +120,21 @@ def test_side_by_side_reads_the_launcher_and_its_jobs():
     assert side_by_side(["hydra/launcher=slurm_gpu"], 6) == 1  # separate GPUs, not the one of the estimate
     assert side_by_side(["hydra/launcher=local_parallel"], 6) == 2  # the preset's n_jobs
     assert side_by_side(["hydra/launcher=local_parallel", "hydra.launcher.n_jobs=6"], 3) == 3  # no more than jobs
+
+
+def test_streamed_memory_rows_cost_a_forward_of_both_models_per_pass_of_the_fit(tmp_path):
+    """analysis.memory.rows=stream keeps one chunk but recomputes the rows on every pass: the plan's model steps of a
+    memory stage are 25 times those of kept rows (the one-step jackknife), and 25 + 11 per block with the exact one."""
+    def line(rows):
+        cfg = load_profile(["profile=smoke", f"out={tmp_path / rows}", "check=true",
+                            f"analysis=[analysis=smoke,analysis.memory.rows={rows}]"])
+        return next(ln for ln in check(cfg).splitlines() if ln.startswith("memory_tau2:"))
+
+    kept, streamed = line("cpu"), line("stream")
+    steps = float(re.search(r"; ~([\d.e+]+) model steps", kept).group(1))
+    m = re.search(r"; ~25 passes x ([\d.e+]+) = ([\d.e+]+) model steps", streamed)
+    assert m and float(m.group(1)) == steps and float(m.group(2)) == pytest.approx(25 * steps, rel=1e-2)
+    assert "streamed rows, one chunk" in streamed and "kept rows" in kept
+    model = model_of(_train_cfg(["experiment=smoke"]))
+    assert stream_passes({"jackknife": "onestep"}, model) == 25
+    assert stream_passes({"jackknife": "exact", "score_tokens": 2000, "cluster_size": 200}, model) == 25 + 11 * 10
