@@ -122,13 +122,18 @@ def stream_sizes(name: str, a: dict, m: Model, memory_tau: int | None) -> list[t
     return sizes
 
 
+def _score_tokens(a: dict, m: Model) -> int:
+    """Test tokens a stage scores: score_tokens (null: the whole test split), at most the split's own."""
+    return min(a["score_tokens"], m.corpus.get("test", a["score_tokens"])) if a.get("score_tokens") \
+        else m.corpus.get("test", 0)
+
+
 def model_steps(name: str, a: dict, m: Model, memory_tau: int | None = None) -> float:
     """Model token steps of an analysis stage (the main terms; the arithmetic is in each line)."""
     gen = a.get("num_prefixes", 0) * a.get("samples_per_prefix", 0) * (a.get("prefix_len", 0) + a.get("horizon", 0))
     look = 1 + (a["topk"] + 1 + a["tail_samples"] if a.get("topk") else m.vocab) if "tail_samples" in a else 1
     fit = min(a.get("fit_tokens") or 0, m.corpus.get("valid", 0)) if "fit_tokens" in a else 0
-    score = (min(a["score_tokens"], m.corpus.get("test", a["score_tokens"])) if a.get("score_tokens")
-             else m.corpus.get("test", 0)) if "score_tokens" in a else 0
+    score = _score_tokens(a, m) if "score_tokens" in a else 0
     if name == "entropy_rate":
         return gen
     if name == "calibration":  # the fit's lookahead, the test scored before and after, plain and calibrated generations
@@ -188,8 +193,7 @@ def side_by_side(cmd: list[str], n: int) -> int:
 def _memory_rows(a: dict, m: Model, budget_gb: float | None) -> tuple[str, float]:
     """The memory stage's fit rows where analysis.memory.rows keeps them (lmcal.stages.memory.rows_where), on the
     GPU: auto keeps them there when they fit the budget (null: half of GPU_FREE_GB), else streams them."""
-    n = min(a["score_tokens"], m.corpus.get("test", a["score_tokens"])) if a.get("score_tokens") \
-        else m.corpus.get("test", 0)
+    n = _score_tokens(a, m)
     dtype, rows = a.get("store_dtype", "float32"), a.get("rows", "auto")
     size = 2.0 * m.vocab * {"float32": 4, "float16": 2, "bfloat16": 2}[dtype]  # one row of log P^ and log P~
     why, where = f"rows={rows}", {"cpu": "on the CPU", "device": "on the model's device"}.get(rows)
@@ -212,8 +216,7 @@ def stream_passes(a: dict, m: Model) -> int:
     47, 80, 132, 238 for 2, 5, 10 and 20 blocks)."""
     if a.get("jackknife", "onestep") != "exact":
         return 25
-    n = min(a["score_tokens"], m.corpus.get("test", a["score_tokens"])) if a.get("score_tokens") \
-        else m.corpus.get("test", 0)
+    n = _score_tokens(a, m)
     return 25 + 11 * -(-n // int(a.get("cluster_size", 2000)))
 
 
@@ -259,9 +262,11 @@ def check(cfg: DictConfig) -> str:
                              f"{m.corpus.get('train', 0):,} tokens = {tokens:,} tokens, "
                              f"3 x {m.step_flops:.3g} FLOP x tokens = {flops:.3g} FLOP; peak: "
                              + "; ".join(f"{w} {_bytes(b)}" for w, b in peak))
-                kind = "recurrent training" if m.kind == "awd_lstm" else "batched"
-                (group.append((flops, sum(b for _, b in peak))) if at_once > 1 else
-                 est.append((st["name"] + ("" if t is None else f" tau={t}"), flops, kind)))
+                if at_once > 1:  # timed together below
+                    group.append((flops, sum(b for _, b in peak)))
+                else:
+                    est.append((st["name"] + ("" if t is None else f" tau={t}"), flops,
+                                "recurrent training" if m.kind == "awd_lstm" else "batched"))
             if group:
                 groups.append((st["name"], len(group), at_once, [f for f, _ in group]))
                 lines.append(f"{st['name']}: the {len(group)} trainings side by side on the one GPU, {at_once} at once "
