@@ -7,7 +7,6 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-import torch
 from omegaconf import DictConfig, OmegaConf
 
 from lmcal.data.markov import markov_exact_mi
@@ -15,6 +14,7 @@ from lmcal.models.awd_lstm import evaluate_ce
 from lmcal.models.checkpoint import base_checkpoint, checkpoint_data, load_base_net, load_net, model_name
 from lmcal.models.step_lm import as_step_lm
 from lmcal.stages.registry import STAGES, check_plan, check_stages
+from lmcal.utils.device import resolve_device
 from lmcal.utils.numbers import exp_or_inf
 from lmcal.utils.settings import CONF_DIR  # noqa: F401  (it registers the configs' lmcal_root resolver)
 
@@ -26,8 +26,7 @@ def load_checkpoint_and_data(ckpt_path: str, data_root: str | None = None, devic
     loaded)."""
     path = Path(ckpt_path).expanduser()
     net, ckpt = load_net(path)
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    net.to(device)
+    net.to(resolve_device(device))
     dm = checkpoint_data(ckpt, data_root, path)
     dm.prepare()
     return net, ckpt, dm
@@ -58,7 +57,7 @@ def hf_target(cfg: DictConfig, settings: dict[str, dict] | None = None) -> dict:
 
     m = cfg.model
     check_stages(list(cfg.stages), "hf", settings or stage_settings(cfg))  # before the model is loaded
-    device = cfg.get("device") or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = resolve_device(cfg.get("device"))
     dmap = m.get("device_map")
     lm = load_hf_model(m.name_or_path, device=device, dtype=m.get("dtype"),
                        device_map=OmegaConf.to_container(dmap) if OmegaConf.is_config(dmap) else dmap)
