@@ -138,3 +138,12 @@ def test_streamed_memory_rows_cost_a_forward_of_both_models_per_pass_of_the_fit(
     model = model_of(_train_cfg(["experiment=smoke"]))
     assert stream_passes({"jackknife": "onestep"}, model) == 25
     assert stream_passes({"jackknife": "exact", "score_tokens": 2000, "cluster_size": 200}, model) == 25 + 11 * 10
+
+
+def test_paper_full_is_the_paper_profile_with_the_papers_epochs(tmp_path):
+    """paper_full names paper (`extends: paper`) and sets only its trainings: every other key is paper's."""
+    full, paper = (OmegaConf.to_container(load_profile([f"profile={p}", f"out={tmp_path}"])) for p in
+                   ("paper_full", "paper"))
+    assert "extends" not in full and full.keys() == paper.keys()
+    assert {k for k in full if full[k] != paper[k]} == {"profile", "base", "tau"}
+    assert full["base"] == ["experiment=paper"] and "trainer.max_epochs=120" not in full["tau"]

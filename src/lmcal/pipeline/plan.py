@@ -54,6 +54,9 @@ def load_profile(argv: list[str]) -> DictConfig:
                          "key=value pairs, e.g. taus=[5,10] out=DIR.") from None
     name, note = resolve_profile(str(cli.get("profile", "auto")))
     profile = OmegaConf.load(CONF_DIR / "reproduce" / f"{name}.yaml")
+    if "extends" in profile:  # a profile that differs from another in a few keys lists only those (paper_full)
+        parent = profile.pop("extends")
+        profile = OmegaConf.merge(OmegaConf.load(CONF_DIR / "reproduce" / f"{parent}.yaml"), profile)
     # every profile runs its stages here (launcher=local) or as Slurm jobs (launcher=slurm, slurm.<key>=...)
     profile = OmegaConf.merge({"launcher": "local", "slurm": slurm_defaults()}, profile)
     known = _keys(profile)
