@@ -26,9 +26,19 @@ def test_every_profile_takes_the_launcher_and_its_slurm_settings(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_the_sbatch_options(tmp_path):
+def _fake_slurm_bin(folder: Path) -> Path:
+    """A folder of Slurm's command names that do nothing: submitit's executor only looks for srun on the PATH."""
+    folder.mkdir()
+    for tool in ("sbatch", "srun", "squeue", "scancel"):
+        (folder / tool).write_text("#!/bin/sh\nexit 0\n")
+        (folder / tool).chmod(0o755)
+    return folder
+
+
+def test_the_sbatch_options(tmp_path, monkeypatch):
     from submitit.slurm.slurm import _make_sbatch_string
 
+    monkeypatch.setenv("PATH", f"{_fake_slurm_bin(tmp_path / 'bin')}:/usr/bin:/bin")  # a machine with no Slurm too
     s = OmegaConf.merge(SL.slurm_defaults(), {"partition": "gpu", "gpus_per_job": 1, "cpus_per_job": 8, "mem_gb": 32,
                                               "account": "lab", "additional": {"exclude": "node13"}})
     ex = SL.executor(s, tmp_path)
@@ -123,6 +133,24 @@ def test_job_states_from_squeue(tmp_path, monkeypatch):
     jobs = {"a": SimpleNamespace(job_id="5"), "b": SimpleNamespace(job_id="6")}
     got = SL.job_states(jobs)
     assert got["a"][0] == "RUNNING" and got["b"] == ("COMPLETED", 65.0)
+
+
+def test_launcher_slurm_without_slurm_is_refused_before_anything_is_made(tmp_path):
+    """The real entry point on a machine whose PATH has no Slurm: one paragraph naming the missing commands, exit 2,
+    no output folder."""
+    import subprocess
+
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    (bin_ / "sbatch").symlink_to("/bin/true")  # sbatch alone: srun, squeue and scancel are missing
+    out = tmp_path / "out"
+    r = subprocess.run([sys.executable, "-m", "lmcal.reproduce", "profile=smoke", "launcher=slurm", f"out={out}"],
+                       capture_output=True, text=True, env={"PATH": str(bin_), "HOME": str(tmp_path)}, timeout=300)
+    assert r.returncode == 2, r.stderr
+    err = r.stderr.strip()
+    assert err.startswith("lmcal: error:") and "\n" not in err, err
+    assert "srun, squeue, scancel are not on this machine's PATH" in err and "launcher=local" in err
+    assert not out.exists()
 
 
 @pytest.mark.parametrize("launcher", ["slurm_cpu", "slurm_gpu"])

@@ -16,7 +16,7 @@ from lmcal.pipeline.check import check
 from lmcal.pipeline.plan import plan, stage_settings
 from lmcal.pipeline.results import PAPER_STAGES
 from lmcal.pipeline.schedule import reference_seconds, schedule
-from lmcal.pipeline.slurm import schedule_slurm
+from lmcal.pipeline.slurm import check_slurm_tools, schedule_slurm
 from lmcal.stages.registry import check_stages
 from lmcal.utils.io import read_record, write_json_atomic, write_text_atomic
 from lmcal.utils.lock import check_output_folder, run_lock, sweep_temp_files
@@ -97,6 +97,8 @@ def reproduce(cfg: DictConfig) -> dict:
         raise LmcalError(f"launcher={cfg.launcher} is not a launcher: launcher=local runs the stages on this machine "
                          "(jobs=N at once), launcher=slurm submits each as a Slurm job (settings: slurm.<key>=..., "
                          "see conf/reproduce/launcher/slurm.yaml).")
+    if cfg.get("launcher", "local") == "slurm":
+        check_slurm_tools()
     check_config(cfg)  # the profile's own values (taus), before the folder is touched
     check_stages(list(cfg.stages), "full")
     if cfg.get("transformer"):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -46,6 +47,18 @@ def run_stage(stage: dict, log_path: str) -> int:
     if rc:
         raise RuntimeError(f"{shlex.join(cmd)} exited with status {rc}; see {log_path}")
     return rc
+
+
+def check_slurm_tools() -> None:
+    """launcher=slurm needs Slurm's commands on this machine: sbatch (submitit submits with it and checks for srun),
+    squeue and scancel (the jobs' states, and cancelling them). Refused in one paragraph before any folder is made."""
+    missing = [t for t in ("sbatch", "srun", "squeue", "scancel") if shutil.which(t) is None]
+    if missing:
+        raise LmcalError(f"launcher=slurm submits each stage as a Slurm job, but Slurm's {', '.join(missing)} "
+                         f"{'is' if len(missing) == 1 else 'are'} not on this machine's PATH "
+                         f"({os.environ.get('PATH', '')}). Nothing was submitted or made. Run `make reproduce "
+                         "ARGS='launcher=slurm ...'` on a node of the cluster (a login node, where sbatch works), or "
+                         "launcher=local to run the stages here.")
 
 
 def executor(s: DictConfig, folder: Path):
