@@ -6,7 +6,8 @@ Needs CUDA. Without it the report says so (which torch is installed, whether it 
 1: nothing here can stand in for a GPU. With CUDA it records
 - the CUDA build and the device;
 - the tests marked `gpu` (pytest -m gpu: the weight-dropped LSTM's outputs and gradients on CUDA against the CPU, a
-  resume after the NT-ASGD switch with the module on CUDA, the lookahead's two paths under the TF32 policy);
+  resume after the NT-ASGD switch with the module on CUDA, the lookahead's two paths under the TF32 policy, a Hugging
+  Face model's candidates sharing their rows' past on CUDA against the CPU's forks);
 - paper-size training tokens/s, ours against a plain cuDNN nn.LSTM stack in one run (bench/train_throughput.py);
 - one calibrated paper-size lookahead step (100 rows, top-64 + the true word + 16 draws, V = 10,000): time, with
   synchronisation, and peak memory (torch.cuda.max_memory_allocated);

@@ -123,13 +123,13 @@ def main():
     runs = [("lmcal (in place)", b) for b in args.batches] + [("transformers (torch.cat)", b) for b in args.reference]
     one = None
     for cache, b in runs:
-        new_cache = L._new_cache
+        new_cache = L.new_cache
         if cache.startswith("transformers"):
-            L._new_cache = lambda limit=None: None  # the model makes its own DynamicCache
+            L.new_cache = lambda limit=None: None  # the model makes its own DynamicCache
         try:
             tps = generated_per_s(lm, prefixes[:b], args.horizon, 1, max_batch=b)
         finally:
-            L._new_cache = new_cache
+            L.new_cache = new_cache
         one = one or tps
         emit(f"| {cache} | {b} | {b * args.horizon:,} | {1000 / tps:.2f} | {tps:,.1f} | {2 * n_mm * tps / 1e9:.1f} | "
              f"{2 * n_mm * tps / peak:.1%} | {tps / one:.1f}x |")

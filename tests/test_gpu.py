@@ -1,6 +1,7 @@
 """The CUDA path (marker `gpu`: skipped without CUDA; `make gpu-check` runs these and writes its report): the
-weight-dropped LSTM on CUDA against the CPU, a resume after the NT-ASGD switch with the module on CUDA, and the
-lookahead's two paths under the TF32 policy. Tolerances: float32 rounding with TF32 off (lmcal.utils.device). Without
+weight-dropped LSTM on CUDA against the CPU, a resume after the NT-ASGD switch with the module on CUDA, the
+lookahead's two paths under the TF32 policy, and a Hugging Face model's candidates sharing their rows' past on CUDA
+against the CPU's forks. Tolerances: float32 rounding with TF32 off (lmcal.utils.device). Without
 CUDA: the no-CUDA report, and gpu_check's side-by-side section (bench/device_compare.py) on two CPU runs, its comparator
 on made-up results (fast) and end to end (slow)."""
 
@@ -63,6 +64,27 @@ def test_lookahead_fused_and_plain_paths_agree_on_cuda():
     fused = candidate_entropies(lm, state, cand, 0.0)
     plain = candidate_entropies(lm, state, cand, 1e-30)  # eps > 0 takes the full-step path; 1e-30 changes nothing
     torch.testing.assert_close(fused, plain, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+def test_hf_candidates_sharing_their_rows_past_on_cuda_match_the_cpus_forks():
+    """HFCausalLM.candidate_step on CUDA (a 4D-masked sdpa forward over the shared past) against the CPU's forks."""
+    transformers = pytest.importorskip("transformers")
+    from lmcal.core.lookahead import lookahead_entropies
+    from lmcal.models.hf import HFCausalLM
+
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=500, n_positions=128,
+                                  initializer_range=0.3)
+    cpu = HFCausalLM(transformers.GPT2LMHeadModel(cfg))
+    gpu = HFCausalLM(transformers.GPT2LMHeadModel(cfg), device="cuda")
+    gpu.model.load_state_dict(cpu.model.state_dict())
+    x = torch.randint(0, 500, (4, 30))
+    (lp_c, st_c), (lp_g, st_g) = cpu.prefill(x, cpu.init_state(4)), gpu.prefill(x, gpu.init_state(4))
+    assert gpu.shares_past(st_g)
+    cpu.shares_past = lambda state: False
+    torch.testing.assert_close(lookahead_entropies(gpu, st_g, lp_g).cpu(), lookahead_entropies(cpu, st_c, lp_c),
+                               atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the no-CUDA half of make gpu-check")

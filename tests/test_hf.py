@@ -14,7 +14,8 @@ from lmcal.core.lookahead import entropy, lookahead_entropies  # noqa: E402
 from lmcal.core.sampling import random_prefixes  # noqa: E402
 from lmcal.data.corpora import hf_text_tokens, ptb_text_file  # noqa: E402
 from lmcal.errors import DataError, LmcalError  # noqa: E402
-from lmcal.models.hf import HFCausalLM, fork_cache, load_hf_model  # noqa: E402
+from lmcal.models.hf import HFCausalLM, load_hf_model  # noqa: E402
+from lmcal.models.hf_cache import fork_cache  # noqa: E402
 
 V = 50
 WORDS = ["<unk>", "the", "cat", "sat", "on", "mat", "a", "dog", "ran", "far", "away", "and"]

@@ -1,5 +1,5 @@
-"""The lookahead's chunks from a memory budget (analysis.memory_budget_gb), and forks of a Hugging Face cache that hold
-room for one step only."""
+"""The lookahead's chunks from a memory budget (analysis.memory_budget_gb); forks of a Hugging Face cache that hold
+room for one step only; and candidates that read their row's past together instead of each from a copy of it."""
 
 from types import SimpleNamespace
 
@@ -51,10 +51,80 @@ def test_forks_for_one_step_hold_that_step_only_and_give_the_same_entropies(budg
     assert [la.store.keys.size(2) for la in tight.layers] == [21, 21]  # 20 read + the candidate
     # one row's copy: 2 layers x (keys, values) x 2 heads x 21 positions x 16 dims x 4 bytes
     assert lm.row_bytes(state) == 2 * 2 * 2 * 21 * 16 * 4
+    lm.shares_past = lambda state: False  # the forks' path (the shared past's: the tests below)
     ref = L.lookahead_entropies(lm, state, lp[:, -1], chunk=7)  # [3, V]
     budget(lm.row_bytes(state) * 11 / 1e9)  # about 10 candidates a chunk
     assert L.chunk_sizes(lm, state, 3 * V, V, torch.device("cpu"), fused=True)[0] < 11
     torch.testing.assert_close(L.lookahead_entropies(lm, state, lp[:, -1]), ref, atol=1e-5, rtol=1e-5)
+
+
+def tiny_llama(vocab_size=V):
+    """A tiny random Llama: rotary positions and grouped keys/values (4 query heads, 2 key/value heads)."""
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                                   num_key_value_heads=2, num_hidden_layers=2, max_position_embeddings=128,
+                                   initializer_range=0.3, bos_token_id=0, eos_token_id=0)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_candidates_reading_their_rows_past_together_equal_each_stepped_from_a_fork(arch, attention, monkeypatch):
+    """candidate_step (one forward, a row's candidates as queries at position n under a 4D mask) against each
+    candidate stepped alone from its fork: log-probs and features, rows unsorted and repeated, a row's candidates
+    split over several pieces; the state is left as it was."""
+    model = tiny_gpt2() if arch == "gpt2" else tiny_llama()
+    model.config._attn_implementation = attention
+    lm = HFCausalLM(model)
+    lp, state = feed(lm, torch.randint(0, V, (3, 9)))
+    assert lm.shares_past(state)
+    keys = [la.keys.clone() for la in state[0].layers]
+    rows = torch.tensor([2, 2, 2, 2, 2, 0, 1, 1, 2, 0])
+    toks = torch.randint(0, V, (rows.numel(),))
+    monkeypatch.setattr(lm, "candidate_width", lambda state: 2)  # row 2's first run of 5: pieces of 2, 2 and 1
+    got = lm.candidate_step(toks, state, rows)  # [10, V]
+    want = lm.step(toks, lm.select_for_step(state, rows))[0]
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert got.dtype == torch.float32
+    if arch == "gpt2":  # the fused lookahead's input
+        f = lm.candidate_step(toks, state, rows, features=True)  # [10, E]
+        torch.testing.assert_close(f, lm.features(toks, lm.select_for_step(state, rows))[0], atol=1e-5, rtol=1e-5)
+    assert all(torch.equal(a, la.keys) for a, la in zip(keys, state[0].layers, strict=True))  # untouched
+    torch.testing.assert_close(lm.step(toks[:3], state)[0], lm.step(toks[:3], lm.select(state, torch.arange(3)))[0])
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_the_lookahead_with_a_shared_past_holds_far_less_and_gives_the_forks_entropies(arch, budget):
+    lm = HFCausalLM(tiny_gpt2() if arch == "gpt2" else tiny_llama())
+    lp, state = feed(lm, torch.randint(0, V, (3, 40)))
+    n, heads, kv_heads, E = 40, lm.model.config.num_attention_heads, 2, 32  # both have 2 key/value heads
+    layer = 2 * kv_heads * n * (E // heads) * 4  # one row's keys and values of one layer, float32
+    k = min(V, lm.candidate_width(state))
+    assert lm.candidate_bytes(state, V) == 2.0 * layer * (n + k) / n / k + 4.0 * (heads * (n + k) + 12 * E)
+    assert lm.candidate_bytes(state, V) < lm.row_bytes(state) / 2
+    budget(lm.row_bytes(state) * 11 / 1e9)  # 10 forks a chunk; many more candidates sharing their rows' past
+    assert L.chunk_sizes(lm, state, 3 * V, V, torch.device("cpu"), fused=True, per_row=V)[0] > 20
+    for eps in (0.0, 0.1):  # eps > 0: the log-probs' path (the fused one needs eps = 0)
+        shared = L.lookahead_entropies(lm, state, lp[:, -1], eps)  # [3, V]
+        lm.shares_past = lambda state: False
+        forks = L.lookahead_entropies(lm, state, lp[:, -1], eps, chunk=16)
+        del lm.shares_past
+        torch.testing.assert_close(shared, forks, atol=1e-5, rtol=1e-5)
+
+
+def test_a_past_not_shared_where_a_mask_would_not_state_the_attention_exactly(monkeypatch):
+    """Architectures outside the list (a sliding window, say), attention kernels that take no 4D mask and caches
+    without per-layer tensors go through the forks."""
+    lm = HFCausalLM(tiny_gpt2())
+    lp, state = feed(lm, torch.randint(0, V, (2, 5)))
+    assert lm.shares_past(state) and not lm.shares_past(lm.init_state(2))
+    monkeypatch.setattr(HFCausalLM, "_SHARED_PAST", frozenset())
+    assert not lm.shares_past(state) and lm.candidate_bytes(state, 81) == lm.row_bytes(state)
+    monkeypatch.undo()
+    legacy = tuple((la.keys, la.values) for la in state[0].layers)
+    assert not lm.shares_past((legacy, 5))
+    monkeypatch.setattr(lm.model.config, "_attn_implementation", "flash_attention_2")
+    assert not lm.shares_past(state)
 
 
 def test_device_map_needs_accelerate_and_says_so(tmp_path, monkeypatch):
@@ -90,5 +160,9 @@ def test_device_map_and_bf16_keep_log_softmax_entropies_and_fits_in_float32(tmp_
     assert L.entropy(lp[:, -1]).dtype == torch.float32
     h = L.lookahead_entropies(lm, state, lp[:, -1])  # [3, V]: the fused path, a bf16 head read in float32
     assert h.dtype == torch.float32 and torch.isfinite(h).all()
+    assert lm.shares_past(state)  # ... its candidates reading their rows' bf16 past together; the forks agree
+    lm.shares_past = lambda state: False
+    torch.testing.assert_close(L.lookahead_entropies(lm, state, lp[:, -1]), h, atol=0.05, rtol=0.02)
+    del lm.shares_past
     fit = fit_lookahead_calibration(lm, torch.randint(0, len(WORDS), (12, 4)), topk=4, tail_samples=2)
     assert all(isinstance(v, float) and v == v for v in (fit.alpha, fit.ce_before, fit.ce_after))

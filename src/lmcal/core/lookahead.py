@@ -15,7 +15,8 @@ from lmcal.utils.profiling import span, timed
 
 # The memory one lookahead chunk may hold (analysis.memory_budget_gb; the entry points set it once per process with
 # set_memory_budget). None: half the device's free memory on CUDA, CPU_BUDGET_GB on the CPU. A chunk holds, per
-# candidate, its copy of its row's state (a transformer's key/value cache: lm.row_bytes) and its logits' floats.
+# candidate, what it keeps of its row's state (a copy of a transformer's key/value cache, lm.row_bytes, or its share
+# of a past its row's candidates read together, lm.candidate_bytes) and its logits' floats.
 CPU_BUDGET_GB = 2.0
 # On the CPU the chunk and the vocabulary block also keep their cache-sized caps (the sizes every CPU figure in docs/
 # was measured with); on CUDA the budget alone sets the chunk, and a chunk's logits are one [c, V] product.
@@ -45,12 +46,17 @@ def memory_budget(device: torch.device) -> float:
     return CPU_BUDGET_GB * 1e9
 
 
-def chunk_sizes(lm, state, pairs: int, V: int, device: torch.device, fused: bool) -> tuple[int, int]:
+def chunk_sizes(lm, state, pairs: int, V: int, device: torch.device, fused: bool,
+                per_row: int = 1) -> tuple[int, int]:
     """(candidates per forward, vocabulary words per block of linear_entropy) that keep one chunk within the memory
-    budget: each candidate holds its row's forked state (lm.row_bytes(state) bytes, where the model says) and about
-    three float32 rows of logits ([block] fused, [V] otherwise: the logits, their exp and the product)."""
+    budget: each candidate holds its row's state for one step (where the model says: lm.candidate_bytes(state,
+    per_row) with `per_row` candidates a row, or lm.row_bytes(state), its forked copy) and about three float32 rows
+    of logits ([block] fused, [V] otherwise: the logits, their exp and the product)."""
     block = CPU_BLOCK if device.type == "cpu" else V
-    row = lm.row_bytes(state) if hasattr(lm, "row_bytes") else 0
+    if hasattr(lm, "candidate_bytes"):
+        row = lm.candidate_bytes(state, per_row)
+    else:
+        row = lm.row_bytes(state) if hasattr(lm, "row_bytes") else 0
     per = row + 4.0 * 3 * (min(block, V) if fused else V)
     chunk = max(1, int(memory_budget(device) // per))
     chunk = min(chunk, CPU_MAX_CHUNK if device.type == "cpu" else CUDA_MAX_CHUNK)
@@ -109,25 +115,33 @@ def candidate_entropies(lm, state, cand: torch.Tensor, epsilon: float, chunk: in
     """H of the (eps-mixed) next distribution after feeding candidate cand[b, k] to state row b. cand [B, K] -> [B, K].
 
     All B*K (row, candidate) pairs are flattened and stepped `chunk` at a time (None: as many as the memory budget
-    holds, chunk_sizes) from copies of their row's state. A StepLM with a linear last layer (`features` and `head`,
-    see StepLM) gets its entropies from linear_entropy when eps = 0.
+    holds, chunk_sizes) from their row's state: from copies of it, or, where the model shares a row's past among its
+    candidates (HFCausalLM.candidate_step), from the state itself. A StepLM with a linear last layer (`features` and
+    `head`, see StepLM) gets its entropies from linear_entropy when eps = 0.
     """
     B, K = cand.shape
     rows = torch.arange(B, device=cand.device).repeat_interleave(K)  # [B*K]: row b repeated K times
     toks = cand.reshape(-1)  # [B*K]
     fused = epsilon == 0.0 and getattr(lm, "head", None) is not None
     device = lm.head[0].device if fused else cand.device
-    auto, block = chunk_sizes(lm, state, B * K, getattr(lm, "vocab_size", None) or 50_000, device, fused)
+    auto, block = chunk_sizes(lm, state, B * K, getattr(lm, "vocab_size", None) or 50_000, device, fused, K)
     chunk = chunk or auto
     # a fork for one step: a model that can (HFCausalLM) gives it room for that step only, not a growing buffer
     fork = getattr(lm, "select_for_step", lm.select)
     # an LSTM's h W_hh^T once per row, not per candidate (lmcal.models.step_lm.LSTMStepLM.candidate_features)
     shared = lm.recurrent_terms(state) if fused and hasattr(lm, "candidate_features") else None
+    # a transformer's past read once per row by all its candidates, not copied for each
+    share_past = hasattr(lm, "candidate_step") and lm.shares_past(state)
     h = []
     for i in range(0, B * K, chunk):
         c_toks, c_rows = toks[i:i + chunk], rows[i:i + chunk]
         if shared is not None:
             f = lm.candidate_features(c_toks, state, c_rows, shared)  # [c, E]
+        elif share_past and fused:
+            f = lm.candidate_step(c_toks, state, c_rows, features=True)  # [c, E]
+        elif share_past:
+            h.append(entropy(mix_uniform(lm.candidate_step(c_toks, state, c_rows), epsilon)))  # [c]
+            continue
         elif fused:
             f = lm.features(c_toks, fork(state, c_rows))[0]  # [c, E]; the stepped forks dropped at once, not kept
             # alive (as `f, _ = ...` would) while the next chunk's are made: one chunk's forks at a time

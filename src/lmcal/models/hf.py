@@ -1,158 +1,33 @@
 """Hugging Face causal LMs as StepLMs (transformers is optional: imported only when a model is built or loaded): the
-adapter HFCausalLM, its key/value cache that forks without copying the past, windowed test scoring, and loading a
-folder written by save_pretrained."""
+adapter HFCausalLM, windowed test scoring, and loading a folder written by save_pretrained. Its key/value caches (forks
+that do not copy the past, and the lookahead's shared past) are lmcal.models.hf_cache."""
 
 from __future__ import annotations
 
-import copy
-import functools
+import inspect
 import re
 from pathlib import Path
 
 import torch
 
 from lmcal.errors import LmcalError
-
-# Cache layers whose `update` rebinds its tensors to a torch.cat (never writes into them): a shallow copy of such a
-# layer is an independent cache that shares the past's storage. Exact type names on purpose: subclasses such as the
-# quantized layers keep buffers they update in place, and go through the (copying) fallback of fork_cache.
-_REBINDING_LAYERS = frozenset({"DynamicLayer", "DynamicSlidingWindowLayer"})
+from lmcal.models.hf_cache import fork_cache, new_cache, shared_past_cache
 
 
-class _Store:
-    """Key/value buffers [B, heads, capacity, head_dim] shared by the cache layers of one line of states; `frontier`:
-    how many positions the latest writer filled."""
-
-    __slots__ = ("keys", "values", "frontier")
-
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, frontier: int):
-        self.keys, self.values, self.frontier = keys, values, frontier
+def candidate_width(emb: int, n: int) -> int:
+    """The most lookahead candidates of one row in one sequence of queries (HFCausalLM.candidate_step), for a model of
+    width `emb` after n tokens. Each candidate also attends the others' k positions (masked): 4 E k FLOPs a layer
+    against its own 24 E^2 + 4 E n, so k <= (6 E + n) / 8 keeps the extra under 1/8."""
+    return max(16, (6 * emb + n) // 8)
 
 
-def _store_from(keys: torch.Tensor, values: torch.Tensor, n: int, extra: int, limit: int | None = None,
-                exact: bool = False) -> _Store:
-    """A new store holding keys/values[:, :, :n] with room for at least `extra` more positions (capacity doubled, but
-    never past `limit`, the model's context, when it is known; `exact`: room for `extra` only, for a fork that takes
-    one step and is dropped, as the lookahead's are)."""
-    B, H, _, D = keys.shape
-    cap = n + extra if exact else max(64, 2 * (n + extra))
-    if limit and not exact:
-        cap = max(n + extra, min(cap, limit))
-    k, v = keys.new_empty(B, H, cap, D), values.new_empty(B, H, cap, values.size(-1))
-    k[:, :, :n], v[:, :, :n] = keys[:, :, :n], values[:, :, :n]
-    return _Store(k, v, n)
-
-
-@functools.lru_cache(maxsize=1)
-def _forkable_layer_class():
-    """A transformers (>= 5) cache layer that writes each step's keys and values into a preallocated buffer instead
-    of concatenating (a growing cache's torch.cat copies the whole past every step: quadratic in the horizon).
-
-    States share buffers safely: a layer owns positions [0, n) of its store. A step writes in place when nobody has
-    written past n (store.frontier == n); otherwise, or when the buffer is full, it first copies its n positions to
-    a new buffer. So a state stepped twice (the lookahead steps one state once per candidate) never sees another
-    state's keys, and a chain of steps (generation) writes in place."""
-    from transformers.cache_utils import DynamicLayer
-
-    class ForkableLayer(DynamicLayer):
-        def __init__(self, store: _Store | None = None, n: int = 0, limit: int | None = None):
-            super().__init__()
-            self.store, self.n, self.limit = store, n, limit
-            self.is_initialized = store is not None
-
-        @property
-        def keys(self):
-            return None if self.store is None else self.store.keys[:, :, :self.n]
-
-        @keys.setter
-        def keys(self, value):  # the base class's __init__ sets None; nothing else writes it
-            if value is not None:
-                raise AttributeError("a ForkableLayer's keys live in its store")
-
-        @property
-        def values(self):
-            return None if self.store is None else self.store.values[:, :, :self.n]
-
-        @values.setter
-        def values(self, value):
-            if value is not None:
-                raise AttributeError("a ForkableLayer's values live in its store")
-
-        def lazy_initialization(self, key_states, value_states):
-            self.store, self.n = _store_from(key_states, value_states, 0, key_states.size(-2), self.limit), 0
-            self.dtype, self.device, self.is_initialized = key_states.dtype, key_states.device, True
-
-        def update(self, key_states, value_states, *args, **kwargs):
-            if not self.is_initialized:
-                self.lazy_initialization(key_states, value_states)
-            q, st, n = key_states.size(-2), self.store, self.n
-            if st.frontier != n or n + q > st.keys.size(-2):  # another state wrote past n, or no room: copy first
-                st = self.store = _store_from(st.keys, st.values, n, q, self.limit)
-            st.keys[:, :, n:n + q], st.values[:, :, n:n + q] = key_states, value_states
-            st.frontier = self.n = n + q
-            return self.keys, self.values
-
-        def get_seq_length(self) -> int:
-            return self.n
-
-        def fork(self, index: torch.Tensor | None = None, exact: bool = False):
-            """This layer's state for another line of steps; with `index`, of batch rows `index` (copied; `exact`:
-            with room for one more position only)."""
-            if self.store is None or index is None:
-                return ForkableLayer(self.store, self.n, self.limit)
-            st = self.store
-            n = self.n  # only the positions this state owns are gathered
-            idx = index.to(st.keys.device)  # each layer's own device (a model spread by device_map)
-            return ForkableLayer(_store_from(st.keys[idx, :, :n], st.values[idx, :, :n], n, 1, self.limit, exact), n,
-                                 self.limit)
-
-    return ForkableLayer
-
-
-def _new_cache(limit: int | None = None):
-    """An empty cache of ForkableLayers (transformers >= 5), or None: the model makes its own (older versions)."""
-    try:
-        from transformers.cache_utils import Cache, CacheLayerMixin  # noqa: F401  (>= 5: per-layer caches)
-        layer = _forkable_layer_class()
-        return Cache(layer_class_to_replicate=functools.partial(layer, limit=limit))
-    except (ImportError, TypeError, ValueError):
-        return None
-
-
-def fork_cache(past, index: torch.Tensor | None = None, exact: bool = False):
-    """A cache that the model may extend without touching `past`; with `index` [B'], of batch rows `index` only
-    (`exact`: our layers give the rows room for one more step only).
-
-    Handles the cache layouts of transformers >= 4.40: a Cache whose `layers` hold keys/values (>= 4.56), the
-    DynamicCache with `key_cache`/`value_cache` lists (4.40 - 4.55), and the legacy tuple of per-layer (key, value)
-    tuples, each tensor [B, heads, T, head_dim]. Only containers are copied; tensors are shared, or indexed (which
-    makes new ones). Any other cache class is deep-copied first: correct, at the price of copying the whole cache.
-    """
-    if isinstance(past, (tuple, list)):  # legacy format: tuples are immutable, the model builds new ones
-        return past if index is None else tuple(tuple(t[index] for t in layer) for layer in past)
-    layers = getattr(past, "layers", None)
-    if layers and all(hasattr(layer, "fork") for layer in layers):  # ours: forks share or copy their buffers
-        new = copy.copy(past)
-        new.layers = [layer.fork(index, exact) for layer in layers]
-        return new
-    if layers is not None and all(type(layer).__name__ in _REBINDING_LAYERS for layer in layers):
-        new = copy.copy(past)
-        new.layers = [copy.copy(layer) for layer in layers]
-        if index is not None:
-            for layer in new.layers:
-                if layer.is_initialized:
-                    i = index.to(layer.keys.device)  # [B'] on the layer's own device (device_map)
-                    layer.keys, layer.values = layer.keys[i], layer.values[i]  # [B', heads, T, head_dim]
-        return new
-    if layers is None and type(past).__name__ == "DynamicCache" and hasattr(past, "key_cache"):
-        new = copy.copy(past)  # 4.40 - 4.55: update assigns into these lists, so the lists are copied
-        pick = (lambda t: t) if index is None else (lambda t: t[index] if t.numel() else t)
-        new.key_cache, new.value_cache = [pick(k) for k in past.key_cache], [pick(v) for v in past.value_cache]
-        return new
-    new = copy.deepcopy(past)
-    if index is not None:
-        new.batch_select_indices(index)
-    return new
+def shared_candidate_bytes(layer_bytes: float, n: int, per_row: int, heads: int, emb: int) -> float:
+    """Bytes one candidate holds in HFCausalLM.candidate_step, `per_row` candidates a row after n tokens: its share
+    of its row's past of one layer (layer_bytes: one row's keys and values of that layer) gathered and extended by
+    the row's k candidates (two copies, the gather and the concatenation, of n + k positions), and one layer's
+    attention scores [heads, n + k] and activations (about 12 E floats)."""
+    k = max(1, min(per_row, candidate_width(emb, n)))
+    return 2.0 * layer_bytes * (n + k) / n / k + 4.0 * (heads * (n + k) + 12 * emb)
 
 
 class HFCausalLM:
@@ -175,17 +50,29 @@ class HFCausalLM:
         self.vocab_size = int(head.weight.shape[0]) if head is not None else int(model.config.vocab_size)
         cfg = model.config
         self.max_positions = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
+        # the cache's keyword: `cache` from transformers 5.2x, which drops the older `past_key_values` in 5.40
+        self._cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
     # Architectures whose logits are exactly the output embedding applied to the base model's last hidden state (no
     # logit scaling or soft-capping): for these, `features` and `head` give the fused lookahead entropies.
     _PLAIN_HEAD = frozenset({"gpt2"})
+    # Architectures whose lookahead candidates share their row's past in one forward (candidate_step): positions come
+    # from position_ids (GPT-2's learned ones, Llama's rotary ones) and attention is full, so a 4D mask states it
+    # exactly (a model with a sliding window would lose its window to the mask); attention implementations that take
+    # such a mask.
+    _SHARED_PAST, _MASKED_ATTENTION = frozenset({"gpt2", "llama"}), frozenset({"sdpa", "eager"})
 
     def init_state(self, batch_size: int):
         return None, 0
 
     def _past(self, past):
         """The cache to hand the model: a fork of `past` (which stays as it is), or a new one."""
-        return _new_cache(self.max_positions) if past is None else fork_cache(past)
+        return new_cache(self.max_positions) if past is None else fork_cache(past)
+
+    def _forward(self, module, past, **kwargs):
+        """module(**kwargs) with the cache `past` under this transformers' keyword: (output, the cache it returns)."""
+        out = module(**kwargs, use_cache=True, **{self._cache_kw: past})
+        return out, out[self._cache_kw] if self._cache_kw == "cache" else out.past_key_values
 
     def _check_position(self, n: int) -> None:
         if self.max_positions is not None and n >= self.max_positions:
@@ -210,9 +97,9 @@ class HFCausalLM:
         tokens = tokens.to(self.device)  # [B, L]
         # positions explicit, so no model has to infer them from the cache
         positions = (n + torch.arange(L, device=self.device)).expand_as(tokens)  # [B, L]
-        out = self.model(input_ids=tokens, position_ids=positions, use_cache=True, past_key_values=self._past(past),
-                         logits_to_keep=1)
-        return out.logits[:, -1].float().log_softmax(-1), (out.past_key_values, n + L)
+        out, past = self._forward(self.model, self._past(past), input_ids=tokens, position_ids=positions,
+                                  logits_to_keep=1)
+        return out.logits[:, -1].float().log_softmax(-1), (past, n + L)
 
     @property
     def head(self):
@@ -230,9 +117,9 @@ class HFCausalLM:
         past, n = state
         self._check_position(n)
         tokens = tokens.to(self.device)[:, None]  # [B, 1]
-        out = self.model.base_model(input_ids=tokens, position_ids=torch.full_like(tokens, n), use_cache=True,
-                                    past_key_values=self._past(past))
-        return out.last_hidden_state[:, -1], (out.past_key_values, n + 1)
+        out, past = self._forward(self.model.base_model, self._past(past), input_ids=tokens,
+                                  position_ids=torch.full_like(tokens, n))
+        return out.last_hidden_state[:, -1], (past, n + 1)
 
     @torch.no_grad()
     def window_log_probs(self, windows: torch.Tensor, keep: int = 1) -> torch.Tensor:
@@ -251,6 +138,62 @@ class HFCausalLM:
         the cache has room for that step only, half what a growing buffer reserves."""
         past, n = state
         return (None if past is None else fork_cache(past, index.to(self.device), exact=True)), n
+
+    def shares_past(self, state) -> bool:
+        """Whether the lookahead's candidates of `state` can read their row's past once (candidate_step) rather than
+        each from a copy of it (select_for_step): see _SHARED_PAST."""
+        cfg = self.model.config
+        return (getattr(cfg, "model_type", None) in self._SHARED_PAST
+                and getattr(cfg, "_attn_implementation", None) in self._MASKED_ATTENTION
+                and shared_past_cache(state[0], torch.zeros(0, dtype=torch.long)) is not None)
+
+    def candidate_width(self, state) -> int:
+        return candidate_width(self.model.config.hidden_size, state[1])
+
+    @torch.no_grad()
+    def candidate_step(self, tokens, state, rows, features: bool = False) -> torch.Tensor:
+        """Each candidate word tokens[i] fed for one step to row rows[i] of `state` (which stays as it is): log-probs
+        [c, V], or with `features` the last hidden states [c, E] (see `features`). The candidates of a row go in as
+        one sequence of queries, all at position n, under a 4D mask by which each sees the row's n past positions and
+        itself only; so the row's past is read once per layer (shared_past_cache), not copied for every candidate."""
+        past, n = state
+        self._check_position(n)
+        dev, c = self.device, tokens.numel()
+        rows, tokens = rows.to(dev), tokens.to(dev)
+        # each candidate's piece p (at most `width` candidates of one row: a run of rows[] split) and column j in it
+        _, counts = torch.unique_consecutive(rows, return_counts=True)  # [u]
+        width = min(self.candidate_width(state), int(counts.max()))
+        j = torch.arange(c, device=dev) - torch.repeat_interleave(counts.cumsum(0) - counts, counts)  # [c]
+        pieces = (counts + width - 1) // width  # [u]
+        p = torch.repeat_interleave(pieces.cumsum(0) - pieces, counts) + torch.div(j, width, rounding_mode="floor")
+        j = j % width
+        g = int(pieces.sum())
+        x = torch.zeros(g, width, dtype=torch.long, device=dev)  # [g, k]: padding columns are read and dropped
+        x[p, j] = tokens
+        piece_rows = torch.zeros(g, dtype=torch.long, device=dev)
+        piece_rows[p] = rows
+        see = torch.ones(g, 1, width, n + width, dtype=torch.bool, device=dev)  # [g, 1, k, n + k]: the past ...
+        see[..., n:] = torch.eye(width, dtype=torch.bool, device=dev)  # ... and itself
+        if self.model.config._attn_implementation == "eager":  # eager adds the mask to the scores
+            dtype = next(self.model.parameters()).dtype
+            see = torch.zeros(see.shape, dtype=dtype, device=dev).masked_fill_(~see, torch.finfo(dtype).min)
+        kwargs = {"input_ids": x, "position_ids": torch.full_like(x, n), "attention_mask": see}
+        cache = shared_past_cache(past, piece_rows)
+        if features:
+            return self._forward(self.model.base_model, cache, **kwargs)[0].last_hidden_state[p, j]  # [c, E]
+        logits = self._forward(self.model, cache, **kwargs, logits_to_keep=0)[0].logits  # [g, k, V]
+        return logits[p, j].float().log_softmax(-1)  # [c, V]
+
+    def candidate_bytes(self, state, per_row: int) -> float:
+        """Bytes one lookahead candidate holds, `per_row` candidates a row: with a shared past (candidate_step), its
+        share of its row's past gathered for one layer (twice: the gather and the concatenation) and one layer's
+        attention scores and activations; else its copy of the cache (row_bytes)."""
+        if not self.shares_past(state):
+            return self.row_bytes(state)
+        past, n = state
+        layer = max(2 * la.keys[0].numel() * la.keys.element_size() for la in past.layers)  # one row, keys + values
+        cfg = self.model.config
+        return shared_candidate_bytes(layer, n, per_row, cfg.num_attention_heads, cfg.hidden_size)
 
     def row_bytes(self, state) -> int:
         """Bytes of one row's copy of the key/value cache of `state`, one step grown (the lookahead's budget)."""

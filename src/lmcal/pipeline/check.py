@@ -22,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from lmcal.core.lookahead import CUDA_MAX_CHUNK
 from lmcal.errors import LmcalError
+from lmcal.models.hf import shared_candidate_bytes
 from lmcal.pipeline.plan import plan
 from lmcal.utils.settings import CONF_DIR, composed
 from lmcal.utils.validate import check_config
@@ -56,6 +57,7 @@ class Model:
     params: int                   # all parameters (tied embeddings counted once)
     step_flops: float             # forward FLOPs of one token step, output layer included
     corpus: dict = field(default_factory=dict)   # {split: tokens} where known
+    heads: int = 1                # attention heads (the transformer)
 
 
 def model_of(train_cfg: DictConfig) -> Model:
@@ -74,7 +76,8 @@ def model_of(train_cfg: DictConfig) -> Model:
         inner = int(m.n_inner or 4 * E)
         body = L * (4 * E * E + 2 * E * inner)  # attention q,k,v,o and the MLP matrices
         small = L * (9 * E + inner) + 2 * E  # their biases and the layer norms
-        return Model("transformer", n, V, E, L, body + small + V * E + n * E, 2.0 * (body + V * E), corpus)
+        return Model("transformer", n, V, E, L, body + small + V * E + n * E, 2.0 * (body + V * E), corpus,
+                     heads=int(m.n_head))
     E, H, L = int(m.emb_size), int(m.hidden_size), int(m.num_layers)
     tied = bool(m.get("tie_weights", True))
     lstm = 0
@@ -158,7 +161,9 @@ def model_steps(name: str, a: dict, m: Model, memory_tau: int | None = None) -> 
 def peak_tensors(name: str, a: dict, m: Model, budget_gb: float | None = None) -> list[tuple[str, float]]:
     """(tensor [shape], bytes) of the largest tensors stage `name` holds at once (fp32 unless said). The lookahead's
     chunk is sized as lmcal.core.lookahead.chunk_sizes does on CUDA: analysis.memory_budget_gb (null: half the free
-    memory of the GPU, taken here as GPU_FREE_GB) over each candidate's one-step fork and its [V] logits."""
+    memory of the GPU, taken here as GPU_FREE_GB) over what each candidate holds (the transformer's: its share of its
+    row's past, which the row's candidates read together, lmcal.models.hf.shared_candidate_bytes) and its [V]
+    logits."""
     V, out = m.vocab, []
     B = a.get("max_batch")
     if B:
@@ -166,11 +171,15 @@ def peak_tensors(name: str, a: dict, m: Model, budget_gb: float | None = None) -
     T = a.get("prefix_len", 0) + a.get("horizon", 0)
     if B and "tail_samples" in a:
         cands = B * ((a["topk"] + 1 + a["tail_samples"]) if a.get("topk") else V)  # candidates per generated word
-        fork = 2.0 * m.layers * (T + 1) * m.emb * 4 if m.kind == "transformer" else 0.0  # one row's KV, one step
+        per_row = cands // B
+        # the transformer's candidates of a row share its past: one layer's keys and values, [T, E] each, one row
+        own = shared_candidate_bytes(2.0 * T * m.emb * 4, T, per_row, m.heads, m.emb) if m.kind == "transformer" \
+            else 0.0
         budget = (budget_gb or GPU_FREE_GB / 2) * 1e9
-        chunk = int(min(cands, CUDA_MAX_CHUNK, max(1, budget // (fork + 12.0 * V))))
-        out.append((f"lookahead chunk: {chunk:,} of {cands:,} candidates ({budget / 1e9:g} GB budget) x (fork "
-                    f"{_bytes(fork)} + [V] logits x 3)", chunk * (fork + 12.0 * V)))
+        chunk = int(min(cands, CUDA_MAX_CHUNK, max(1, budget // (own + 12.0 * V))))
+        what = "share of its row's past" if m.kind == "transformer" else "state"
+        out.append((f"lookahead chunk: {chunk:,} of {cands:,} candidates ({budget / 1e9:g} GB budget) x ({what} "
+                    f"{_bytes(own)} + [V] logits x 3)", chunk * (own + 12.0 * V)))
     if m.kind == "transformer" and B:
         kv = 2.0 * m.layers * B * T * m.emb * 4
         out.append((f"KV cache 2 x layers x [max_batch, T, E] = 2 x {m.layers} x [{B:,}, {T}, {m.emb}]", kv))
