@@ -32,7 +32,19 @@ def test_every_profile_passes_the_plan_check(profile, tmp_path):
     assert text.startswith(f"Plan of the {profile} profile")
     for name in ("base", "tau_models", "entropy_rate", "report"):
         assert f"\n{name}" in text
-    assert "ESTIMATE" in text and "TFLOP/s" in text and text.rstrip().splitlines()[-2].endswith(" h.")
+    wall = next(ln for ln in text.splitlines() if ln.startswith("Wall time"))
+    assert "ESTIMATE" in wall and "TFLOP/s" in wall and wall.endswith(" h.")
+    mps = [ln for ln in text.splitlines() if "NVIDIA MPS" in ln]  # side-by-side trainings: their overlap's condition
+    assert len(mps) == (1 if "hydra/launcher=local_parallel" in str(cfg.tau) else 0)
+    if mps:  # the no-overlap total: the side-by-side term replaced by the trainings one after another
+        total = float(wall.split(" = ")[-2].removesuffix(" s").replace(",", ""))
+        per = float(next(ln for ln in text.splitlines() if ln.startswith("tau_models tau=5:")).split(
+            " FLOP x tokens = ")[1].split(" FLOP")[0])
+        side = float(wall.split(" FLOP / 25e12) = ")[-1].split(" s")[0].replace(",", ""))
+        added = 6 * per / 5e12 - side  # per is printed to 3 digits
+        said = float(mps[0].split("they would add ")[1].split(" s:")[0].replace(",", ""))
+        assert said == pytest.approx(added, rel=5e-3)
+        assert mps[0].endswith(f": {(total + said) / 3600:.1f} h in all.")
     assert not (tmp_path / "out").exists()  # the check writes nothing
     if profile == "paper":  # its transformer's streams fit its context of 512 (they did not: 1,000 and 8,243)
         line = next(ln for ln in text.splitlines() if ln.startswith("transformer_calibration:"))

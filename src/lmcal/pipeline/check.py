@@ -318,11 +318,13 @@ def check(cfg: DictConfig) -> str:
     seconds = {n: f / (RATES[kind] * 1e12) for n, f, kind in est}
     by_kind = {k: sum(f for _, f, kind in est if kind == k) for k in RATES}
     terms = [f"{by_kind[k]:.3g} FLOP / {r:g}e12 ({k}, one at a time)" for k, r in RATES.items() if by_kind[k]]
+    serial = 0.0  # what the side-by-side trainings would add if their GPU work did not overlap at all
     for name, n, k, flops in groups:  # each alone latency-bound; together at most the batched rate
         rounds, slow, fast = math.ceil(n / k), RATES["recurrent training"], RATES["batched"]
         seconds[f"{name} ({n} side by side)"] = t = max(rounds * max(flops) / (slow * 1e12), sum(flops) / (fast * 1e12))
         terms.append(f"max({rounds} x {max(flops):.3g} FLOP / {slow:g}e12, {sum(flops):.3g} FLOP / {fast:g}e12) "
                      f"= {t:,.0f} s ({name}: {n} side by side, {k} at once)")
+        serial += sum(flops) / (slow * 1e12) - t
     total = sum(seconds.values())
     head = [f"Plan of the {cfg.profile} profile: {len(stages)} stages, all composed and within their ranges; every "
             "stream fits its model's context.", ""]
@@ -334,5 +336,10 @@ def check(cfg: DictConfig) -> str:
             + " + ".join(terms) + f" = {total:,.0f} s = {total / 3600:.1f} h.",
             "Largest stages: " + ", ".join(f"{n} {t / 3600:.2f} h" for n, t in
                                            sorted(seconds.items(), key=lambda e: -e[1])[:6])]
+    if groups:  # processes share one GPU's compute only where the GPU runs their kernels concurrently
+        tail.append("Trainings side by side overlap on the GPU's compute where it runs their kernels concurrently: "
+                    "start NVIDIA MPS (nvidia-cuda-mps-control -d) before make reproduce. Without it the GPU "
+                    "time-slices between the processes and overlaps only their CPU-side gaps; if their GPU work did "
+                    f"not overlap at all, they would add {serial:,.0f} s: {(total + serial) / 3600:.1f} h in all.")
     return "\n".join(head + lines + tail)
 
