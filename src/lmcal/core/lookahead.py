@@ -137,17 +137,13 @@ def candidate_entropies(lm, state, cand: torch.Tensor, epsilon: float, chunk: in
         c_toks, c_rows = toks[i:i + chunk], rows[i:i + chunk]
         if shared is not None:
             f = lm.candidate_features(c_toks, state, c_rows, shared)  # [c, E]
-        elif share_past and fused:
-            f = lm.candidate_step(c_toks, state, c_rows, features=True)  # [c, E]
-        elif share_past:
-            h.append(entropy(mix_uniform(lm.candidate_step(c_toks, state, c_rows), epsilon)))  # [c]
-            continue
-        elif fused:
-            f = lm.features(c_toks, fork(state, c_rows))[0]  # [c, E]; the stepped forks dropped at once, not kept
-            # alive (as `f, _ = ...` would) while the next chunk's are made: one chunk's forks at a time
+        elif fused:  # [c, E]; stepped forks are dropped at once, not kept alive (as `f, _ = ...` would) while the
+            # next chunk's are made: one chunk's forks at a time
+            f = (lm.candidate_step(c_toks, state, c_rows, features=True) if share_past
+                 else lm.features(c_toks, fork(state, c_rows))[0])
         else:
-            lp = lm.step(c_toks, fork(state, c_rows))[0]  # [c, V]
-            h.append(entropy(mix_uniform(lp, epsilon)))  # [c]
+            lp = lm.candidate_step(c_toks, state, c_rows) if share_past else lm.step(c_toks, fork(state, c_rows))[0]
+            h.append(entropy(mix_uniform(lp, epsilon)))  # [c]; lp [c, V]
             continue
         with span("forward", 2.0 * lm.head[0].numel() * f.size(0)):  # the output layer, fused with its entropy
             h.append(linear_entropy(f, *lm.head, block=block))

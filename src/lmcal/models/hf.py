@@ -72,7 +72,7 @@ class HFCausalLM:
     def _forward(self, module, past, **kwargs):
         """module(**kwargs) with the cache `past` under this transformers' keyword: (output, the cache it returns)."""
         out = module(**kwargs, use_cache=True, **{self._cache_kw: past})
-        return out, out[self._cache_kw] if self._cache_kw == "cache" else out.past_key_values
+        return out, getattr(out, self._cache_kw)
 
     def _check_position(self, n: int) -> None:
         if self.max_positions is not None and n >= self.max_positions:
