@@ -34,6 +34,7 @@ import math
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 STAGES = ["entropy_rate", "calibration", "decoders", "future_entropy", "sequence_calibration", "memory"]
@@ -47,9 +48,18 @@ TOLERANCE = {"float32": lambda x, se: 1e-4 + 1e-4 * abs(x), "fit": lambda x, se:
              "sampled": lambda x, se: max(1e-4, 3 * se), "training": lambda x, se: 0.05, "exact": lambda x, se: 0.0}
 
 
+DEADLINE: list[float] = []  # time.monotonic() by which every run must have ended (compare_devices' timeout)
+
+
 def _run(args: list[str], cwd: Path) -> None:
     print(f"[device_compare] {' '.join(args[1:])}", file=sys.stderr, flush=True)
-    r = subprocess.run(args, cwd=cwd, capture_output=True, text=True)
+    left = DEADLINE[0] - time.monotonic() if DEADLINE else None
+    if left is not None and left <= 0:
+        raise RuntimeError(f"out of time before {' '.join(args[1:])}")
+    try:
+        r = subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=left)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"{' '.join(args)} ran out of time ({left:.0f} s left of the budget)") from None
     if r.returncode != 0:
         raise RuntimeError(f"{' '.join(args)} exited {r.returncode}:\n{r.stderr[-3000:]}")
 
@@ -73,6 +83,9 @@ def run_device(device: str, folder: Path, analysis_ckpt: Path) -> Path:
     for epochs in (SWITCH_EPOCHS, RESUMED_EPOCHS):  # the rerun in the same folder resumes from last.ckpt
         _run([sys.executable, "-m", "lmcal.train", *TRAIN, f"trainer.accelerator={_accelerator(device)}",
               f"trainer.max_epochs={epochs}", f"hydra.run.dir={train}"], folder)
+    # the same training without the stop: the resumed run must repeat it (trainer.deterministic on CUDA)
+    _run([sys.executable, "-m", "lmcal.train", *TRAIN, f"trainer.accelerator={_accelerator(device)}",
+          f"trainer.max_epochs={RESUMED_EPOCHS}", f"hydra.run.dir={folder / 'train_straight'}"], folder)
     _run([sys.executable, "-m", "lmcal.evaluate", f"ckpt={train / 'checkpoints' / 'last.ckpt'}", f"device={device}",
           "logger=none", "analysis=smoke", "stages=[entropy_rate]", f"hydra.run.dir={folder / 'train_eval'}"], folder)
     _run([sys.executable, "-m", "lmcal.evaluate", f"ckpt={analysis_ckpt}", f"device={device}", *EVALUATE,
@@ -128,6 +141,28 @@ def _method_rows(stage: str, a: dict, b: dict) -> list[dict]:
                              params[f"{k}_stderr"], rb["params"][f"{k}_stderr"]))
     if len(a["rows"]) != len(b["rows"]):
         rows.append(_row(f"{stage}: rows", "exact", len(a["rows"]), len(b["rows"])))
+    return rows
+
+
+def resume_rows(folder: Path, device: str) -> list[dict]:
+    """On one device: the training stopped after the switch and resumed, against the same training uninterrupted. The
+    weights of both last checkpoints, and the validation and test CE: exact (0 difference) where the device repeats
+    its own arithmetic (the CPU; CUDA under trainer.deterministic)."""
+    import torch
+
+    def weights(run: Path) -> dict:
+        return torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)["state_dict"]
+
+    resumed, straight = folder / "train", folder / "train_straight"
+    wa, wb = weights(resumed), weights(straight)
+    diff = max((wa[k].double() - wb[k].double()).abs().max().item() for k in wa) if set(wa) == set(wb) else math.inf
+    rows = [{"quantity": f"{device}: resumed training's last weights against the uninterrupted run's (largest)",
+             "a": "resumed", "b": "uninterrupted", "difference": diff, "tolerance": 0.0, "ok": diff == 0.0}]
+    ma, mb = (json.loads((r / "metrics.json").read_text()) for r in (resumed, straight))
+    for key in ("val_ce_nats", "test_ce_nats"):
+        rows.append({"quantity": f"{device}: resumed training's {key} against the uninterrupted run's",
+                     "a": ma[key], "b": mb[key], "difference": abs(ma[key] - mb[key]), "tolerance": 0.0,
+                     "ok": ma[key] == mb[key]})
     return rows
 
 
@@ -192,12 +227,17 @@ def markdown(rows: list[dict], a_name: str, b_name: str) -> list[str]:
     return lines
 
 
-def compare_devices(a: str, b: str, work: Path, runs: bool = True) -> list[dict]:
-    """Both devices' runs in work/ (the analysis model trained once, on the CPU), then their comparison. The three
-    folders it writes are emptied first: a training folder left from an earlier check would be resumed, not rerun."""
+def compare_devices(a: str, b: str, work: Path, timeout: float | None = None) -> list[dict]:
+    """Both devices' runs in work/ (the analysis model trained once, on the CPU), then their comparison, and each
+    device's resumed training against its uninterrupted one. The three folders it writes are emptied first: a training
+    folder left from an earlier check would be resumed, not rerun. timeout: seconds for all of it (RuntimeError past
+    it, naming the run it stopped)."""
+    DEADLINE[:] = [time.monotonic() + timeout] if timeout else []
+    work = Path(work).resolve()  # the runs' subprocesses each run in their own folder
     for name in ("analysis_model", "a", "b"):
         shutil.rmtree(work / name, ignore_errors=True)
     ckpt = train_analysis_model(work / "analysis_model")
     run_device(a, work / "a", ckpt)
     run_device(b, work / "b", ckpt)
-    return compare(work / "a", work / "b")
+    return (compare(work / "a", work / "b") + resume_rows(work / "a", a)
+            + resume_rows(work / "b", b if b != a else f"{b} (2nd run)"))

@@ -20,6 +20,10 @@ def test_each_slot_its_own_gpu_and_nothing_with_one_or_none():
                                                                {"CUDA_VISIBLE_DEVICES": "1"},
                                                                {"CUDA_VISIBLE_DEVICES": "0"}]
     assert D.device_env(0, ["3"]) == {} and D.device_env(1, []) == {}
+    # stages that share a GPU share its memory budget (half the free memory) instead of each taking half
+    assert D.device_env(0, ["3"], jobs=2) == {"LMCAL_GPU_SHARERS": "2"}
+    assert D.device_env(1, ["0", "1"], jobs=4) == {"CUDA_VISIBLE_DEVICES": "1", "LMCAL_GPU_SHARERS": "2"}
+    assert D.device_env(0, ["0", "1"], jobs=2) == {"CUDA_VISIBLE_DEVICES": "0"} and D.device_env(0, [], jobs=3) == {}
     assert D.free_slot({}) == 0
     assert D.free_slot({"a": {"slot": 0}, "b": {"slot": 2}}) == 1
     assert D.free_slot({"report": {}, "a": {"slot": 0}}) == 1

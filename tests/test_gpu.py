@@ -24,23 +24,117 @@ def policy():  # the TF32 policy of every entry point
     apply_precision_policy()
 
 
+class CpuMasks:
+    """Every dropout mask the AWD-LSTM draws (weight drop: torch.rand_like; locked and embedding dropout:
+    Tensor.bernoulli_), drawn on the CPU from one seed and moved to the tensor's device: the CPU and cuDNN then train
+    with the same masks, and their outputs and gradients can be compared in training mode."""
+
+    def __init__(self, monkeypatch, seed: int = 0):
+        self.g = torch.Generator().manual_seed(seed)
+        rand_like, bernoulli_ = torch.rand_like, torch.Tensor.bernoulli_
+        monkeypatch.setattr(torch, "rand_like", lambda t, **k: torch.rand(t.shape, generator=self.g).to(t.device))
+
+        def bernoulli(t, p=0.5, **k):
+            return t.copy_(torch.rand(t.shape, generator=self.g).lt(p).to(t.dtype))
+        monkeypatch.setattr(torch.Tensor, "bernoulli_", bernoulli)
+        self.undo = (rand_like, bernoulli_)
+
+    def reseed(self, seed: int = 0):
+        self.g.manual_seed(seed)
+
+
 @pytest.mark.gpu
-def test_weight_dropped_lstm_outputs_and_gradients_match_the_cpu():
+def test_weight_dropped_lstm_trains_on_cudnn_as_on_the_cpu_with_the_same_masks(monkeypatch):
+    """The training path in training mode (weight drop on W_hh through functional_call into cuDNN, locked and
+    embedding dropout, AR/TAR): a step's loss, outputs and every gradient on CUDA against the CPU's, same masks."""
+    from lmcal.models.awd_lstm import ar_tar
+
+    masks = CpuMasks(monkeypatch)
     torch.manual_seed(0)
-    cpu = AWDLSTM(vocab_size=100, emb_size=32, hidden_size=64, num_layers=3).eval()
-    gpu = AWDLSTM(vocab_size=100, emb_size=32, hidden_size=64, num_layers=3).eval()
+    kw = dict(vocab_size=100, emb_size=32, hidden_size=64, num_layers=3, dropout=0.3, dropouth=0.2, dropouti=0.3,
+              dropoute=0.1, wdrop=0.5)
+    cpu, gpu = AWDLSTM(**kw).train(), AWDLSTM(**kw).train()
     gpu.load_state_dict(cpu.state_dict())
     gpu.cuda()
-    x = torch.randint(0, 100, (20, 4))
-    grads = []
+    x, y = torch.randint(0, 100, (20, 4)), torch.randint(0, 100, (20, 4))
+    got = []
     for net, dev in ((cpu, "cpu"), (gpu, "cuda")):
-        out, _, _ = net(x.to(dev), net.init_hidden(4))
-        loss = net.logits(out).float().logsumexp(-1).mean()
+        masks.reseed(1)
+        out, raw, _ = net(x.to(dev), net.init_hidden(4))
+        ce = torch.nn.functional.cross_entropy(net.logits(out).flatten(0, 1), y.to(dev).flatten())
+        loss = ce + ar_tar(out, raw, 2.0, 1.0)
         loss.backward()
-        grads.append({n: p.grad.cpu() for n, p in net.named_parameters() if p.grad is not None})
-        grads[-1]["out"] = out.detach().cpu()
-    for k in grads[0]:
-        torch.testing.assert_close(grads[1][k], grads[0][k], atol=1e-5, rtol=1e-4)
+        got.append({"loss": loss.detach().cpu(), "out": out.detach().cpu(),
+                    **{n: p.grad.cpu() for n, p in net.named_parameters() if p.grad is not None}})
+    assert set(got[0]) == set(got[1]) and any("weight_hh" in k for k in got[0])
+    assert (got[0]["out"] == 0).any()  # the dropouts did drop
+    for k in got[0]:
+        torch.testing.assert_close(got[1][k], got[0][k], atol=1e-5, rtol=1e-4, msg=k)
+
+
+@pytest.mark.gpu
+def test_a_cuda_training_step_never_waits_for_the_device_between_reads(tmp_path):
+    """CUDA's own detector of synchronising calls (torch.cuda.set_sync_debug_mode: .item(), a blocking copy of a
+    Python number to the device...) over two epochs through the real Lightning path, its logger and progress bar
+    included: every one in a training step falls on a step where Lightning writes its logs (log_every_n_steps), or
+    on an epoch's first step or the run's last."""
+    import warnings
+
+    import pytorch_lightning as pl
+    from pytorch_lightning.loggers import CSVLogger
+
+    from lmcal.training.callbacks import progress_bar
+    from lmcal.training.module import LMDataModule, LMModule
+    from tests.test_module import NET
+
+    class Steps(pl.Callback):
+        step, on = -1, False
+
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            self.on, self.step = True, trainer.global_step
+
+        def on_validation_epoch_start(self, trainer, module):
+            self.on = False
+
+    steps, syncs = Steps(), []
+    dm = LMDataModule(name="synthetic", batch_size=4, eval_batch_size=2, bptt=12, seed=3,
+                      corpus_kwargs={"vocab_size": 20, "n_train": 3000, "n_valid": 400, "n_test": 400})
+    module = LMModule(net=NET, vocab_size=dm.vocab_size, lr=5.0, bptt=12)
+    trainer = pl.Trainer(max_epochs=2, accelerator="gpu", devices=1, logger=CSVLogger(tmp_path), log_every_n_steps=10,
+                         enable_checkpointing=False, reload_dataloaders_every_n_epochs=1, num_sanity_val_steps=0,
+                         default_root_dir=tmp_path, callbacks=[steps, progress_bar()])
+
+    def record(message, *args, **kwargs):
+        if steps.on and "synchroniz" in str(message):
+            syncs.append(steps.step)
+    shown = warnings.showwarning
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = record
+            trainer.fit(module, datamodule=dm)
+    finally:
+        warnings.showwarning = shown
+        torch.cuda.set_sync_debug_mode(0)
+    total = trainer.global_step
+    assert total > 100 and module.bar_metrics["train/loss"] > 0
+    off_beat = sorted({s for s in syncs if (s + 1) % 10 and s not in (0, trainer.num_training_batches, total - 1)})
+    assert not off_beat, f"synchronising calls at steps {off_beat} (of {total}); all at: {sorted(set(syncs))[:20]}"
+
+
+@pytest.mark.gpu
+def test_a_bf16_head_on_cuda_gives_the_float32_entropies_within_bf16_rounding():
+    """linear_entropy with a bf16 head multiplies on the tensor cores with float32 outputs (torch.mm's out_dtype):
+    against the float32 product of the same bf16 numbers, the entropies agree to float32 accumulation."""
+    from lmcal.core.lookahead import entropy, linear_entropy
+
+    torch.manual_seed(0)
+    f, w = torch.randn(64, 128, device="cuda"), torch.randn(5000, 128, device="cuda") / 8
+    fb, wb = f.bfloat16(), w.bfloat16()
+    exact = entropy(torch.log_softmax(fb.float() @ wb.float().T, -1))
+    torch.testing.assert_close(linear_entropy(fb, wb, block=5000), exact, atol=1e-3, rtol=1e-3)
+    torch.testing.assert_close(linear_entropy(fb, wb, block=700), exact, atol=1e-3, rtol=1e-3)
 
 
 @pytest.mark.gpu
@@ -94,6 +188,20 @@ def test_gpu_check_without_cuda_says_it_needs_cuda_and_fails(tmp_path):
                        cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and "Traceback" not in r.stderr
     assert "Not run: this check needs CUDA." in report.read_text() and "needs CUDA" in r.stderr
+
+
+def test_gpu_check_keeps_to_its_budget_and_reports_every_part(tmp_path):
+    """A budget too small for any part: each is reported as not run, with the time that was left, in the one report
+    the check writes (and its results.json beside it); the first line says what the machine gave it."""
+    report = tmp_path / "REPORT.md"
+    r = subprocess.run([sys.executable, "bench/gpu_check.py", "--dry-run", "--parts", "train,lookahead",
+                        "--budget-min", "0.4", "--out", str(report)], cwd=Path(__file__).resolve().parents[1],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert r.stdout.startswith(f"gpu-check: torch {torch.__version__}")
+    text = report.read_text()
+    assert text.count("**Not run: ") == 2 and "s of the budget left.**" in text
+    assert (tmp_path / "results.json").is_file()
 
 
 def test_precision_policy_is_set_explicitly_and_reported():

@@ -23,10 +23,11 @@ def budget():
 
 def test_chunk_sizes_follow_the_budget(budget):
     lm = SimpleNamespace(row_bytes=lambda state: 1_000_000)
-    budget(0.01)  # 10 MB: 10e6 // (1e6 + 4 * 3 * block) candidates
+    budget(0.01)  # 10 MB: 10e6 // (1e6 + 4 * 2 * block) candidates fused (two float32 rows a block), 3 rows of V not
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    assert L.chunk_sizes(lm, None, 10_000, 50_000, cuda, fused=True) == (10_000_000 // (1_000_000 + 600_000), 50_000)
-    assert L.chunk_sizes(lm, None, 10_000, 50_000, cpu, fused=True) == (10_000_000 // (1_000_000 + 12 * 1024), 1024)
+    assert L.chunk_sizes(lm, None, 10_000, 50_000, cuda, fused=True) == (10_000_000 // (1_000_000 + 400_000), 50_000)
+    assert L.chunk_sizes(lm, None, 10_000, 50_000, cuda, fused=False) == (10_000_000 // (1_000_000 + 600_000), 50_000)
+    assert L.chunk_sizes(lm, None, 10_000, 50_000, cpu, fused=True) == (10_000_000 // (1_000_000 + 8 * 1024), 1024)
     assert L.chunk_sizes(lm, None, 3, 50_000, cpu, fused=True) == (3, 1024)  # never more than the candidates
     budget(1000.0)
     assert L.chunk_sizes(lm, None, 10_000, 50_000, cpu, fused=False)[0] == L.CPU_MAX_CHUNK  # the CPU's cap
@@ -166,3 +167,40 @@ def test_device_map_and_bf16_keep_log_softmax_entropies_and_fits_in_float32(tmp_
     del lm.shares_past
     fit = fit_lookahead_calibration(lm, torch.randint(0, len(WORDS), (12, 4)), topk=4, tail_samples=2)
     assert all(isinstance(v, float) and v == v for v in (fit.alpha, fit.ce_before, fit.ce_after))
+
+
+@pytest.mark.parametrize("block", [1, 7, 64, 1000])
+def test_linear_entropy_is_the_entropy_of_the_softmax_holding_two_blocks(block):
+    """The online softmax against log_softmax's entropy, with logits far apart (a block whose max jumps) and a bias;
+    the memory it holds: two [c, block] float32 tensors (LOGIT_ROWS), measured by the profiler's allocations."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.manual_seed(0)
+    f, w, b = torch.randn(9, 16) * 3, torch.randn(200, 16), torch.randn(200) * 5
+    w[150] *= 20  # one word far ahead in a late block
+    exact = L.entropy(torch.log_softmax(f @ w.T + b, -1))
+    torch.testing.assert_close(L.linear_entropy(f, w, b, block=block), exact, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(L.linear_entropy(f, w, None, block=block), L.entropy(torch.log_softmax(f @ w.T, -1)),
+                               atol=2e-5, rtol=1e-5)
+    c, V = 512, 4096
+    f, w = torch.randn(c, 16), torch.randn(V, 16)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        L.linear_entropy(f, w, block=V)
+    held = top = 0
+    for e in sorted(prof.events(), key=lambda e: e.time_range.start):
+        held += e.self_cpu_memory_usage
+        top = max(top, held)
+    assert top < (L.LOGIT_ROWS + 0.5) * 4 * c * V  # two [c, V] float32 blocks, not three
+
+
+def test_stages_sharing_a_gpu_share_its_memory_budget(budget, monkeypatch):
+    """null budget on CUDA: half the free memory, divided among the stages make reproduce may run on the GPU at once
+    (LMCAL_GPU_SHARERS), so two stages side by side do not each claim half (mem_get_info stands in for a GPU)."""
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (8e9, 16e9))
+    cuda = torch.device("cuda")
+    monkeypatch.delenv("LMCAL_GPU_SHARERS", raising=False)
+    assert L.memory_budget(cuda) == 4e9
+    monkeypatch.setenv("LMCAL_GPU_SHARERS", "2")
+    assert L.memory_budget(cuda) == 2e9
+    budget(1.5)  # a budget set in GB is the user's, for this stage alone
+    assert L.memory_budget(cuda) == 1.5e9

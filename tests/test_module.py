@@ -165,3 +165,58 @@ def test_validation_uses_averaged_weights_after_switch(tmp_path):
             avg.zero_()  # an all-zero average predicts uniformly: CE = log V
     trainer.validate(module, datamodule=trainer.datamodule, verbose=False)
     assert trainer.callback_metrics["val_loss"].item() == pytest.approx(torch.log(torch.tensor(20.0)).item(), abs=1e-5)
+
+
+READS = ("item", "tolist", "__float__", "__bool__", "__int__", "cpu", "numpy")  # each a wait for the device on CUDA
+
+
+def test_training_reads_the_device_only_every_log_every_n_steps(tmp_path, monkeypatch):
+    """On a GPU a host read (.item(), float(), a bool of a tensor...) waits for every queued kernel, so a read each
+    step makes the host's Python and the device's kernels add instead of overlap. Counted on the CPU, through the
+    real Lightning path (its logger and the progress bar included), over two epochs of a length that is not a
+    multiple of log_every_n_steps: every read of a training step falls on a step where Lightning writes its logs,
+    and each of those steps' logs holds the values read there. (A Python number logged makes a device tensor, a
+    blocking copy on CUDA: only those steps log one; the gpu tier checks the copies with CUDA's own detector.)"""
+    import csv
+
+    from pytorch_lightning.loggers import CSVLogger
+
+    from lmcal.training.callbacks import progress_bar
+
+    class Reads(pl.Callback):
+        step, on, at = -1, False, []
+
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            self.on, self.step = True, trainer.global_step  # steps taken before this one
+
+        def on_validation_epoch_start(self, trainer, module):
+            self.on = False
+
+    reads = Reads()
+    for name in READS:
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *a, _original=original, **k):
+            if reads.on:
+                reads.at.append(reads.step)
+            return _original(self, *a, **k)
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    dm = LMDataModule(name="synthetic", batch_size=4, eval_batch_size=2, bptt=12, seed=3,
+                      corpus_kwargs={"vocab_size": 20, "n_train": 3000, "n_valid": 400, "n_test": 400})
+    module = LMModule(net=NET, vocab_size=dm.vocab_size, lr=5.0, bptt=12)
+    trainer = pl.Trainer(max_epochs=2, logger=CSVLogger(tmp_path), log_every_n_steps=10, enable_checkpointing=False,
+                         reload_dataloaders_every_n_epochs=1, num_sanity_val_steps=0, default_root_dir=tmp_path,
+                         callbacks=[reads, progress_bar()])
+    trainer.fit(module, datamodule=dm)
+    steps = trainer.global_step
+    assert steps > 100 and steps % 10, steps  # two epochs, not a multiple of 10
+    read = {s for s in reads.at if (s + 1) % 10 == 0}  # step s + 1 taken: Lightning's log step
+    # off-beat reads: only the DataLoader seeding each epoch's iterator (at an epoch's first step), and Lightning's
+    # logs at the run's last step (it writes them when it stops)
+    off_beat = sorted(s for s in set(reads.at) - read if s not in (0, trainer.num_training_batches, steps - 1))
+    assert not off_beat, f"host reads at steps {off_beat}"
+    assert len(read) == steps // 10  # each log step did read (the bar, the divergence flag, the logs)
+    with open(next(tmp_path.rglob("metrics.csv"))) as f:
+        logged = [r for r in csv.DictReader(f) if r.get("train/lr")]
+    assert len(logged) == steps // 10 and all(r["train/loss"] and r["train/tokens_per_s"] for r in logged)
+    assert module.bar_metrics["train/loss"] > 0 and module.bar_metrics["tokens/s"] > 0

@@ -200,8 +200,8 @@ class MirostatLM:
         self.device = getattr(lm, "device", None)
 
     def init_state(self, batch_size: int):
-        mu = torch.full((batch_size,), 2 * self.tau, dtype=torch.float64)
-        return self.lm.init_state(batch_size), mu, None, None
+        mu = torch.full((batch_size,), 2 * self.tau, dtype=torch.float64, device=self.device)  # kept on the device:
+        return self.lm.init_state(batch_size), mu, None, None  # no copy to the host a step
 
     @torch.no_grad()
     def step(self, tokens: torch.Tensor, state):
@@ -209,9 +209,9 @@ class MirostatLM:
         surprise = None
         if last is not None:  # the fed token is what came after the previous distribution
             y = tokens.to(last.device)[:, None]
-            surprise = -last.gather(1, y)[:, 0].double().cpu() / LOG2  # [B] bits
+            surprise = -last.gather(1, y)[:, 0].double() / LOG2  # [B] bits
             if math.isfinite(self.tau):
-                mu = mu - self.eta * (surprise - self.tau)
+                mu = mu.to(surprise.device) - self.eta * (surprise - self.tau)
         logp, inner = self.lm.step(tokens, inner)  # [B, V]
         return by_rows(mirostat_cut, logp, mu.to(logp.device)), (inner, mu, logp, surprise)
 

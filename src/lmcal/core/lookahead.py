@@ -7,6 +7,7 @@ eps-mixing of the package."""
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
@@ -37,12 +38,18 @@ def set_memory_budget(gb: float | None) -> None:
 
 
 def memory_budget(device: torch.device) -> float:
-    """Bytes one lookahead chunk may hold on `device`."""
+    """Bytes one lookahead chunk (or the memory stage's rows) may hold on `device`: analysis.memory_budget_gb, else on
+    CUDA half the free memory, shared among the stages that may run on the GPU at once ($LMCAL_GPU_SHARERS, which
+    make reproduce sets for jobs > 1: two stages would otherwise each claim half), else CPU_BUDGET_GB."""
     if _budget_gb is not None:
         return _budget_gb * 1e9
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        return 0.5 * free
+        try:
+            sharers = max(1, int(os.environ.get("LMCAL_GPU_SHARERS", "1")))
+        except ValueError:
+            sharers = 1
+        return 0.5 * free / sharers
     return CPU_BUDGET_GB * 1e9
 
 
@@ -50,14 +57,14 @@ def chunk_sizes(lm, state, pairs: int, V: int, device: torch.device, fused: bool
                 per_row: int = 1) -> tuple[int, int]:
     """(candidates per forward, vocabulary words per block of linear_entropy) that keep one chunk within the memory
     budget: each candidate holds its row's state for one step (where the model says: lm.candidate_bytes(state,
-    per_row) with `per_row` candidates a row, or lm.row_bytes(state), its forked copy) and about three float32 rows
-    of logits ([block] fused, [V] otherwise: the logits, their exp and the product)."""
+    per_row) with `per_row` candidates a row, or lm.row_bytes(state), its forked copy) and its float32 rows of logits:
+    LOGIT_ROWS rows of [block] fused (linear_entropy), three of [V] otherwise (log-probs, their exp and the product)."""
     block = CPU_BLOCK if device.type == "cpu" else V
     if hasattr(lm, "candidate_bytes"):
         row = lm.candidate_bytes(state, per_row)
     else:
         row = lm.row_bytes(state) if hasattr(lm, "row_bytes") else 0
-    per = row + 4.0 * 3 * (min(block, V) if fused else V)
+    per = row + 4.0 * (LOGIT_ROWS * min(block, V) if fused else 3 * V)
     chunk = max(1, int(memory_budget(device) // per))
     chunk = min(chunk, CPU_MAX_CHUNK if device.type == "cpu" else CUDA_MAX_CHUNK)
     return min(chunk, max(1, pairs)), block
@@ -86,28 +93,48 @@ def entropy(logp: torch.Tensor, p: torch.Tensor | None = None) -> torch.Tensor:
     return -(p * logp).nansum(-1) + 0.0 * p.sum(-1)
 
 
+LOGIT_ROWS = 2  # [c, block] float32 tensors linear_entropy holds at once (the shifted logits and their exp)
+
+
+def head_logits(f: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """f [c, E] @ weight.T [E, block] (+ bias) as float32 logits [c, block]. A bf16/fp16 head on CUDA multiplies in its
+    own dtype on the tensor cores with float32 accumulation and output (torch.mm's out_dtype), instead of casting both
+    to float32 first (with TF32 off, lmcal.utils.device, a float32 product runs off the tensor cores)."""
+    if f.is_cuda and weight.dtype in (torch.bfloat16, torch.float16):
+        try:
+            z = torch.mm(f.to(weight.dtype), weight.T, out_dtype=torch.float32)
+        except (TypeError, RuntimeError):  # a torch before mm's out_dtype (2.8): the float32 product below
+            z = None
+        if z is not None:
+            return z if bias is None else z.add_(bias.float())
+    f, w = f.float(), weight.float()
+    return f @ w.T if bias is None else torch.addmm(bias.float(), f, w.T)
+
+
 def linear_entropy(f: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                    block: int = 1024) -> torch.Tensor:
     """Entropy (nats) of softmax(f @ weight.T + bias) for each row of f [c, E] -> [c] float32, weight [V, E].
 
-    The logits are made `block` words at a time and folded into running sums (the online softmax): with m the
-    running max, s = sum exp(z - m) and t = sum exp(z - m) z, H = log s + m - t / s. Each [c, block] piece is
+    The logits are made `block` words at a time and folded into running sums (the online softmax), relative to the
+    running max m: s = sum exp(z - m) and u = sum exp(z - m) (z - m), so H = log s - u / s. Each [c, block] piece is
     reduced while it is in cache, so the [c, V] logits are never written out and read back, as log_softmax and an
-    entropy pass over them would do (three times the memory traffic of the product itself)."""
+    entropy pass over them would do; a piece is shifted in place, and u is a batched dot product, so a block holds
+    two [c, block] float32 tensors (LOGIT_ROWS), not the three of z, exp(z - m) and their product."""
     c, V = f.size(0), weight.size(0)
-    f = f.float()
     m = torch.full((c,), -math.inf, device=f.device)
-    s, t = torch.zeros(c, device=f.device), torch.zeros(c, device=f.device)
+    s, u = torch.zeros(c, device=f.device), torch.zeros(c, device=f.device)
     for j in range(0, V, block):
-        w = weight[j:j + block].float()
-        z = f @ w.T if bias is None else torch.addmm(bias[j:j + block].float(), f, w.T)  # [c, block]
+        z = head_logits(f, weight[j:j + block], None if bias is None else bias[j:j + block])  # [c, block]
         m_new = torch.maximum(m, z.amax(-1))
-        e = torch.exp(z - m_new[:, None])
-        shrink = torch.exp(m - m_new)  # 0 on the first block (m = -inf)
-        s = s * shrink + e.sum(-1)
-        t = t * shrink + (e * z).sum(-1)
+        z.sub_(m_new[:, None])  # z - m_new, in place
+        e = torch.exp(z)  # [c, block]
+        # the sums so far, moved from m to m_new: exp(z - m_new) = r exp(z - m), (z - m_new) = (z - m) + (m - m_new)
+        r = torch.exp(m - m_new)  # 0 on the first block (m = -inf)
+        gap = torch.nan_to_num(m - m_new, nan=0.0, neginf=0.0)  # 0 where m = -inf (s = u = 0 there)
+        u = r * (u + gap * s) + torch.bmm(e[:, None, :], z[:, :, None]).view(c)
+        s = r * s + e.sum(-1)
         m = m_new
-    return s.log() + m - t / s
+    return s.log() - u / s
 
 
 @timed("lookahead")

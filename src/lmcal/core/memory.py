@@ -171,11 +171,11 @@ def _rows_at(groups, theta, elements: int | None, per_row: bool = True) -> dict[
             terms = {"ce_cal": ce, "entropy": ent, "ce_full": -blk[1].double(), "ce_limited": -blk[2][:, -1].double()}
             if per_row:
                 terms.update(grad=grad, hess=hess, d_entropy=d_ent)
-            for k, v in terms.items():
-                parts.setdefault(k, []).append(v.cpu())
+            for k, v in terms.items():  # kept where the rows are, moved to the host once at the end
+                parts.setdefault(k, []).append(v)
     if not parts:
         raise ValueError("no rows")
-    return {k: torch.cat(v) for k, v in parts.items()}
+    return {k: torch.cat(v).cpu() for k, v in parts.items()}
 
 
 def _fit(groups: list, k: int, bound: float, elements: int | None, start=None) -> list[float]:

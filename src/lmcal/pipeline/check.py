@@ -13,17 +13,28 @@ the wall-time figure is an estimate from FLOP counts at a stated device rate, la
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from lmcal.core.lookahead import CUDA_MAX_CHUNK
+from lmcal.core.lookahead import CUDA_MAX_CHUNK, LOGIT_ROWS
 from lmcal.errors import LmcalError
 from lmcal.models.hf import shared_candidate_bytes
 from lmcal.pipeline.plan import plan
+from lmcal.pipeline.timing import (
+    ANCHOR,
+    BATCHED_TFLOPS,
+    BUSY,
+    MEASURED_ON,
+    STEP_FIXED_MS,
+    STEP_PER_TIME_STEP_MS,
+    Job,
+    lstm_epoch_seconds,
+    schedule,
+    side_by_side_group,
+)
 from lmcal.utils.settings import CONF_DIR, composed
 from lmcal.utils.validate import check_config
 
@@ -31,16 +42,7 @@ from lmcal.utils.validate import check_config
 # checked only where a stage names its token counts.
 CORPUS_TOKENS = {"ptb": {"train": 929_589, "valid": 73_760, "test": 82_430}}
 PTB_VOCAB = 10_000
-# The device the wall-time estimate is for, and the rates assumed sustained on it: stated assumptions, not
-# measurements (no GPU has run this project). The precision policy keeps TF32 off (lmcal.utils.device), so the peak is
-# an H100 SXM's ~67 TFLOP/s of dense FP32, not its TF32 tensor-core rate. Batched work (transformer training, the
-# analysis stages' wide batches and lookahead chunks) is taken at 25 TFLOP/s (37% of it). The AWD-LSTM's training
-# steps 20 streams through 3 layers token by token: latency-bound, 5 TFLOP/s (27 s a PTB epoch of the paper model).
-# Trainings side by side on the one GPU (the tau-models under hydra/launcher=local_parallel) overlap until together
-# they reach the batched rate. The FLOP counts per token are exact for the matmuls (the cpu training bench,
-# docs/bench/train_throughput.md, measures the same 1.45e8 FLOP a paper-model token).
-DEVICE, PEAK_TFLOPS, GPU_FREE_GB = "one H100-class GPU", 67.0, 80.0
-RATES = {"batched": 25.0, "recurrent training": 5.0}  # TFLOP/s
+GPU_FREE_GB = 80.0  # the free memory of one H100-class GPU, for the memory budgets' null (half of it)
 SIDE_BY_SIDE_LAUNCHER = "hydra/launcher=local_parallel"  # a sweep's jobs as parallel local processes (joblib)
 GB = 1e9
 
@@ -116,8 +118,13 @@ def stream_sizes(name: str, a: dict, m: Model, memory_tau: int | None) -> list[t
         steps = a.get("rollout_steps") or a["horizon"]  # null: the horizon
         sizes.append((f"rollout_prefix + rollout_steps + max(horizon_k) = {a['rollout_prefix']} + "
                       f"{steps} + {k}", a["rollout_prefix"] + steps + k))
-    if name == "sequence_calibration" and a.get("soft_value"):
-        sizes.append((f"sv_prefix + sv_steps = {a['sv_prefix']} + {a['sv_steps']}", a["sv_prefix"] + a["sv_steps"]))
+    if name == "sequence_calibration":  # Algorithm 1's law: fitted, generated and scored over law_horizon words
+        law = a.get("law_horizon") or 2 * a["horizon"]
+        sizes.append((f"prefix_len + law_horizon = {a['prefix_len']} + {law}"
+                      + ("" if a.get("law_horizon") else " (null: 2 x horizon)"), a["prefix_len"] + law))
+        if a.get("soft_value"):
+            sizes.append((f"sv_prefix + sv_steps = {a['sv_prefix']} + {a['sv_steps']}",
+                          a["sv_prefix"] + a["sv_steps"]))
     if name == "memory":
         tau = a.get("tau") or memory_tau
         if tau:
@@ -148,10 +155,16 @@ def model_steps(name: str, a: dict, m: Model, memory_tau: int | None = None) -> 
         heads = len(a["horizon_k"]) * len(a["discount"])
         steps = a.get("rollout_steps") or a["horizon"]
         return a["rollouts"] * (a["rollout_prefix"] + steps + k) + fit + (heads + 1) * (score + gen)
-    if name == "sequence_calibration":  # SMC rows, alpha*'s ~10 bracketing fits, the soft-value rounds
-        window = a["prefix_len"] + a["horizon"]
-        smc = sum(a["particles"]) * gen + 10 * a["fit_prefixes"] * a["fit_particles"] * window
-        sv = a["sv_iterations"] * a["sv_rollouts"] * (a["sv_prefix"] + a["sv_steps"]) if a.get("soft_value") else 0
+    if name == "sequence_calibration":  # per SMC row (untwisted, and twisted, at each count k): ~4 fit runs and 2
+        # test runs on fit_prefixes windows, the generations, and the last tenth's two nested runs (each re-reading a
+        # path and running to the law's end), all of prefix_len + law_horizon words
+        window = a["prefix_len"] + (a.get("law_horizon") or 2 * a["horizon"])
+        n = min(a.get("smc_prefixes") or a["num_prefixes"], a["num_prefixes"]) * a["samples_per_prefix"]
+        counts = list(a["particles"]) * (2 if a.get("twist") and a.get("soft_value") else 1)
+        smc = sum(k * (6 * a["fit_prefixes"] + n) * window + (a.get("tail_particles") or k) * 2 * n * window
+                  for k in counts)
+        sv = (a["sv_iterations"] * (1 + a.get("sv_refits", 0) / 2) * a["sv_rollouts"] * (a["sv_prefix"] + a["sv_steps"])
+              if a.get("soft_value") else 0)
         return smc + sv + score + gen
     if name == "memory":  # both models on every test token; a tau-window (or a tau-model, exactly) tau steps a token
         return score * (1 + (a.get("tau") or memory_tau or 1))
@@ -176,10 +189,10 @@ def peak_tensors(name: str, a: dict, m: Model, budget_gb: float | None = None) -
         own = shared_candidate_bytes(2.0 * T * m.emb * 4, T, per_row, m.heads, m.emb) if m.kind == "transformer" \
             else 0.0
         budget = (budget_gb or GPU_FREE_GB / 2) * 1e9
-        chunk = int(min(cands, CUDA_MAX_CHUNK, max(1, budget // (own + 12.0 * V))))
+        chunk = int(min(cands, CUDA_MAX_CHUNK, max(1, budget // (own + 4.0 * LOGIT_ROWS * V))))
         what = "share of its row's past" if m.kind == "transformer" else "state"
         out.append((f"lookahead chunk: {chunk:,} of {cands:,} candidates ({budget / 1e9:g} GB budget) x ({what} "
-                    f"{_bytes(own)} + [V] logits x 3)", chunk * (own + 12.0 * V)))
+                    f"{_bytes(own)} + [V] logits x {LOGIT_ROWS})", chunk * (own + 4.0 * LOGIT_ROWS * V)))
     if m.kind == "transformer" and B:
         kv = 2.0 * m.layers * B * T * m.emb * 4
         out.append((f"KV cache 2 x layers x [max_batch, T, E] = 2 x {m.layers} x [{B:,}, {T}, {m.emb}]", kv))
@@ -241,7 +254,7 @@ def check(cfg: DictConfig) -> str:
     checked against the model it meets; raises LmcalError naming the stage, the keys and the limit otherwise."""
     stages = plan(cfg)
     models: dict[str, Model] = {}  # training stage dir -> its model
-    lines, est, groups = [], [], []  # est: (name, FLOP, rate kind) one at a time; groups: trainings side by side
+    lines, jobs = [], []  # jobs: each stage's time alone on the GPU, its busy share, its deps (pipeline.timing)
     for st in stages:
         if "fn" in st:
             lines.append(f"{st['name']}: results.json, REPORT.md (in-process)")
@@ -250,7 +263,7 @@ def check(cfg: DictConfig) -> str:
         where = f"Stage '{st['name']}' (python -m {entry}): "
         if entry == "lmcal.train":
             taus = [None] if "taus" not in st else list(st["taus"])
-            at_once, group = side_by_side(st["cmd"], len(taus)), []
+            at_once, group = side_by_side(st["cmd"], len(taus)), []  # group: (seconds, busy, peak bytes) per run
             for t in taus:
                 c = composed(entry, overrides + ([f"model.memory_tau={t}"] if t else []))
                 check_config(c, where=where)  # every setting in its range (lmcal.utils.rules), as the run will
@@ -260,27 +273,33 @@ def check(cfg: DictConfig) -> str:
                 if m.context and bptt > m.context:
                     raise _refuse(st["name"], m, [(f"data.bptt = {bptt}", bptt)],
                                   f"Set data.bptt <= {m.context} in {st['name'].replace('_base', '')}.base.")
-                epochs = int(c.trainer.max_epochs)
-                tokens = m.corpus.get("train", 0) * max(epochs, 0)
+                epochs = max(int(c.trainer.max_epochs), 0)
+                tokens = m.corpus.get("train", 0) * epochs
                 flops = 3 * m.step_flops * tokens
                 peak = [(f"logits [bptt, batch, V] = [{bptt}, {batch}, {m.vocab:,}] and their gradient",
                          2 * 4.0 * bptt * batch * m.vocab),
                         (f"parameters, gradients, optimiser state: 4 x {m.params:,} fp32", 16.0 * m.params)]
+                if m.kind == "awd_lstm":  # latency-bound: the measured step, per window of sequential steps
+                    epoch, how = lstm_epoch_seconds(m.corpus.get("train", 0), m.corpus.get("valid", 0), batch, bptt,
+                                                    t, int(c.data.eval_batch_size))
+                    seconds, busy = epochs * epoch, BUSY["tau training" if t else "recurrent training"]
+                    time_text = f"{epochs} epochs x ({how}) = {seconds / 3600:.2f} h"
+                else:
+                    seconds, busy = flops / (BATCHED_TFLOPS * 1e12), BUSY["batched"]
+                    time_text = f"{flops:.3g} FLOP / {BATCHED_TFLOPS:g}e12 = {seconds / 3600:.2f} h"
                 lines.append(f"{st['name']}{'' if t is None else f' tau={t}'}: {m.kind} ({m.params:,} parameters, "
                              f"context {m.context or 'unbounded'}, V {m.vocab:,}), {epochs} epochs x "
-                             f"{m.corpus.get('train', 0):,} tokens = {tokens:,} tokens, "
-                             f"3 x {m.step_flops:.3g} FLOP x tokens = {flops:.3g} FLOP; peak: "
+                             f"{m.corpus.get('train', 0):,} tokens = {tokens:,} tokens, batch {batch}, "
+                             f"3 x {m.step_flops:.3g} FLOP x tokens = {flops:.3g} FLOP; time alone: {time_text}; peak: "
                              + "; ".join(f"{w} {_bytes(b)}" for w, b in peak))
-                if at_once > 1:  # timed together below
-                    group.append((flops, sum(b for _, b in peak)))
-                else:
-                    est.append((st["name"] + ("" if t is None else f" tau={t}"), flops,
-                                "recurrent training" if m.kind == "awd_lstm" else "batched"))
-            if group:
-                groups.append((st["name"], len(group), at_once, [f for f, _ in group]))
+                group.append((seconds, busy, sum(b for _, b in peak)))
+            wall, busy = side_by_side_group([g[0] for g in group], [g[1] for g in group], at_once)
+            jobs.append(Job(st["name"], wall, busy, tuple(st["deps"])))
+            if at_once > 1:
                 lines.append(f"{st['name']}: the {len(group)} trainings side by side on the one GPU, {at_once} at once "
-                             f"({SIDE_BY_SIDE_LAUNCHER}): peak {at_once} x {_bytes(max(b for _, b in group))} of the "
-                             "tensors above, plus each process's CUDA context")
+                             f"({SIDE_BY_SIDE_LAUNCHER}): peak {at_once} x {_bytes(max(g[2] for g in group))} of the "
+                             f"tensors above, plus each process's CUDA context; time-sliced: {wall / 3600:.2f} h "
+                             f"against {sum(g[0] for g in group) / 3600:.2f} h one after another")
             continue
         c = composed(entry, overrides)
         check_config(c, where=where)
@@ -307,7 +326,7 @@ def check(cfg: DictConfig) -> str:
         passes = stream_passes(a, m) if any(w.startswith("streamed rows") for w, _ in peak) else 1
         steps *= passes  # streamed memory rows: both models' forward again on every pass of the fit
         flops = steps * m.step_flops
-        est.append((st["name"], flops, "batched"))
+        jobs.append(Job(st["name"], flops / (BATCHED_TFLOPS * 1e12), BUSY["batched"], tuple(st["deps"])))
         top = max(peak, key=lambda p: p[1]) if peak else None
         lines.append(f"{st['name']}: {name} on the {m.kind} ({m.context or 'unbounded'} context); streams "
                      + (", ".join(f"{w} -> {s:,}" for w, s in sizes) or "none") + "; ~"
@@ -315,31 +334,20 @@ def check(cfg: DictConfig) -> str:
                      + f"{steps:.3g} model steps = "
                      f"{flops:.3g} FLOP; peak: " + ("; ".join(f"{w} {_bytes(b)}" for w, b in peak) or "small")
                      + (f" (largest {_bytes(top[1])})" if top else ""))
-    seconds = {n: f / (RATES[kind] * 1e12) for n, f, kind in est}
-    by_kind = {k: sum(f for _, f, kind in est if kind == k) for k in RATES}
-    terms = [f"{by_kind[k]:.3g} FLOP / {r:g}e12 ({k}, one at a time)" for k, r in RATES.items() if by_kind[k]]
-    serial = 0.0  # what the side-by-side trainings would add if their GPU work did not overlap at all
-    for name, n, k, flops in groups:  # each alone latency-bound; together at most the batched rate
-        rounds, slow, fast = math.ceil(n / k), RATES["recurrent training"], RATES["batched"]
-        seconds[f"{name} ({n} side by side)"] = t = max(rounds * max(flops) / (slow * 1e12), sum(flops) / (fast * 1e12))
-        terms.append(f"max({rounds} x {max(flops):.3g} FLOP / {slow:g}e12, {sum(flops):.3g} FLOP / {fast:g}e12) "
-                     f"= {t:,.0f} s ({name}: {n} side by side, {k} at once)")
-        serial += sum(flops) / (slow * 1e12) - t
-    total = sum(seconds.values())
+    total, _ = schedule(jobs, max(1, int(cfg.get("jobs", 1))))
+    alone = {j.name: j.seconds for j in jobs}
     head = [f"Plan of the {cfg.profile} profile: {len(stages)} stages, all composed and within their ranges; every "
             "stream fits its model's context.", ""]
-    tail = ["", f"Wall time on {DEVICE}: an ESTIMATE from FLOP counts at assumed rates, not a measurement "
-            "(stages one after another, trainings side by side where the profile's launcher runs them so, "
-            "kernel-launch overheads not counted). Assumed sustained rates: "
-            + ", ".join(f"{k} {r:g} TFLOP/s ({100 * r / PEAK_TFLOPS:.0f}% of a {PEAK_TFLOPS:g} TFLOP/s dense FP32 "
-                        "peak: TF32 is off)" for k, r in RATES.items()) + ". "
-            + " + ".join(terms) + f" = {total:,.0f} s = {total / 3600:.1f} h.",
-            "Largest stages: " + ", ".join(f"{n} {t / 3600:.2f} h" for n, t in
-                                           sorted(seconds.items(), key=lambda e: -e[1])[:6])]
-    if groups:  # processes share one GPU's compute only where the GPU runs their kernels concurrently
-        tail.append("Trainings side by side overlap on the GPU's compute where it runs their kernels concurrently: "
-                    "start NVIDIA MPS (nvidia-cuda-mps-control -d) before make reproduce. Without it the GPU "
-                    "time-slices between the processes and overlaps only their CPU-side gaps; if their GPU work did "
-                    f"not overlap at all, they would add {serial:,.0f} s: {(total + serial) / 3600:.1f} h in all.")
+    tail = ["", f"Wall time on one GPU: an ESTIMATE, {total / 3600:.1f} h (stages one after another: "
+            f"{sum(alone.values()) / 3600:.1f} h). AWD-LSTM trainings at the step measured on {MEASURED_ON}: "
+            f"{STEP_FIXED_MS:g} ms + {STEP_PER_TIME_STEP_MS:g} ms per sequential time step at batch 20 (a PTB epoch of "
+            f"the paper model: 13 s; {ANCHOR}); the other stages' FLOPs at an assumed {BATCHED_TFLOPS:g} TFLOP/s "
+            f"(TF32 off). Scheduled as make reproduce runs them: jobs={int(cfg.get('jobs', 1))} stages at a time "
+            "where their dependencies allow (tau-models not warm-started from the base model beside it), a sweep's "
+            "jobs as its launcher runs them; stages on the one GPU share it by time-slicing (each keeps it busy "
+            "for a measured or assumed share of its time: lmcal.pipeline.timing); NVIDIA MPS, which could overlap "
+            "their kernels further, is not assumed.",
+            "Largest stages (alone): " + ", ".join(f"{n} {t / 3600:.2f} h" for n, t in
+                                                   sorted(alone.items(), key=lambda e: -e[1])[:6])]
     return "\n".join(head + lines + tail)
 

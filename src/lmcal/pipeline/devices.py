@@ -21,10 +21,16 @@ def visible_gpus(env: dict | None = None, count: int | None = None) -> list[str]
     return [str(i) for i in range(cuda_count() if count is None else count)]
 
 
-def device_env(slot: int, gpus: list[str]) -> dict[str, str]:
-    """The environment a stage in `slot` adds to its process: its own GPU where there are several; nothing with one
-    GPU or none (the stage sees what the pipeline sees)."""
-    return {"CUDA_VISIBLE_DEVICES": gpus[slot % len(gpus)]} if len(gpus) > 1 else {}
+def device_env(slot: int, gpus: list[str], jobs: int = 1) -> dict[str, str]:
+    """The environment a stage in `slot` adds to its process: its own GPU where there are several; and, where up to
+    `jobs` stages run at once on fewer GPUs, how many may share one (LMCAL_GPU_SHARERS: each stage's memory budget,
+    lmcal.core.lookahead.memory_budget, is then that share of half the free memory, not half of it each)."""
+    env = {"CUDA_VISIBLE_DEVICES": gpus[slot % len(gpus)]} if len(gpus) > 1 else {}
+    sharers = -(-jobs // max(1, len(gpus)))
+    return {**env, GPU_SHARERS: str(sharers)} if gpus and sharers > 1 else env
+
+
+GPU_SHARERS = "LMCAL_GPU_SHARERS"
 
 
 def free_slot(running: dict) -> int:

@@ -155,7 +155,7 @@ def schedule(stages: list[dict], cfg: DictConfig, out: Path, current: dict, jobs
                     run = {"t0": t0, "proc": None, "log": None, "rec": rec}
                 else:
                     slot = free_slot(running)
-                    run = launch(stage, out, device_env(slot, gpus)) | {"rec": rec, "slot": slot}
+                    run = launch(stage, out, device_env(slot, gpus, jobs)) | {"rec": rec, "slot": slot}
                 running[name] = run
             if todo and not running:  # nothing runs and nothing could start: a plan whose deps are not in it
                 raise LmcalError(f"Stages {', '.join(st['name'] for st in todo)} wait on stages that are not in the "

@@ -147,10 +147,14 @@ def progress_bar():
 
     class TokensProgressBar(RichProgressBar if _RICH_AVAILABLE else TQDMProgressBar):
         def get_metrics(self, trainer, module):
-            items = super().get_metrics(trainer, module)
+            items = super().get_metrics(trainer, module)  # the validation's values: host floats already
             items.pop("v_num", None)
-            tps = items.pop("train/tokens_per_s", None)
-            return {**({"tokens/s": f"{float(tps):,.0f}"} if tps is not None else {}), **items}
+            # the training values as LMModule read them every log_every_n_steps: host floats, so a refresh of the
+            # bar never waits for the device
+            bar = dict(getattr(module, "bar_metrics", {}))
+            tps = bar.pop("tokens/s", None)
+            return {**({"tokens/s": f"{tps:,.0f}"} if tps is not None else {}),
+                    **{k: f"{v:.3f}" for k, v in bar.items()}, **items}
 
         def configure_columns(self, trainer):  # Rich: every column but the last, batches/s
             return super().configure_columns(trainer)[:-1]

@@ -53,15 +53,21 @@ class LMDataModule(D.CorpusData, pl.LightningDataModule):
     def setup(self, stage=None):
         self.prepare()
 
+    def on_device(self, source: torch.Tensor) -> torch.Tensor:
+        """The batchified stream [S, B] on the training device, copied once an epoch: its windows are then views
+        there, and no step copies its window from pageable host memory (a copy that waits for the device)."""
+        trainer = self.trainer
+        return source.to(trainer.strategy.root_device) if trainer is not None else source
+
     def train_dataloader(self):
-        source = D.batchify(self.tokens("train"), self.batch_size)
+        source = self.on_device(D.batchify(self.tokens("train"), self.batch_size))
         epoch = self.trainer.current_epoch if self.trainer is not None else 0
         spans = list(D.bptt_spans(source.size(0), self.bptt, D.epoch_generator(self.seed, epoch), self.memory_tau,
                                   variable=self.variable_length))
         return DataLoader(SpanDataset(source, spans), batch_size=None, shuffle=False)
 
     def val_dataloader(self):
-        source = D.batchify(self.tokens("valid"), self.eval_batch_size)
+        source = self.on_device(D.batchify(self.tokens("valid"), self.eval_batch_size))
         spans = list(D.bptt_spans(source.size(0), self.bptt, multiple_of=self.memory_tau))
         return DataLoader(SpanDataset(source, spans), batch_size=None)
 
@@ -94,6 +100,9 @@ class LMModule(pl.LightningModule):
         self.n_avg = 0
         self.train_seconds, self.train_tokens = 0.0, 0
         self._hidden = None
+        self._epoch_t0: float | None = None  # host clock at the epoch's first batch; closed by one sync at its end
+        self._watch: torch.Tensor | None = None  # [4] on the device: the first diverged step (flag, batch, ce, loss)
+        self.bar_metrics: dict[str, float] = {}  # what the progress bar shows: host floats, read every N steps
 
     # -- optimisation ---------------------------------------------------------------------------
     def configure_optimizers(self):
@@ -114,12 +123,22 @@ class LMModule(pl.LightningModule):
 
     def on_train_epoch_start(self):
         self._hidden = None  # a new pass over the streams starts from a zero state
+        self._epoch_t0 = None
 
     def on_train_batch_start(self, batch, batch_idx):
-        self._t0 = time.perf_counter()
+        if self._epoch_t0 is None:
+            self._epoch_t0 = time.perf_counter()
         # dropout masks from (seed, epoch, batch) alone, not from whatever drew random numbers before (a new
         # DataLoader iterator draws one): a run resumed at an epoch boundary repeats an uninterrupted one exactly
         torch.manual_seed((self.hparams.seed * 1_000_003 + self.current_epoch) * 1_000_003 + batch_idx)
+
+    @property
+    def read_every(self) -> int:
+        """Steps between host reads of the device (the divergence flag, the logged values, the bar): Lightning's
+        trainer.log_every_n_steps. Between them the host only queues work, so on a GPU its Python overlaps the
+        kernels instead of waiting for each step's (an .item() a step made the two add)."""
+        trainer = self._trainer
+        return max(1, int(getattr(trainer, "log_every_n_steps", 1) or 1)) if trainer is not None else 1
 
     def training_step(self, batch, batch_idx):
         x, y = batch  # [T, B] each
@@ -130,7 +149,7 @@ class LMModule(pl.LightningModule):
         output, raw = self.forward_window(x, "_hidden", detach=True)
         ce = F.cross_entropy(self.net.logits(output).flatten(0, 1), y.flatten())
         loss = ce + ar_tar(output, raw, hp.ar_weight, hp.tar_weight)
-        self.check_divergence(ce, loss, batch_idx)
+        self.watch_divergence(ce.detach(), loss.detach(), batch_idx)
         opt.zero_grad()
         self.manual_backward(loss)
         # the norm before clipping (inf: no clipping, the norm alone)
@@ -138,34 +157,71 @@ class LMModule(pl.LightningModule):
         opt.step()
         if self.avg is not None:
             self._update_average()
-        self.log_dict({"train/loss": ce, "train/ppl": ce.exp()}, prog_bar=True, on_step=True, on_epoch=False)
-        self.log_dict({"train/lr": opt.param_groups[0]["lr"], "train/grad_norm": grad_norm}, on_step=True,
-                      on_epoch=False)
-        if self.train_seconds:  # the run's mean so far (training steps only, not validation)
-            self.log("train/tokens_per_s", self.train_tokens / self.train_seconds, prog_bar=True, on_step=True,
-                     on_epoch=False)
+        self.train_tokens += y.numel()
+        # device tensors, no prog_bar: Lightning reads them only when it writes its logs (every log_every_n_steps). A
+        # Python number is logged only on the steps that read the device anyway: Lightning makes a device tensor of it,
+        # a blocking copy that waits for the device as a read does
+        self.log_dict({"train/loss": ce.detach(), "train/grad_norm": grad_norm}, on_step=True, on_epoch=False)
+        if self.global_step % self.read_every == 0:  # the steps Lightning writes its logs on (its step count)
+            self.log("train/lr", opt.param_groups[0]["lr"], on_step=True, on_epoch=False)
+            self.read_device(ce.detach())
         return loss
 
-    def check_divergence(self, ce: torch.Tensor, loss: torch.Tensor, batch_idx: int) -> None:
-        """Stop at once, before the step is taken, when the loss is not finite or the cross-entropy is beyond
-        `divergence_factor` x log(V) (a uniform guess costs log(V); a run that far above it has diverged). The
-        checkpoints on disk then hold only models validated before it."""
-        factor, limit = self.hparams.divergence_factor, None
+    def read_device(self, ce: torch.Tensor | None = None) -> None:
+        """The one host read of the device every `read_every` steps: the divergence flag (raises), and the
+        progress bar's loss and tokens/s."""
+        self.check_divergence()
+        seconds = self.train_seconds + (time.perf_counter() - self._epoch_t0 if self._epoch_t0 is not None else 0.0)
+        if ce is not None:
+            loss = float(ce)
+            self.bar_metrics.update({"train/loss": loss, "train/ppl": exp_or_inf(loss)})
+        if seconds > 0:  # the run's mean so far (training steps only, not validation)
+            self.bar_metrics["tokens/s"] = self.train_tokens / seconds
+            self.log("train/tokens_per_s", self.train_tokens / seconds, on_step=True, on_epoch=False)
+
+    def watch_divergence(self, ce: torch.Tensor, loss: torch.Tensor, batch_idx: int) -> None:
+        """Records on the device, without a host read, the first step whose loss is not finite or whose
+        cross-entropy is beyond `divergence_factor` x log(V) (a uniform guess costs log(V); a run that far above it
+        has diverged). `check_divergence` reads the record every `read_every` steps and before every validation."""
+        factor = self.hparams.divergence_factor
+        bad = ~torch.isfinite(loss)
         if factor:
-            limit = factor * math.log(self.hparams.vocab_size)
-        ce_value, loss_value = ce.detach().item(), loss.detach().item()  # one host sync a step: small beside it
-        if math.isfinite(loss_value) and (limit is None or ce_value <= limit):
+            bad = bad | (ce > factor * math.log(self.hparams.vocab_size))
+        step = torch.stack([torch.ones_like(ce), torch.full_like(ce, batch_idx), ce, loss]).float()  # [4]
+        if self._watch is None or self._watch.device != ce.device:
+            self._watch = torch.zeros_like(step)
+        self._watch = torch.where(bad & (self._watch[0] == 0), step, self._watch)
+
+    def check_divergence(self) -> None:
+        """Stop when a step since the last read diverged (see watch_divergence). The read comes before every
+        validation, so the checkpoints on disk hold only models validated before it."""
+        if self._watch is None:
             return
-        hp = self.hparams
+        flag, batch_idx, ce_value, loss_value = self._watch.tolist()
+        if not flag:
+            return
+        hp, factor = self.hparams, self.hparams.divergence_factor
+        limit = factor * math.log(hp.vocab_size) if factor else None
         why = (f"the training loss is {loss_value} (cross-entropy {ce_value})" if not math.isfinite(loss_value)
                else f"the training cross-entropy is {ce_value:.4g} nats, beyond {factor:g} x log(V) = {limit:.1f}")
         raise LmcalError(
-            f"Training diverged at epoch {self.current_epoch}, batch {batch_idx} (step {self.global_step}): {why}. "
-            f"The run stopped before taking that step; the checkpoints hold only models validated before it, and "
-            f"no analysis ran. Lower the learning rate (optim.lr={hp.lr:g} now) or clip gradients harder "
+            f"Training diverged at epoch {self.current_epoch}, batch {int(batch_idx)}: {why}. The run stopped "
+            f"within {self.read_every} steps of it (trainer.log_every_n_steps: the device is read that often), "
+            "before any later model was validated or saved; the checkpoints hold only models validated before it, "
+            f"and no analysis ran. Lower the learning rate (optim.lr={hp.lr:g} now) or clip gradients harder "
             f"(optim.clip={hp.clip} now); with optim.optimizer=adam, a rate near 1e-3. "
             f"optim.divergence_factor (now {'null' if factor is None else f'{factor:g}'}) sets how far above log(V) "
             "counts as diverged (null: non-finite losses only).")
+
+    def close_epoch_clock(self) -> None:
+        """Adds the epoch's training time, measured to the end of its last step's device work (one sync an
+        epoch: the per-step host times of an asynchronous device would miss the work still queued)."""
+        if self._epoch_t0 is None:
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.train_seconds += time.perf_counter() - self._epoch_t0
+        self._epoch_t0 = None
 
     def lr_factor(self, batch_idx: int) -> float:
         """The schedule's multiplier: 1 (the AWD recipe), or a cosine decay to 0 over max_epochs
@@ -194,9 +250,12 @@ class LMModule(pl.LightningModule):
         setattr(self, state_attr, hidden)
         return output, raw
 
-    def on_train_batch_end(self, outputs, batch, batch_idx):
-        self.train_seconds += time.perf_counter() - self._t0
-        self.train_tokens += batch[1].numel()
+    def on_train_epoch_end(self):
+        self.close_epoch_clock()  # an epoch without validation (check_val_every_n_epoch > 1)
+        self.check_divergence()
+
+    def on_train_end(self):
+        self.close_epoch_clock()
 
     # -- averaged SGD -----------------------------------------------------------------------------
     @torch.no_grad()
@@ -245,7 +304,11 @@ class LMModule(pl.LightningModule):
 
     # -- validation -----------------------------------------------------------------------------
     def on_validation_epoch_start(self):
-        self._val = [0.0, 0]
+        if not self.trainer.sanity_checking:
+            self.close_epoch_clock()
+            self.check_divergence()  # before this epoch's model is validated or saved
+        dtype = torch.float32 if self.device.type == "mps" else torch.float64  # (MPS has no float64)
+        self._val = [torch.zeros((), device=self.device, dtype=dtype), 0]  # summed on the device, read once
         self._val_hidden = None
         self._avg_ctx = self.averaged_weights()
         self._avg_ctx.__enter__()
@@ -254,12 +317,12 @@ class LMModule(pl.LightningModule):
         x, y = batch
         output, _ = self.forward_window(x, "_val_hidden", detach=False)
         nll = F.cross_entropy(self.net.logits(output).flatten(0, 1), y.flatten(), reduction="sum")
-        self._val[0] += nll.item()
+        self._val[0] += nll.detach()
         self._val[1] += y.numel()
 
     def on_validation_epoch_end(self):
         self._avg_ctx.__exit__(None, None, None)
-        val_loss = self._val[0] / max(self._val[1], 1)
+        val_loss = self._val[0].item() / max(self._val[1], 1)  # the one read of the validation
         if not math.isfinite(val_loss):  # never let ModelCheckpoint see it: it would save this model as the best
             raise LmcalError(
                 f"Validation at epoch {self.current_epoch} gave a loss of {val_loss}: the model diverged. It was "
