@@ -41,11 +41,12 @@ _API = {
     **dict.fromkeys(("FutureEntropyHead", "FutureCalibratedLM", "rollout_examples", "train_head", "fit_rows",
                      "head_rows", "fit_future_calibration"), "lmcal.core.future_entropy"),
     **dict.fromkeys(("make_decoder", "heldout_cost", "DECODERS"), "lmcal.core.decoders"),
-    **dict.fromkeys(("SMCResult", "smc_generate", "smc_tail_entropy", "systematic_resample"), "lmcal.core.smc"),
+    **dict.fromkeys(("SMCResult", "smc_generate", "smc_tail_entropy", "systematic_resample", "reweighted"),
+                    "lmcal.core.smc"),
     **dict.fromkeys(("SequenceFit", "fit_sequence_alpha", "sequence_log_probs"), "lmcal.core.sequence_fit"),
-    **dict.fromkeys(("train_soft_value", "soft_value_lm"), "lmcal.core.soft_value"),
+    **dict.fromkeys(("train_soft_value", "soft_value_lm", "soft_value_twist"), "lmcal.core.soft_value"),
     **dict.fromkeys(("FiniteStateLM", "finite_state_lm", "calibrated_log_law", "sequence_ce",
-                     "exact_alpha", "perron_limit"), "lmcal.core.sequence_exact"),
+                     "exact_alpha", "perron_limit", "exact_twist"), "lmcal.core.sequence_exact"),
     **dict.fromkeys(("LmcalError", "DataError"), "lmcal.errors"),
 }
 

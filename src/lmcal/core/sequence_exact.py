@@ -195,6 +195,21 @@ def log_values(fs: FiniteStateLM, alpha: float, horizon: int) -> torch.Tensor:
     return torch.stack(out)
 
 
+def exact_twist(lm, alpha: float, horizon: int):
+    """The exact twist of twisted SMC (lmcal.core.smc.smc_generate's `twist`) for a finite-state StepLM `lm` and the law
+    over `horizon` words: ψ_t(h, w) = log b_{T-t-1}(next(s, w)), the log soft value of the words still to come after
+    w at step t (0-based) from state s. Under it the proposal is the exact conditional P_α(w | s, t) and every
+    incremental weight is 1: one particle is an exact draw, and Ẑ is Z_α exactly. For tests, to tell the sampler
+    from the twist a head learns."""
+    fs = finite_state_lm(lm)
+    table = log_values(fs, alpha, horizon)[:, fs.next_state]  # [T + 1, S, V]: log b_r(next(s, w))
+
+    def twist(state, t: int) -> torch.Tensor:
+        return table[horizon - t - 1][state_index(lm, state).cpu()].to(getattr(lm, "device", None) or "cpu")
+
+    return twist
+
+
 def calibrated_log_law(fs: FiniteStateLM, alpha: float, horizon: int) -> torch.Tensor:
     """log P_α(w | s, t) for t = 1..horizon: [horizon, S, V] (index t - 1)."""
     tilted = _check_alpha(alpha) * fs.log_law

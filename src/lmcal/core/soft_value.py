@@ -35,8 +35,59 @@ from dataclasses import dataclass
 
 import torch
 
+from lmcal.core.calibration import stream_block_stderr
+from lmcal.core.expfit import fit_alpha, objective, with_targets
 from lmcal.core.future_entropy import FutureCalibratedLM, FutureEntropyHead, step_features, word_vectors
 from lmcal.core.sampling import draw, uniforms
+
+
+class FeatureStateLM:
+    """A StepLM whose state carries the features of its last step beside the model's own state, (state, f [B, F]), so
+    that a head on the features can be read from the state alone (`state_features`): for models whose state does not
+    hold them (a Hugging Face cache). Same log-probs as `lm`, one step each."""
+
+    def __init__(self, lm):
+        self.lm, self.vocab_size, self.device = lm, lm.vocab_size, getattr(lm, "device", None)
+
+    def init_state(self, batch_size: int):
+        return self.lm.init_state(batch_size), None
+
+    @torch.no_grad()
+    def step(self, tokens, state):
+        logp, f, inner = step_features(self.lm, tokens, state[0])
+        return logp, (inner, f)
+
+    def select(self, state, index):
+        inner, f = state
+        return self.lm.select(inner, index), None if f is None else f[index.to(f.device)]
+
+    def state_features(self, state) -> torch.Tensor:
+        return state[1]
+
+
+class SoftValueTwist:
+    """A soft-value head as the twist of twisted SMC (lmcal.core.smc.smc_generate): ψ_t(h, w) = Q(h, w), the head's
+    relative value of each next word, the same at every step (the infinite-horizon value; the sampler drops it at the
+    last word and its weights correct the rest). `lm`: the StepLM to run SMC on, the model itself where its state
+    holds its features (the oracles, LSTMStepLM), else the model wrapped in FeatureStateLM.
+
+        twist = soft_value_twist(model, head)
+        smc_generate(twist.lm, prefixes, alpha, horizon, particles=4, twist=twist)
+    """
+
+    def __init__(self, lm, head: FutureEntropyHead):
+        self.lm = lm if hasattr(lm, "state_features") else FeatureStateLM(lm)
+        self.head = head.eval()
+
+    @torch.no_grad()
+    def __call__(self, state, t: int) -> torch.Tensor:
+        f = self.lm.state_features(state)
+        return self.head(f.to(next(self.head.parameters()).device))  # [n, V]
+
+
+def soft_value_twist(lm, head: FutureEntropyHead) -> SoftValueTwist:
+    """A soft-value head (train_soft_value) as a twist for smc_generate; run SMC on the returned twist's `.lm`."""
+    return SoftValueTwist(lm, head)
 
 
 def soft_value_lm(lm, head: FutureEntropyHead, alpha: float) -> FutureCalibratedLM:
@@ -63,7 +114,11 @@ def _explorers(gen: torch.Tensor, explore: float) -> torch.Tensor:
 
 
 def _q(head, f: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    return torch.zeros_like(like) if head is None else head(f).to(like.device, like.dtype)
+    """Q(h, .) [n, V] like `like`: the head is trained on the CPU (its examples are kept there) while the model may
+    run on a GPU, so the features go to the head's device and Q comes back (0 without a head)."""
+    if head is None:
+        return torch.zeros_like(like)
+    return head(f.to(next(head.parameters()).device)).to(like.device, like.dtype)
 
 
 @torch.no_grad()
@@ -168,3 +223,40 @@ def train_soft_value(lm, alpha: float, prefixes: torch.Tensor, *, iterations: in
                                seed=seed + k)
         history.append({"rho": ex.rho, **stats})
     return head, history
+
+
+@dataclass
+class SoftValueAlpha:
+    alpha: float
+    alpha_stderr: float  # sandwich, blocks of cluster_size positions of a stream as the units
+    ce_before: float  # CE of P̂ e^Q (α = 0) on the rows, nats
+    ce_after: float  # CE of P̂^(1+α*) e^Q
+    positions: int
+
+
+@torch.no_grad()
+def fit_soft_value_alpha(lm, head: FutureEntropyHead, tokens: torch.Tensor, *, min_context: int = 0,
+                         cluster_size: int = 100, bound: float = 10.0) -> SoftValueAlpha:
+    """α of the amortised sampler P ∝ P̂^(1+α) e^Q fitted on its own exact per-word cross-entropy: time-major held-out
+    streams tokens [S, B], the positions after the first `min_context` of each stream. With the head's Q fixed the
+    family is exponential in α (base P̂ e^Q, statistic log P̂: lmcal.core.expfit), so the fit is Newton's method on the
+    exact objective. The head was trained at some α; refit and retrain alternate until they agree (the stage does).
+    Memory: 2 rows of [B, V] float32 per position."""
+    S, B = tokens.shape
+    state = lm.init_state(B)
+    base, stat, ys = [], [], []
+    for t in range(S - 1):
+        logp, f, state = step_features(lm, tokens[t], state)  # [B, V], [B, F]
+        if t < min_context:
+            continue
+        q = _q(head, f.float(), logp)  # [B, V]
+        base.append((logp + q).log_softmax(-1).float().cpu())
+        stat.append(logp.float().clamp(min=-1e4).cpu())  # a word of probability 0: e^-1e4 is 0 too, and finite
+        ys.append(tokens[t + 1].cpu())
+    if not ys:
+        raise ValueError(f"no positions after min_context={min_context} in streams of {S} tokens")
+    rows = with_targets(torch.cat(base), torch.cat(stat), torch.cat(ys))
+    alpha = fit_alpha([rows], bound, clamp=True, what="soft-value alpha fit")
+    ce_before = objective([rows], 0.0)[0]
+    (ce_after, _, d2, _), g = objective([rows], alpha, per_row=True)
+    return SoftValueAlpha(alpha, stream_block_stderr(g, d2, B, cluster_size), ce_before, ce_after, g.numel())

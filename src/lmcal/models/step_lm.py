@@ -67,6 +67,11 @@ class LSTMStepLM:
     def head(self):
         return self.net.decoder.weight, self.net.decoder.bias  # [V, E], [V]
 
+    def state_features(self, state) -> torch.Tensor:
+        """The features of the last step that led to `state` [B, E]: the top layer's h, which is its output (no dropout
+        in eval mode), so a head on the features (a soft-value twist) reads them from the state alone."""
+        return state[-1][0][0]
+
     @torch.no_grad()
     def step(self, tokens, state):
         f, state = self.features(tokens, state)

@@ -193,12 +193,13 @@ def sequence_calibration_markdown(cfg: DictConfig, out: Path) -> list[str]:
     sc = read_json(out / cfg.dataset / "sequence_calibration" / "sequence_calibration.json")
     return [
         "## Algorithm 1: sequence-level calibration (SMC and soft-value heads)", "",
-        f"P̂_α(w_1..T) ∝ P̂(w_1..T)^(1+α) over the {sc['horizon']}-word horizon, by sequential Monte Carlo at each "
-        f"particle count (on {sc['smc_prefixes']} of the {sc['num_prefixes']} prefixes, {sc['samples_per_prefix']} "
-        "generations each) and amortised by soft-value heads, beside the plain model and the other stages' best "
-        f"per-word rows, on the same prefixes and seeds. exp H, last tenth: the entropy per word of each row's law "
-        f"over the last {sc['tail_steps']} words (SMC: the sequence law's, by nested SMC runs), ± one standard error "
-        "clustered by prefix; Δ: paired with the model's generations.", "",
+        "P̂_α(w_1..L) ∝ P̂(w_1..L)^(1+α), by sequential Monte Carlo at each particle count, untwisted and twisted by "
+        f"the soft-value heads (on {sc['smc_prefixes']} of the {sc['num_prefixes']} prefixes, "
+        f"{sc['samples_per_prefix']} generations each), and amortised by the soft-value heads, beside the plain "
+        "model and the other stages' best per-word rows, on the same prefixes and seeds. exp H, last tenth: the "
+        f"entropy per word of each row's law over words {sc['horizon'] - sc['tail_steps'] + 1}–{sc['horizon']} "
+        "(SMC: the sequence law's, by nested SMC runs at the row's own count), ± one standard error clustered by "
+        "prefix; Δ: paired with the model's generations.", "",
         sequence_table(sc).rstrip("\n"), "",
         *claims_markdown(sequence_goal_claims(sc)),
         "![sequence calibration](figure_sequence_calibration.png)", "",

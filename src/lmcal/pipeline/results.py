@@ -101,7 +101,8 @@ def _chosen_rows(cfg: DictConfig, ptb: Path) -> dict:
     goal row), so that results.json alone supports the claims REPORT.md makes of them (docs/RESULTS.md)."""
     out = {}
     for stage, key, name in (("future_entropy", "best_head", "future_entropy_best_head"),
-                             ("sequence_calibration", "goal", "sequence_calibration_goal")):
+                             ("sequence_calibration", "goal", "sequence_calibration_goal"),
+                             ("sequence_calibration", "twisted_check", "sequence_calibration_twisted_check")):
         if stage in cfg.stages:
             chosen = read_json(ptb / stage / "evaluation.json")[stage].get(key)
             if chosen:

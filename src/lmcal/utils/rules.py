@@ -170,8 +170,11 @@ RULES: dict[str, tuple[Range, str]] = {
     "analysis.sequence_calibration.particles": (None, "SMC particles per generation, one row each"),
     "analysis.sequence_calibration.smc_prefixes": (OPT_COUNT, "prefixes the SMC rows generate from (null: all)"),
     "analysis.sequence_calibration.fit_prefixes": (Range(lo=2, integer=True), "continuations alpha* is fitted on"),
-    "analysis.sequence_calibration.fit_particles": (COUNT, "SMC particles of alpha*'s fit"),
-    "analysis.sequence_calibration.tail_particles": (COUNT, "SMC particles of the last tenth's entropy"),
+    "analysis.sequence_calibration.tail_particles": (OPT_COUNT, "SMC particles of the last tenth's entropy (null: "
+                                                                "the row's own)"),
+    "analysis.sequence_calibration.law_horizon": (OPT_COUNT, "words Algorithm 1's law runs over (null: 2 x horizon)"),
+    "analysis.sequence_calibration.twist": (Range(choices=(True, False)), "SMC twisted by the soft-value heads too"),
+    "analysis.sequence_calibration.sv_refits": (NONNEG_INT, "times the heads' alpha is refitted and they retrain"),
     "analysis.sequence_calibration.xtol": (POSITIVE, "alpha*'s tolerance"),
     "analysis.sequence_calibration.sv_rollouts": (COUNT, "rollouts of each soft-value round"),
     "analysis.sequence_calibration.sv_prefix": (COUNT, "true tokens each soft-value rollout reads first"),

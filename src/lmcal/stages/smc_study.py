@@ -1,0 +1,191 @@
+"""Algorithm 1's convergence study, part of the sequence_calibration stage: SMC at each particle count, twisted (a
+soft-value head as the twist) and untwisted, on the same prefixes and seeds, each with its own α*, its own law's last
+tenth, its own test CE and its own cost (lmcal.core.smc, lmcal.core.sequence_fit).
+
+One law for every row: P̂_α(w_1..L) ∝ P̂(w_1..L)^(1+α) over L = law_horizon words (2 x the horizon by default), fitted
+on validation continuations of L words, generated over L words, read over its first `horizon` words (the curve and the
+last tenth), far from its own end, where a law over exactly `horizon` words would steer towards whatever is cheap in
+its last few words; and scored on test continuations of L words. Every part of a row runs at the row's own particle
+count and twist: the fit, the generations, the nested runs of the last tenth, the test CE.
+
+A row is Algorithm 1 only where it has converged: its last tenth and α* agree with those of the row with twice (or,
+for the largest count, half) its particles, at 2 standard errors (the last tenth paired by prefix: same prefixes and
+seeds), and both fits found their own root (lmcal.core.sequence_fit: settled). Otherwise its label says it has not.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from lmcal.core.entropy_rate import clustered_mean
+from lmcal.core.sequence_fit import fit_sequence_alpha, sequence_log_probs
+from lmcal.core.smc import smc_generate, smc_tail_entropy
+from lmcal.utils.numbers import exp_or_inf
+
+log = logging.getLogger("lmcal")
+Z = 2.0  # standard errors within which K and 2K particles agree
+
+
+@dataclass
+class StudySetup:
+    """What every row of the study shares."""
+
+    lm: object
+    prefixes: torch.Tensor  # [n * S, P]: the generations' prefixes, prefix-major (as the per-word rows')
+    samples_per_prefix: int
+    fit: tuple[torch.Tensor, torch.Tensor]  # validation (prefixes [B, P], continuations [B, L])
+    test: tuple[torch.Tensor, torch.Tensor]  # test (prefixes [B, P], continuations [B, L])
+    horizon: int  # the words read (curve, last tenth)
+    law_horizon: int  # L
+    last: int  # the last tenth's words
+    plain_tail: np.ndarray  # [n, S]: the plain model's last-tenth entropies on the same prefixes and seeds
+    plain_ms: float  # the plain model's ms per word on the timing protocol
+    timing_prefixes: torch.Tensor  # [m, P] (repeated per sample)
+    timing_horizon: int
+    timing_repeats: int
+    seed: int
+    bracket: tuple[float, float]
+    xtol: float
+    tail_particles: int | None  # the nested runs' particles (None: the row's own count)
+    max_batch: int
+
+
+def _paired(x: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
+    d = (x - ref).double()
+    return float(d.mean()), float(d.std() / math.sqrt(d.numel())) if d.numel() > 1 else math.nan
+
+
+def study_row(s: StudySetup, k: int, twist=None, start_alpha: float = 0.0) -> dict:
+    """One row: SMC with k particles (twist: a SoftValueTwist, or None), end to end at that count."""
+    lm = twist.lm if twist is not None else s.lm
+    variant = "twisted" if twist is not None else "untwisted"
+    t0 = time.perf_counter()
+    fit = fit_sequence_alpha(lm, *s.fit, particles=k, seed=s.seed, bracket=s.bracket, xtol=s.xtol,
+                             max_batch=s.max_batch, twist=twist, start=start_alpha)
+    a = fit.alpha
+    fit_s = time.perf_counter() - t0
+    r = smc_generate(lm, s.prefixes, a, s.law_horizon, particles=k, seed=s.seed, twist=twist, max_batch=s.max_batch)
+    n, S, T = s.prefixes.size(0) // s.samples_per_prefix, s.samples_per_prefix, s.horizon
+    t1 = time.perf_counter()
+    tail = smc_tail_entropy(lm, s.prefixes, r, a, T - s.last, T, particles=s.tail_particles or k, seed=s.seed + 7,
+                            max_batch=s.max_batch, twist=twist).numpy().reshape(n, S)
+    tail_s = time.perf_counter() - t1
+    curve, curve_se = clustered_mean(-r.base_logp[:, :T].numpy().reshape(n, S, T))  # the words' surprisal
+    # test CE at this count: log Ẑ on test continuations (biased low by about half its variance, estimated from two
+    # independent runs: E[(log Ẑ1 - log Ẑ2)^2] / 2 = Var log Ẑ)
+    y = sequence_log_probs(s.lm, *s.test, s.max_batch)  # [B]
+    runs = [smc_generate(lm, s.test[0], a, s.law_horizon, particles=k, seed=s.seed + j, twist=twist,
+                         max_batch=s.max_batch).log_z for j in (2, 3)]
+    L = s.law_horizon
+    ce = (-(1 + a) * y + runs[0]) / L  # [B]: per word
+    ce_diff = _paired(ce, -y / L)
+    bias = -float((runs[0] - runs[1]).pow(2).mean()) / 4 / L  # -Var(log Ẑ) / 2, per word
+    ms = min(_ms(lm, s, a, k, twist) for _ in range(s.timing_repeats))
+    level, level_se = clustered_mean(tail)
+    diff, diff_se = clustered_mean(tail - s.plain_tail)
+    row = {"method": "smc", "variant": variant,
+           "params": {"particles": k, "alpha": a, "alpha_stderr": fit.alpha_stderr},
+           "tail_nats": float(level), "tail_stderr_nats": float(level_se), "tail_ppl": exp_or_inf(float(level)),
+           "tail_ppl_stderr": exp_or_inf(float(level)) * float(level_se), "tail_diff_nats": float(diff),
+           "tail_diff_stderr_nats": float(diff_se), "tail_nats_per_generation": tail.tolist(),
+           "curve_kind": "surprisal", "curve_nats": [float(x) for x in curve],
+           "stderr_nats": [float(x) for x in curve_se],
+           "test_ce_nats": float(ce.mean()), "test_ce_diff_nats": ce_diff[0], "test_ce_diff_stderr_nats": ce_diff[1],
+           "test_ce_bias_nats": bias, "test_ce_prefixes": int(y.numel()),
+           "fit": {"ce_nats": fit.ce, "entropy_rate_nats": fit.entropy_rate,
+                   "ce_minus_entropy_rate_nats": fit.ce_minus_entropy_rate,
+                   "ce_minus_entropy_rate_stderr_nats": fit.ce_minus_entropy_rate_stderr,
+                   "ce_base_nats": fit.ce_base, "moment_gap": fit.moment_gap, "slope": fit.slope,
+                   "runs": fit.evaluations, "settled": fit.settled,
+                   "ess_per_particle": fit.mean_ess, "seconds": fit_s},
+           "ess_per_particle": float((r.ess / k).mean()), "ess_by_step": (r.ess / k).mean(0).tolist(),
+           "log_z_mean": float(r.log_z.mean()), "resamplings_per_generation": float(r.resamplings.double().mean()),
+           "ms_per_token": ms, "cost_ratio": ms / s.plain_ms, "generations": int(s.prefixes.size(0)),
+           "seconds": time.perf_counter() - t0, "tail_seconds": tail_s}
+    log.info(f"{variant} SMC, {k} particles: alpha* {a:.4f} +- {fit.alpha_stderr:.4f} ({fit.evaluations} runs), last "
+             f"tenth {row['tail_ppl']:.1f} +- {row['tail_ppl_stderr']:.1f}, ESS {row['ess_per_particle']:.2f} x K, "
+             f"{ms:.3f} ms a word, {row['seconds']:.0f} s")
+    return row
+
+
+def _ms(lm, s: StudySetup, alpha: float, k: int, twist) -> float:
+    """ms per returned word on the timing protocol (the plain model's timing runs the same generations)."""
+    p = s.timing_prefixes.repeat_interleave(s.samples_per_prefix, 0)
+    r = smc_generate(lm, p, alpha, s.timing_horizon, particles=k, seed=s.seed, twist=twist, max_batch=s.max_batch)
+    return 1000.0 * r.seconds / r.tokens.numel()
+
+
+def mark_convergence(rows: list[dict]) -> None:
+    """Sets each SMC row's "converged" (True, False, or None where no row of twice or half its particles exists)
+    and "converged_against" (that count): K agrees with 2K (else, for the largest K, with K / 2) when both the paired
+    last tenth and α* differ by at most Z standard errors."""
+    for variant in ("untwisted", "twisted"):
+        by_k = {r["params"]["particles"]: r for r in rows if r.get("variant") == variant}
+        for k, r in by_k.items():
+            other = by_k.get(2 * k) or (by_k.get(k // 2) if k % 2 == 0 else None)
+            r["converged"], r["converged_against"] = None, None
+            if other is None:
+                continue
+            d, d_se = clustered_mean(np.asarray(r["tail_nats_per_generation"])
+                                     - np.asarray(other["tail_nats_per_generation"]))
+            pa, pb = r["params"], other["params"]
+            da, da_se = pa["alpha"] - pb["alpha"], math.hypot(pa["alpha_stderr"], pb["alpha_stderr"])
+            r["converged"] = bool(abs(d) <= Z * d_se and abs(da) <= Z * da_se and r["fit"]["settled"]
+                                  and other["fit"]["settled"])  # and both fits found their own root
+            r["converged_against"] = other["params"]["particles"]
+            r["tail_against_nats"], r["tail_against_stderr_nats"] = float(d), float(d_se)
+
+
+def label(r: dict) -> str:
+    """A study row's name: Algorithm 1 only where it converged."""
+    k, tw = r["params"]["particles"], "twisted SMC" if r.get("variant") == "twisted" else "SMC"
+    if r.get("converged"):
+        return f"Algorithm 1 ({tw}, {k} particles)"
+    if r.get("converged") is False:
+        return f"{tw}, {k} particles, not converged"
+    return f"{tw}, {k} particles, convergence not tested"
+
+
+def study_table(rows: list[dict]) -> str:
+    """The convergence table: particles x twisted/untwisted."""
+    lines = ["| sampler | particles | α* | exp H, last tenth | vs 2K (or K/2), nats | ESS / K | mean log Ẑ | fit: CE − "
+             "EntRate | test CE (log Ẑ bias) | ms / word | × model | converged |", "|" + "---|" * 12]
+    for r in sorted(rows, key=lambda r: (r.get("variant") != "twisted", r["params"]["particles"])):
+        p, f = r["params"], r["fit"]
+        against = ("–" if r.get("converged_against") is None else
+                   f"{r['tail_against_nats']:+.3f} ± {r['tail_against_stderr_nats']:.3f} ({r['converged_against']})")
+        conv = {True: "yes", False: "**no**", None: "not tested"}[r.get("converged")]
+        lines.append(
+            f"| {'twisted' if r.get('variant') == 'twisted' else 'untwisted'} | {p['particles']} | {p['alpha']:.4f} ± "
+            f"{p['alpha_stderr']:.4f} | {r['tail_ppl']:.1f} ± {r['tail_ppl_stderr']:.1f} | {against} | "
+            f"{r['ess_per_particle']:.2f} | {r['log_z_mean']:.2f} | {f['ce_minus_entropy_rate_nats']:+.2e} ± "
+            f"{f['ce_minus_entropy_rate_stderr_nats']:.1e}{'' if f['settled'] else ' (no root: not settled)'} | "
+            f"{r['test_ce_nats']:.4f} ({r['test_ce_bias_nats']:+.4f}) | "
+            f"{r['ms_per_token']:.3f} | {r['cost_ratio']:.2f} | {conv} |")
+    return "\n".join(lines) + "\n"
+
+
+def converged_summary(rows: list[dict]) -> str:
+    """Which count converged, per sampler, and what it cost: one sentence."""
+    parts = []
+    for variant, name in (("twisted", "Twisted SMC"), ("untwisted", "Untwisted SMC")):
+        vs = sorted((r for r in rows if r.get("variant") == variant), key=lambda r: r["params"]["particles"])
+        if not vs:
+            continue
+        ok = [r for r in vs if r.get("converged")]
+        counts = ", ".join(str(r["params"]["particles"]) for r in vs)
+        if ok:
+            r = ok[0]
+            parts.append(f"{name} converged at {r['params']['particles']} particles (agreeing with "
+                         f"{r['converged_against']} at {Z:g} standard errors), at {r['ms_per_token']:.3f} ms a word, "
+                         f"{r['cost_ratio']:.2f} × plain sampling.")
+        else:
+            parts.append(f"{name} did not converge at any count run ({counts}): no K agrees with 2K at {Z:g} "
+                         "standard errors, so none of its rows is reported as Algorithm 1.")
+    return " ".join(parts)
