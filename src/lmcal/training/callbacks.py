@@ -152,7 +152,7 @@ def progress_bar():
             # the training values as LMModule read them every log_every_n_steps: host floats, so a refresh of the
             # bar never waits for the device
             bar = dict(getattr(module, "bar_metrics", {}))
-            tps = bar.pop("tokens/s", None)
+            tps = bar.pop("tokens/s", items.pop("train/tokens_per_s", None))  # a module that logs it to the bar
             return {**({"tokens/s": f"{tps:,.0f}"} if tps is not None else {}),
                     **{k: f"{v:.3f}" for k, v in bar.items()}, **items}
 
