@@ -55,8 +55,9 @@ gpu-wheels: ## fetch (needs a registry) the pure-Python wheels a bare GPU machin
 smoke: $(STAMP) ## a tiny training run (under a minute) that writes metrics.json
 	$(PY) -m lmcal.train experiment=smoke
 
+# (LMCAL_WATCH_PID: make's own process; the pipeline ends itself, its stages and lock, if make is killed)
 reproduce: $(STAMP) ## every result of the paper for PROFILE (auto: paper on a GPU, else cpu); resumable
-	$(PY) -m lmcal.reproduce profile=$(PROFILE) $(if $(filter 1 true yes,$(FORCE)),force=true) $(ARGS)
+	LMCAL_WATCH_PID=$$PPID $(PY) -m lmcal.reproduce profile=$(PROFILE) $(if $(filter 1 true yes,$(FORCE)),force=true) $(ARGS)
 
 docs: $(STAMP) ## regenerate docs/RESULTS.md from docs/runs/ and docs/bench/ (RUNS='outputs/reproduce/cpu' snapshots first)
 	$(PY) -m lmcal.docs $(if $(RUNS),--snapshot $(RUNS))

@@ -2,6 +2,7 @@
 Markdown table of the exit code and the first line of lmcal's message (docs/bad_inputs.md is its output).
 
     python bench/bad_inputs.py [--reproduction DIR]     # DIR: a finished `make reproduce PROFILE=smoke out=DIR`
+    python bench/bad_inputs.py --only-41 --good RUN     # issue 41's probes alone (bench/bad_inputs_41.py)
 
 Needs the real PTB files ($LMCAL_DATA_ROOT, or data/ in the project), and transformers for the Hugging Face rows.
 """
@@ -14,6 +15,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -27,16 +29,38 @@ class _Payload:
         return (os.system, (f"touch {self.marker}",))
 
 
-def run(args: list[str], cwd: Path, env: dict | None = None) -> tuple[int, str, str]:
+def run(args: list[str], cwd: Path, env: dict | None = None, timeout: float = 900) -> tuple[int, str, str]:
+    r = _run(args, cwd, env, timeout)
+    return r["rc"], r["first"], r["tb"]
+
+
+def _run(args: list[str], cwd: Path, env: dict | None = None, timeout: float = 900) -> dict:
+    """The entry point `python -m <args>`: its exit code, first line (lmcal's paragraph, else stderr's last line),
+    whether it printed a traceback, and its wall seconds. `env` values None remove that variable."""
     env = {**os.environ, "WANDB_MODE": "offline", "PYTHONWARNINGS": "ignore", **(env or {})}
-    r = subprocess.run([sys.executable, "-m", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=900,
-                       stdin=subprocess.DEVNULL)
-    lines = [line for line in r.stderr.splitlines() if line.startswith("lmcal: error:")]
-    first = lines[0] if lines else (r.stderr.strip().splitlines() or [""])[-1]
-    if r.stderr.startswith("\n"):
+    env = {k: v for k, v in env.items() if v is not None}
+    t0 = time.perf_counter()
+    r = subprocess.run([sys.executable, "-m", *args], cwd=cwd, env=env, capture_output=True, text=True,
+                       timeout=timeout, stdin=subprocess.DEVNULL)
+    return {**_summary(r.returncode, r.stderr), "seconds": time.perf_counter() - t0, "stdout": r.stdout}
+
+
+def _summary(rc: int, stderr: str) -> dict:
+    lines = [line for line in stderr.splitlines() if line.startswith("lmcal: error:")]
+    first = lines[0] if lines else (stderr.strip().splitlines() or [""])[-1]
+    if stderr.startswith("\n"):
         first = "(a blank line, then) " + first
-    traceback = "yes" if "Traceback" in r.stderr else "no"
-    return r.returncode, first, traceback
+    return {"rc": rc, "first": first, "tb": "yes" if "Traceback" in stderr else "no", "stderr": stderr}
+
+
+def left_in(folder: Path, before: set | None = None) -> str:
+    """What a run left in `folder` (or, given `before`, what it added there): its entries, one level deep."""
+    if not folder.exists():
+        return "nothing (no folder)"
+    names = sorted(str(p.relative_to(folder)) + ("/" if p.is_dir() else "") for p in folder.iterdir())
+    if before is not None:
+        names = [n for n in names if n.rstrip("/") not in before]
+    return ", ".join(names[:8]) + (" ..." if len(names) > 8 else "") if names else "nothing"
 
 
 def main() -> None:
@@ -44,16 +68,28 @@ def main() -> None:
     ap.add_argument("--reproduction", type=Path, help="a finished smoke reproduction, for the changed-settings row")
     ap.add_argument("--width", type=int, default=160, help="characters of each message shown")
     ap.add_argument("--only-new", action="store_true", help="only issue 29's probes (hostile_cases)")
+    ap.add_argument("--only-41", action="store_true", help="only issue 41's probes (lmcal_41.cases)")
+    ap.add_argument("--probes", help="with --only-41: only the probes whose label holds one of these words "
+                                     "(comma-separated)")
+    ap.add_argument("--good", type=Path, help="a finished `python -m lmcal.train experiment=smoke` run folder on "
+                                              "PTB, instead of training one first")
     ap.add_argument("--unguarded", action="store_true",
                     help="the lmcal under test may lack issue 29's checks: skip the probes that would then write into "
                          "/ or the sources, or run for hours (out=/, out=src/lmcal, horizon=10^7)")
     a = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="lmcal-bad-"))
     train = ["lmcal.train", "experiment=smoke", "logger=wandb", "trainer.enable_progress_bar=false"]
-    good = tmp / "good"
-    rc, first, _ = run([*train, "logger=none", "trainer.max_epochs=1", f"hydra.run.dir={good}"], tmp)
-    assert rc == 0, first
+    good = a.good or tmp / "good"
+    if not a.good:
+        rc, first, _ = run([*train, "logger=none", "trainer.max_epochs=1", f"hydra.run.dir={good}"], tmp)
+        assert rc == 0, first
     ckpt = good / "checkpoints" / "best.ckpt"
+    rows = []
+    if a.only_41:
+        run_41(tmp, ckpt, a, rows)
+        table(rows, a.width)
+        print(json.dumps({"tmp": str(tmp)}), file=sys.stderr)
+        return
     files = {"crafted": tmp / "crafted.ckpt", "truncated": tmp / "truncated.ckpt", "random": tmp / "random.ckpt",
              "empty": tmp / "empty.ckpt"}
     torch.save({"hyper_parameters": _Payload(tmp / "PWNED"), "state_dict": {}}, files["crafted"])
@@ -78,15 +114,14 @@ def main() -> None:
     cases = [(label, args, {}) for label, args in cases if not a.only_new] + hostile_cases(tmp, ckpt)
     if a.unguarded:
         cases = [c for c in cases if not any(x in c[0] for x in ("out=/`", "out=src/lmcal", "horizon=10^7"))]
-    rows = []
     for label, args, env in cases:
         out = tmp / f"run{len(rows)}"
         extra = [f"hydra.run.dir={out}"] if args[0] not in ("lmcal.reproduce", "lmcal.report") and not any(
             "hydra.run.dir" in x for x in args) else []
-        rc, first, tb = run(args + extra, tmp, env)
+        r = _run(args + extra, tmp, env)
         wandb = "yes" if out.is_dir() and any(out.rglob("wandb")) else "no"
-        rows.append((label, rc, tb, wandb, first[: a.width]))
-        print(f"{label}: exit {rc}", file=sys.stderr, flush=True)
+        rows.append((label, r["rc"], r["tb"], wandb, left_in(out) if extra else "", r["seconds"], r["first"]))
+        print(f"{label}: exit {r['rc']}", file=sys.stderr, flush=True)
     # the busy folder: a live lock held by this process
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
     from lmcal.utils.lock import run_lock
@@ -94,20 +129,41 @@ def main() -> None:
     busy = tmp / "busy"
     if not a.only_new:
         with run_lock(busy):
-            rc, first, tb = run([*train, f"hydra.run.dir={busy}"], tmp)
-        rows.append(("`train` into a folder another run holds", rc, tb, "no", first[: a.width]))
-        rows.append(("(the crafted checkpoint's payload ran)", "", "", "", "yes" if (tmp / "PWNED").exists() else "no"))
-    rows.append(("(the checkpoint settings' builtins.open truncated its file)", "", "", "",
+            r = _run([*train, f"hydra.run.dir={busy}"], tmp)
+        rows.append(("`train` into a folder another run holds", r["rc"], r["tb"], "no", left_in(busy),
+                     r["seconds"], r["first"]))
+        rows.append(("(the crafted checkpoint's payload ran)", "", "", "", "", "",
+                     "yes" if (tmp / "PWNED").exists() else "no"))
+    rows.append(("(the checkpoint settings' builtins.open truncated its file)", "", "", "", "", "",
                  "no" if (tmp / "victim.txt").read_text() == "precious" else "yes"))
-    rows.append(("(the Hugging Face folder's own Python ran)", "", "", "", "yes" if (tmp / "RAN").exists() else "no"))
+    rows.append(("(the Hugging Face folder's own Python ran)", "", "", "", "", "",
+                 "yes" if (tmp / "RAN").exists() else "no"))
     outside = [*tmp.rglob("x.md"), *tmp.rglob("x.png")]
-    rows.append(("(the report wrote outside --out)", "", "", "", "yes" if outside else "no"))
-    print("| input | exit | traceback | W&B run started | first line of the message |")
-    print("|---|---|---|---|---|")
-    for label, rc, tb, wandb, first in rows:
-        first = first.replace("|", r"\|")
-        print(f"| {label} | {rc} | {tb} | {wandb} | {first} |")
+    rows.append(("(the report wrote outside --out)", "", "", "", "", "", "yes" if outside else "no"))
+    if not a.only_new:
+        run_41(tmp, ckpt, a, rows)
+    table(rows, a.width)
     print(json.dumps({"tmp": str(tmp)}), file=sys.stderr)
+
+
+def run_41(tmp: Path, ckpt: Path, a, rows: list) -> None:
+    """Issue 41's probes (bench/bad_inputs_41.py), each a scenario of its own: a row each."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bad_inputs_41 import cases
+
+    for label, probe in cases(tmp, ckpt, a.reproduction, a.probes):
+        r = probe()
+        rows.append((label, r["rc"], r["tb"], r.get("wandb", "no"), r.get("left", ""), r["seconds"], r["first"]))
+        print(f"{label}: exit {r['rc']}", file=sys.stderr, flush=True)
+
+
+def table(rows: list, width: int) -> None:
+    print("| input | exit | traceback | W&B run started | left on disk | s | first line of the message |")
+    print("|---|---|---|---|---|---|---|")
+    for label, rc, tb, wandb, left, seconds, first in rows:
+        seconds = f"{seconds:.0f}" if isinstance(seconds, float) else seconds
+        cells = (label, rc, tb, wandb, left, seconds, str(first)[:width])
+        print("| " + " | ".join(str(x).replace("|", r"\|") for x in cells) + " |")
 
 
 def _hf_folder(folder: Path, tokenizer: bool = True) -> Path:

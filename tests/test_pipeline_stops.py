@@ -5,6 +5,7 @@ groups ended, the lock and temporary files removed, one line on how to resume, a
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from lmcal.pipeline.schedule import schedule
+from lmcal.pipeline.signals import gone
 from lmcal.utils.io import temp_path
 from lmcal.utils.lock import LOCK_NAME, sweep_temp_files
 
@@ -131,3 +133,118 @@ def test_sigterm_and_sighup_stop_the_pipeline_and_its_stages(sig, tmp_path):
     os.kill(again.pid, signal.SIGTERM)
     _, err = again.communicate(timeout=120)
     assert again.returncode == 128 + signal.SIGTERM and "in use by another" not in err, err[-3000:]
+
+
+# -- issue 41: records trusted only when whole; stops during training; a pipeline whose make is killed -----------------
+
+
+def _memory_plan(out: Path) -> list[dict]:
+    """One stage whose done file is a memory.json (whole: every key the report reads), then the report."""
+    from lmcal.pipeline.results import NEEDS
+
+    whole = {k: (5 if k == "tau" else "trained" if k == "limited" else 0.5) for k in NEEDS["memory.json"]}
+    a = out / "a"
+    return [{"name": "a", "dir": a, "done": [a / "memory.json"], "deps": [],
+             "cmd": [sys.executable, "-c", f"import pathlib, json; p = pathlib.Path({str(a)!r}); p.mkdir(exist_ok="
+                                           f"True); (p / 'memory.json').write_text(json.dumps({whole!r}))"]},
+            {"name": "report", "dir": out, "done": [out / "results.json"], "fn": _toy_plan(out)[1]["fn"],
+             "deps": ["a"]}]
+
+
+@pytest.mark.parametrize("damage", ["{}", '{"tau": "five"}'])
+def test_a_result_that_lacks_what_its_readers_need_means_not_done(damage, tmp_path, capsys):
+    for _ in range(2):
+        schedule(_memory_plan(tmp_path), None, tmp_path, {"a": {}, "report": {}}, 1, {})
+    assert "a: done before" in capsys.readouterr().out  # whole: skipped
+    res = tmp_path / "a" / "memory.json"
+    res.write_text(damage)
+    schedule(_memory_plan(tmp_path), None, tmp_path, {"a": {}, "report": {}}, 1, {})
+    r = capsys.readouterr()
+    assert f"warning: {res} is not whole" in r.err and ("lacks" in r.err or "tau is a str" in r.err)
+    assert "a: running" in r.out and json.loads(res.read_text())["tau"] == 5
+
+
+@pytest.mark.parametrize("record", [{"status": "done", "settings": [1, 2]}, {"settings": {}}, {"status": 3}])
+def test_a_stage_record_of_the_wrong_types_means_not_done(record, tmp_path, capsys):
+    _schedule(tmp_path, capsys)
+    rec = tmp_path / "stages" / "a.json"
+    rec.write_text(json.dumps(record))
+    r = _schedule(tmp_path, capsys)
+    assert f"warning: {rec} is not whole" in r.err and "a: running" in r.out
+
+
+def test_train_sweeps_the_temporary_files_of_dead_processes(tmp_path):
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    dead = _dead_pid()
+    half = run / "checkpoints" / f".best.ckpt.{dead}.0123abcd.tmp"
+    half.write_bytes(b"half a checkpoint")
+    (run / LOCK_NAME).write_text(json.dumps({"pid": dead, "host": socket.gethostname(), "what": "training"}))
+    r = subprocess.run([sys.executable, "-m", "lmcal.train", "experiment=smoke", "logger=none", *SYNTHETIC,
+                        "init_ckpt=/nonexistent_41.ckpt", f"hydra.run.dir={run}"], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=600, env={**os.environ, "WANDB_MODE": "disabled"})
+    assert r.returncode == 2 and "init_ckpt=/nonexistent_41.ckpt does not exist" in r.stderr, r.stderr[-2000:]
+    assert "taking over a stale lock" in r.stdout + r.stderr and "Removed 1 temporary file" in r.stdout + r.stderr
+    assert not half.exists() and not (run / LOCK_NAME).exists()
+
+
+SYNTHETIC = ["data.name=synthetic", "+data.corpus_kwargs={vocab_size: 60, n_train: 20000, n_valid: 3000, "
+                                    "n_test: 3000}"]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.slow)])
+def test_a_training_stopped_during_fit_ends_with_lmcals_line(sig, tmp_path):
+    run, err, log = tmp_path / "run", tmp_path / "err.txt", tmp_path / "out.txt"
+    with open(err, "w") as f, open(log, "w") as o:
+        p = subprocess.Popen([sys.executable, "-m", "lmcal.train", "experiment=smoke", "logger=none", *SYNTHETIC,
+                              "trainer.max_epochs=500", "trainer.enable_model_summary=true", "analysis.stages=[]",
+                              "trainer.enable_progress_bar=false", f"hydra.run.dir={run}"], cwd=tmp_path, stdout=o,
+                             stderr=f, env={**os.environ, "WANDB_MODE": "disabled"})
+        try:
+            deadline = time.time() + 600
+            while "Trainable params" not in log.read_text():  # Lightning's model summary: trainer.fit has started
+                assert time.time() < deadline and p.poll() is None, err.read_text()[-2000:]
+                time.sleep(0.2)
+            time.sleep(2)  # in trainer.fit's loop
+            p.send_signal(sig)
+            p.wait(timeout=120)
+        finally:
+            if p.poll() is None:
+                p.kill()
+    text, out = err.read_text(), log.read_text()
+    assert p.returncode == (143 if sig == signal.SIGTERM else 130), text[-2000:]
+    assert text.strip().splitlines()[-1] == (
+        "Stopped by SIGTERM: rerun the same command to resume from the last checkpoint." if sig == signal.SIGTERM
+        else "Interrupted: rerun the same command to resume from the last checkpoint.")
+    assert "Traceback" not in text
+    assert not any(s in text + out for s in ("Received SIGTERM", "Detected KeyboardInterrupt", "Bypassing SIGTERM"))
+    assert not (run / LOCK_NAME).exists() and not list(run.rglob("*.tmp"))
+
+
+@pytest.mark.slow
+def test_a_pipeline_whose_make_is_killed_ends_itself(tmp_path):
+    """kill -9 of the `make` (here: a stand-in parent that sets LMCAL_WATCH_PID as the Makefile does) under a
+    reproduction: the pipeline stops its stages and releases its lock, not running on as an orphan."""
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "lmcal.reproduce", "profile=smoke", f"out={out}", "logger=none",
+           "base=[experiment=smoke,data.name=synthetic,trainer.max_epochs=50]"]
+    parent = subprocess.Popen([sys.executable, "-c", "import os, subprocess, sys; subprocess.Popen(sys.argv[1:], "
+                               "env={**os.environ, 'LMCAL_WATCH_PID': str(os.getpid())}); import time; "
+                               "time.sleep(3600)", *cmd], cwd=tmp_path, env={**os.environ, "WANDB_MODE": "disabled"},
+                              start_new_session=True, stderr=subprocess.PIPE, text=True)
+    children = _stage_pids(out)
+    pipeline = json.loads((out / LOCK_NAME).read_text())["pid"]
+    parent.kill()
+    parent.wait()
+    deadline = time.time() + 120
+    while not gone(pipeline) and time.time() < deadline:
+        time.sleep(0.5)
+    assert gone(pipeline) and all(gone(pid) for pid in children)
+    assert not list(out.rglob(LOCK_NAME))
+    err = parent.stderr.read()
+    assert "make, process" in err and "Stopped by SIGTERM" in err, err[-2000:]
+
+
+def test_make_reproduce_tells_the_pipeline_to_watch_make():
+    recipe = Path(__file__).resolve().parents[1].joinpath("Makefile").read_text().split("\nreproduce:")[1]
+    assert "LMCAL_WATCH_PID=$$PPID" in recipe.split("\n\n")[0]

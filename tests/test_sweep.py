@@ -37,12 +37,21 @@ def test_sweep_over_tau_and_datasets_leaves_metrics_per_job(tmp_path):
 
 @pytest.mark.slow
 def test_a_failing_job_does_not_stop_the_sweep(tmp_path):
-    r = multirun(tmp_path, "data=markov", "model.memory_tau=0,3", "analysis.stages=[]")  # tau=0 is invalid
-    assert r.returncode == 1, r.stderr[-3000:]  # every job ran; the exit status says one failed
-    bad, good = (tmp_path / "sweep" / f"data=markov,experiment=smoke,model.memory_tau={t}" for t in (0, 3))
-    assert "memory_tau" in json.loads((bad / "failed.json").read_text())["error"]
+    r = multirun(tmp_path, "data=markov", "model.memory_tau=3", "optim.lr=1e30,30", "analysis.stages=[]")
+    assert r.returncode == 1, r.stderr[-3000:]  # every job ran; the exit status says one failed (lr=1e30 diverged)
+    # Hydra names the folder after the value as it prints it (1e+30 or 1e30, by version)
+    bad, good = (next((tmp_path / "sweep").glob(f"data=markov,experiment=smoke,model.memory_tau=3,optim.lr={lr}"))
+                 for lr in ("1e*30", "30"))
+    assert "diverged" in json.loads((bad / "failed.json").read_text())["error"]
     assert not (bad / "metrics.json").exists()
     assert json.loads((good / "metrics.json").read_text())["memory_tau"] == 3
+
+
+def test_a_job_out_of_range_refuses_the_sweep_before_it_starts(tmp_path):
+    r = multirun(tmp_path, "data=markov", "model.memory_tau=0,3", "analysis.stages=[]")  # tau=0 is invalid
+    assert r.returncode == 2 and "lmcal: error: Job 0 of the multirun (" in r.stderr, r.stderr[-3000:]
+    assert "Setting out of range: model.memory_tau=0" in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "sweep").exists()  # no job ran, no folder was made
 
 
 def test_launcher_and_sweep_presets_compose():
@@ -58,12 +67,14 @@ def test_launcher_and_sweep_presets_compose():
 @pytest.mark.slow  # ~40 s on 2 cores
 def test_a_tau_sweep_skips_the_presets_full_model_stages_and_ends_with_one_table(tmp_path):
     """experiment=smoke lists entropy_rate and calibration, which do not apply to tau-models: skipped with a note.
-    One invalid job (tau=0) fails; the multirun still runs the other, ends with one table of both, and exits 1.
+    One job fails as it runs (lr=1e30 diverges); the multirun still runs the other, ends with one table of both, and
+    exits 1.
     A path value (memory.base_runs) never becomes part of a job's folder name."""
     base = tmp_path / "some where" / "base"
     args = [sys.executable, "-m", "lmcal.train", "-m", "experiment=smoke", "data=markov", "logger=csv",
             "trainer.max_epochs=1", "data.corpus_kwargs.n_train=20000", "data.corpus_kwargs.n_valid=3000",
-            "data.corpus_kwargs.n_test=3000", "model.memory_tau=0,2", f"memory.base_runs={{markov: '{base}'}}",
+            "data.corpus_kwargs.n_test=3000", "model.memory_tau=2", "optim.lr=1e30,30",
+            f"memory.base_runs={{markov: '{base}'}}",
             f"hydra.sweep.dir={tmp_path / 'sweep'}"]
     env = {k: v for k, v in os.environ.items() if k not in ("WANDB_MODE", "LMCAL_DATA_ROOT")}
     r = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
@@ -71,14 +82,17 @@ def test_a_tau_sweep_skips_the_presets_full_model_stages_and_ends_with_one_table
     assert r.returncode == 1, out[-3000:]
     assert "Skipping stages entropy_rate, calibration: the preset lists them" in out
     jobs = sorted(p.name for p in (tmp_path / "sweep").iterdir() if p.is_dir())
-    assert len(jobs) == 2 and all(f"model.memory_tau={t}" in j for j, t in zip(jobs, (0, 2), strict=True))
+    assert len(jobs) == 2 and all(f"optim.lr={lr}" in j.replace("1e+30", "1e30")  # Hydra prints 1e+30 or 1e30
+                                  for j, lr in zip(jobs, ("1e30", "30"), strict=True))
     assert not any("base_runs" in j or "some where" in j for j in jobs)
     rows = json.loads((tmp_path / "sweep" / "runs.json").read_text())
     assert [r["status"].split(":")[0] for r in rows] == ["failed", "ok"]
-    assert "model.memory_tau=2" in rows[1]["overrides"] and rows[1]["test_ppl"] > 1 and rows[1]["val_ppl"] > 1
+    assert "optim.lr=30" in rows[1]["overrides"] and rows[1]["test_ppl"] > 1 and rows[1]["val_ppl"] > 1
     table = (tmp_path / "sweep" / "runs.md").read_text()
     assert table.splitlines()[2] == "| run | val ppl | test ppl | status | folder |" and len(table.splitlines()) == 6
-    assert "| model.memory_tau=2 |" in table and table.splitlines()[0].startswith("All runs: experiment=smoke")
+    # what the jobs share is said once, above the table; each row names what differs
+    assert "| optim.lr=30 |" in table and table.splitlines()[0].startswith("All runs: experiment=smoke")
+    assert "model.memory_tau=2" in table.splitlines()[0]
     assert table in r.stdout and "1 of 2 jobs ok" in r.stdout and "1 of 2 jobs failed" in r.stdout
 
 

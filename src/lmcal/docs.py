@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from lmcal.pipeline.docs import DOCS, render, snapshot
+from lmcal.pipeline.docs import DOCS, check_snapshot, render, snapshot
 from lmcal.utils.boundary import boundary
 from lmcal.utils.io import write_text_atomic
 
@@ -27,6 +27,8 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     docs = Path(args.docs)
     with boundary():
+        for run in args.snapshot:  # every snapshot checked before any is copied
+            check_snapshot(Path(run))
         for run in args.snapshot:
             print(f"snapshot {run} -> {snapshot(run, docs)}")
         write_text_atomic(docs / "RESULTS.md", render(docs))

@@ -20,11 +20,11 @@ from lmcal.core.lookahead import set_memory_budget
 from lmcal.errors import LmcalError
 from lmcal.stages.registry import run_stages
 from lmcal.stages.targets import checkpoint_target, hf_target, stage_settings
-from lmcal.stages.wandb_run import finish_run, wandb_run
+from lmcal.stages.wandb_run import check_online, finish_run, wandb_run
 from lmcal.utils.boundary import boundary, run_hydra
 from lmcal.utils.device import apply_precision_policy, resolve_device
 from lmcal.utils.io import write_json_atomic
-from lmcal.utils.lock import run_lock
+from lmcal.utils.lock import run_lock, sweep_temp_files
 from lmcal.utils.quiet import quiet_third_party
 from lmcal.utils.settings import CONF_DIR  # noqa: F401  (it registers the configs' lmcal_root resolver)
 from lmcal.utils.validate import check_config
@@ -33,29 +33,41 @@ log = logging.getLogger("lmcal")
 quiet_third_party()  # once per process
 
 
-def evaluate(cfg: DictConfig) -> dict:
-    """Runs the stages on the checkpoint or Hugging Face model, writes evaluation.json. Settings are checked first,
-    then the run folder is locked for this process."""
+def check_settings(cfg: DictConfig) -> dict[str, dict]:
+    """Every check the settings alone allow (no model or file is read): ranges and sizes, the device, what to analyse,
+    the stages and their settings, W&B's mode; returns the stages' settings. `python -m lmcal.evaluate` runs it
+    before Hydra writes anything (lmcal.utils.precheck), evaluate() again."""
     check_config(cfg)
-    with open_dict(cfg):  # the one device every model of the run goes to (not one of the recorded settings)
-        cfg.device = resolve_device(cfg.get("device"))
-    apply_precision_policy()  # TF32 off, set explicitly (lmcal.utils.device)
-    out = Path(cfg.paths.output_dir)
-    with run_lock(out, "evaluation"):
-        return _evaluate(cfg, out)
-
-
-def _evaluate(cfg: DictConfig, out: Path) -> dict:
-    settings = stage_settings(cfg)  # before any model is loaded
-    set_memory_budget(cfg.analysis.get("memory_budget_gb"))  # the lookahead's chunks (lmcal.core.lookahead)
+    resolve_device(cfg.get("device"))
     hf = cfg.get("model") is not None
-    has_ckpt = not OmegaConf.is_missing(cfg, "ckpt") and cfg.ckpt is not None
+    has_ckpt = "ckpt" in cfg and not OmegaConf.is_missing(cfg, "ckpt") and cfg.ckpt is not None
     if hf and has_ckpt:
         raise LmcalError("Give either ckpt= (a trained LSTM) or model=hf model.name_or_path= (a Hugging Face "
                          "model), not both.")
     if not hf and not has_ckpt:
         raise LmcalError("Say what to analyse: ckpt=PATH (a checkpoint of python -m lmcal.train) or model=hf "
                          "model.name_or_path=FOLDER (a Hugging Face causal LM).")
+    settings = stage_settings(cfg)
+    check_online(OmegaConf.to_container(cfg.logger, resolve=True) if cfg.get("logger") else None)
+    return settings
+
+
+def evaluate(cfg: DictConfig) -> dict:
+    """Runs the stages on the checkpoint or Hugging Face model, writes evaluation.json. Settings are checked first,
+    then the run folder is locked for this process."""
+    settings = check_settings(cfg)
+    with open_dict(cfg):  # the one device every model of the run goes to (not one of the recorded settings)
+        cfg.device = resolve_device(cfg.get("device"))
+    apply_precision_policy()  # TF32 off, set explicitly (lmcal.utils.device)
+    out = Path(cfg.paths.output_dir)
+    with run_lock(out, "evaluation"):
+        sweep_temp_files(out)  # what a killed run of this folder left half written
+        return _evaluate(cfg, out, settings)
+
+
+def _evaluate(cfg: DictConfig, out: Path, settings: dict[str, dict]) -> dict:
+    set_memory_budget(cfg.analysis.get("memory_budget_gb"))  # the lookahead's chunks (lmcal.core.lookahead)
+    hf = cfg.get("model") is not None
     target = hf_target(cfg, settings) if hf else checkpoint_target(cfg, settings)
     results = target["results"]
     results["device"] = str(cfg.device)

@@ -19,13 +19,16 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 from pathlib import Path
 
 from lmcal.errors import LmcalError
 from lmcal.pipeline.runs_table import runs_report
 from lmcal.pipeline.tabulate import collect_memory, decoders_report, memory_report
+from lmcal.stages.wandb_run import check_online
 from lmcal.utils.boundary import boundary
 from lmcal.utils.io import write_json_atomic
+from lmcal.utils.lock import live_holder, run_lock
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -44,13 +47,26 @@ def main(argv: list[str] | None = None) -> None:
                 raise LmcalError(f"{d} is not a folder; pass the sweep (or run) folders that hold memory.json or "
                                  "decoders.json files.")
         out = Path(args.out or args.dirs[0])
-        runs = runs_report(args.dirs, out)
-        decoders = decoders_report(args.dirs, out)
-        if decoders:
-            write_json_atomic(out / "decoders_report.json", decoders)
-        if (decoders or runs) and not collect_memory(args.dirs):
-            return  # training runs or a decoder sweep: nothing else to aggregate
-        memory_report(args.dirs, args.out, args.wandb, args.project, args.group)
+        if held := live_holder(out):
+            lock, h = held
+            raise LmcalError(f"{out} is held by a live lmcal {h.get('what', 'run')} (process {h.get('pid')} on "
+                             f"{h.get('host')}, started {h.get('started', '?')}: {lock}): the tables would be written "
+                             "among files that run is still writing, from results it has not finished. Nothing was "
+                             "written. Wait for it to end, or write the tables elsewhere with --out DIR.")
+        for d in args.dirs:
+            if d != str(out) and (held := live_holder(d)):
+                print(f"warning: {d} is held by a live lmcal {held[1].get('what', 'run')} ({held[0]}): its results "
+                      "may not all be there yet, so the tables may be partial.", file=sys.stderr, flush=True)
+        if args.wandb == "online":
+            check_online({"_target_": "WandbLogger", "offline": False}, "--wandb online")
+        with run_lock(out, "report", advice="--out DIR"):  # (no run starts in it while the tables are written)
+            runs = runs_report(args.dirs, out)
+            decoders = decoders_report(args.dirs, out)
+            if decoders:
+                write_json_atomic(out / "decoders_report.json", decoders)
+            if (decoders or runs) and not collect_memory(args.dirs):
+                return  # training runs or a decoder sweep: nothing else to aggregate
+            memory_report(args.dirs, args.out, args.wandb, args.project, args.group)
 
 
 if __name__ == "__main__":

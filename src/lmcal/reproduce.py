@@ -25,12 +25,14 @@ that was killed resumes from its last checkpoint; the seeds make the results the
 
 from __future__ import annotations
 
+import os
 import sys
 
 from lmcal.pipeline.check import check
 from lmcal.pipeline.plan import load_profile
 from lmcal.pipeline.reproduce import reproduce
 from lmcal.pipeline.schedule import clock, progress_line, reference_seconds, schedule  # noqa: F401  (clock, progress_line: public)
+from lmcal.pipeline.signals import watch_parent
 from lmcal.utils.boundary import Stopped, boundary, stop_on_signals
 
 
@@ -41,6 +43,9 @@ def main(argv: list[str] | None = None) -> None:
         return
     try:
         with boundary(), stop_on_signals():
+            watched = os.environ.get("LMCAL_WATCH_PID", "")
+            if watched.isdigit():  # started by `make reproduce`: end with make, not run on as an orphan
+                watch_parent(int(watched))
             cfg = load_profile(argv)
             if cfg.get("check"):  # the plan check alone: composes and sizes every stage, runs nothing
                 print(check(cfg), flush=True)

@@ -25,13 +25,14 @@ from lmcal.errors import LmcalError
 from lmcal.models.checkpoint import base_checkpoint, load_base_net, load_net, model_name, read_checkpoint
 from lmcal.stages.registry import STAGES, check_plan, check_stages, stage_kinds, summary
 from lmcal.stages.stage import KINDS
-from lmcal.stages.wandb_run import init_args, open_run
+from lmcal.stages.wandb_run import check_online, init_args, open_run
 from lmcal.training.callbacks import EpochEntropyRateCallback, MetricsCallback, StagesCallback, progress_bar
 from lmcal.training.module import LMModule
 from lmcal.utils.boundary import explain, fail, run_hydra
+from lmcal.utils.budget import tau_too_long
 from lmcal.utils.device import apply_precision_policy, cuda_missing
 from lmcal.utils.io import atomic_path, write_json_atomic
-from lmcal.utils.lock import run_lock
+from lmcal.utils.lock import run_lock, sweep_temp_files
 from lmcal.utils.quiet import quiet_third_party
 from lmcal.utils.settings import CONF_DIR  # noqa: F401  (the tests' and benches' import)
 from lmcal.utils.validate import check_config
@@ -189,29 +190,55 @@ def check_accelerator(cfg: DictConfig) -> None:
                          "GPU where there is one, else the CPU) or cpu.")
 
 
-def train(cfg: DictConfig) -> dict:
-    """Fit (or resume), evaluate the best checkpoint on valid and test, write metrics.json. Settings are checked
-    first (one device only), then the run folder is locked for this process."""
+def check_settings(cfg: DictConfig) -> None:
+    """Every check the settings alone allow (no file is read): ranges and sizes, a network this command trains, one
+    device, the accelerator, W&B's mode. `python -m lmcal.train` runs it before Hydra writes anything
+    (lmcal.utils.precheck), train() again."""
     check_config(cfg)
-    check_one_device(cfg)
-    check_accelerator(cfg)
-    apply_precision_policy()  # TF32 off, set explicitly (lmcal.utils.device)
-    out = Path(cfg.paths.output_dir)
-    with run_lock(out, "training"):
-        return _train(cfg, out)
-
-
-def _train(cfg: DictConfig, out: Path) -> dict:
-    t_start = time.perf_counter()
-    if not str(cfg.model.get("_target_") or "").endswith(TRAINABLE):
+    if not str((cfg.get("model") or {}).get("_target_") or "").endswith(TRAINABLE):
         raise LmcalError("python -m lmcal.train trains AWD-LSTMs (model=awd_lstm or awd_lstm_small) and transformers "
                          "(model=transformer_small or transformer); a Hugging Face model (model=hf) is analysed as "
                          "it is: python -m lmcal.evaluate model=hf model.name_or_path=FOLDER "
                          "stages=[entropy_rate,calibration,decoders].")
+    check_one_device(cfg)
+    check_accelerator(cfg)
+    check_online(OmegaConf.to_container(cfg.logger, resolve=True) if cfg.get("logger") else None)
+
+
+def train(cfg: DictConfig) -> dict:
+    """Fit (or resume), evaluate the best checkpoint on valid and test, write metrics.json. Settings are checked
+    first (one device only), then the run folder is locked for this process, and the temporary files that killed
+    runs left there are swept."""
+    check_settings(cfg)
+    apply_precision_policy()  # TF32 off, set explicitly (lmcal.utils.device)
+    out = Path(cfg.paths.output_dir)
+    with run_lock(out, "training"):
+        sweep_temp_files(out)  # (a checkpoint half written when a run was killed: it holds the lock now)
+        return _train(cfg, out)
+
+
+def fit(trainer: pl.Trainer, module, dm, resume: str | None) -> None:
+    """trainer.fit, stopped as the rest of lmcal stops: Lightning turns Ctrl-C and SIGTERM (our handler's Stopped,
+    lmcal.utils.boundary) into its own message and sys.exit(1); the stop is raised again instead, so that the entry
+    point ends with its one line and 130 or 128 + the signal."""
+    try:
+        trainer.fit(module, datamodule=dm, ckpt_path=resume)
+    except SystemExit as e:
+        if isinstance(e.__context__, KeyboardInterrupt):
+            raise e.__context__ from None
+        raise
+
+
+def _train(cfg: DictConfig, out: Path) -> dict:
+    t_start = time.perf_counter()
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
 
     dm = instantiate(cfg.data)
     dm.prepare()  # fail early, with the data's own message, before any logger starts
+    tau, n_train = cfg.model.get("memory_tau"), len(dm.tokens("train"))
+    if tau and tau >= n_train:
+        raise LmcalError(tau_too_long("model.memory_tau", int(tau), n_train, "training") + " Lower it, or train on "
+                         "more text (data.max_train_tokens).")
     net_cfg = OmegaConf.to_container(cfg.model, resolve=True)
     module = LMModule(net=net_cfg, vocab_size=dm.vocab_size, bptt=cfg.data.bptt,
                       data_cfg=OmegaConf.to_container(cfg.data, resolve=True),
@@ -255,7 +282,7 @@ def _train(cfg: DictConfig, out: Path) -> dict:
             logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
         trainer: pl.Trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=logger, default_root_dir=str(out),
                                           plugins=[AtomicCheckpointIO()])
-        trainer.fit(module, datamodule=dm, ckpt_path=resume)
+        fit(trainer, module, dm, resume)
         metrics = metrics_cb.metrics
         if metrics is None:
             raise LmcalError(f"Training stopped before it could be scored; see {out / 'train.log'}.")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import os
 import pickle
 import re
 from pathlib import Path
@@ -33,17 +34,49 @@ def model_name(model_cfg) -> str:
     return str(model_cfg.get("_target_"))
 
 
+# what a checkpoint's data settings may hold: CorpusData's keys, less where the files are (root, download), which
+# come from this run's settings, never from the machine that trained it
+DATA_KEYS = frozenset(inspect.signature(CorpusData).parameters) - {"root", "download"}
+
+
+def default_data_root() -> str:
+    """Where this run reads corpora when no data_root is given: $LMCAL_DATA_ROOT, else the project's data/ (the
+    configs' data.root)."""
+    from lmcal.utils.settings import PROJECT_ROOT
+
+    return os.environ.get("LMCAL_DATA_ROOT") or str(PROJECT_ROOT / "data")
+
+
 def checkpoint_data(ckpt: dict, data_root: str | None = None, path: str | Path = "the checkpoint") -> CorpusData:
-    """The corpus a checkpoint was trained on, with the settings training used (`data_root`: where to read it from
-    instead)."""
-    data_cfg = dict(ckpt["hyper_parameters"].get("data_cfg") or {})
-    if not data_cfg:  # checkpoints from before lmcal recorded their corpus: PTB with its default settings
+    """The corpus a checkpoint was trained on, with the batch settings training used, read from this run's data root
+    (`data_root`, else default_data_root()) and downloaded only where this project's config of that corpus says so:
+    a checkpoint's own `root` and `download` (another machine's) are never used. Data settings with keys CorpusData
+    does not take, or values that are not plain, are refused, naming them."""
+    data_cfg = ckpt["hyper_parameters"].get("data_cfg")
+    if data_cfg is None:  # checkpoints from before lmcal recorded their corpus: PTB with its default settings
         log.warning(f"{path} does not record its corpus; assuming data=ptb with the default batch settings.")
         data_cfg = {"name": "ptb"}
-    data_cfg.pop("_target_", None)
-    if data_root:
-        data_cfg["root"] = data_root
-    return CorpusData(**data_cfg)
+    data_cfg = {k: v for k, v in data_cfg.items() if k not in ("_target_", "root", "download")}
+    unknown = sorted(k for k in data_cfg if k not in DATA_KEYS)
+    bad = [f"{k}={v!r}" for k, v in data_cfg.items() if k in DATA_KEYS and not (
+        _plain(v) or (k == "corpus_kwargs" and isinstance(v, dict) and all(map(_plain, v.values()))))]
+    if unknown or bad or not isinstance(data_cfg.get("name", "ptb"), str):
+        what = "; ".join([*([f"unknown keys {', '.join(unknown)}"] if unknown else []), *bad]) or "a name not text"
+        raise LmcalError(f"{path} records data settings lmcal does not read: {what[:300]} (the data settings take "
+                         f"{', '.join(sorted(DATA_KEYS))}). The file was edited or comes from another program; it was "
+                         "not loaded. Use a checkpoint written by python -m lmcal.train.")
+    name = data_cfg.get("name", "ptb")
+    return CorpusData(**data_cfg, root=data_root or default_data_root(), download=_downloads(name))
+
+
+def _downloads(name: str) -> bool:
+    """Whether this project's config of corpus `name` (conf/data/<name>.yaml) fetches missing files."""
+    from lmcal.utils.settings import CONF_DIR
+
+    conf = CONF_DIR / "data" / f"{name}.yaml"
+    if not re.fullmatch(r"[a-z0-9_]+", name) or not conf.is_file():
+        return False
+    return re.search(r"^download:\s*true\b", conf.read_text(), re.M) is not None
 
 
 def read_checkpoint(path: str | Path, map_location="cpu") -> dict:
@@ -71,6 +104,19 @@ def read_checkpoint(path: str | Path, map_location="cpu") -> dict:
         raise LmcalError(f"{path} is a PyTorch file but not a checkpoint of python -m lmcal.train (it lacks the "
                          "network's settings or weights). Pass the best.ckpt or last.ckpt in a training run's "
                          "checkpoints/ folder; a Hugging Face model is analysed with model=hf model.name_or_path=.")
+    v, wrong = hp["vocab_size"], []
+    if not isinstance(hp["net"], dict):
+        wrong.append(f"its network settings are a {type(hp['net']).__name__}, not a mapping")
+    if not isinstance(v, int) or isinstance(v, bool) or v < 2:
+        wrong.append(f"its vocab_size is {v!r}, not a count of words")
+    if not isinstance(hp.get("data_cfg") or {}, dict):
+        wrong.append(f"its data settings are a {type(hp['data_cfg']).__name__}, not a mapping")
+    if not isinstance(ckpt["state_dict"], dict):
+        wrong.append("its weights are not a mapping of names to tensors")
+    if wrong:
+        raise LmcalError(f"{path} is not a checkpoint lmcal can read: {'; '.join(wrong)}. The file was edited or "
+                         "comes from another program; it was not loaded. Use a checkpoint written by python -m "
+                         "lmcal.train.")
     return ckpt
 
 
@@ -114,6 +160,13 @@ def build_net(net_cfg: dict, vocab_size: int, source: str | Path = "the checkpoi
         raise LmcalError(f"{source} gives its network {cls.__name__} settings it does not take as plain values "
                          f"({'; '.join(bad)[:300]}): only numbers, booleans, plain strings and null are read from a "
                          "checkpoint, so it was not loaded. Use a checkpoint written by python -m lmcal.train.")
+    from omegaconf import OmegaConf
+
+    from lmcal.utils.validate import problems  # the ranges of the model's settings, as the command line's
+
+    if out_of_range := problems(OmegaConf.create({"model": kwargs})):
+        raise LmcalError(f"{source} gives its network settings out of range: {'; '.join(out_of_range)[:400]}. The "
+                         "file was edited or is damaged; it was not loaded.")
     return cls(vocab_size=int(vocab_size), **kwargs)
 
 
@@ -128,11 +181,18 @@ def load_net(ckpt_path: str | Path, map_location="cpu"):
     ckpt = read_checkpoint(ckpt_path, map_location)
     hp = ckpt["hyper_parameters"]
     net = build_net(hp["net"], hp["vocab_size"], ckpt_path)
+    weights = {k[len("net."):]: v for k, v in ckpt["state_dict"].items() if k.startswith("net.")}
     try:
-        net.load_state_dict({k[len("net."):]: v for k, v in ckpt["state_dict"].items() if k.startswith("net.")})
+        net.load_state_dict(weights)
     except RuntimeError as e:
         raise LmcalError(f"{ckpt_path}: its weights do not fit the network its settings describe "
                          f"({str(e).splitlines()[0]}); the file is damaged or was edited.") from None
+    nonfinite = [k for k, w in weights.items() if w.is_floating_point() and not torch.isfinite(w).all()]
+    if nonfinite:
+        raise LmcalError(f"{ckpt_path}: {len(nonfinite)} of its weight tensors hold NaN or infinite values "
+                         f"({', '.join(nonfinite[:4])}{', ...' if len(nonfinite) > 4 else ''}): a training that "
+                         "diverged, or a damaged file. It was not used; use another checkpoint (the run's best.ckpt "
+                         "is kept from before a divergence).")
     return net.eval(), ckpt
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -35,6 +34,7 @@ from lmcal.pipeline.timing import (
     schedule,
     side_by_side_group,
 )
+from lmcal.utils.budget import tau_too_long
 from lmcal.utils.settings import CONF_DIR, composed
 from lmcal.utils.validate import check_config
 
@@ -254,6 +254,7 @@ def check(cfg: DictConfig) -> str:
     checked against the model it meets; raises LmcalError naming the stage, the keys and the limit otherwise."""
     stages = plan(cfg)
     models: dict[str, Model] = {}  # training stage dir -> its model
+    tau_of: dict[str, int] = {}  # a tau-model's training stage dir -> its memory length
     lines, jobs = [], []  # jobs: each stage's time alone on the GPU, its busy share, its deps (pipeline.timing)
     for st in stages:
         if "fn" in st:
@@ -269,6 +270,12 @@ def check(cfg: DictConfig) -> str:
                 check_config(c, where=where)  # every setting in its range (lmcal.utils.rules), as the run will
                 m = model_of(c)
                 models[str(st["taus"][t] if t else st["dir"])] = m
+                if t:
+                    tau_of[str(st["taus"][t])] = int(t)
+                    n = m.corpus.get("train")
+                    if n and int(t) >= n:
+                        raise LmcalError(where + tau_too_long("model.memory_tau", int(t), n, "training") + " Lower "
+                                         "taus (or markov.taus), or train on more text (data.max_train_tokens).")
                 bptt, batch = int(c.data.bptt), int(c.data.batch_size)
                 if m.context and bptt > m.context:
                     raise _refuse(st["name"], m, [(f"data.bptt = {bptt}", bptt)],
@@ -311,8 +318,12 @@ def check(cfg: DictConfig) -> str:
         name = list(c.stages)[0]
         a = OmegaConf.to_container(c.analysis[name], resolve=True)
         mem_tau = next((int(o.split("=")[1]) for o in overrides if o.startswith("model.memory_tau=")), None)
-        if name == "memory" and "tau_" in ckpt:  # a tau-model's own memory length
-            mem_tau = int(next(p for p in Path(ckpt).parts if p.startswith("tau_"))[4:])
+        if name == "memory":  # a tau-model's own memory length (its training stage's folder holds the checkpoint)
+            mem_tau = next((t for d, t in tau_of.items() if ckpt.startswith(d + os.sep)), mem_tau)
+            tau, test = a.get("tau") or mem_tau, _score_tokens(a, m)
+            if tau and test and int(tau) >= test:
+                raise LmcalError(where + tau_too_long("tau", int(tau), test, "test") + " Lower it, or score more "
+                                 "tokens (analysis.memory.score_tokens).")
         sizes = stream_sizes(name, a, m, mem_tau)
         if m.context:
             bad = [(w, s) for w, s in sizes if s > m.context]

@@ -13,6 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from lmcal.errors import LmcalError
 from lmcal.pipeline.report_md import report
+from lmcal.pipeline.results import PAPER_STAGES
 from lmcal.pipeline.slurm import slurm_defaults
 from lmcal.stages.registry import STAGES
 from lmcal.stages.wandb_run import reproduction_group
@@ -113,7 +114,9 @@ def plan(cfg: DictConfig) -> list[dict]:
                 # e.g. decoders take their calibration row from the calibration stage, when it runs
                 uses = [u for u in STAGES[stage].uses if u in cfg.stages]
                 extra = [f"analysis.{stage}.{u}_json={root / u / (u + '.json')}" for u in uses]
-                stages.append({"name": stage, "dir": root / stage, "done": [root / stage / "evaluation.json"],
+                done = [root / stage / "evaluation.json",
+                        *([root / stage / f"{stage}.json"] if stage in PAPER_STAGES else [])]
+                stages.append({"name": stage, "dir": root / stage, "done": done,  # (the report reads both)
                                "deps": ["base", *uses],
                                "cmd": ev + [f"stages=[{stage}]", *extra, f"task_name={stage}",
                                             f"hydra.run.dir={root / stage}"]})

@@ -14,11 +14,12 @@ from omegaconf import DictConfig, OmegaConf
 from lmcal.errors import LmcalError
 from lmcal.pipeline.check import check
 from lmcal.pipeline.plan import plan, stage_settings
-from lmcal.pipeline.results import PAPER_STAGES
+from lmcal.pipeline.results import PAPER_STAGES, stage_record
 from lmcal.pipeline.schedule import reference_seconds, schedule
 from lmcal.pipeline.slurm import check_slurm_tools, schedule_slurm
 from lmcal.stages.registry import check_stages
-from lmcal.utils.io import read_record, write_json_atomic, write_text_atomic
+from lmcal.stages.wandb_run import check_online
+from lmcal.utils.io import write_json_atomic, write_text_atomic
 from lmcal.utils.lock import check_output_folder, run_lock, sweep_temp_files
 from lmcal.utils.settings import differences
 from lmcal.utils.validate import check_config
@@ -31,7 +32,7 @@ def stale_stages(stages: list[dict], current: dict, out: Path, force: bool) -> d
     changed = {}
     for st in stages:
         rec = out / "stages" / f"{st['name']}.json"
-        record = read_record(rec, warn=False)  # none, or one that does not parse: not done (the schedule warns)
+        record = stage_record(rec, warn=False)  # none, or one that is not whole: not done (the schedule warns)
         if record is None:
             continue
         if "settings" not in record:  # a record of an lmcal that did not keep settings: adopt the current ones
@@ -100,6 +101,8 @@ def reproduce(cfg: DictConfig) -> dict:
     if cfg.get("launcher", "local") == "slurm":
         check_slurm_tools()
     check_config(cfg)  # the profile's own values (taus), before the folder is touched
+    if cfg.get("logger") == "wandb" and not cfg.get("wandb_offline", True):
+        check_online({"_target_": "WandbLogger", "offline": False}, "wandb_offline=false")
     check_stages(list(cfg.stages), "full")
     if cfg.get("transformer"):
         check_stages(list(cfg.transformer.stages), "full")

@@ -3,16 +3,78 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from omegaconf import DictConfig
 
 from lmcal.stages.registry import STAGES
-from lmcal.utils.io import read_json
+from lmcal.utils.io import read_json, read_record
 from lmcal.utils.numbers import exp_or_inf
 
 PAPER_STAGES = ("entropy_rate", "calibration", "decoders")  # the full model's stages every report has
 
+NUM = (int, float, type(None))  # a number, or null where strict JSON wrote a non-finite one beside its reason
+_CAL_SCALARS = ("alpha", "alpha_stderr", "test_ppl_before", "test_ppl_after", "entrate_ppl_before",
+                "entrate_ppl_after", "topk", "tail_samples", "min_context", "fit_tokens", "test_tokens", "tail_steps",
+                "tail_ppl_before", "tail_ppl_after", "tail_diff_nats", "tail_diff_stderr_nats")
+_CAL_LISTS = ("curve_nats", "stderr_nats", "curve_nats_before", "stderr_nats_before", "diff_curve_nats",
+              "diff_stderr_nats")
+_MEMORY = ("ce_limited_nats", "mi_upper_bound_nats", "mi_stderr_nats", "alpha", "alpha_stderr",
+           "entropy_calibrated_nats", "mi_upper_bound_crossfit_nats", "delta_ce_nats", "delta_ce_stderr_nats",
+           "test_tokens", "cluster_size", "ce_full_nats", "ce_full_stderr_nats", "exact_mi_nats")
+# What the report reads from each file a stage writes, with its type: a file that lacks one of these keys, or holds
+# another type, is not whole, and its stage runs again (lmcal.pipeline.schedule.finished_file).
+NEEDS: dict[str, dict[str, tuple | type]] = {
+    "metrics.json": {"model": str, "val_ppl": NUM, "test_ppl": NUM, "test_ce_nats": NUM, "epochs": int,
+                     "params": int, "markov_order": NUM, "true_entropy_rate_nats": NUM},
+    "entropy_rate.json": {"horizon": int, "num_generations": int, "curve_nats": list, "stderr_nats": list,
+                          "entrate_ppl": NUM, "test_ppl": NUM},
+    "calibration.json": {**dict.fromkeys(_CAL_SCALARS, NUM), **dict.fromkeys(_CAL_LISTS, list)},
+    "decoders.json": {"rows": list},
+    "memory.json": {"tau": int, "limited": str, "two_parameter": object, **dict.fromkeys(_MEMORY, NUM)},
+}
+DECODER_ROW = ("method", "params", "entrate_ppl", "test_ce_nats", "zero_prob_fraction", "test_ce_kept_nats",
+               "test_ce_mixed_nats", "entropy_t1_nats", "entropy_last_nats", "tail_diff_nats", "tail_diff_stderr_nats",
+               "curve_nats")
+
+
+def not_whole(path: Path, r: dict) -> str | None:
+    """Why the result `r`, read from `path`, lacks what its readers need (a key, or a key's type), or None. An
+    evaluation.json in a stage's folder must hold that stage's results."""
+    needs = NEEDS.get(path.name, {})
+    missing = [k for k in needs if k not in r]
+    wrong = [f"{k} is a {type(r[k]).__name__}" for k, t in needs.items() if k in r and not isinstance(r[k], t)]
+    if path.name == "decoders.json" and isinstance(r.get("rows"), list):
+        wrong += [f"row {i} lacks {', '.join(k for k in DECODER_ROW if k not in row)}" if isinstance(row, dict)
+                  else f"row {i} is a {type(row).__name__}" for i, row in enumerate(r["rows"])
+                  if not isinstance(row, dict) or any(k not in row for k in DECODER_ROW)]
+    stage = path.parent.name
+    if path.name == "evaluation.json" and stage in STAGES and not isinstance(r.get(stage), dict):
+        missing.append(stage)
+    if not missing and not wrong:
+        return None
+    return "; ".join(([f"it lacks {', '.join(missing[:6])}{', ...' if len(missing) > 6 else ''}"] if missing else [])
+                     + wrong[:3])
+
+
+
+RECORD = {"status": str, "settings": dict, "dir": str, "cmd": (list, type(None)), "seconds": (int, float)}
+
+
+def stage_record(path: Path, warn: bool = True) -> dict | None:
+    """A stage's record (<out>/stages/<stage>.json), or None when there is none or it is not whole (it does not
+    parse, lacks its status, or holds a key of another type: "not done", with a warning naming it where `warn`)."""
+    r = read_record(path, warn)
+    if r is None:
+        return None
+    wrong = [f"{k} is a {type(r[k]).__name__}" for k, t in RECORD.items() if k in r and not isinstance(r[k], t)]
+    if "status" not in r or wrong:
+        if warn:
+            print(f"warning: {path} is not whole ({'; '.join(wrong) or 'it lacks status'}); taking its stage as "
+                  "not done, so it runs again.", file=sys.stderr, flush=True)
+        return None
+    return r
 
 
 def collect_results(cfg: DictConfig, out: Path, names: list[str]) -> dict:
@@ -31,8 +93,8 @@ def collect_results(cfg: DictConfig, out: Path, names: list[str]) -> dict:
     mem += tr.pop("memory", [])
     mbase = read_json(mk / "base" / "metrics.json")
     mmem = memory_rows(mk, cfg.markov.taus, cfg.markov.get("windows", False))
-    records = {n: read_json(out / "stages" / f"{n}.json") for n in names if (out / "stages" / f"{n}.json").is_file()}
-    records = {n: r for n, r in records.items() if r.get("status") == "done"}
+    records = {n: stage_record(out / "stages" / f"{n}.json", warn=False) for n in names}
+    records = {n: r for n, r in records.items() if r is not None and r.get("status") == "done"}
     def tail_ppl(curve: list[float]) -> float:  # exp of the mean entropy over the last tenth of the horizon
         return exp_or_inf(sum(curve[-max(1, len(curve) // 10):]) / max(1, len(curve) // 10))
 
@@ -82,7 +144,7 @@ def collect_results(cfg: DictConfig, out: Path, names: list[str]) -> dict:
            for n in cfg.stages if n not in PAPER_STAGES},
         **_chosen_rows(cfg, ptb),
         "stages": {name: {k: r[k] for k in ("seconds", "status", "started_at", "finished_at") if k in r}
-                   | stage_profile(Path(r["dir"]))
+                   | (stage_profile(Path(r["dir"])) if "dir" in r else {})
                    | ({"matmul_gflop_per_s": r["matmul_gflop_per_s"]} if r.get("matmul_gflop_per_s") else {})
                    for name, r in records.items()},
     }

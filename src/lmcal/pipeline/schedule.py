@@ -16,6 +16,7 @@ from omegaconf import DictConfig
 
 from lmcal.errors import LmcalError
 from lmcal.pipeline.devices import device_env, free_slot, visible_gpus
+from lmcal.pipeline.results import not_whole, stage_record
 from lmcal.pipeline.signals import end_groups, stage_process_options
 from lmcal.utils.io import read_record, write_json_atomic
 
@@ -101,8 +102,19 @@ def check_finished(stage: dict, run: dict, rc: int) -> None:
 
 
 def finished_file(path: Path) -> bool:
-    """A file that shows a stage finished: there, and, for JSON (results.json, metrics.json...), whole."""
-    return path.is_file() and (path.suffix != ".json" or read_record(path) is not None)
+    """A file that shows a stage finished: there, and, for JSON (results.json, metrics.json...), whole: it parses,
+    and holds every key its readers need with its type (lmcal.pipeline.results.not_whole). A file that is not whole
+    means "not done", with a warning naming it."""
+    if not path.is_file():
+        return False
+    if path.suffix != ".json":
+        return True
+    r = read_record(path)
+    why = not_whole(path, r) if r is not None else None
+    if why:
+        print(f"warning: {path} is not whole ({why}); taking its stage as not done, so it runs again.",
+              file=sys.stderr, flush=True)
+    return r is not None and why is None
 
 
 def stop(runs: dict) -> None:
@@ -135,7 +147,7 @@ def schedule(stages: list[dict], cfg: DictConfig, out: Path, current: dict, jobs
                 todo.remove(stage)
                 record = out / "stages" / f"{name}.json"
                 rec = {"dir": str(stage["dir"]), "cmd": stage.get("cmd"), "settings": current[name]}
-                before = read_record(record)  # (None when it does not parse: not done, with a warning)
+                before = stage_record(record)  # (None when it is not whole: not done, with a warning)
                 if (before is not None and before.get("status") == "done" and not ran & set(stage["deps"])
                         and all(finished_file(p) for p in stage["done"])):
                     print(f"[{index[name]}/{total}] {name}: done before, skipped", flush=True)

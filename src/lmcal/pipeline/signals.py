@@ -1,6 +1,7 @@
 """Stopping a pipeline's stages: each runs in its own process group (`stage_process_options`) that `end_groups` ends
-whole, the stage's own children too. (SIGTERM and SIGHUP stop the pipeline itself as Ctrl-C does:
-lmcal.utils.boundary.stop_on_signals.)
+whole, the stage's own children too, and dies with the pipeline. (SIGTERM and SIGHUP stop the pipeline itself as
+Ctrl-C does: lmcal.utils.boundary.stop_on_signals.) A pipeline started by `make` ends itself when make is gone
+(`watch_parent`): killing make does not leave it running as an orphan that holds its lock.
 """
 
 from __future__ import annotations
@@ -11,6 +12,9 @@ import os
 import signal
 import subprocess
 import sys
+import threading
+import time
+from pathlib import Path
 
 
 def _libc_prctl():
@@ -49,3 +53,35 @@ def end_groups(procs: list[subprocess.Popen], grace: float = 20.0) -> None:
         with contextlib.suppress(ProcessLookupError, PermissionError):  # the group, stragglers included
             os.killpg(p.pid, signal.SIGKILL)
         p.wait()
+
+
+def gone(pid: int) -> bool:
+    """Whether process `pid` has ended (a zombie, dead but not yet waited for by its parent, has ended)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except (OSError, IndexError):
+        return False
+
+
+def watch_parent(pid: int, every: float = 1.0) -> threading.Thread:
+    """Watches process `pid` (the `make` that started this pipeline: $LMCAL_WATCH_PID, which the Makefile sets) from a
+    daemon thread; once it has ended, or this process's own parent has, this process stops itself with SIGTERM, as on
+    Ctrl-C: its stages ended, its temporary files and lock removed, one line on how to resume."""
+    parent = os.getppid()
+
+    def watch():
+        while not (gone(pid) or os.getppid() != parent):
+            time.sleep(every)
+        print(f"lmcal: the process that started this pipeline (make, process {pid}) has ended: stopping the "
+              "pipeline and its stages.", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    t = threading.Thread(target=watch, name="lmcal-watch-parent", daemon=True)
+    t.start()
+    return t

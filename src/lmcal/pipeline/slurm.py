@@ -19,8 +19,9 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from lmcal.errors import LmcalError
-from lmcal.pipeline.schedule import check_finished, progress_line, stage_command
-from lmcal.utils.io import read_json, write_json_atomic
+from lmcal.pipeline.results import stage_record
+from lmcal.pipeline.schedule import check_finished, finished_file, progress_line, stage_command
+from lmcal.utils.io import write_json_atomic
 from lmcal.utils.settings import CONF_DIR
 
 FINAL_OK = "COMPLETED"
@@ -125,8 +126,8 @@ def schedule_slurm(stages: list[dict], cfg: DictConfig, out: Path, current: dict
                 continue
             record = out / "stages" / f"{name}.json"
             rec = {"dir": str(stage["dir"]), "cmd": stage.get("cmd"), "settings": current[name]}
-            if (record.is_file() and read_json(record).get("status") == "done" and not ran & set(stage["deps"])
-                    and all(p.is_file() for p in stage["done"])):
+            if ((stage_record(record) or {}).get("status") == "done" and not ran & set(stage["deps"])
+                    and all(finished_file(p) for p in stage["done"])):
                 print(f"[{index[name]}/{total}] {name}: done before, skipped", flush=True)
                 continue
             ran.add(name)
@@ -146,8 +147,8 @@ def schedule_slurm(stages: list[dict], cfg: DictConfig, out: Path, current: dict
         cancel({n: j for n, j in jobs.items() if runs[n]["state"] != FINAL_OK})
         raise
     report, record = stages[-1], out / "stages" / "report.json"
-    if (not ran and record.is_file() and read_json(record).get("status") == "done"
-            and all(p.is_file() for p in report["done"])):
+    if (not ran and (stage_record(record) or {}).get("status") == "done"
+            and all(finished_file(p) for p in report["done"])):
         print(f"[{total}/{total}] report: done before, skipped", flush=True)
         return
     print(f"[{total}/{total}] report: running", flush=True)

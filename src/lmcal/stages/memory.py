@@ -21,6 +21,7 @@ from lmcal.models.step_lm import as_step_lm
 from lmcal.stages.plots import memory_bound_figure
 from lmcal.stages.stage import Stage, pick, stage_context
 from lmcal.stages.wandb_run import wandb_log
+from lmcal.utils.budget import tau_too_long
 from lmcal.utils.io import write_json_atomic
 from lmcal.utils.profiling import add_flops, flops_per_token, span
 
@@ -145,6 +146,9 @@ def memory_stage(full_net, limited_net, valid_tokens: torch.Tensor, test_tokens:
         raise LmcalError(f"The base model's vocabulary ({full_net.vocab_size} words) differs from the "
                          f"tau-model's ({lim.vocab_size}): they were trained on different corpora.")
     test = test_tokens[:score_tokens] if score_tokens else test_tokens
+    if tau >= test.numel():
+        raise LmcalError(tau_too_long("tau", tau, test.numel(), "test") + " Lower it, or score more tokens "
+                         "(analysis.memory.score_tokens).")
     full_net, lim = as_step_lm(full_net), as_step_lm(lim)
     if getattr(lim, "max_positions", None) and tau >= lim.max_positions:
         raise LmcalError(f"analysis.memory.tau={tau}: the model reads at most {lim.max_positions} tokens; a window "

@@ -10,6 +10,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from lmcal.data.markov import markov_exact_mi
+from lmcal.errors import LmcalError
 from lmcal.models.awd_lstm import evaluate_ce
 from lmcal.models.checkpoint import base_checkpoint, checkpoint_data, load_base_net, load_net, model_name
 from lmcal.models.step_lm import as_step_lm
@@ -29,6 +30,11 @@ def load_checkpoint_and_data(ckpt_path: str, data_root: str | None = None, devic
     net.to(resolve_device(device))
     dm = checkpoint_data(ckpt, data_root, path)
     dm.prepare()
+    if dm.vocab_size != net.vocab_size:  # (the network was not trained on the corpus its data settings name)
+        raise LmcalError(f"{path}: its network reads a vocabulary of {net.vocab_size:,} words, but the corpus its "
+                         f"data settings name ({dm.name}) has {dm.vocab_size:,}: they do not belong together (the "
+                         "data settings were edited, or come from another checkpoint). Nothing was run; use the "
+                         "checkpoint as its training wrote it.")
     return net, ckpt, dm
 
 

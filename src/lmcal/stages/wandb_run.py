@@ -10,9 +10,14 @@ in the same folder, continues its W&B run.
 
 from __future__ import annotations
 
+import os
 import re
 import secrets
+import socket
 from pathlib import Path
+from urllib.parse import urlparse
+
+from lmcal.errors import LmcalError
 
 ID_FILE = "wandb_run_id"
 _ID = re.compile(r"[a-z0-9]{8,32}")
@@ -74,6 +79,43 @@ def init_args(logger_cfg, out_dir: str | Path | None, job_type: str, model: str 
             "dir": str(save_dir), "mode": "offline" if offline else "online",
             "id": run_id(out_dir), "resume": "allow", "config": config,
             "settings": wandb.Settings(silent=True, console="off"), **node}
+
+
+def _has_api_key(host: str) -> bool:
+    """Whether W&B has credentials for `host` without asking: $WANDB_API_KEY (or an identity token file), or a
+    `wandb login` entry in ~/.netrc ($NETRC)."""
+    import netrc
+
+    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
+        return True
+    path = os.environ.get("NETRC") or os.path.join(os.path.expanduser("~"), ".netrc")
+    try:
+        auth = netrc.netrc(path).authenticators(host)
+    except (OSError, netrc.NetrcParseError):
+        return False
+    return bool(auth and auth[2])
+
+
+def check_online(logger_cfg, what: str = "logger.offline=false") -> None:
+    """A W&B logger set to log online must have an API key and reach W&B's server: refused at once where either is
+    missing, saying what to set (W&B itself would ask for a key on a terminal, or retry for most of a minute).
+    Nothing for an offline, disabled or other logger."""
+    node = dict(logger_cfg or {})
+    if not str(node.get("_target_", "")).endswith("WandbLogger") or node.get("offline", True):
+        return
+    url = urlparse(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai")
+    host, port = url.hostname or "api.wandb.ai", url.port or (80 if url.scheme == "http" else 443)
+    fix = (" Nothing was run or written. Log offline instead (logger.offline=true, the default; `wandb sync` uploads "
+           "the run later)")
+    if not _has_api_key(host):
+        raise LmcalError(f"{what} logs to W&B online ({host}), but no W&B API key is set: run `wandb login` (it "
+                         f"writes ~/.netrc) or set WANDB_API_KEY.{fix}.")
+    try:
+        socket.create_connection((host, port), timeout=5).close()
+    except OSError as e:
+        raise LmcalError(f"{what} logs to W&B online, but {host}:{port} cannot be reached from this machine "
+                         f"({e.strerror or type(e).__name__}).{fix}, or set WANDB_BASE_URL to a W&B server this "
+                         "machine reaches.") from None
 
 
 def open_run(args: dict | None):

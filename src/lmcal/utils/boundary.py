@@ -15,6 +15,7 @@ import os
 import signal
 import sys
 from contextlib import contextmanager
+from pathlib import Path
 from typing import NoReturn
 
 from lmcal.errors import LmcalError
@@ -159,15 +160,49 @@ def run_hydra(main) -> None:
     """Runs a @hydra.main entry point inside the boundary. HYDRA_FULL_ERROR=1 lets Hydra's own errors (an override it
     cannot parse, a run folder it cannot make) reach the boundary rather than Hydra's printout and exit status 1.
     SIGTERM and SIGHUP stop it as Ctrl-C does, so that its lock and temporary files are removed (a pipeline ends its
-    stages this way); one line says how to go on."""
+    stages this way); one line says how to go on. Its settings are checked before Hydra writes anything
+    (lmcal.utils.precheck); a run refused later (exit 2) removes the run folder Hydra made for it where nothing else
+    was written there."""
     os.environ.setdefault("HYDRA_FULL_ERROR", "1")
     try:
         with boundary(), stop_on_signals():
             main()
+    except SystemExit as e:
+        if e.code == 2:  # refused: the run folder Hydra made for it, if it holds nothing else, goes too
+            remove_untouched()
+        raise
     except KeyboardInterrupt as e:
         name = f"Stopped by {e}" if isinstance(e, Stopped) else "Interrupted"
         print(f"{name}: rerun the same command to resume from the last checkpoint.", file=sys.stderr, flush=True)
         sys.exit(128 + e.signum if isinstance(e, Stopped) else 130)
+
+
+MADE: list[Path] = []  # the run folder this process's Hydra run made (it did not exist): lmcal.utils.precheck
+
+
+def remove_untouched() -> None:
+    """After a run that stopped with one paragraph (exit 2): its run folder, if this run made it and it holds only
+    what Hydra wrote there (.hydra/ and the job's log), is removed, so that a refused run leaves nothing behind."""
+    for folder in MADE:
+        try:
+            entries = list(folder.iterdir())
+        except OSError:
+            continue
+        hydra_files = {"config.yaml", "hydra.yaml", "overrides.yaml"}
+        ours = [e for e in entries if (e.name == ".hydra" and e.is_dir()
+                                       and {f.name for f in e.iterdir()} <= hydra_files)
+                or (e.suffix == ".log" and e.is_file())]
+        if len(ours) != len(entries) or len([e for e in ours if e.suffix == ".log"]) > 1:
+            continue
+        for e in ours:
+            if e.is_dir():
+                for f in e.iterdir():
+                    f.unlink()
+                e.rmdir()
+            else:
+                e.unlink()
+        folder.rmdir()
+    MADE.clear()
 
 
 def fail_at_import(e: LmcalError) -> None:

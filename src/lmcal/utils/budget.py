@@ -1,6 +1,8 @@
 """Sizes beyond reason, refused before any work (unless force_size=true): a setting far past any run of the paper
-(generation lengths, generations per point), a network whose training would not fit in this machine's memory, or
-generation stages whose work or results would not. Each refusal shows the estimate it rests on.
+(generation lengths, generations per point, memory lengths), a network whose training would not fit in this machine's
+memory, a Markov source whose table would not, or generation stages whose work or results would not. Each refusal
+shows the estimate it rests on. (A memory length longer than the text it is read on is refused too, whatever
+force_size says: `tau_too_long`.)
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import os
 # the largest value of each generation setting that is still a plausible run (the paper: 100, 5 and 700 with more than
 # 100 points; a 100k-token context is larger than any model here reads)
 CAPS = {"num_prefixes": 10**6, "samples_per_prefix": 10**5, "prefix_len": 10**5, "horizon": 10**5}
+MAX_TAU = 10**5  # a memory length (model.memory_tau, analysis.memory.tau): as long as the longest context above
 MAX_TOKEN_STEPS = 10**10  # generated or prefix tokens of one stage: the paper's settings are about 4 x 10^5
 VOCAB = 10_000  # PTB's vocabulary, for the network's size before the corpus is read
 SIZE_KEYS = ("emb_size", "hidden_size", "num_layers", "n_embd", "n_layer", "n_positions")
@@ -41,6 +44,13 @@ def network_parameters(model: dict) -> int | None:
     return None
 
 
+def tau_too_long(key: str, tau: int, tokens: int, split: str) -> str:
+    """The sentence refusing a memory length `tau` that is not shorter than the `tokens` of the split it is read on
+    (the plan check and the run say the same: lmcal.pipeline.check, lmcal.train, lmcal.stages.memory)."""
+    return (f"{key}={tau:,} is not shorter than the {tokens:,} {split} tokens it is read on: no window would ever "
+            "be cut, so the tau-limited model would be the full model. Nothing was run.")
+
+
 def _gb(b: float) -> str:
     return f"{b / 1e9:,.1f} GB" if b < 1e12 else f"{b / 1e12:,.3g} TB"
 
@@ -54,6 +64,20 @@ def oversized(cfg: dict) -> list[str]:
         sizes = ", ".join(f"model.{k}={model[k]:,}" for k in SIZE_KEYS if isinstance(model.get(k), int))
         found.append(f"the network ({sizes}) has about {params:.3g} parameters, whose training needs about "
                      f"{_gb(params * BYTES_PER_PARAMETER)} of memory, more than this machine's {_gb(ram)}")
+    taus = [("model.memory_tau", model.get("memory_tau") if isinstance(model, dict) else None),
+            ("analysis.memory.tau", ((cfg.get("analysis") or {}).get("memory") or {}).get("tau")
+             if isinstance(cfg.get("analysis"), dict) else None)]
+    for key, tau in taus:
+        if isinstance(tau, int) and not isinstance(tau, bool) and tau > MAX_TAU:
+            found.append(f"{key}={tau:,} (at most {MAX_TAU:,}): a tau-limited model reads up to tau tokens again for "
+                         "every token it scores, and no corpus here is that long")
+    markov = (cfg.get("data") or {}).get("corpus_kwargs") if isinstance(cfg.get("data"), dict) else None
+    if isinstance(markov, dict) and (cfg.get("data") or {}).get("name") == "markov":
+        v, k = markov.get("vocab_size", 16), markov.get("order", 2)
+        if isinstance(v, int) and isinstance(k, int) and v > 0 and k > 0 and ram and 8 * v ** (k + 1) > ram / 2:
+            found.append(f"data.corpus_kwargs.vocab_size={v:,} and order={k}: the Markov source's table "
+                         f"[V^order, V] holds {v ** (k + 1):.3g} float64 probabilities ({_gb(8 * v ** (k + 1))}), "
+                         f"more than half this machine's {_gb(ram)}")
     analysis = cfg.get("analysis")
     for name, node in (analysis.items() if isinstance(analysis, dict) else []):
         if not isinstance(node, dict) or not all(isinstance(node.get(k), int) for k in CAPS):

@@ -42,24 +42,50 @@ def _pid_alive(pid: int) -> bool:
 PACKAGE = Path(__file__).resolve().parents[1]  # src/lmcal, or the installed package
 PROJECT = PACKAGE.parents[1] if (PACKAGE.parents[1] / "pyproject.toml").is_file() else None  # a source checkout
 SOURCE_FOLDERS = ("src", "conf", "tests", "bench", "docs")
+# the operating system's own folders: no run goes in them or anywhere inside them (macOS's /etc is /private/etc)
+SYSTEM_TREES = ("/bin", "/boot", "/dev", "/etc", "/lib", "/lib32", "/lib64", "/libx32", "/proc", "/run", "/sbin",
+                "/sys", "/usr", "/private/etc", "/System", "/Library", "/Applications")
+# folders that hold other things' folders: a run goes inside them, never in them
+SHARED_FOLDERS = ("/home", "/Users", "/root", "/var", "/opt", "/srv", "/mnt", "/media", "/tmp", "/var/tmp",
+                  "/private/tmp", "/private/var")
+
+
+def _why_refused(path: Path) -> str | None:
+    """Why `path` (resolved) is no run's folder, or None."""
+    if path == Path(path.anchor):
+        return "the file system's root"
+    if path == Path.home().resolve():
+        return "your home folder"
+    if any(path.is_relative_to(t) for t in SYSTEM_TREES):
+        return "a system folder"
+    if path in {Path(p) for p in SHARED_FOLDERS}:
+        return "a folder that holds other folders of the system or its users"
+    if path.is_relative_to(PACKAGE):
+        return "lmcal's own package"
+    if PROJECT is not None:
+        if path == PROJECT:
+            return "the project's own folder"
+        if any(path.is_relative_to(PROJECT / s) for s in SOURCE_FOLDERS):
+            return f"inside the project's {path.relative_to(PROJECT).parts[0]}/ folder"
+    for prefix in {Path(p).resolve() for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)}:
+        if prefix != Path(prefix.anchor) and (path == prefix or any(path.is_relative_to(prefix / d) for d in (
+                "bin", "lib", "lib64", "include", "Lib", "Scripts"))):
+            return "the Python environment lmcal runs in"
+    return None
 
 
 def check_output_folder(folder: str | Path) -> None:
-    """Refuses, before anything is made there, an output folder that is the file system's root, the home folder, or
-    the project's own (its root, its sources, configs, tests, benchmarks or docs, or the installed package)."""
+    """Refuses, before anything is made there, an output folder that is the file system's root, a system folder or
+    one inside it (/etc, /usr, /bin, /proc, /sys, ...), a folder that holds the system's or its users' folders
+    (/home, /tmp, /var, ...: a run goes inside them), the home folder itself, the project's own (its root, its
+    sources, configs, tests, benchmarks or docs), the installed package or the Python environment. The path is read
+    as the run will use it: relative to the current folder, `~` expanded, symbolic links and `..` resolved."""
     path = Path(folder).expanduser().resolve()
-    why = ("the file system's root" if path == Path(path.anchor) else
-           "your home folder" if path == Path.home().resolve() else
-           "lmcal's own package" if path.is_relative_to(PACKAGE) else None)
-    if why is None and PROJECT is not None:
-        if path == PROJECT:
-            why = "the project's own folder"
-        elif any(path.is_relative_to(PROJECT / s) for s in SOURCE_FOLDERS):
-            why = f"inside the project's {path.relative_to(PROJECT).parts[0]}/ folder"
+    why = _why_refused(path)
     if why:
         raise LmcalError(f"Refusing to write a run into {path}: it is {why}, where its checkpoints, logs and lock "
-                         "would mix with files that are not a run's. Give a folder of its own (out=outputs/NAME for "
-                         "make reproduce, hydra.run.dir=... for train and evaluate).")
+                         "would mix with files that are not a run's. Nothing was written. Give a folder of its own "
+                         "(out=outputs/NAME for make reproduce, hydra.run.dir=... for train and evaluate).")
 
 
 # a temporary file of lmcal.utils.io.temp_path: .NAME.<pid>.<8 hex>.tmp
@@ -114,62 +140,100 @@ def stale(holder: dict, age: float, me: dict) -> str | None:
     return None
 
 
+WRITING_S = 2.0  # a lock whose body is not yet whole is being written, for at most this long
+
+
+def _holder(body: str) -> dict | None:
+    """The holder a lock file's text names ({pid, host, started, command, ...}), or None when it names none: not JSON,
+    or JSON that is no object with a process id (`[1, 2]`, `null`, `{}`)."""
+    try:
+        holder = json.loads(body)
+    except ValueError:
+        return None
+    return holder if isinstance(holder, dict) and isinstance(holder.get("pid"), int) else None
+
+
+def _shown(body: str) -> str:
+    return "an empty file" if not body.strip() else f"it holds {body.strip()[:40]!r}"
+
+
+def live_holder(folder: str | Path, above: bool = True) -> tuple[Path, dict] | None:
+    """(lock, holder) of a live lmcal run, other than this process, that holds `folder` or (`above`) a folder above
+    it (a reproduction holds its whole output folder), else None. A lock that holds no lmcal lock, or whose holder
+    no longer runs, holds nothing."""
+    me = {"host": socket.gethostname(), "slurm_job_id": os.environ.get("SLURM_JOB_ID")}
+    path = Path(folder).expanduser().resolve()
+    for d in (path, *path.parents) if above else (path,):
+        lock = d / LOCK_NAME
+        try:
+            body, age = lock.read_text(errors="replace"), time.time() - lock.stat().st_mtime
+        except OSError:
+            continue
+        holder = _holder(body)
+        if holder is not None and holder.get("pid") != os.getpid() and not stale(holder, age, me):
+            return lock, holder
+    return None
+
+
 def _heartbeat(lock: Path, pid: int, done: threading.Event) -> None:
     while not done.wait(HEARTBEAT_S):
         try:
-            if json.loads(lock.read_text()).get("pid") == pid:
+            if (_holder(lock.read_text(errors="replace")) or {}).get("pid") == pid:
                 os.utime(lock)
-        except (OSError, ValueError):
+        except OSError:
             pass
 
 
 @contextmanager
-def run_lock(folder: str | Path, what: str = "run"):
+def run_lock(folder: str | Path, what: str = "run",
+             advice: str = "hydra.run.dir=..., or out=... for make reproduce"):
     """Holds `folder`/.lmcal.lock (this process's PID, host and command) while the block runs. A second run into the
     same folder stops with one paragraph naming the holder; a lock whose holder no longer runs (`stale`: on this host
     or, on a shared filesystem, another) is taken over with a note. The lock is removed when the block ends, however
-    it ends."""
+    it ends. A lock file that holds no lmcal lock (not a JSON object naming a process: damaged, or written by
+    something else) is taken over with a warning once it is older than a write takes. `advice`: how this command is
+    given another folder."""
     folder = Path(folder)
     check_output_folder(folder)
     folder.mkdir(parents=True, exist_ok=True)
     lock = folder / LOCK_NAME
     me = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
           "command": " ".join(sys.argv), "what": what, "slurm_job_id": os.environ.get("SLURM_JOB_ID")}
-    for _ in range(3):
+    for _ in range(50):  # (a lock being written, or replaced, is looked at again)
         try:
             fd = os.open(lock, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
         except FileExistsError:
             try:
-                holder = json.loads(lock.read_text() or "{}")
-            except (OSError, ValueError):
-                holder = {}
-            pid, host = holder.get("pid"), holder.get("host")
-            try:
-                age = time.time() - lock.stat().st_mtime
+                body, age = lock.read_text(errors="replace"), time.time() - lock.stat().st_mtime
             except OSError:
                 continue
-            why = stale(holder, age, me) if holder else None
+            holder = _holder(body)
+            if holder is None:  # not an lmcal lock, or one being written this instant
+                if age < WRITING_S:
+                    time.sleep(0.2)
+                    continue
+                log.warning(f"{lock} holds no lmcal lock ({_shown(body)}, untouched for {age:.0f} s); taking it "
+                            "over.")
+                lock.unlink(missing_ok=True)
+                continue
+            why = stale(holder, age, me)
             if why:
                 log.warning(f"{lock}: taking over a stale lock of {why} ({holder.get('command', '?')}).")
                 lock.unlink(missing_ok=True)
                 continue
-            if not holder:  # being written this instant by another process, or empty: look again
-                time.sleep(0.2)
-                if lock.exists() and not lock.read_text().strip():
-                    lock.unlink(missing_ok=True)
-                continue
             raise LmcalError(
-                f"{folder} is in use by another lmcal {holder.get('what', 'run')}: process {pid} on {host}, started "
-                f"{holder.get('started', '?')} ({holder.get('command', '?')}). Two runs writing one folder would "
-                "mix their logs, checkpoints and results. Wait for it to finish, or give this run another folder "
-                f"(hydra.run.dir=..., or out=... for make reproduce). If no such process runs, delete {lock} (a lock "
-                f"from another host is taken over by itself once it has not been refreshed for {STALE_S:.0f} s)."
+                f"{folder} is in use by another lmcal {holder.get('what', 'run')}: process {holder.get('pid')} on "
+                f"{holder.get('host')}, started {holder.get('started', '?')} ({holder.get('command', '?')}). Two "
+                "runs writing one folder would mix their logs, checkpoints and results. Wait for it to finish, or "
+                f"give this run another folder ({advice}). If no such process runs, delete {lock} (a lock from "
+                f"another host is taken over by itself once it has not been refreshed for {STALE_S:.0f} s)."
             ) from None
         with os.fdopen(fd, "w") as f:
             json.dump(me, f)
         break
     else:
-        raise LmcalError(f"Could not take the lock {lock}; another process keeps replacing it. Delete it and retry.")
+        raise LmcalError(f"Could not take the lock {lock}: it was replaced 50 times while this run looked at it, so "
+                         "another process keeps rewriting it. Stop that process (or delete the file) and rerun.")
     done = threading.Event()
     threading.Thread(target=_heartbeat, args=(lock, me["pid"], done), daemon=True).start()
     try:
@@ -177,7 +241,7 @@ def run_lock(folder: str | Path, what: str = "run"):
     finally:
         done.set()
         try:
-            if json.loads(lock.read_text()).get("pid") == me["pid"]:
+            if (_holder(lock.read_text(errors="replace")) or {}).get("pid") == me["pid"]:
                 lock.unlink()
-        except (OSError, ValueError):
+        except OSError:
             pass

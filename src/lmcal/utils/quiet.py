@@ -19,12 +19,18 @@ _WARNINGS = (
 )
 
 
+# Lightning's lines on a stop ("[rank: 0] Received SIGTERM: 15", "Detected KeyboardInterrupt, attempting graceful
+# shutdown ..."): lmcal says how it stopped and how to go on (lmcal.utils.boundary.run_hydra)
+_STOP_LINES = ("Received SIGTERM", "Bypassing SIGTERM", "Detected KeyboardInterrupt")
+
+
 class _DropTips(logging.Filter):
-    """Lightning's start-up lines (GPU/TPU available, the 💡 tips): not lmcal's to show."""
+    """Lightning's start-up lines (GPU/TPU available, the 💡 tips) and its lines on a stop: not lmcal's to show."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         msg = record.getMessage()
-        return not (msg.startswith(("GPU available", "TPU available", "HPU available")) or "Tip:" in msg)
+        return not (msg.startswith(("GPU available", "TPU available", "HPU available")) or "Tip:" in msg
+                    or any(s in msg for s in _STOP_LINES))
 
 
 def quiet_third_party() -> None:
@@ -35,7 +41,8 @@ def quiet_third_party() -> None:
     for category, message in _WARNINGS:
         warnings.filterwarnings("ignore", message=message, **({"category": category} if category else {}))
     for name in ("pytorch_lightning.utilities.rank_zero", "lightning.pytorch.utilities.rank_zero",
-                 "lightning_fabric.utilities.rank_zero"):
+                 "lightning_fabric.utilities.rank_zero", "pytorch_lightning.trainer.connectors.signal_connector",
+                 "lightning.pytorch.trainer.connectors.signal_connector"):
         logger = logging.getLogger(name)
         if not any(isinstance(f, _DropTips) for f in logger.filters):
             logger.addFilter(_DropTips())

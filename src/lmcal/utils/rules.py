@@ -43,16 +43,24 @@ class Range:
         if self.choices is not None:
             return "one of " + ", ".join("null" if c is None else str(c) for c in self.choices)
         kind = "an integer" if self.integer else "a number"
+        lo, hi = _number(self.lo), _number(self.hi)
         if self.lo is not None and self.hi is not None:
-            text = f"{kind} in {'(' if self.lo_open else '['}{self.lo:g}, {self.hi:g}{')' if self.hi_open else ']'}"
+            text = f"{kind} in {'(' if self.lo_open else '['}{lo}, {hi}{')' if self.hi_open else ']'}"
         elif self.lo is not None:
-            text = f"{kind} {'>' if self.lo_open else '≥'} {self.lo:g}"
+            text = f"{kind} {'>' if self.lo_open else '≥'} {lo}"
         elif self.hi is not None:
-            text = f"{kind} {'<' if self.hi_open else '≤'} {self.hi:g}"
+            text = f"{kind} {'<' if self.hi_open else '≤'} {hi}"
         else:
             text = f"a finite {kind[2:] if kind.startswith('a ') else kind[3:]}"
         text += "".join(f", or {a}" for a in self.also)
         return ("null or " + text) if self.optional else text
+
+
+def _number(x) -> str:
+    """1, 0.5, 4,294,967,295 (an integer in full), 1e-06."""
+    if x is None:
+        return ""
+    return f"{int(x):,}" if float(x).is_integer() and abs(x) >= 1e4 else f"{x:g}"
 
 
 COUNT = Range(lo=1, integer=True)             # 1, 2, 3, ...
@@ -61,7 +69,7 @@ COUNT = Range(lo=1, integer=True)             # 1, 2, 3, ...
 OPT_COUNT = Range(lo=1, integer=True, optional=True)
 
 
-SEED = Range(lo=0, integer=True)
+SEED = Range(lo=0, hi=2**32 - 1, integer=True)  # numpy's and Lightning's seeds are 32-bit
 
 
 NONNEG_INT = Range(lo=0, integer=True)
@@ -85,6 +93,15 @@ RULES: dict[str, tuple[Range, str]] = {
     "data.bptt": (Range(lo=2, integer=True), "tokens per backpropagation window"),
     "data.max_train_tokens": (Range(lo=2, integer=True, optional=True), "training tokens kept (null: all)"),
     "data.max_eval_tokens": (Range(lo=2, integer=True, optional=True), "validation/test tokens kept (null: all)"),
+    # the generated corpora (data=markov, data.name=synthetic)
+    "data.corpus_kwargs.vocab_size": (Range(lo=2, integer=True), "the generated corpus's vocabulary"),
+    "data.corpus_kwargs.order": (COUNT, "the Markov source's order"),
+    "data.corpus_kwargs.support": (COUNT, "tokens that share each Markov row's mass"),
+    "data.corpus_kwargs.smoothing": (Range(lo=0, hi=1, lo_open=True), "mass each Markov row spreads over all tokens"),
+    "data.corpus_kwargs.n_train": (Range(lo=2, integer=True), "the generated corpus's training tokens"),
+    "data.corpus_kwargs.n_valid": (Range(lo=2, integer=True), "the generated corpus's validation tokens"),
+    "data.corpus_kwargs.n_test": (Range(lo=2, integer=True), "the generated corpus's test tokens"),
+    "data.corpus_kwargs.seed": (SEED, "the generated corpus's seed"),
     # model (AWD-LSTM; the Hugging Face adapter's own keys below)
     "model.emb_size": (COUNT, "embedding size"),
     "model.hidden_size": (COUNT, "LSTM hidden size"),

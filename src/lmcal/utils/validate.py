@@ -50,7 +50,7 @@ def _matches(pattern: str, key: str) -> bool:
 
 def problems(cfg: DictConfig) -> list[str]:
     """Every out-of-range setting of `cfg`, as 'key=value (what it is: must be ...)' lines."""
-    found = []
+    found, across = [], []  # (across: rules between keys, after the keys' own)
     for key, value in _leaves(cfg):
         for pattern, (rule, meaning) in RULES.items():
             if not _matches(pattern, key):
@@ -64,12 +64,17 @@ def problems(cfg: DictConfig) -> list[str]:
             break
         if key == "decoder" and isinstance(value, dict):
             found += decoder_problems(value.get("name"), {k: v for k, v in value.items() if k != "name"}, key)
+        if key == "data.corpus_kwargs" and isinstance(value, dict):  # (a Markov row's support within the vocabulary)
+            v, k = value.get("vocab_size"), value.get("support")
+            if all(isinstance(x, int) and not isinstance(x, bool) for x in (v, k)) and k > v:
+                across.append(f"data.corpus_kwargs.support={k} (tokens that share each Markov row's mass: must be "
+                              f"at most data.corpus_kwargs.vocab_size={v})")
         if key == "analysis.decoders.methods" and isinstance(value, list):
             for i, m in enumerate(value):
                 if isinstance(m, dict):
                     found += decoder_problems(m.get("name"), {k: v for k, v in m.items() if k != "name"},
                                               f"{key}[{i}]")
-    return found
+    return found + across
 
 
 def check_config(cfg: DictConfig, where: str = "") -> None:
@@ -81,7 +86,7 @@ def check_config(cfg: DictConfig, where: str = "") -> None:
                          f"{s} on the command line or in the preset that sets {'them' if s else 'it'}.")
     if not cfg.get("force_size"):
         plain = {k: OmegaConf.to_container(cfg[k], resolve=True) if _resolvable(cfg[k]) else None
-                 for k in ("model", "analysis") if isinstance(cfg.get(k), DictConfig)}
+                 for k in ("model", "analysis", "data") if isinstance(cfg.get(k), DictConfig)}
         if big := oversized(plain):
             raise LmcalError(f"{where}Sizes beyond reason: " + "; ".join(big) + ". Nothing was run. Lower them, or, "
                              "if you mean it, add force_size=true to the command line.")
