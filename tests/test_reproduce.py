@@ -253,7 +253,8 @@ def test_a_new_stage_runs_through_the_pipeline(uninterrupted, tmp_path):
 
 TIMING = {"seconds", "fit_seconds", "rows_seconds", "wall_seconds", "train_seconds", "tokens_per_s",
           "generated_tokens_per_s", "profile", "provenance", "stages", "_runtime", "_timestamp", "ms_per_token",
-          "cost_ratio", "generation_ms_per_token", "rollout_seconds", "tail_seconds"}
+          "cost_ratio", "generation_ms_per_token", "rollout_seconds", "tail_seconds",
+          "config"}  # evaluation.json's config: each run's own folders and W&B group
 
 
 def _without_timing(obj, out: str):
