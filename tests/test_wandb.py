@@ -69,7 +69,7 @@ def offline_run(folder: Path, wait_s: float = 60.0) -> dict:
             a = r.artifact
             out["artifacts"].append({"name": a.name, "type": a.type, "digest": a.digest, "used": a.use_after_commit,
                                      "files": {e.path: e.ref for e in a.manifest.contents}})
-    out["config"] = set(out["values"])
+    out["config"], out["folder"] = set(out["values"]), folder
     log = folder / "files" / "output.log"  # the console (the Logs tab)
     out["output"] = log.read_text() if log.is_file() else ""
     return out
@@ -157,10 +157,21 @@ def test_a_training_and_the_analyses_of_its_checkpoint_as_a_dashboard_reads_them
     the Logs tab; the checkpoint as the training's output artifact and the analysis's input, the same version (same
     name and digest); curves keyed by method, the same in every run, fitted values in the config; each stage's
     curves once; the results table, summary and file of the analysis."""
+    import logging
+    import sys
+
     from lmcal.evaluate import evaluate
 
     monkeypatch.delenv("WANDB_MODE", raising=False)
-    metrics = train(_train_cfg(tmp_path / "train", data_overrides))
+    lmcal_log, console = logging.getLogger("lmcal"), logging.StreamHandler(sys.stderr)
+    level = lmcal_log.level
+    lmcal_log.addHandler(console)  # the console handler Hydra gives a real run's "lmcal" logger
+    lmcal_log.setLevel(logging.INFO)
+    try:
+        metrics = train(_train_cfg(tmp_path / "train", data_overrides))
+    finally:
+        lmcal_log.removeHandler(console)
+        lmcal_log.setLevel(level)
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         ev = compose("evaluate", overrides=[f"ckpt={metrics['best_ckpt']}", "analysis=smoke", "logger=wandb",
                                             "stages=[entropy_rate,calibration,decoders]",

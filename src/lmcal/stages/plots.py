@@ -50,11 +50,11 @@ def entropy_curve_figure(curves: dict[str, tuple[np.ndarray, np.ndarray]], path:
     for i, (label, value) in enumerate((reference_nats or {}).items()):  # dotted black first, then other dashes
         ax.axhline(value, ls=(":", "--", "-.", (0, (1, 4)))[i % 4], color=("k", "0.35", "0.55", "k")[i % 4], lw=1.2,
                    label=label)
-    ax.set_xlabel("t (generated words)")
+    ax.set_xlabel("" if difference is not None else "t (generated words)")  # shared: said under the lower panel
     ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))  # t is a count: no t = 2.5
     ax.set_xlim(0.5, horizon + 0.5)  # both panels: t = 1..horizon
     ax.set_ylabel("entropy of the t-th word's distribution\n(nats; bands ±1.96 se)")
-    ax.set_title(wrapped(title, width), fontsize=10)
+    ax.set_title(wrapped(title, 0.7 * width), fontsize=10)  # over the axes, about 70% of the figure's width
     ax.grid(alpha=0.3)
     if legend_outside:  # below the axes, in columns: the curves keep the figure's width
         handles, labels = ax.get_legend_handles_labels()
