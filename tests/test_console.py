@@ -3,6 +3,7 @@ where stderr is not a terminal), tokens/s in the training bar, Lightning's tips 
 total as wall time."""
 
 import logging
+import re
 
 import pytest
 
@@ -73,3 +74,111 @@ def test_lightnings_start_up_tips_are_silenced_once(monkeypatch):
     tip = logging.LogRecord("x", logging.INFO, "", 0, "💡 Tip: For seamless cloud logging ...", None, None)
     gpu = logging.LogRecord("x", logging.INFO, "", 0, "GPU available: False, used: False", None, None)
     assert [logger.filters[0].filter(r) for r in (keep, tip, gpu)] == [True, False, False]
+
+
+def test_log_lines_give_the_time_left_and_a_minute_never_passes_silently(caplog, monkeypatch):
+    clock = iter([0.0, 1.0, 62.0, 63.0, 200.0])  # a slow second step: a line at 62 s though not a tenth is done
+    monkeypatch.setattr(progress_mod.time, "perf_counter", lambda: next(clock))
+    with caplog.at_level(logging.INFO, logger="lmcal"):
+        bar = progress_bar(total=100, desc="scoring")
+        bar.update(1)  # t = 1
+        bar.update(1)  # t = 62: a minute without a line
+        bar.update(98)  # t = 63: the rest, 1 s after the last line: none
+        bar.close()  # t = 200: the end
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines[0] == "scoring: 2% (2/100 it, 62 s, 0.0 it/s, about 50m38s left)"  # 98 more at 2 per 62 s
+    assert lines[1:] == ["scoring: 100% (100/100 it, 200 s, 0.5 it/s)"] # done: no time left
+
+
+def test_the_console_numbers_stages_as_they_start_and_gives_the_times_left(tmp_path, monkeypatch, capsys):
+    """jobs=2 with plan order a, x (after a), b: b starts second and is [2/3], not [3/3]; each running stage shows its
+    step's time left from its log, and the pipeline's from the estimates scaled by the stages that finished."""
+    import sys
+
+    from omegaconf import OmegaConf
+
+    from lmcal.pipeline import schedule as S
+    from lmcal.pipeline.eta import plan_left, scaled, stage_line, step_eta
+
+    def stage(name, deps=(), seconds=0.0):
+        done = tmp_path / name / "done.txt"
+        code = ("import time, pathlib; print(time.strftime('[%Y-%m-%d %H:%M:%S,000][lmcal][INFO] - scoring: 40% "
+                "(4/10 it, 2 s, 2.0 it/s, about 30m00s left)'), flush=True); "
+                f"time.sleep({seconds}); p = pathlib.Path({str(done)!r}); "
+                "p.parent.mkdir(parents=True, exist_ok=True); p.write_text('ok')")
+        return {"name": name, "dir": tmp_path / name, "done": [done], "deps": list(deps),
+                "cmd": [sys.executable, "-c", code]}
+
+    monkeypatch.setattr(S, "machine_gflops", lambda: 0.0)
+    monkeypatch.setattr(S, "LINE_EVERY_S", 0.5)
+    stages = [stage("a", seconds=1.0), stage("x", ["a"], seconds=3.0), stage("b", seconds=6.0)]
+    S.schedule(stages, OmegaConf.create({}), tmp_path, {n: {} for n in "axb"}, jobs=2, ref={},
+               estimates={"a": 1e-3, "x": 3e-3, "b": 6e-3})
+    out = capsys.readouterr().out
+    assert "[1/3] a: running" in out and "[2/3] b: running" in out and "[3/3] x: running" in out
+    assert re.search(r"\(scoring 40%, about 29m5\ds left\)", out)  # the step's ETA from the stage's log, aged
+    assert "; the pipeline about" in out.split("[1/3] a: done")[1]  # once a stage has been timed
+
+    import time
+
+    log = tmp_path / "train.log"
+    log.write_text("[2026-11-26 03:50:00,123][lmcal][INFO] - training: epoch 3/300, 27/67 batches (40%), 4m10s in; "
+                   "about 55s left in the epoch, about 2h10m left in all (300 epochs at most)\n")
+    written = time.mktime(time.strptime("2026-11-26 03:50:00", "%Y-%m-%d %H:%M:%S"))
+    assert step_eta(log, now=written + 600) == "epoch 3/300, about 2h00m left"  # ten minutes after the line
+    assert step_eta(log, now=written + 9000) == "epoch 3/300, finishing"
+    exp = scaled({"a": 10.0, "b": 20.0, "c": 40.0}, {"a": 25.0, "b": 45.0}, reference=False)  # 5 + 2 x basis
+    assert exp == {"a": pytest.approx(25.0), "b": pytest.approx(45.0), "c": pytest.approx(85.0)}
+    assert scaled({"a": 10.0}, {}, reference=False) == {} and scaled({"a": 10.0}, {}, reference=True) == {"a": 10.0}
+    assert stage_line("c", 3, 22, 25.0, 85.0, "scoring 40%, about 3s left") == \
+        "[3/22] c: 25s, about 1m00s left (scoring 40%, about 3s left)"
+    assert plan_left(exp, ["c"], {"b": 5.0}, jobs=1) == pytest.approx(85.0 + 40.0)
+    assert plan_left(exp, ["d"], {}, jobs=1) is None  # a stage without an expectation: no total
+
+
+def test_the_memory_fit_and_scoring_say_how_far_they_are(caplog, monkeypatch):
+    """The steps that were silent for minutes: the memory fit's passes over its rows, and held-out scoring."""
+    import itertools
+
+    import torch
+
+    from lmcal.core.decoders import heldout_cost
+    from lmcal.core.memory import memory_summary
+    from lmcal.data.markov import make_markov_chain
+    from lmcal.models.oracles import MarkovOracle
+
+    ticks = itertools.count(0.0, 7.0)  # 7 s a call of the clock: every update is past the 5 s spacing
+    monkeypatch.setattr(progress_mod.time, "perf_counter", lambda: next(ticks))
+    g = torch.Generator().manual_seed(0)
+    f = torch.randn(600, 20, generator=g).log_softmax(-1)
+    q = (f + torch.randn(600, 20, generator=g)).log_softmax(-1)
+    y = torch.randint(0, 20, (600,), generator=g)
+    with caplog.at_level(logging.INFO, logger="lmcal"):
+        memory_summary([(f, q, y)], cluster_size=100)
+        lm = MarkovOracle.from_chain(make_markov_chain(vocab_size=20, order=1, seed=0))
+        heldout_cost(lm, torch.randint(0, 20, (50, 2), generator=g), progress=True)
+    lines = [r.getMessage() for r in caplog.records]
+    fit = [x for x in lines if x.startswith("memory fit:")]
+    assert fit and "/25 pass" in fit[0] and "left)" in fit[0]
+    assert any(x.startswith("scoring: ") and "left)" in x for x in lines)
+
+
+def test_a_training_in_a_log_says_the_time_left_in_the_epoch_and_in_all(caplog, monkeypatch):
+    from types import SimpleNamespace
+
+    from lmcal.training import callbacks
+
+    now = iter([0.0, 0.0, 10.0, 70.0])  # train start, epoch start, batch 1 (a tenth done), batch 2 (a minute on)
+    monkeypatch.setattr(callbacks.time, "perf_counter", lambda: next(now))
+    trainer = SimpleNamespace(current_epoch=0, num_training_batches=10, max_epochs=3)
+    cb = callbacks.TrainingProgress()
+    with caplog.at_level(logging.INFO, logger="lmcal"):
+        cb.on_train_start(trainer, None)
+        cb.on_train_epoch_start(trainer, None)
+        cb.on_train_batch_end(trainer, None, None, None, 0)
+        cb.on_train_batch_end(trainer, None, None, None, 1)
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == ["training: epoch 1/3, 1/10 batches (10%), 10s in; about 1m30s left in the epoch, about 4m50s "
+                     "left in all (3 epochs at most)",
+                     "training: epoch 1/3, 2/10 batches (20%), 1m10s in; about 4m40s left in the epoch, about 16m20s "
+                     "left in all (3 epochs at most)"]

@@ -127,6 +127,29 @@ def test_the_wandb_dashboard_of_the_smoke_reproduction(uninterrupted):
     assert sum(k.startswith("decoders/curves/") for k in set().union(*dec["history"])) >= 8  # one per decoder
     memory = [r for r in runs if r["job_type"] == "memory"]  # each logs its table row and its own figure
     assert memory and all({"memory/table/_type", "memory/figure/_type"} <= set().union(*r["history"]) for r in memory)
+    # issue 42: one naming rule, the lineage, the report's numbers and files, the console
+    names = set(by_name)
+    assert {"memory-awd-lstm-32-64-3-tau2-ptb", "memory-window-awd-lstm-32-64-3-tau2-ptb",
+            "memory-window-transformer-2x32-context-64-tau2-ptb"} <= names
+    ckpt = next(a for a in base["artifacts"] if not a["used"])
+    assert ckpt["name"] == "checkpoint-awd-lstm-32-64-3-ptb"
+    users = [r["job_type"] for r in runs if any(a["used"] and a["digest"] == ckpt["digest"] for a in r["artifacts"])]
+    assert {"entropy_rate", "calibration", "decoders", "future_entropy", "sequence_calibration"} <= set(users)
+    assert base["summary"]["val/ppl"] == pytest.approx(res["base"]["val_ppl"])
+    assert all("???" not in json.dumps(r["values"]) and "tau" in r["values"] for r in runs if r["job_type"] != "report")
+    assert all(r["output"] for r in runs)  # every run's Logs tab
+    report = next(r for r in runs if r["job_type"] == "report")
+    assert report["summary"]["calibration/alpha"] == pytest.approx(res["calibration"]["alpha"])
+    from lmcal.pipeline.report_md import numbers
+
+    (table,) = (report["folder"] / "files" / "media" / "table").glob("results_*.table.json")
+    assert len(json.loads(table.read_text())["data"]) == len(numbers(res))  # every number of results.json
+    (files,) = [a["files"] for a in report["artifacts"] if a["type"] == "report"]
+    assert {"results.json", "REPORT.md", "figure2_entropy_rate.png"} <= set(files)
+    dec_keys = {k for h in dec["history"] for k in h if k.startswith("decoders/curves/")}
+    assert "decoders/curves/calibration" in dec_keys and not any("alpha=" in k for k in dec_keys)
+    seq = next(r for r in runs if r["job_type"] == "sequence_calibration")
+    assert any(k.startswith("sequence_calibration/curves/") for h in seq["history"] for k in h)
 
 
 def test_every_effect_sentence_of_the_report_agrees_with_results_json(uninterrupted):
@@ -253,7 +276,8 @@ def test_a_new_stage_runs_through_the_pipeline(uninterrupted, tmp_path):
 
 TIMING = {"seconds", "fit_seconds", "rows_seconds", "wall_seconds", "train_seconds", "tokens_per_s",
           "generated_tokens_per_s", "profile", "provenance", "stages", "_runtime", "_timestamp", "ms_per_token",
-          "cost_ratio", "generation_ms_per_token", "rollout_seconds", "tail_seconds"}
+          "cost_ratio", "generation_ms_per_token", "rollout_seconds", "tail_seconds",
+          "config"}  # evaluation.json's config: each run's own folders and W&B group
 
 
 def _without_timing(obj, out: str):

@@ -99,6 +99,7 @@ def test_training_writes_metrics_and_a_complete_hugging_face_folder(trained):
     assert (folder / "config.json").is_file() and (folder / "tokenizer.json").is_file()
     lm = load_hf_model(folder)
     assert lm.vocab_size == len(lm.tokenizer) and lm.max_positions == 64
+    assert lm.model.config.lmcal_label == m["model"]  # model=hf names it so (lmcal.stages.targets.hf_label)
 
 
 @needs_ptb

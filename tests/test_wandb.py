@@ -52,16 +52,26 @@ def offline_run(folder: Path, wait_s: float = 60.0) -> dict:
     deadline = time.monotonic() + wait_s
     while not any(r.WhichOneof("record_type") == "exit" for r in records(f)) and time.monotonic() < deadline:
         time.sleep(0.5)
-    out = {"history": [], "summary": {}}
+    out = {"history": [], "summary": {}, "values": {}, "artifacts": []}
     for r in records(f):
         kind = r.WhichOneof("record_type")
         if kind == "run":
             out.update(id=r.run.run_id, name=r.run.display_name, job_type=r.run.job_type, group=r.run.run_group,
-                       tags=list(r.run.tags), config={u.key for u in r.run.config.update})
+                       tags=list(r.run.tags))
+            out["values"].update({u.key: json.loads(u.value_json) for u in r.run.config.update})
+        elif kind == "config":  # run.config.update during the run (fitted values)
+            out["values"].update({u.key: json.loads(u.value_json) for u in r.config.update})
         elif kind == "history":
             out["history"].append({"/".join(i.nested_key) or i.key: json.loads(i.value_json) for i in r.history.item})
         elif kind == "summary":
             out["summary"].update({"/".join(u.nested_key) or u.key: json.loads(u.value_json) for u in r.summary.update})
+        elif kind == "artifact":  # logged (an output) or, use_after_commit, used (an input)
+            a = r.artifact
+            out["artifacts"].append({"name": a.name, "type": a.type, "digest": a.digest, "used": a.use_after_commit,
+                                     "files": {e.path: e.ref for e in a.manifest.contents}})
+    out["config"], out["folder"] = set(out["values"]), folder
+    log = folder / "files" / "output.log"  # the console (the Logs tab)
+    out["output"] = log.read_text() if log.is_file() else ""
     return out
 
 
@@ -106,7 +116,7 @@ def test_training_logger_and_analysis_run_in_one_process_without_wandb_mode(orde
     (tr,) = runs_under(tmp_path / "train")
     assert tr["job_type"] == "train" and tr["name"].startswith("train-awd-lstm-")
     assert tr["name"].endswith("-" + cfg.data.name)
-    assert tr["group"] == "train" and cfg.data.name in tr["tags"] and "train" in tr["tags"]
+    assert tr["group"] == tr["name"].removeprefix("train-") and cfg.data.name in tr["tags"] and "train" in tr["tags"]
     assert {"data", "model", "optim"} <= tr["config"]
     steps_logged = [h for h in tr["history"] if "train/loss" in h]
     assert steps_logged and all({"train/lr", "train/grad_norm"} <= set(h) for h in steps_logged)
@@ -114,7 +124,8 @@ def test_training_logger_and_analysis_run_in_one_process_without_wandb_mode(orde
     assert tr["summary"]["final/test_ppl"] > 1 and not any("final/test_ppl" in h for h in tr["history"])
 
     (an,) = runs_under(tmp_path / "analysis")
-    assert (an["name"], an["job_type"], an["group"]) == ("entropy_rate-awd-lstm-8-8-1-ptb", "entropy_rate", "analysis")
+    assert (an["name"], an["job_type"], an["group"]) == ("entropy_rate-awd-lstm-8-8-1-ptb", "entropy_rate",
+                                                         "awd-lstm-8-8-1-ptb")
     assert {"data", "model"} <= an["config"] and an["summary"]["entropy_rate/final"] == 2.0
     curve = [h for h in an["history"] if "entropy_rate/curves/t" in h]
     assert [(h["entropy_rate/curves/t"], h["entropy_rate/curves/model"]) for h in curve] == [(1, 1.0), (2, 1.5),
@@ -137,3 +148,63 @@ def test_init_args_explicit_mode_and_a_checked_run_id(tmp_path):
     assert a["mode"] == "online" and a["group"] == "mine" and a["name"] == "memory-awd-lstm-8-8-1-tau5-markov"
     assert a["id"] != "../../etc" and (tmp_path / "wandb_run_id").read_text().strip() == a["id"]
     assert init_args(node, tmp_path, "memory")["id"] == a["id"]
+
+
+def test_a_training_and_the_analyses_of_its_checkpoint_as_a_dashboard_reads_them(tmp_path, monkeypatch,
+                                                                                  data_overrides):
+    """Issue 42: one naming rule and group for a training and the analysis of its checkpoint; clean configs (no
+    '???', no optimiser keys at two levels, tau a field); the best validation value in the summary; the console as
+    the Logs tab; the checkpoint as the training's output artifact and the analysis's input, the same version (same
+    name and digest); curves keyed by method, the same in every run, fitted values in the config; each stage's
+    curves once; the results table, summary and file of the analysis."""
+    import logging
+    import sys
+
+    from lmcal.evaluate import evaluate
+
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    lmcal_log, console = logging.getLogger("lmcal"), logging.StreamHandler(sys.stderr)
+    level = lmcal_log.level
+    lmcal_log.addHandler(console)  # the console handler Hydra gives a real run's "lmcal" logger
+    lmcal_log.setLevel(logging.INFO)
+    try:
+        metrics = train(_train_cfg(tmp_path / "train", data_overrides))
+    finally:
+        lmcal_log.removeHandler(console)
+        lmcal_log.setLevel(level)
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        ev = compose("evaluate", overrides=[f"ckpt={metrics['best_ckpt']}", "analysis=smoke", "logger=wandb",
+                                            "stages=[entropy_rate,calibration,decoders]",
+                                            "analysis.decoders.methods=[{name: top_p, p: 0.9}]",
+                                            *[f"data_root={o.split('=', 1)[1]}" for o in data_overrides
+                                              if o.startswith("data.root=")]])
+    with open_dict(ev):
+        ev.paths.output_dir = str(tmp_path / "eval")
+    evaluate(ev)
+    (tr,) = runs_under(tmp_path / "train")
+    (an,) = runs_under(tmp_path / "eval")
+    ds = metrics["dataset"]
+    assert tr["name"] == f"train-awd-lstm-32-64-3-{ds}" and tr["group"] == f"awd-lstm-32-64-3-{ds}"
+    assert an["name"] == f"entropy_rate-calibration-decoders-awd-lstm-32-64-3-{ds}" and an["group"] == tr["group"]
+    v = tr["values"]
+    assert "???" not in json.dumps(v) and v["model"]["vocab_size"] > 0 and "tau" in v and v["tau"] is None
+    assert not {"lr", "weight_decay", "clip", "net", "data_cfg", "vocab_size"} & set(v)  # the optimiser once: optim.*
+    assert tr["summary"]["val/ppl"] == pytest.approx(metrics["val_ppl"])  # the best (kept) checkpoint's
+    assert "val ppl" in tr["output"] and "test ppl" in tr["output"]  # the console, as the Logs tab shows it
+    (out_art,) = [a for a in tr["artifacts"] if not a["used"]]
+    assert (out_art["name"], out_art["type"]) == (f"checkpoint-awd-lstm-32-64-3-{ds}", "model")
+    assert out_art["files"]["best.ckpt"].startswith("file://")  # a reference: nothing uploaded (log_model=false)
+    (used,) = [a for a in an["artifacts"] if a["used"]]
+    assert (used["name"], used["digest"]) == (out_art["name"], out_art["digest"])  # the lineage: one version
+    assert any(a["type"] == "evaluation" and "evaluation.json" in a["files"] for a in an["artifacts"])
+    keys = set().union(*an["history"])
+    curves = sorted(k.removeprefix("decoders/curves/") for k in keys if k.startswith("decoders/curves/")
+                    and not k.startswith("decoders/curves/chart") and k != "decoders/curves/t")
+    assert curves == ["calibration", "fitted_temperature", "model", "top_p (p=0.9)"]  # no fitted value in a key
+    assert an["values"]["decoders/fitted_temperature/temperature"] > 0 and "calibration/alpha" in an["values"]
+    assert not any(k.startswith("entropy_rate/curve/") for k in keys)  # the curve once: as series only
+    assert [h["entropy_rate/curves/t"] for h in an["history"] if "entropy_rate/curves/entropy_nats" in h] == \
+        list(range(1, 21))
+    assert an["summary"]["calibration/alpha"] == pytest.approx(json.loads(
+        (tmp_path / "eval" / "evaluation.json").read_text())["calibration"]["alpha"])
+    assert "| stage | metric | value | ± se |" in an["output"]  # the table evaluate ends with, in the Logs tab

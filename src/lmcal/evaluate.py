@@ -10,6 +10,7 @@ Decoders: `stages=[decoders]` (every method of analysis.decoders.methods), or on
 
 from __future__ import annotations
 
+import functools
 import logging
 from pathlib import Path
 
@@ -18,9 +19,13 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from lmcal.core.lookahead import set_memory_budget
 from lmcal.errors import LmcalError
-from lmcal.stages.registry import run_stages
+from lmcal.models.checkpoint import model_name, read_checkpoint
+from lmcal.pipeline.docs import provenance, versions
+from lmcal.pipeline.preflight import checkpoint_model, hf_model, preflight
+from lmcal.stages.registry import result_rows, run_stages
+from lmcal.stages.tables import results_markdown
 from lmcal.stages.targets import checkpoint_target, hf_target, stage_settings
-from lmcal.stages.wandb_run import check_online, finish_run, wandb_run
+from lmcal.stages.wandb_run import check_online, finish_run, log_files, slug, use_checkpoint, wandb_log, wandb_run
 from lmcal.utils.boundary import boundary, run_hydra
 from lmcal.utils.device import apply_precision_policy, resolve_device
 from lmcal.utils.io import write_json_atomic
@@ -68,22 +73,66 @@ def evaluate(cfg: DictConfig) -> dict:
 def _evaluate(cfg: DictConfig, out: Path, settings: dict[str, dict]) -> dict:
     set_memory_budget(cfg.analysis.get("memory_budget_gb"))  # the lookahead's chunks (lmcal.core.lookahead)
     hf = cfg.get("model") is not None
-    target = hf_target(cfg, settings) if hf else checkpoint_target(cfg, settings)
+    check = functools.partial(check_sizes, cfg, settings)
+    target = hf_target(cfg, settings, check) if hf else checkpoint_target(cfg, settings, check)
     results = target["results"]
     results["device"] = str(cfg.device)
-    stages = list(cfg.stages)
-    window = (settings.get("memory") or {}).get("limited") == "window"
-    logger = wandb_run(cfg.get("logger"), OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False), out,
-                       job_type=stages[0] if len(stages) == 1 else "evaluate", model=target["name"],
-                       dataset=target["corpus"], tags=tuple(stages) + (("window",) if window else ()),
-                       name="-".join([*stages, *(["window", f"tau{settings['memory'].get('tau')}"] if window else [])])
-                       or "evaluate")
+    logger = evaluation_run(cfg, target, settings, out)
     try:
         results.update(run_stages(list(cfg.stages), target, settings, out, logger))
+        rows = result_rows(results)
+        results.update(table=[{"stage": st, "metric": k, "value": v, "stderr": se} for st, k, v, se in rows],
+                       config=OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False),
+                       versions=versions(), provenance=provenance())  # what ran it: command, date, machine, commit
         write_json_atomic(out / "evaluation.json", results)
+        wandb_log(logger, summary={f"{st}/{k}": v for st, k, v, _ in rows},
+                  tables={"results": (["stage", "metric", "value", "stderr"], [list(r) for r in rows])})
+        log_files(logger, f"evaluation-{slug(target['name'])}-{slug(target.get('dataset', target['corpus']))}",
+                  "evaluation", [out / "evaluation.json"])
+        print(f"\n{target['name']} on {target['corpus']} ({'per model token' if hf else 'per word'}; ± one standard "
+              f"error):\n\n{results_markdown(rows)}\nResults, config, versions and commit: {out / 'evaluation.json'}",
+              flush=True)
         return results
     finally:
         finish_run(logger)
+
+
+def evaluation_run(cfg: DictConfig, target: dict, settings: dict[str, dict], out: Path):
+    """The W&B run of an evaluation (False for another logger), by the one naming rule (lmcal.stages.wandb_run):
+    `<stages>[-window]-<model>[-tau<T>]-<dataset>`, a Hugging Face model by its label and its text's corpus; tau a
+    config field; the checkpoint (and a memory stage's base) recorded as its input artifact."""
+    stages = list(cfg.stages)
+    memory = settings.get("memory") or {}
+    window = memory.get("limited") == "window"
+    tau = memory.get("tau") if window else target["net"].memory_tau if "net" in target else None
+    model = target["name"] + (f", tau={tau}" if window and tau else "")
+    config = {**OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False), "tau": tau}
+    logger = wandb_run(cfg.get("logger"), config, out, job_type=stages[0] if len(stages) == 1 else "evaluate",
+                       model=model, dataset=target.get("dataset", target["corpus"]),
+                       tags=tuple(stages) + (("window",) if window else ()),
+                       name="-".join([*stages, *(["window"] if window else [])]) or "evaluate")
+    for key in ("ckpt", "base_ckpt"):  # the lineage: training run -> checkpoint artifact -> this run
+        path = target.get(key)
+        if path and (key == "ckpt" or path != target.get("ckpt")):
+            name = target["name"] if key == "ckpt" else model_name(
+                OmegaConf.create(read_checkpoint(path)["hyper_parameters"]["net"]))
+            use_checkpoint(logger, path, name, target["corpus"])
+    return logger
+
+
+def check_sizes(cfg: DictConfig, settings: dict[str, dict], *, hp: dict | None = None, vocab: int | None = None,
+                corpus: dict | None = None, memory_tau: int | None = None, hf_config=None,
+                text_vocab: int | None = None, name: str = "") -> None:
+    """The preflight (lmcal.pipeline.preflight): every stage's sizes against the model the target read (a checkpoint's
+    hyper-parameters, or a Hugging Face config and the text as its tokenizer reads it), before any work."""
+    if hf_config is not None:
+        m = hf_model(hf_config, corpus or {}, name)
+        dtype = str(cfg.model.get("dtype") or "float32")
+        preflight(settings, m, device=cfg.device, value_bytes=2 if dtype in ("bfloat16", "float16") else 4,
+                  score_context=cfg.model.get("context"), text_vocab=text_vocab)
+    else:
+        preflight(settings, checkpoint_model(hp, hp["vocab_size"], corpus or {}), memory_tau, device=cfg.device,
+                  text_vocab=vocab)
 
 
 @hydra.main(version_base="1.3", config_path="../../conf", config_name="evaluate")
@@ -94,4 +143,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    run_hydra(main)
+    run_hydra(main, "rerun the same command to run the stages again (an analysis starts over; evaluation.json is "
+                    "written once every stage has finished)")

@@ -7,26 +7,37 @@ the Hydra entry point around it, which turns `LmcalError`s into one-paragraph me
 from __future__ import annotations
 
 import logging
+import sys
 import time
 import traceback
 from pathlib import Path
 
 import hydra
 import pytorch_lightning as pl
+import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from pytorch_lightning.callbacks import ModelCheckpoint
+from pytorch_lightning.loggers import WandbLogger
 from pytorch_lightning.plugins.io import TorchCheckpointIO
 
 from lmcal.core.lookahead import set_memory_budget
 from lmcal.errors import LmcalError
 from lmcal.models.checkpoint import base_checkpoint, load_base_net, load_net, model_name, read_checkpoint
+from lmcal.pipeline.check import model_of
+from lmcal.pipeline.preflight import preflight
 from lmcal.stages.registry import STAGES, check_plan, check_stages, stage_kinds, summary
 from lmcal.stages.stage import KINDS
-from lmcal.stages.wandb_run import check_online, init_args, open_run
-from lmcal.training.callbacks import EpochEntropyRateCallback, MetricsCallback, StagesCallback, progress_bar
+from lmcal.stages.wandb_run import check_online, init_args, log_checkpoint, open_run
+from lmcal.training.callbacks import (
+    EpochEntropyRateCallback,
+    MetricsCallback,
+    StagesCallback,
+    TrainingProgress,
+    progress_bar,
+)
 from lmcal.training.module import LMModule
 from lmcal.utils.boundary import explain, fail, run_hydra
 from lmcal.utils.budget import tau_too_long
@@ -41,26 +52,32 @@ log = logging.getLogger("lmcal")
 quiet_third_party()  # once per process, before Lightning says anything
 
 
-def make_logger(cfg: DictConfig, out: Path):
+def make_logger(cfg: DictConfig, out: Path, vocab_size: int | None = None):
     """The run's logger: Lightning's WandbLogger with the W&B setup every run shares (lmcal.stages.wandb_run:
     name, job type `train` or `tau_model`, tags, group, mode passed explicitly, the run id kept in the folder so a
-    resumed training continues its run), or the configured other logger (CSV), or none."""
+    resumed training continues its run), or the configured other logger (CSV), or none. The W&B run's config is the
+    composed config once (Lightning's copy of the module's hyper-parameters would repeat it at the top level), with
+    model.vocab_size the corpus's."""
     lg = cfg.get("logger")
     if not lg or lg.get("_target_") is None:
         return False
+    config = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
+    if vocab_size is not None:
+        config["model"]["vocab_size"] = vocab_size
     args = init_args(OmegaConf.to_container(lg, resolve=True), out,
                      job_type="tau_model" if cfg.model.get("memory_tau") else "train", model=model_name(cfg.model),
-                     dataset=cfg.data.name, group=sweep_group(),
-                     config=OmegaConf.to_container(cfg, resolve=True))
+                     dataset=cfg.data.name, group=sweep_group(), config=config)
     if args is None:
         return instantiate(lg)
-    from pytorch_lightning.loggers import WandbLogger
+    class ConfigOnceWandbLogger(WandbLogger):
+        def log_hyperparams(self, params, *args, **kwargs) -> None:  # the run's config is given when it opens
+            pass
 
     run = open_run(args)  # opened here, with the mode in its arguments: WandbLogger(offline=True) sets $WANDB_MODE
     run.define_metric("trainer/global_step")  # as WandbLogger does for the runs it opens itself
     run.define_metric("*", step_metric="trainer/global_step", step_sync=True)
-    return WandbLogger(experiment=run, project=args["project"], name=args["name"], id=args["id"],
-                       save_dir=args["dir"])
+    return ConfigOnceWandbLogger(experiment=run, project=args["project"], name=args["name"], id=args["id"],
+                                 save_dir=args["dir"])
 
 
 def stages_on_command_line() -> bool:
@@ -94,7 +111,7 @@ def sweep_group() -> str | None:
 
 def finish_logger(logger) -> None:
     """Close the W&B run whatever happened, so offline runs are complete and syncable."""
-    if logger and type(logger).__name__ == "WandbLogger":
+    if isinstance(logger, WandbLogger):
         import wandb
 
         wandb.finish()  # not logger.experiment, which would open a run that never started
@@ -257,6 +274,11 @@ def _train(cfg: DictConfig, out: Path) -> dict:
     settings = {n: OmegaConf.to_container(cfg.analysis[n], resolve=True) for n in STAGES if n in cfg.analysis}
     stages = applicable_stages(list(cfg.analysis.get("stages") or []), "tau" if tau else "full", settings)
     check_plan(stages, "tau" if tau else "full", settings)  # before training: a misspelt stage or key costs nothing
+    every = (settings.get("entropy_rate") or {}).get("every_n_epochs")
+    preflight({n: settings[n] for n in STAGES if n in stages or (n == "entropy_rate" and every)},
+              model_of(cfg, dm.vocab_size, {s: int(dm.tokens(s).numel()) for s in ("train", "valid", "test")}),
+              tau, device="cuda" if str(cfg.trainer.get("accelerator", "auto")) in ("auto", "gpu", "cuda")
+              and torch.cuda.is_available() else "cpu", bptt=int(cfg.data.bptt))  # sizes against the model, now
     set_memory_budget(cfg.analysis.get("memory_budget_gb"))  # the lookahead's chunks (lmcal.core.lookahead)
     base_ckpt = base_checkpoint(OmegaConf.to_container(cfg.memory, resolve=True) if cfg.get("memory") else None,
                                 cfg.data.name)
@@ -269,23 +291,27 @@ def _train(cfg: DictConfig, out: Path) -> dict:
     stages_cb = StagesCallback(out, stages, settings, model_name(cfg.model), base_ckpt)
     callbacks = [ckpt_cb, metrics_cb, stages_cb]  # in this order: metrics.json is written before any stage runs
     if cfg.trainer.get("enable_progress_bar", True):
-        callbacks.append(progress_bar())
+        callbacks.append(progress_bar() if sys.stderr.isatty() else TrainingProgress())  # a log: lines with ETAs
     every = (settings.get("entropy_rate") or {}).pop("every_n_epochs", None)
     if every:
         check_stages(["entropy_rate"], "tau" if tau else "full")
         callbacks.append(EpochEntropyRateCallback(out, every, model_name=model_name(cfg.model), corpus=cfg.data.name,
                                                   **settings["entropy_rate"]))
 
-    logger = make_logger(cfg, out)
+    logger = make_logger(cfg, out, dm.vocab_size)
     try:
-        if logger and type(logger).__name__ != "WandbLogger":  # W&B got the config when its run opened
+        if logger and not isinstance(logger, WandbLogger):  # W&B got the config when its run opened
             logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
+        bar = bool(cfg.trainer.get("enable_progress_bar", True)) and sys.stderr.isatty()  # else TrainingProgress
         trainer: pl.Trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=logger, default_root_dir=str(out),
-                                          plugins=[AtomicCheckpointIO()])
+                                          plugins=[AtomicCheckpointIO()], enable_progress_bar=bar)
         fit(trainer, module, dm, resume)
         metrics = metrics_cb.metrics
         if metrics is None:
             raise LmcalError(f"Training stopped before it could be scored; see {out / 'train.log'}.")
+        if isinstance(logger, WandbLogger):  # the checkpoint as the run's output: the analyses of it link to it
+            log_checkpoint(logger, metrics["best_ckpt"], model_name(cfg.model), cfg.data.name,
+                           upload=bool(cfg.logger.get("log_model")))
         metrics.update(summary(stages_cb.results))
         if stages:
             metrics["wall_seconds"] = time.perf_counter() - t_start

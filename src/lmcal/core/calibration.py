@@ -309,13 +309,16 @@ def topk_coverage(cal: CalibratedLM, tokens: torch.Tensor) -> dict:
 
 
 @torch.no_grad()
-def target_log_probs(lm, tokens: torch.Tensor) -> torch.Tensor:
+def target_log_probs(lm, tokens: torch.Tensor, progress: bool = False) -> torch.Tensor:
     """log q(next word) of any StepLM along time-major streams tokens [S, B] (first token context only):
-    float64 [(S-1)*B], in position order t = 1..S-1 (B streams each); -inf where q gives the word probability 0."""
+    float64 [(S-1)*B], in position order t = 1..S-1 (B streams each); -inf where q gives the word probability 0.
+    progress: a progress line now and then ("scoring"), with the time left."""
+    from lmcal.utils.progress import progress_bar
+
     S, B = tokens.shape
     state = lm.init_state(B)
     out = []
-    for t in range(S - 1):
+    for t in progress_bar(range(S - 1), desc="scoring", disable=not progress, leave=False):
         logp, state = lm.step(tokens[t], state)  # [B, V]
         out.append(logp.gather(1, tokens[t + 1].to(logp.device)[:, None])[:, 0].double().cpu())
     return torch.cat(out)

@@ -277,7 +277,7 @@ def make_decoder(name: str, lm, **params):
 
 
 @timed("scoring")
-def heldout_cost(lm, tokens: torch.Tensor, mix_epsilon: float = 1e-6) -> dict:
+def heldout_cost(lm, tokens: torch.Tensor, mix_epsilon: float = 1e-6, progress: bool = False) -> dict:
     """What a (decoded) StepLM costs on held-out time-major streams tokens [S, B] (first token context only):
 
     test_ce_nats          mean -log q(w) over all words: finite only if no word gets probability 0, else None
@@ -286,7 +286,7 @@ def heldout_cost(lm, tokens: torch.Tensor, mix_epsilon: float = 1e-6) -> dict:
     test_ce_mixed_nats    mean -log((1 - eps) q(w) + eps / V) over all words, eps = mix_epsilon: always finite
                           (the per-token mixture of lmcal.core.lookahead.mix_uniform)
     """
-    logq = target_log_probs(lm, tokens)  # [n] float64
+    logq = target_log_probs(lm, tokens, progress)  # [n] float64 (progress: lines with the time left)
     zero = torch.isneginf(logq)
     kept = logq[~zero]
     mixed = mix_uniform(logq, mix_epsilon, lm.vocab_size)  # [n]

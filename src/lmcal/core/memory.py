@@ -113,9 +113,14 @@ def _check(full: torch.Tensor, limited: torch.Tensor, targets: torch.Tensor) -> 
                          f"{tuple(limited.shape)}, {tuple(targets.shape)}")
 
 
+_PASSES: list = []  # the progress of memory_summary's fit: one tick per pass over the rows (each a _groups call)
+
+
 def _groups(chunks: Iterable[Chunk], temperature: bool, size: float = math.inf):
     """(segment index, k-statistic rows) of each chunk, cut into segments of `size` rows along the text (blocks of
     the jackknife, halves of the cross-fit; inf: whole chunks), lazily."""
+    for bar in _PASSES:
+        bar.update(1)
     offset = 0
     for full, limited, targets in chunks:
         _check(full, limited, targets)
@@ -347,9 +352,21 @@ def memory_summary(chunks: list[Chunk] | Callable[[], Iterable[Chunk]], *, clust
     function returning a fresh iterable of them on each call (streamed: see memory_upper_bound): the
     one-parameter bound fitted on these rows with its jackknife standard error and cross-fit, ΔCE, and the
     two-parameter variant (P^^beta P~^alpha), as the JSON keys of memory.json (nats)."""
-    one = memory_upper_bound(chunks, cluster_size=cluster_size, jackknife=jackknife, bound=bound, elements=elements)
-    two = memory_upper_bound(chunks, cluster_size=cluster_size, jackknife=jackknife, bound=bound, elements=elements,
-                             temperature=True, crossfit=False, start=[0.0, one.alpha])  # Newton from the nearby fit
+    from lmcal.utils.progress import progress_bar
+
+    # passes over the rows: about 25 with the one-step jackknife (a minute each where they are streamed from a large
+    # model); with the exact one, 11 more per block, whose count is not known here
+    bar = progress_bar(total=25 if jackknife == "onestep" else None, desc="memory fit", unit="pass")
+    _PASSES.append(bar)
+    try:
+        one = memory_upper_bound(chunks, cluster_size=cluster_size, jackknife=jackknife, bound=bound,
+                                 elements=elements)
+        two = memory_upper_bound(chunks, cluster_size=cluster_size, jackknife=jackknife, bound=bound,
+                                 elements=elements, temperature=True, crossfit=False,
+                                 start=[0.0, one.alpha])  # Newton from the nearby fit
+    finally:
+        _PASSES.remove(bar)
+        bar.close()
     return {
         "alpha": one.alpha, "alpha_stderr": one.alpha_stderr, "ce_limited_nats": one.ce_limited,
         "mi_upper_bound_nats": one.mi_upper_bound, "mi_stderr_nats": one.mi_stderr,

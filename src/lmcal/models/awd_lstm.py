@@ -160,18 +160,21 @@ def matmul_params(net: AWDLSTM) -> int:
 
 
 @torch.no_grad()
-def evaluate_ce(net: AWDLSTM, tokens: torch.Tensor, batch_size: int, bptt: int = 70) -> tuple[float, int]:
+def evaluate_ce(net: AWDLSTM, tokens: torch.Tensor, batch_size: int, bptt: int = 70,
+                progress: str | None = None) -> tuple[float, int]:
     """Mean next-token cross-entropy (nats) of `net` on a 1-D token stream, read as
     `batch_size` contiguous streams in windows of `bptt` with the state carried over.
-    Returns (ce, number of predicted tokens)."""
+    Returns (ce, number of predicted tokens). progress: a name for progress lines with the time left."""
     from lmcal.data.batching import batchify, bptt_spans, get_batch
+    from lmcal.utils.progress import progress_bar
 
     was_training = net.training
     net.eval()
     source = batchify(tokens, batch_size)  # [S, B]
     hidden = net.init_hidden(batch_size)
     total, count = 0.0, 0
-    for start, seq_len in bptt_spans(source.size(0), bptt):
+    spans = list(bptt_spans(source.size(0), bptt))
+    for start, seq_len in progress_bar(spans, desc=progress or "", disable=progress is None, leave=False):
         x, y = get_batch(source, start, seq_len)
         x, y = x.to(net.decoder.weight.device), y.to(net.decoder.weight.device)
         output, _, hidden = net(x, hidden)
@@ -228,10 +231,16 @@ def limited_context_log_probs(net: AWDLSTM, tokens: torch.Tensor, tau: int, wind
     net.train(was_training)
 
 
-def limited_context_ce(net: AWDLSTM, tokens: torch.Tensor, tau: int, windows_per_batch: int = 512):
-    """Mean cross-entropy (nats) of the exact tau-context predictions; returns (ce, count)."""
+def limited_context_ce(net: AWDLSTM, tokens: torch.Tensor, tau: int, windows_per_batch: int = 512,
+                       progress: str | None = None):
+    """Mean cross-entropy (nats) of the exact tau-context predictions; returns (ce, count). progress: a name for
+    progress lines with the time left."""
+    from lmcal.utils.progress import progress_bar
+
     total, count = 0.0, 0
-    for lp, y in limited_context_log_probs(net, tokens, tau, windows_per_batch):
+    chunks = limited_context_log_probs(net, tokens, tau, windows_per_batch)
+    for lp, y in progress_bar(chunks, total=-(-max(tokens.numel() - 1, 0) // windows_per_batch), desc=progress or "",
+                              disable=progress is None, leave=False):
         total -= lp.gather(1, y[:, None]).sum().item()
         count += y.numel()
     return total / count, count

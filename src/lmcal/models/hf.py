@@ -251,18 +251,9 @@ def import_transformers():
     return transformers
 
 
-def load_hf_model(name_or_path, device="cpu", dtype=None, device_map=None) -> HFCausalLM:
-    """A causal LM and its tokenizer as an HFCausalLM on `device`, from a local folder or the Hugging Face hub;
-    with `device_map` (e.g. "auto", or {"": "cuda:0"}), spread across the devices by transformers/accelerate
-    instead (`device` is then not used: each layer stays where the map put it).
-
-    An existing path must be a folder written by `save_pretrained` (model and tokenizer); it is read from disk only.
-    No code from the folder or the hub runs (trust_remote_code=False): a model that needs its own Python is refused.
-    A path that does not exist but looks like a hub id ("gpt2", "openai-community/gpt2") is handed to
-    `from_pretrained`, which honours HF_HUB_OFFLINE=1 (then only the local hub cache is searched). dtype: a torch
-    dtype, its name ("bfloat16") or None (float32). Every failure is one LmcalError saying what was tried.
-    """
-    transformers = import_transformers()
+def _hf_source(name_or_path) -> tuple[str, dict, str, str]:
+    """(what to hand from_pretrained, its keywords for reading without running code, the source in words, how to
+    supply a model) of a local folder or hub id, each refused in one paragraph where it cannot hold a model."""
     name = str(name_or_path)
     path = Path(name).expanduser()
     local = path.exists()
@@ -278,6 +269,41 @@ def load_hf_model(name_or_path, device="cpu", dtype=None, device_map=None) -> HF
     source = f"the local folder {path}" if local else f"the hub id {name!r} (no such local folder)"
     # never the folder's own Python (config.json's auto_map), and never a prompt asking whether to run it
     where = {"local_files_only": True, "trust_remote_code": False} if local else {"trust_remote_code": False}
+    if local and (path / "config.json").is_file() and not any((path / f).is_file() for f in TOKENIZER_FILES):
+        raise LmcalError(f"{path} holds a model but no tokenizer files (none of {', '.join(TOKENIZER_FILES)}), so "
+                         "it could not read text. Save the tokenizer beside the model: "
+                         "tokenizer.save_pretrained(folder).")
+    return str(path) if local else name, where, source, how
+
+
+def load_hf_tokenizer(name_or_path):
+    """(tokenizer, config) of a Hugging Face model, without its weights: what its sizes are checked against before
+    the model is loaded (seconds). Refused as load_hf_model refuses."""
+    transformers = import_transformers()
+    target, where, source, how = _hf_source(name_or_path)
+    try:
+        return (transformers.AutoTokenizer.from_pretrained(target, **where),
+                transformers.AutoConfig.from_pretrained(target, **where))
+    except Exception as e:  # OSError, ValueError, network errors...: all mean "could not load it from there"
+        detail = " ".join(str(e).split())[:300]
+        raise LmcalError(f"Could not load a Hugging Face causal LM and its tokenizer from {source}: "
+                         f"{type(e).__name__}: {detail}. " + how) from None
+
+
+def load_hf_model(name_or_path, device="cpu", dtype=None, device_map=None, tokenizer=None) -> HFCausalLM:
+    """A causal LM and its tokenizer as an HFCausalLM on `device`, from a local folder or the Hugging Face hub;
+    with `device_map` (e.g. "auto", or {"": "cuda:0"}), spread across the devices by transformers/accelerate
+    instead (`device` is then not used: each layer stays where the map put it). `tokenizer`: one already loaded
+    (load_hf_tokenizer).
+
+    An existing path must be a folder written by `save_pretrained` (model and tokenizer); it is read from disk only.
+    No code from the folder or the hub runs (trust_remote_code=False): a model that needs its own Python is refused.
+    A path that does not exist but looks like a hub id ("gpt2", "openai-community/gpt2") is handed to
+    `from_pretrained`, which honours HF_HUB_OFFLINE=1 (then only the local hub cache is searched). dtype: a torch
+    dtype, its name ("bfloat16") or None (float32). Every failure is one LmcalError saying what was tried.
+    """
+    transformers = import_transformers()
+    target, where, source, how = _hf_source(name_or_path)
     kwargs = dict(where)
     if isinstance(dtype, str) and dtype != "auto":
         if not isinstance(getattr(torch, dtype, None), torch.dtype):
@@ -295,13 +321,8 @@ def load_hf_model(name_or_path, device="cpu", dtype=None, device_map=None) -> HF
                              "Install it (pip install accelerate, or the optional extra: pip install -e '.[hf]'), "
                              "or set model.device_map=null to load the model on one device.") from None
         kwargs["device_map"] = device_map
-    target = str(path) if local else name
-    if local and (path / "config.json").is_file() and not any((path / f).is_file() for f in TOKENIZER_FILES):
-        raise LmcalError(f"{path} holds a model but no tokenizer files (none of {', '.join(TOKENIZER_FILES)}), so "
-                         "it could not read text. Save the tokenizer beside the model: "
-                         "tokenizer.save_pretrained(folder).")
     try:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(target, **where)
+        tokenizer = tokenizer or transformers.AutoTokenizer.from_pretrained(target, **where)
         model = transformers.AutoModelForCausalLM.from_pretrained(target, **kwargs)
     except Exception as e:  # OSError, ValueError, network errors...: all mean "could not load it from there"
         detail = " ".join(str(e).split())[:300]

@@ -68,10 +68,13 @@ class GPTLM(nn.Module):
         """The network as a StepLM (lmcal.models.hf.HFCausalLM), in eval mode."""
         return HFCausalLM(self.model.eval())
 
-    def save_hf(self, folder: str | Path, itos: list[str]) -> Path:
-        """A complete Hugging Face folder: the model (save_pretrained) and a word-level tokenizer of `itos`."""
+    def save_hf(self, folder: str | Path, itos: list[str], label: str | None = None) -> Path:
+        """A complete Hugging Face folder: the model (save_pretrained) and a word-level tokenizer of `itos`; `label`
+        (the model's name in tables) is kept in its config.json as `lmcal_label`, the name model=hf shows."""
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
+        if label:
+            self.model.config.lmcal_label = str(label)
         self.model.save_pretrained(folder)
         word_tokenizer(itos).save_pretrained(folder)
         return folder

@@ -60,18 +60,24 @@ class Model:
     step_flops: float             # forward FLOPs of one token step, output layer included
     corpus: dict = field(default_factory=dict)   # {split: tokens} where known
     heads: int = 1                # attention heads (the transformer)
+    context_key: str = "model.n_positions"  # where its context is set, for the messages
+    what: str = ""                # the model in messages ("" : its kind)
 
 
-def model_of(train_cfg: DictConfig) -> Model:
+def model_of(train_cfg: DictConfig, vocab: int | None = None, corpus: dict | None = None) -> Model:
+    """The model of a training config (its `model` and `data` nodes); `vocab` and `corpus` ({split: tokens}): the
+    corpus as read, where it has been (else PTB's and the Markov source's sizes from the config)."""
     m, d = train_cfg.model, train_cfg.data
-    if d.name == "markov":
+    if vocab is not None:
+        V, corpus = int(vocab), dict(corpus or {})
+    elif d.name == "markov":
         ck = d.corpus_kwargs
         V, corpus = int(ck.vocab_size), {"train": int(ck.n_train), "valid": int(ck.n_valid), "test": int(ck.n_test)}
     else:
         V, corpus = PTB_VOCAB, dict(CORPUS_TOKENS.get(str(d.name), {}))
     for split, limit in (("train", d.get("max_train_tokens")), ("valid", d.get("max_eval_tokens")),
                          ("test", d.get("max_eval_tokens"))):
-        if limit and split in corpus:
+        if limit and split in corpus and vocab is None:
             corpus[split] = min(corpus[split], int(limit))
     if str(m._target_).endswith("GPTLM"):
         E, L, n = int(m.n_embd), int(m.n_layer), int(m.n_positions)
@@ -104,7 +110,7 @@ def stream_sizes(name: str, a: dict, m: Model, memory_tau: int | None) -> list[t
         sizes.append((f"prefix_len + timing_horizon = {a['prefix_len']} + {a['timing_horizon']}",
                       a["prefix_len"] + a["timing_horizon"]))
     if "fit_streams" in a and name != "sequence_calibration":  # its fit reads prefix + horizon windows instead
-        fit = min(a["fit_tokens"] or m.corpus.get("valid", 0), m.corpus.get("valid", a["fit_tokens"] or 0))
+        fit = _fit_tokens(a, m)
         if fit:
             sizes.append((f"fit_tokens / fit_streams = {fit:,} / {a['fit_streams']}", fit // a["fit_streams"]))
     if "score_streams" in a:
@@ -130,6 +136,75 @@ def stream_sizes(name: str, a: dict, m: Model, memory_tau: int | None) -> list[t
         if tau:
             sizes.append((f"memory window tau = {tau}", int(tau)))
     return sizes
+
+
+def _fit_tokens(a: dict, m: Model) -> int:
+    """Validation tokens a stage fits on: fit_tokens (null: the whole split), at most the split's own."""
+    return min(a["fit_tokens"] or m.corpus.get("valid", 0), m.corpus.get("valid", a["fit_tokens"] or 0))
+
+
+def fitting_settings(name: str, a: dict, m: Model, memory_tau: int | None = None) -> dict:
+    """{key: value} of stage `name`'s settings `a` changed so that every stream fits m's context (prefix_len at most
+    half of it, the horizons and rollouts shortened, the streams more numerous) and each fit stream is longer than
+    min_context: the settings a refusal proposes."""
+    c, b = m.context, dict(a)
+    for _ in range(4):  # a change shortens streams only: a few rounds settle
+        bad = [w.split(" = ")[0] for w, s in stream_sizes(name, b, m, memory_tau) if c and s > c]
+        for key in bad:
+            if key.startswith(("prefix_len + ", "sv_prefix")):
+                first = "prefix_len" if key.startswith("prefix_len") else "sv_prefix"
+                b[first] = max(1, c // 4) if b[first] > c // 2 else b[first]
+                b[key.split(" + ")[1]] = max(1, c - b[first])
+            elif key.startswith(("fit_tokens", "score_tokens")):
+                fit = key.startswith("fit")
+                b[f"{key[:key.index('_')]}_streams"] = -(-(_fit_tokens(b, m) if fit else _score_tokens(b, m)) // c)
+            elif key.startswith("rollout_prefix"):
+                ks = [k for k in (b["horizon_k"] if isinstance(b["horizon_k"], list) else [b["horizon_k"]])
+                      if k <= c // 2] or [1]
+                b["horizon_k"] = ks if isinstance(b["horizon_k"], list) else ks[0]
+                b["rollout_prefix"] = min(b["rollout_prefix"], max(1, c // 4))
+                b["rollout_steps"] = max(1, c - b["rollout_prefix"] - max(ks))
+            elif key.startswith("memory window"):
+                b["tau"] = c
+        if short := short_fit_streams(name, b, m):
+            b["min_context"] = short // 2
+        if not bad and not short:
+            break
+    return {k: v for k, v in b.items() if v != a.get(k)}
+
+
+def short_fit_streams(name: str, a: dict, m: Model) -> int:
+    """The length of stage `name`'s fit streams where it is not more than min_context (nothing to fit), else 0."""
+    fit = _fit_tokens(a, m) if "min_context" in a and "fit_streams" in a and name != "sequence_calibration" else 0
+    return fit // a["fit_streams"] if fit and fit // a["fit_streams"] <= max(1, a["min_context"]) else 0
+
+
+def size_problems(name: str, a: dict, m: Model, memory_tau: int | None = None) -> tuple[str, dict]:
+    """What in stage `name`'s settings `a` does not fit model `m`, as sentences naming the keys, their values and the
+    limit ("" when everything fits), and the settings that fit ({key: value}, fitting_settings)."""
+    bad = [(w, s) for w, s in stream_sizes(name, a, m, memory_tau) if m.context and s > m.context]
+    text = (f"would feed its {m.what or m.kind} more tokens than its context of {m.context} ({m.context_key}): "
+            + "; ".join(f"{what} = {size:,} tokens" for what, size in bad) + ".") if bad else ""
+    if short := short_fit_streams(name, a, m):
+        text += (" Its" if text else "would read") + (
+            f" fit streams of fit_tokens / fit_streams = {_fit_tokens(a, m):,} / {a['fit_streams']} = {short:,} "
+            f"tokens, not longer than min_context = {a['min_context']} (the tokens each reads before its positions "
+            "count): nothing to fit.")
+    return text, (fitting_settings(name, a, m, memory_tau) if text else {})
+
+
+def setting(key: str, v) -> str:  # key=value as a Hydra override
+    return f"{key}=[{','.join(map(str, v))}]" if isinstance(v, (list, tuple)) else f"{key}={v}"
+
+
+def size_refusal(problems: list[tuple[str, str, dict]], how: str) -> LmcalError:
+    """One paragraph: problems (subject, what size_problems says, {key: value that fits}); how: where they go."""
+    fits = [setting(k, v) for _, _, f in problems for k, v in f.items()]
+    head = "A setting that fits" if len(fits) == 1 else "Settings that fit"
+    fix = f"{head}: {' '.join(fits)} ({how})." if fits else how
+    return LmcalError(" ".join(f"{subject} {text}" for subject, text, _ in problems)
+                      + f" {'It' if len(problems) == 1 else 'Each'} would fail when it got there, after the stages "
+                      f"before it had run; nothing was run. {fix}")
 
 
 def _score_tokens(a: dict, m: Model) -> int:
@@ -242,16 +317,10 @@ def stream_passes(a: dict, m: Model) -> int:
     return 25 + 11 * -(-n // int(a.get("cluster_size", 2000)))
 
 
-def _refuse(stage: str, m: Model, bad: list[tuple[str, int]], fix: str) -> LmcalError:
-    listed = "; ".join(f"{what} = {size:,} tokens" for what, size in bad)
-    return LmcalError(
-        f"Stage '{stage}' would feed its {m.kind} more tokens than its context of {m.context} (model.n_positions): "
-        f"{listed}. It would fail when it got there, after the stages before it had run; nothing was run. {fix}")
-
-
-def check(cfg: DictConfig) -> str:
+def check(cfg: DictConfig, estimates: dict | None = None) -> str:
     """The plan of profile `cfg` as text, every stage composed and range-checked (lmcal.utils.rules) and every size
-    checked against the model it meets; raises LmcalError naming the stage, the keys and the limit otherwise."""
+    checked against the model it meets; raises LmcalError naming the stage, the keys and the limit otherwise.
+    `estimates`, where given, gets each stage's estimated seconds (the console's ETAs scale them to this machine)."""
     stages = plan(cfg)
     models: dict[str, Model] = {}  # training stage dir -> its model
     tau_of: dict[str, int] = {}  # a tau-model's training stage dir -> its memory length
@@ -278,8 +347,10 @@ def check(cfg: DictConfig) -> str:
                                          "taus (or markov.taus), or train on more text (data.max_train_tokens).")
                 bptt, batch = int(c.data.bptt), int(c.data.batch_size)
                 if m.context and bptt > m.context:
-                    raise _refuse(st["name"], m, [(f"data.bptt = {bptt}", bptt)],
-                                  f"Set data.bptt <= {m.context} in {st['name'].replace('_base', '')}.base.")
+                    raise size_refusal([(f"Stage '{st['name']}'", f"would feed its {m.kind} more tokens than its "
+                                         f"context of {m.context} ({m.context_key}): data.bptt = {bptt:,} tokens.",
+                                         {"data.bptt": m.context})],
+                                       f"in the profile's {st['name'].replace('_base', '.base')}")
                 epochs = max(int(c.trainer.max_epochs), 0)
                 tokens = m.corpus.get("train", 0) * epochs
                 flops = 3 * m.step_flops * tokens
@@ -325,13 +396,15 @@ def check(cfg: DictConfig) -> str:
                 raise LmcalError(where + tau_too_long("tau", int(tau), test, "test") + " Lower it, or score more "
                                  "tokens (analysis.memory.score_tokens).")
         sizes = stream_sizes(name, a, m, mem_tau)
-        if m.context:
-            bad = [(w, s) for w, s in sizes if s > m.context]
-            if bad:
-                part = "transformer.analysis" if st["name"].startswith("transformer_") else "analysis"
-                raise _refuse(st["name"], m, bad, f"In the profile's {part}, lower analysis.{name}'s prefix_len or "
-                              "horizon (or the other lengths named), or raise fit_streams or score_streams, until "
-                              f"each is at most {m.context}.")
+        problem, fits = size_problems(name, a, m, mem_tau)
+        if problem:
+            part = next((p for p in ("transformer", "markov") if st["name"].startswith(p + "_")), None)
+            key = f"{part}.analysis" if part else "analysis"
+            listed = [*(cfg[part].analysis if part else cfg.analysis),
+                      *(setting(f"analysis.{name}.{k}", v) for k, v in fits.items())]
+            fits = {f"analysis.{name}.{k}": v for k, v in fits.items()}
+            raise size_refusal([(f"Stage '{st['name']}'", problem, fits)],
+                               f"in the profile's {key}: ARGS='{key}=[{','.join(listed)}]'")
         steps = model_steps(name, a, m, mem_tau)
         peak = peak_tensors(name, a, m, c.analysis.get("memory_budget_gb"))
         passes = stream_passes(a, m) if any(w.startswith("streamed rows") for w, _ in peak) else 1
@@ -347,6 +420,8 @@ def check(cfg: DictConfig) -> str:
                      + (f" (largest {_bytes(top[1])})" if top else ""))
     total, _ = schedule(jobs, max(1, int(cfg.get("jobs", 1))))
     alone = {j.name: j.seconds for j in jobs}
+    for n, t in alone.items() if estimates is not None else ():  # the console's ETAs scale them
+        estimates[n] = estimates.get(n, 0.0) + t
     head = [f"Plan of the {cfg.profile} profile: {len(stages)} stages, all composed and within their ranges; every "
             "stream fits its model's context.", ""]
     tail = ["", f"Wall time on one GPU: an ESTIMATE, {total / 3600:.1f} h (stages one after another: "

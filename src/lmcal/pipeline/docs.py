@@ -61,6 +61,20 @@ def provenance(command: str | None = None) -> dict:
             "date": time.strftime("%Y-%m-%d %H:%M %Z"), "machine": machine(), "commit": commit}
 
 
+def versions() -> dict:
+    """The versions of Python and of the packages the numbers depend on (those installed)."""
+    from importlib import metadata
+
+    out = {"python": platform.python_version()}
+    for pkg in ("lmcal", "torch", "numpy", "scipy", "pytorch-lightning", "transformers", "hydra-core", "omegaconf",
+                "wandb"):
+        try:
+            out[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            pass
+    return out
+
+
 def provenance_line(p: dict) -> str:
     return (f"*Command:* `{p['command']}` · *date:* {p['date']} · *machine:* {p['machine']}"
             + (f" · *commit:* {p['commit']}" if p.get("commit") else ""))

@@ -58,8 +58,9 @@ def load_profile(argv: list[str]) -> DictConfig:
     if "extends" in profile:  # a profile that differs from another in a few keys lists only those (paper_full)
         parent = profile.pop("extends")
         profile = OmegaConf.merge(OmegaConf.load(CONF_DIR / "reproduce" / f"{parent}.yaml"), profile)
-    # every profile runs its stages here (launcher=local) or as Slurm jobs (launcher=slurm, slurm.<key>=...)
-    profile = OmegaConf.merge({"launcher": "local", "slurm": slurm_defaults()}, profile)
+    # every profile runs its stages here (launcher=local) or as Slurm jobs (launcher=slurm, slurm.<key>=...), and
+    # uploads its checkpoints to W&B only with wandb_log_model=true
+    profile = OmegaConf.merge({"launcher": "local", "slurm": slurm_defaults(), "wandb_log_model": False}, profile)
     known = _keys(profile)
     unknown = [k for k in _keys(cli) if k not in known and k not in CLI_ONLY
                and not any(k.startswith(f"{p}.") for p in known)]
@@ -82,7 +83,8 @@ def logger_overrides(cfg: DictConfig) -> list[str]:
     """One W&B project and group for every run of a reproduction (offline unless the profile says otherwise)."""
     if cfg.logger == "wandb":
         return ["logger=wandb", f"logger.project={cfg.wandb_project}", f"logger.group={reproduction_group(cfg.out)}",
-                f"logger.offline={str(cfg.wandb_offline).lower()}"]
+                f"logger.offline={str(cfg.wandb_offline).lower()}",
+                *(["logger.log_model=true"] if cfg.get("wandb_log_model") else [])]
     return [f"logger={cfg.logger}"]
 
 

@@ -32,7 +32,7 @@ from lmcal.pipeline.setup_text import (
     future_entropy_lines,
     memory_lines,
 )
-from lmcal.stages.wandb_run import init_args, open_run, reproduction_group
+from lmcal.stages.wandb_run import init_args, log_files, open_run, reproduction_group, slug
 from lmcal.utils.device import precision_policy
 from lmcal.utils.io import copy_atomic, read_json, write_json_atomic, write_text_atomic
 from lmcal.utils.numbers import exp_or_inf, format_ce, format_params
@@ -109,11 +109,20 @@ def report(cfg: DictConfig, out: Path, names: list[str]) -> None:
     results["provenance"]["precision"] = precision_policy()  # TF32 flags every stage ran with (lmcal.utils.device)
     import numpy as np
 
-    er, cal = results["entropy_rate"], results["calibration"]
-    entropy_curve_figure({"generations": (np.array(er["curve_nats"]), np.array(er["stderr_nats"]))},
-                         out / "figure2_entropy_rate.png",
-                         reference_nats={"test cross-entropy": math.log(results["base"]["test_ppl"])},
-                         title=f"{results['base']['model']} on {cfg.dataset}: entropy of generated words")
+    er, cal, tr = results["entropy_rate"], results["calibration"], results.get("transformer", {})
+    lstm = results["base"]["model"]
+    curves = {f"{lstm}: generations": (np.array(er["curve_nats"]), np.array(er["stderr_nats"]))}
+    refs = {f"{lstm}: test cross-entropy": math.log(results["base"]["test_ppl"])}
+    if "entropy_rate" in tr:  # Table 1's second row, as Figure 2 shows it
+        curves[f"{tr['base']['model']}: generations"] = (np.array(tr["entropy_rate"]["curve_nats"]),
+                                                         np.array(tr["entropy_rate"]["stderr_nats"]))
+        refs[f"{tr['base']['model']}: test cross-entropy"] = math.log(tr["entropy_rate"]["test_ppl"])
+    p = paper.AWD_LSTM_PTB
+    refs[f"paper, AWD-LSTM (500 epochs): EntRate {p['entrate_ppl']} at t = {paper.HORIZON}"] = math.log(
+        p["entrate_ppl"])
+    refs[f"paper, AWD-LSTM: test ppl {p['test_ppl']}"] = math.log(p["test_ppl"])
+    entropy_curve_figure(curves, out / "figure2_entropy_rate.png", reference_nats=refs, legend_outside=True,
+                         title=f"Entropy of generated words on {cfg.dataset} (Figure 2), beside the paper's AWD-LSTM")
     entropy_curve_figure({"uncalibrated": (np.array(cal["curve_nats_before"]), np.array(cal["stderr_nats_before"])),
                           f"calibrated (alpha* = {cal['alpha']:.3g})": (np.array(cal["curve_nats"]),
                                                                         np.array(cal["stderr_nats"]))},
@@ -130,7 +139,8 @@ def report(cfg: DictConfig, out: Path, names: list[str]) -> None:
     if "sequence_calibration" in cfg.stages:
         copy_atomic(out / cfg.dataset / "sequence_calibration" / "sequence_calibration.png",
                     out / "figure_sequence_calibration.png")
-    memory_report([out / cfg.dataset / "memory", out / "markov" / "memory"], out, wandb_mode="disabled")
+    memory_report([out / cfg.dataset / "memory", out / "markov" / "memory"], out, wandb_mode="disabled",
+                  oracles={"markov": results["markov"]["oracle"]["memory"]})
     write_json_atomic(out / "results.json", results)
     write_text_atomic(out / "REPORT.md", report_markdown(cfg, results, out))
     if cfg.logger == "wandb":
@@ -344,16 +354,29 @@ def wall_seconds(stages: dict[str, dict]) -> float:
     return total + sum(s["seconds"] for s in stages.values() if "finished_at" not in s or "started_at" not in s)
 
 
+def numbers(obj, prefix: str = "") -> list[tuple[str, float]]:
+    """Every number of a results file as (key path, value): dicts by key, lists by index (a/b/0)."""
+    if isinstance(obj, bool) or obj is None:
+        return []
+    if isinstance(obj, (int, float)):
+        return [(prefix, obj)]
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list) else []
+    return [kv for k, v in items for kv in numbers(v, f"{prefix}/{k}" if prefix else str(k))]
+
+
 def _log_report(cfg: DictConfig, results: dict, out: Path) -> None:
+    """The report's W&B run: its summary holds every number of results.json that is not part of a list (the curves
+    are), a table ("results") holds every number, lists too, and results.json, REPORT.md and the figures are its
+    artifact."""
     import wandb
 
     node = {"_target_": "WandbLogger", "project": cfg.wandb_project, "offline": cfg.wandb_offline}
     run = open_run(init_args(node, out, job_type="report", dataset=cfg.dataset, name=f"report-{cfg.profile}",
                              group=reproduction_group(out), config={"profile": cfg.profile}))
     try:
-        run.summary.update({"test_ppl": results["base"]["test_ppl"],
-                            "entrate_ppl": results["entropy_rate"]["entrate_ppl"],
-                            "calibration/alpha": results["calibration"]["alpha"]})
+        every = numbers(results)
+        run.summary.update({k: v for k, v in every if not any(p.isdigit() for p in k.split("/"))})
+        run.log({"results": wandb.Table(columns=["key", "value"], data=[[k, float(v)] for k, v in every])})
         run.log({p.stem: wandb.Image(str(p)) for p in sorted([*out.glob("figure*.png"), *out.glob("memory_*.png")])})
         cols = ["tau", "limited", "ce_limited_nats", "delta_ce_nats", "mi_upper_bound_nats", "mi_stderr_nats",
                 "mi_upper_bound_crossfit_nats", "alpha"]
@@ -361,5 +384,8 @@ def _log_report(cfg: DictConfig, results: dict, out: Path) -> None:
         cols = ["method", "params", "entrate_ppl", "test_ce_nats", "zero_prob_fraction", "test_ce_mixed_nats"]
         run.log({"decoders": wandb.Table(columns=cols, data=[[json.dumps(d[c]) if c == "params" else d[c]
                                                               for c in cols] for d in results["decoders"]])})
+        log_files(run, f"report-{slug(out.name)}", "report", [out / "results.json", out / "REPORT.md",
+                                                                *sorted(out.glob("figure*.png")),
+                                                                *sorted(out.glob("memory_*.png"))])
     finally:
         run.finish()

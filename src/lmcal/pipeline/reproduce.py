@@ -113,7 +113,8 @@ def reproduce(cfg: DictConfig) -> dict:
     out = Path(cfg.out).resolve()
     check_quotable(out)  # before the check, which composes every stage's command with paths under out
     check_output_folder(out)
-    check(cfg)  # every stage composed and sized against its model, before the folder is touched
+    estimates: dict[str, float] = {}
+    check(cfg, estimates)  # every stage composed and sized against its model, before the folder is touched
     with run_lock(out, "reproduction"):
         sweep_temp_files(out)  # half-written files of a run that was killed
         stages = plan(cfg)
@@ -126,12 +127,13 @@ def reproduce(cfg: DictConfig) -> dict:
         profile = OmegaConf.masked_copy(cfg, [k for k in cfg if k != "force"])
         write_text_atomic(out / "profile.yaml", OmegaConf.to_yaml(profile))
         ref, ref_machine = reference_seconds(cfg.profile)
-        if ref:
-            print(f"ETAs from the {cfg.profile} reproduction in docs/runs/{cfg.profile} ({ref_machine}).", flush=True)
+        print(f"ETAs from the {cfg.profile} reproduction in docs/runs/{cfg.profile} ({ref_machine})," if ref else
+              "ETAs: the plan check's estimates,", "scaled to this machine as stages finish; each running stage also "
+              "shows its current step's time left.", flush=True)
         t_all = time.perf_counter()
         if cfg.get("launcher", "local") == "slurm":  # each stage a Slurm job (lmcal.pipeline.slurm)
             schedule_slurm(stages, cfg, out, current, ref)
         else:
-            schedule(stages, cfg, out, current, max(1, int(cfg.get("jobs", 1))), ref)
+            schedule(stages, cfg, out, current, max(1, int(cfg.get("jobs", 1))), ref, estimates)
         print(f"Finished in {time.perf_counter() - t_all:.0f} s: {out / 'REPORT.md'}", flush=True)
     return json.loads((out / "results.json").read_text())

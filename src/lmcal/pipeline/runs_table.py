@@ -1,18 +1,20 @@
-"""The training runs of any set of folders as one table: each run's overrides (or folder), validation and test
-perplexity, status and folder. A Hydra multirun of `python -m lmcal.train -m` ends with it (`SweepSummary`, the
-callback conf/train.yaml names: it also makes the multirun exit 1 when a job failed), and `python -m lmcal.report`
-prints it for the folders it is given.
+"""The training runs of any set of folders as one table: each run's own overrides (the user's: not where it logs or
+writes), dataset, tau, validation and test perplexity, wall time, status and folder, sorted with numbers as numbers.
+A Hydra multirun of `python -m lmcal.train -m` ends with it (`SweepSummary`, the callback conf/train.yaml names: it
+also makes the multirun exit 1 when a job failed), and `python -m lmcal.report` prints it for the folders it is given.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import re
 from pathlib import Path
 
 from hydra.experimental.callback import Callback
 
 from lmcal.utils.io import write_text_atomic
+from lmcal.utils.progress import clock
 
 log = logging.getLogger("lmcal")
 
@@ -25,15 +27,31 @@ def _read(path: Path) -> dict | None:
     return data if isinstance(data, dict) else None
 
 
-def _overrides(run: Path) -> list[str]:
-    """The job's command-line overrides (Hydra's .hydra/overrides.yaml), else the folder's name."""
+# overrides that say where a run logs and writes, not what it trains: the pipeline's own (make reproduce passes
+# them), and the keys conf/train.yaml keeps out of job folder names
+NOT_SHOWN = ("logger", "hydra", "task_name", "paths", "init_ckpt", "ckpt_path", "data.root", "data.download",
+             "memory.base_ckpt", "memory.base_runs", "trainer.enable_progress_bar", "analysis.stages")
+
+
+def _yaml(path: Path):
     import yaml
 
     try:
-        items = yaml.safe_load((run / ".hydra" / "overrides.yaml").read_text())
+        return yaml.safe_load(path.read_text())
     except (OSError, yaml.YAMLError):
-        items = None
+        return None
+
+
+def _overrides(run: Path) -> list[str]:
+    """The job's command-line overrides (Hydra's .hydra/overrides.yaml), else the folder's name."""
+    items = _yaml(run / ".hydra" / "overrides.yaml")
     return [str(x) for x in items] if isinstance(items, list) else [run.name]
+
+
+def users_overrides(overrides: list[str]) -> list[str]:
+    """The overrides a user chose: without where the run logs and writes (NOT_SHOWN)."""
+    key = lambda o: o.lstrip("+~").split("=")[0]  # noqa: E731
+    return [o for o in overrides if not any(key(o) == k or key(o).startswith((k + ".", k + "/")) for k in NOT_SHOWN)]
 
 
 def find_runs(dirs: list[str | Path], jobs: bool = False) -> list[Path]:
@@ -48,32 +66,57 @@ def find_runs(dirs: list[str | Path], jobs: bool = False) -> list[Path]:
 
 
 def run_row(run: Path) -> dict:
-    """One run: overrides, val/test perplexity, status (ok, failed: the first line of why, or no result) and folder."""
+    """One run: overrides (all, and the user's), dataset, tau, val/test perplexity, wall time, status (ok, failed:
+    why, or no result) and folder. Dataset and tau from metrics.json, else from the job's composed config."""
     metrics, failed = _read(run / "metrics.json"), _read(run / "failed.json")
-    status = ("failed: " + str(failed.get("error", "")).splitlines()[0][:160] if failed is not None
+    status = ("failed: " + " ".join(str(failed.get("error", "")).split()) if failed is not None
               else "ok" if metrics is not None else "no result (still running, or killed)")
-    m = metrics or {}
-    return {"overrides": _overrides(run), "dataset": m.get("dataset"), "memory_tau": m.get("memory_tau"),
-            "val_ppl": m.get("val_ppl"), "test_ppl": m.get("test_ppl"), "status": status, "folder": str(run)}
+    m, cfg = metrics or {}, _yaml(run / ".hydra" / "config.yaml") or {}
+    data, model = (cfg.get(k) if isinstance(cfg.get(k), dict) else {} for k in ("data", "model"))
+    overrides = _overrides(run)
+    return {"overrides": overrides, "shown": users_overrides(overrides), "dataset": m.get("dataset", data.get("name")),
+            "memory_tau": m.get("memory_tau", model.get("memory_tau")), "val_ppl": m.get("val_ppl"),
+            "test_ppl": m.get("test_ppl"), "wall_seconds": m.get("wall_seconds"), "status": status,
+            "folder": str(run)}
+
+
+def _natural(text: str) -> list:
+    """A sort key reading the numbers in `text` as numbers (tau=5 before tau=10)."""
+    parts = re.split(r"(\d+(?:\.\d+)?)", text)
+    return [(0, float(t), "") if t.replace(".", "", 1).isdigit() else (1, 0.0, t) for t in parts if t]
+
+
+def sort_rows(rows: list[dict]) -> list[dict]:
+    """By dataset, then tau (a number; full models first), then the user's overrides read with numbers as numbers."""
+    return sorted(rows, key=lambda r: (str(r.get("dataset") or ""), r.get("memory_tau") or 0,
+                                       _natural(" ".join(r.get("shown", r["overrides"]))), r["folder"]))
 
 
 def runs_markdown(rows: list[dict]) -> str:
-    """The table; with several runs, each shows the overrides that are its own, those all share go above it."""
+    """The table; with several runs, each shows the user's overrides that are its own, those all share go above it."""
     def ppl(x):
         return f"{x:.2f}" if isinstance(x, (int, float)) else "-"
 
-    common = set.intersection(*(set(r["overrides"]) for r in rows)) if len(rows) > 1 else set()
-    lines = [f"All runs: {' '.join(o for o in rows[0]['overrides'] if o in common)}", ""] if common else []
-    lines += ["| run | val ppl | test ppl | status | folder |", "|---|---|---|---|---|"]
-    lines += [f"| {' '.join(o for o in r['overrides'] if o not in common) or '-'} | {ppl(r['val_ppl'])} "
-              f"| {ppl(r['test_ppl'])} | {r['status']} | {r['folder']} |" for r in rows]
+    def cell(x) -> str:
+        return str(x).replace("|", "\\|")
+
+    shown = [r.get("shown", r["overrides"]) for r in rows]
+    common = set.intersection(*map(set, shown)) if len(rows) > 1 else set()
+    lines = [f"All runs: {' '.join(o for o in shown[0] if o in common)}", ""] if common else []
+    lines += ["| run | dataset | τ | val ppl | test ppl | wall time | status | folder |",
+              "|---|---|--:|--:|--:|--:|---|---|"]
+    lines += [f"| {cell(' '.join(o for o in mine if o not in common) or '-')} | {cell(r.get('dataset') or '-')} | "
+              f"{'-' if r.get('memory_tau') is None else r['memory_tau']} | {ppl(r['val_ppl'])} | "
+              f"{ppl(r['test_ppl'])} | "
+              f"{clock(r['wall_seconds']) if r.get('wall_seconds') is not None else '-'} | {cell(r['status'])} | "
+              f"{cell(r['folder'])} |" for r, mine in zip(rows, shown, strict=True)]
     return "\n".join(lines) + "\n"
 
 
 def runs_report(dirs: list[str | Path], out: str | Path | None = None, jobs: bool = False) -> list[dict]:
     """The table of the training runs under `dirs` (`find_runs`), printed, and written to `out`/runs.{md,json} when
     given."""
-    rows = [run_row(r) for r in find_runs(dirs, jobs)]
+    rows = sort_rows([run_row(r) for r in find_runs(dirs, jobs)])
     if rows:
         print(runs_markdown(rows), end="", flush=True)
         if out is not None:

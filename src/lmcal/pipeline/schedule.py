@@ -16,15 +16,11 @@ from omegaconf import DictConfig
 
 from lmcal.errors import LmcalError
 from lmcal.pipeline.devices import device_env, free_slot, visible_gpus
+from lmcal.pipeline.eta import plan_left, scaled, stage_line, step_eta
 from lmcal.pipeline.results import not_whole, stage_record
 from lmcal.pipeline.signals import end_groups, stage_process_options
 from lmcal.utils.io import read_record, write_json_atomic
-
-
-def clock(seconds: float) -> str:
-    """'1h02m', '4m05s', '12s'."""
-    s = int(round(seconds))
-    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
+from lmcal.utils.progress import clock
 
 
 def reference_seconds(profile: str) -> tuple[dict[str, float], str]:
@@ -51,6 +47,9 @@ def progress_line(name: str, index: int, total: int, elapsed: float, ref: dict[s
         if remaining_after is not None:
             line += f"; the pipeline about {clock(max(left, 0) + remaining_after)} left"
     return line
+
+
+LINE_EVERY_S = 60.0  # the console's progress lines where stdout is not a terminal (a file, a Slurm log)
 
 
 def stage_command(stage: dict) -> list[str]:
@@ -126,15 +125,19 @@ def stop(runs: dict) -> None:
             run["log"].close()
 
 
-def schedule(stages: list[dict], cfg: DictConfig, out: Path, current: dict, jobs: int, ref: dict[str, float]) -> None:
+def schedule(stages: list[dict], cfg: DictConfig, out: Path, current: dict, jobs: int, ref: dict[str, float],
+             estimates: dict[str, float] | None = None) -> None:
     """Runs the stages in plan order, up to `jobs` at once: a stage starts once every stage it depends on has
     finished (the report, in this process, once all have). A stage recorded as done is skipped unless a stage it
     depends on ran again. Every stage process gets the same environment (threads included) whatever `jobs` is, so
     its results do not depend on what runs beside it, apart from its GPU: with several, each running stage gets
-    its own (CUDA_VISIBLE_DEVICES). On a failure the others are stopped; a rerun resumes."""
+    its own (CUDA_VISIBLE_DEVICES). On a failure the others are stopped; a rerun resumes. The console numbers the
+    stages in the order they start, and gives each running stage's times left (lmcal.pipeline.eta) from the reference
+    run's stage times `ref`, else the plan check's `estimates`, scaled to this machine as stages finish."""
     gpus = visible_gpus() if jobs > 1 else []
-    total, index = len(stages), {st["name"]: i for i, st in enumerate(stages, 1)}
-    todo, running, finished, ran = list(stages), {}, set(), set()
+    total, index, number = len(stages), {st["name"]: i for i, st in enumerate(stages, 1)}, {}
+    todo, running, finished, ran, seconds = list(stages), {}, set(), set(), {}
+    basis = dict(ref or estimates or {})
     tty, shown = sys.stdout.isatty(), time.perf_counter()
     try:
         while todo or running:
@@ -145,12 +148,13 @@ def schedule(stages: list[dict], cfg: DictConfig, out: Path, current: dict, jobs
                 if any(d not in finished for d in stage["deps"]):
                     continue
                 todo.remove(stage)
+                number[name] = len(number) + 1  # in the order stages start, so that numbers never jump back
                 record = out / "stages" / f"{name}.json"
                 rec = {"dir": str(stage["dir"]), "cmd": stage.get("cmd"), "settings": current[name]}
                 before = stage_record(record)  # (None when it is not whole: not done, with a warning)
                 if (before is not None and before.get("status") == "done" and not ran & set(stage["deps"])
                         and all(finished_file(p) for p in stage["done"])):
-                    print(f"[{index[name]}/{total}] {name}: done before, skipped", flush=True)
+                    print(f"[{number[name]}/{total}] {name}: done before, skipped", flush=True)
                     if before.get("settings") != rec["settings"]:  # the tau-models of a longer taus list
                         write_json_atomic(record, {**before, **rec})
                     finished.add(name)
@@ -160,7 +164,7 @@ def schedule(stages: list[dict], cfg: DictConfig, out: Path, current: dict, jobs
                 rec["started_at"] = time.time()  # wall-clock: REPORT.md's total is the span the stages covered
                 write_json_atomic(record, {"status": "started", **rec})
                 ran.add(name)  # what uses its results runs again too
-                print(f"[{index[name]}/{total}] {name}: running (log: {out / 'logs' / (name + '.log')})", flush=True)
+                print(f"[{number[name]}/{total}] {name}: running (log: {out / 'logs' / (name + '.log')})", flush=True)
                 if "fn" in stage:
                     t0 = time.perf_counter()
                     stage["fn"](cfg, out)
@@ -184,19 +188,23 @@ def schedule(stages: list[dict], cfg: DictConfig, out: Path, current: dict, jobs
                 stage = stages[index[name] - 1]
                 if "fn" not in stage:
                     check_finished(stage, run, rc)
-                seconds = time.perf_counter() - run["t0"]
-                write_json_atomic(out / "stages" / f"{name}.json", {"status": "done", "seconds": seconds,
+                seconds[name] = took = time.perf_counter() - run["t0"]
+                write_json_atomic(out / "stages" / f"{name}.json", {"status": "done", "seconds": took,
                                                                     "finished_at": time.time(), **run["rec"]})
                 finished.add(name)
                 if tty:
                     print("\r\033[K", end="")
-                print(f"[{index[name]}/{total}] {name}: done in {seconds:.0f} s", flush=True)
+                print(f"[{number[name]}/{total}] {name}: done in {took:.0f} s", flush=True)
             now = time.perf_counter()
-            if running and (tty or now - shown >= 60):
-                later = [st["name"] for st in todo]
-                after = sum(ref[n] for n in later) if all(n in ref for n in later) else None
-                lines = [progress_line(n, index[n], total, now - r["t0"], ref, after if len(running) == 1 else None)
+            if running and (tty or now - shown >= LINE_EVERY_S):  # a line a minute in a log; live on a terminal
+                expected = scaled(basis, seconds, reference=bool(ref))
+                lines = [stage_line(n, number[n], total, now - r["t0"], expected.get(n),
+                                    step_eta(r["log_path"]) if r.get("log_path") else None)
                          for n, r in running.items()]
+                left = plan_left(expected, [st["name"] for st in todo if "fn" not in st],
+                                 {n: now - r["t0"] for n, r in running.items()}, jobs)
+                if left is not None:
+                    lines[-1] += f"; the pipeline about {clock(left)} left"
                 print(f"\r{'; '.join(lines)}\033[K" if tty else "\n".join(lines), end="" if tty else "\n",
                       flush=True)
                 shown = now

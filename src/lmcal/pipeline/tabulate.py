@@ -116,8 +116,10 @@ def decoders_report(dirs: list[str | Path], out: str | Path) -> dict:
 
 
 def memory_report(dirs: list[str | Path], out: str | Path | None = None, wandb_mode: str = "offline",
-                  project: str = "lmcal", group: str | None = None) -> dict:
-    """Collects the tau results under `dirs` and writes the tables, figures and `memory_report.json` into `out`."""
+                  project: str = "lmcal", group: str | None = None, oracles: dict[str, list[dict]] | None = None
+                  ) -> dict:
+    """Collects the tau results under `dirs` and writes the tables, figures and `memory_report.json` into `out`.
+    `oracles`: {corpus: rows} of the same estimators on exact oracles (a reproduction's Markov check), drawn beside."""
     by_corpus = collect_memory(dirs)
     if not by_corpus:
         raise LmcalError(f"No memory.json under {', '.join(map(str, dirs))}: run the tau models with "
@@ -133,16 +135,24 @@ def memory_report(dirs: list[str | Path], out: str | Path | None = None, wandb_m
             mine = [r for r in rows if r.get("limited", "trained") == lim]
             series[f"ours ({lim} P̃)"] = ([r["tau"] for r in mine], [r["mi_upper_bound_nats"] for r in mine],
                                          [r["mi_stderr_nats"] for r in mine])
+        orc = sorted((oracles or {}).get(corpus, []), key=lambda r: r["tau"])
+        if orc:  # the estimators on the exact P^ and P~_tau: they must land on the exact I_tau (the check)
+            series["the estimators on exact oracles (their check)"] = (
+                [r["tau"] for r in orc], [r["mi_upper_bound_nats"] for r in orc], [r["mi_stderr_nats"] for r in orc])
         exact = sorted({r["tau"]: r["exact_mi_nats"] for r in rows if r.get("exact_mi_nats") is not None}.items())
         if exact:  # the Markov source: the exact I_tau beside its bounds, as its table gives it
-            series["exact I_tau (the source)"] = ([t for t, _ in exact], [v for _, v in exact], None)
+            series["exact I_tau of the source (what the oracles' bound must equal; the LSTM's bound is on the "
+                   "LSTM's own I_tau)"] = ([t for t, _ in exact], [v for _, v in exact], None)
         if corpus == "ptb":
             taus = sorted(paper.MEMORY_PTB)
-            series["paper (AWD-LSTM, 500 epochs)"] = (taus, [paper.MEMORY_PTB[t][1] for t in taus], None)
+            shared = sorted(set(taus) & {r["tau"] for r in rows})
+            note = "" if shared else f"; tau = {taus[0]}-{taus[-1]}: none of this run's"
+            series[f"paper (AWD-LSTM, 500 epochs{note})"] = (taus, [paper.MEMORY_PTB[t][1] for t in taus], None)
         name = _file_name(corpus, rows)
         png = memory_figure(series, inside(out, out / f"memory_{name}.png"),
-                            title=f"{rows[0]['model'].split(', tau=')[0]} on {corpus}: information from beyond "
-                                  "tau tokens back")
+                            title=f"{rows[0]['model'].split(', tau=')[0]} on {corpus}: the information the model "
+                                  "draws from beyond tau tokens back (an upper bound)",
+                            ylabel="upper bound on the model's I_tau (nats)")
         write_text_atomic(inside(out, out / f"memory_{name}.md"), f"# Memory bound on {corpus}\n\n{table}\n"
                                                                   f"![I_tau bound against tau](memory_{name}.png)\n")
         report[corpus] = {"rows": [{k: r[k] for k in ("tau", "ce_limited_nats", "mi_upper_bound_nats",

@@ -23,7 +23,7 @@ from lmcal.core.sampling import random_prefixes
 from lmcal.data.batching import batchify
 from lmcal.stages.plots import entropy_curve_figure
 from lmcal.stages.stage import Stage, pick, stage_context
-from lmcal.stages.wandb_run import log_curves, wandb_log
+from lmcal.stages.wandb_run import log_config, log_curves, wandb_log
 from lmcal.utils.io import write_json_atomic
 from lmcal.utils.numbers import exp_or_inf
 
@@ -55,8 +55,8 @@ def calibration_stage(lm, valid_tokens: torch.Tensor, test_tokens: torch.Tensor,
     plain = calibrated(lm, 0.0, epsilon=uniform_weight)  # the eps-mixed base model, bit for bit lm itself at w = 0
     cal = calibrated(lm, fit.alpha, topk=topk, epsilon=uniform_weight, tail_samples=tail_samples, seed=seed)
     test = batchify(test_tokens[:score_tokens] if score_tokens else test_tokens, score_streams)
-    cost_before = heldout_cost(plain, test)
-    cost_after = heldout_cost(cal, test)
+    cost_before = heldout_cost(plain, test, progress=True)
+    cost_after = heldout_cost(cal, test, progress=True)  # a lookahead a position: minutes on a large model
     coverage = topk_coverage(cal, test[:201])  # the first 200 steps of the score streams: what top-k generation skips
     ce_before, ce_after, n_scored = cost_before["test_ce_nats"], cost_after["test_ce_nats"], cost_after["test_tokens"]
     prefixes = random_prefixes(valid_tokens, num_prefixes, prefix_len, seed=seed)
@@ -115,6 +115,7 @@ def calibration_stage(lm, valid_tokens: torch.Tensor, test_tokens: torch.Tensor,
     log_curves(logger, f"{name}/curves", "t", range(1, horizon + 1),
                {"before_nats": curves["before"].mean.tolist(), "after_nats": curves["after"].mean.tolist(),
                 "after_minus_before_nats": diff_curve.tolist()})
+    log_config(logger, {f"{name}/alpha": fit.alpha, f"{name}/alpha_stderr": fit.alpha_stderr})
     log.info(f"{name}: alpha* {fit.alpha:.4f} +- {fit.alpha_stderr:.4f}; test ppl {result['test_ppl_before']:.2f} -> "
              f"{result['test_ppl_after']:.2f}; EntRate {result['entrate_ppl_before']:.1f} -> "
              f"{result['entrate_ppl_after']:.1f}; last tenth {result['tail_ppl_before']:.1f} -> "

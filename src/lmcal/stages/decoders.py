@@ -20,10 +20,10 @@ from lmcal.core.sampling import random_prefixes
 from lmcal.data.batching import batchify
 from lmcal.errors import LmcalError
 from lmcal.stages.plots import entropy_curve_figure
-from lmcal.stages.rows import curve_row, generation_settings, same_settings
+from lmcal.stages.rows import curve_row, generation_settings, method_label, same_settings
 from lmcal.stages.stage import Stage, earlier_result, stage_context
 from lmcal.stages.tables import decoders_table
-from lmcal.stages.wandb_run import log_curves, wandb_log
+from lmcal.stages.wandb_run import log_config, log_curves, wandb_log
 from lmcal.utils.io import write_json_atomic, write_text_atomic
 from lmcal.utils.numbers import format_params
 
@@ -75,7 +75,7 @@ def decoders_stage(lm, valid_tokens: torch.Tensor, test_tokens: torch.Tensor, ou
         t = time.perf_counter()
         curve = generation_entropy_curve(model, prefixes, horizon, samples_per_prefix, seed=seed,
                                          max_batch=max_batch, progress=True)
-        cost = heldout_cost(model, test, mix_epsilon)
+        cost = heldout_cost(model, test, mix_epsilon, progress=True)
         return row(method, params, curve.mean.tolist(), curve.stderr.tolist(), cost, time.perf_counter() - t,
                    curve.tail)
 
@@ -129,8 +129,8 @@ def decoders_stage(lm, valid_tokens: torch.Tensor, test_tokens: torch.Tensor, ou
     png = entropy_curve_figure({label(r): (np.asarray(r["curve_nats"]), np.asarray(r["stderr_nats"])) for r in rows},
                                out / f"{name}.png", reference_nats={"test cross-entropy (true text)": ref},
                                title=f"{model_name} on {corpus}: decoders and calibration", legend_outside=True,
-                               tail_differences={label(r): (r["tail_diff_nats"], r["tail_diff_stderr_nats"])
-                                                 for r in rows[1:]})
+                               tail_differences={method_label(r["method"], r["params"]): (
+                                   r["tail_diff_nats"], r["tail_diff_stderr_nats"]) for r in rows[1:]})
     write_text_atomic(out / f"{name}.md", decoders_table(rows) + f"\nEntropies and cross-entropies in nats per {unit}; "
                       f"ε-mixed: (1 - ε) q + ε uniform, ε = {mix_epsilon:g}.\n")
     write_json_atomic(out / f"{name}.json", result)
@@ -141,8 +141,13 @@ def decoders_stage(lm, valid_tokens: torch.Tensor, test_tokens: torch.Tensor, ou
               images={f"{name}/figure": png},
               tables={f"{name}/table": (cols, [[format_params(r[c]) if c == "params" else r[c] for c in cols]
                                                for r in rows])})
+    shown = [r for r in rows if r.get("curve_nats")]  # series keyed by method (the same in every run), fits to config
     log_curves(logger, f"{name}/curves", "t", range(1, len(rows[0]["curve_nats"]) + 1),
-               {label(r): r["curve_nats"] for r in rows if r.get("curve_nats")})
+               {method_label(r["method"], r["params"]): r["curve_nats"] for r in shown},
+               legend={method_label(r["method"], r["params"]): label(r) for r in shown})
+    log_config(logger, {f"{name}/{r['method']}/{k}": v for r in rows if r["method"] in ("fitted_temperature",
+                                                                                        "calibration")
+                        for k, v in r["params"].items()})
     log.info(f"{name}: {len(rows)} methods in {result['seconds']:.0f} s; {out / (name + '.json')}\n"
              f"{decoders_table(rows)}")
     return result

@@ -55,9 +55,8 @@ def entropy_rate_stage(lm, valid_tokens: torch.Tensor, test_ce_nats: float, out_
                                      f"EntRate {result['entrate_ppl']:.1f} (t={horizon})")
     write_text_atomic(out / f"{name}.md", table1_markdown([result]) + f"\nPerplexities and entropies per {unit}.\n")
     write_json_atomic(out / f"{name}.json", result)
-    rows = [[t + 1, float(m), float(se)] for t, (m, se) in enumerate(zip(curve.mean, curve.stderr, strict=True))]
     wandb_log(logger, scalars={f"{name}/entrate_ppl": result["entrate_ppl"], f"{name}/test_ppl": result["test_ppl"]},
-              images={f"{name}/figure": png}, tables={f"{name}/curve": (["t", "entropy_nats", "stderr_nats"], rows)})
+              images={f"{name}/figure": png})  # the curve once, as series (below)
     log_curves(logger, f"{name}/curves", "t", range(1, horizon + 1),
                {"entropy_nats": curve.mean.tolist(), "stderr_nats": curve.stderr.tolist()})
     log.info(f"{name}: test ppl {result['test_ppl']:.1f}, EntRate {result['entrate_ppl']:.1f} at t={horizon} "

@@ -118,7 +118,7 @@ def future_entropy_stage(lm, train_tokens: torch.Tensor, valid_tokens: torch.Ten
         t = time.perf_counter()
         curve = generation_entropy_curve(model, prefixes, horizon, samples_per_prefix, seed=seed,
                                          max_batch=max_batch, progress=True)
-        logq = target_log_probs(model, test)  # [n]
+        logq = target_log_probs(model, test, progress=True)  # [n]
         if not plain_tail:
             plain_tail.append(curve.tail)
             plain_logq.append(logq)

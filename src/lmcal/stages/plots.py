@@ -3,6 +3,7 @@ memory bound against tau (Figure 4)."""
 
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 
 import matplotlib
@@ -32,10 +33,13 @@ def entropy_curve_figure(curves: dict[str, tuple[np.ndarray, np.ndarray]], path:
     difference over the last tenth of the horizon, its se), one error bar per label."""
     path = Path(path)
     second = difference is not None or bool(tail_differences)
-    width = 9.6 if legend_outside else 6.4
-    fig, axes = plt.subplots(2 if second else 1, 1, figsize=(width, 7.0 if second else 4.0), dpi=120, squeeze=False,
-                             height_ratios=[1.4, 1] if second else None)
+    width = 8.0 if legend_outside else 6.4
+    height = (7.0 if second else 4.0) + (0.18 * (len(curves) + len(reference_nats or {})) if legend_outside else 0)
+    fig, axes = plt.subplots(2 if second else 1, 1, figsize=(width, height), dpi=120, squeeze=False,
+                             height_ratios=[1.4 + (0.1 * len(curves) if legend_outside else 0), 1] if second
+                             else None, sharex=difference is not None)
     ax = axes[0, 0]
+    horizon = max((len(m) for m, _ in curves.values()), default=1)
     covers = covered_curves({k: m for k, (m, _) in curves.items()})
     for label, (mean, se) in curves.items():
         t = np.arange(1, len(mean) + 1)
@@ -43,22 +47,34 @@ def entropy_curve_figure(curves: dict[str, tuple[np.ndarray, np.ndarray]], path:
         (line,) = ax.plot(t, mean, label=f"{label} (the same curve as {hides}, drawn over it)" if hides else label,
                           lw=1.4, ls="--" if hides else "-")
         ax.fill_between(t, mean - 1.96 * se, mean + 1.96 * se, color=line.get_color(), alpha=0.2, lw=0)
-    for label, value in (reference_nats or {}).items():
-        ax.axhline(value, ls=":", color="k", lw=1.2, label=label)
-    ax.set_xlabel("t (generated words)")
+    for i, (label, value) in enumerate((reference_nats or {}).items()):  # dotted black first, then other dashes
+        ax.axhline(value, ls=(":", "--", "-.", (0, (1, 4)))[i % 4], color=("k", "0.35", "0.55", "k")[i % 4], lw=1.2,
+                   label=label)
+    ax.set_xlabel("" if difference is not None else "t (generated words)")  # shared: said under the lower panel
     ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))  # t is a count: no t = 2.5
+    ax.set_xlim(0.5, horizon + 0.5)  # both panels: t = 1..horizon
     ax.set_ylabel("entropy of the t-th word's distribution\n(nats; bands ±1.96 se)")
-    ax.set_title(title, fontsize=10)
+    ax.set_title(wrapped(title, 0.7 * width), fontsize=10)  # over the axes, about 70% of the figure's width
     ax.grid(alpha=0.3)
-    if legend_outside:
-        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+    if legend_outside:  # below the axes, in columns: the curves keep the figure's width
+        handles, labels = ax.get_legend_handles_labels()
+        ax.legend(handles, [textwrap.fill(x, 44, break_on_hyphens=False) for x in labels], fontsize=7, ncol=2,
+                  loc="upper center", bbox_to_anchor=(0.5, -0.16), borderaxespad=0, frameon=False)
     else:
         ax.legend(fontsize=8)
     if difference is not None:
         _difference_axes(axes[1, 0], **difference)
+        axes[1, 0].set_xlim(0.5, horizon + 0.5)
     elif tail_differences:
         _tail_difference_axes(axes[1, 0], tail_differences)
     return _save(fig, path)
+
+
+def wrapped(title: str, width_in: float, fontsize: float = 10) -> str:
+    """A title broken into lines that fit a figure `width_in` inches wide (about 0.6 x fontsize points a character),
+    so that it is never cut off at the figure's edge."""
+    return textwrap.fill(title, max(20, int(width_in * 72 / (0.6 * fontsize)) - 4),
+                         break_on_hyphens=False) if title else title
 
 
 def covered_curves(curves: dict[str, np.ndarray], rel_tol: float = 0.003) -> dict[str, str]:
@@ -107,8 +123,8 @@ def _tail_difference_axes(ax, diffs: dict[str, tuple[float, float]]) -> None:
     se = np.array([diffs[k][1] for k in labels], dtype=float)
     ax.errorbar(x, y, xerr=1.96 * se, fmt="o", capsize=3, ms=4, lw=1)
     ax.axvline(0.0, color="k", lw=0.8)
-    ax.set_yticks(y, labels, fontsize=7)
-    ax.set_xlabel("mean entropy over the last tenth of the horizon minus the plain model's, paired (nats, ±1.96 se)")
+    ax.set_yticks(y, [textwrap.fill(x, 40, break_on_hyphens=False) for x in labels], fontsize=7)
+    ax.set_xlabel("mean entropy over the last tenth of the horizon minus the plain model's,\npaired (nats, ±1.96 se)")
     ax.grid(alpha=0.3, axis="x")
 
 
@@ -133,7 +149,8 @@ def memory_figure(series: dict[str, tuple[list, list, list | None]], path: str |
               if list(series[a][0]) == list(series[b][0])}
     for label, (tau, value, se) in series.items():
         style = ({"ls": "--", "marker": "s"} if label.startswith("paper") else
-                 {"ls": ":", "marker": "x", "color": "k"} if label.startswith("exact") else {"marker": "o"})
+                 {"ls": ":", "marker": "x", "color": "k"} if label.startswith("exact") else
+                 {"ls": "-.", "marker": "D", "ms": 4, "color": "0.45"} if "oracle" in label else {"marker": "o"})
         if label in covers:
             style = {**style, "ls": "--", "marker": "+", "ms": 10}
             label = f"{label} (the same points as {covers[label]}, drawn over them)"
@@ -143,9 +160,10 @@ def memory_figure(series: dict[str, tuple[list, list, list | None]], path: str |
     ax.set_xlabel("tau (tokens of context the limited model sees)")
     ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))  # tau is a count: no tau = 1.2
     ax.set_ylabel(ylabel)
-    ax.set_title(title, fontsize=10)
+    ax.set_title(wrapped(title, 6.4), fontsize=10)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    handles, labels = ax.get_legend_handles_labels()
+    ax.legend(handles, [textwrap.fill(x, 48, break_on_hyphens=False) for x in labels], fontsize=7)
     return _save(fig, path)
 
 
@@ -171,7 +189,7 @@ def decoders_tradeoff_figure(rows: list[dict], path: str | Path, title: str = ""
     ax.tick_params(axis="x", which="minor", labelsize=7)
     ax.set_xlabel("test cross-entropy, ε-mixed (nats, log scale)")
     ax.set_ylabel("entropy of the last generated word (nats)")
-    ax.set_title(title, fontsize=10)
+    ax.set_title(wrapped(title, 7.2), fontsize=10)
     ax.grid(alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=7)
@@ -211,5 +229,5 @@ def memory_bound_figure(result: dict, path: str | Path, title: str = "") -> Path
     right.set_yticks(y, [k for k, _, _ in bounds], fontsize=8)
     right.set_xlabel("upper bound on I_tau (nats, ±1.96 se)")
     right.grid(alpha=0.3, axis="x")
-    fig.suptitle(title, fontsize=10)
+    fig.suptitle(wrapped(title, 9.6), fontsize=10)
     return _save(fig, path)

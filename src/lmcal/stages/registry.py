@@ -20,6 +20,7 @@ from pathlib import Path
 
 from lmcal.errors import LmcalError
 from lmcal.stages import calibration, decoders, entropy_rate, future_entropy, memory, sequence_calibration
+from lmcal.stages.rows import method_label
 from lmcal.stages.stage import CONTEXT, KINDS, Stage
 from lmcal.utils import profiling
 from lmcal.utils.rules import renamed_note
@@ -105,6 +106,43 @@ def run_stages(names: list[str], target: dict, settings: dict[str, dict], out_di
 def summary(results: dict[str, dict]) -> dict:
     """The metrics.json keys of the stages that ran."""
     return {k: v for n, r in results.items() if r for k, v in STAGES[n].summary(r).items()}
+
+
+# numbers of a stage's result shown beside its summary in the table evaluate ends with (with their standard errors)
+HEADLINE = {"entropy_rate": ("test_ppl", "tail_nats", "tail_stderr_nats"), "calibration": ("alpha_stderr",),
+            "memory": ("delta_ce_stderr_nats", "ce_full_nats", "ce_full_stderr_nats", "ce_limited_nats")}
+ROW_METRICS = ("tail_ppl", "tail_diff_nats", "test_ce_nats", "test_ce_diff_nats")  # of each method (entrate_ppl
+# where it has no tail_ppl)
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _stderr(d: dict, key: str) -> float | None:
+    """The standard error of d[key], by the results' naming: key_stderr, *_stderr_nats, mi_stderr_nats."""
+    for k in (f"{key}_stderr", key.replace("_nats", "_stderr_nats"), "mi_stderr_nats" if "mi_upper" in key else ""):
+        if k and k != key and _number(d.get(k)):
+            return float(d[k])
+    return None
+
+
+def result_rows(results: dict[str, dict]) -> list[tuple[str, str, float, float | None]]:
+    """(stage, metric, value, standard error or None) of every stage's summary (and HEADLINE numbers), one row per
+    number; a stage's methods (decoders, future_entropy, sequence_calibration) give ROW_METRICS each."""
+    out = []
+    for n, r in results.items():
+        if n not in STAGES or not isinstance(r, dict):
+            continue
+        s = {**{k: r[k] for k in HEADLINE.get(n, ()) if k in r}, **STAGES[n].summary(r)}
+        out += [(n, k, float(v), _stderr(s, k)) for k, v in s.items() if _number(v) and "stderr" not in k]
+        methods = [(str(m), row) for v in s.values() if isinstance(v, dict) for m, row in v.items()]
+        methods += [(method_label(row.get("method", "?"), row.get("params")), row) for v in s.values()
+                    if isinstance(v, list) for row in v if isinstance(row, dict) and row.get("source", n) == n]
+        out += [(n, f"{label}: {k}", float(row[k]), _stderr(row, k)) for label, row in methods if isinstance(row, dict)
+                for k in (ROW_METRICS if "tail_ppl" in row else ("entrate_ppl", *ROW_METRICS))
+                if _number(row.get(k))]
+    return out
 
 
 def load_plugins() -> None:

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from lmcal.core.entropy_rate import clustered_mean, generation_entropy_curve
-from lmcal.utils.numbers import exp_or_inf
+from lmcal.utils.numbers import exp_or_inf, format_params
 
 
 def generation_settings(prefixes: torch.Tensor, samples_per_prefix: int, prefix_len: int, horizon: int, seed: int,
@@ -42,6 +42,18 @@ def curve_row(method: str, params: dict, curve, stderr, tail, plain_tail: np.nda
             "tail_nats_per_generation": tail.tolist(),  # [N][S]: what a later stage pairs with (sequence_calibration)
             "tail_diff_stderr_nats": float(diff_se), **columns, "curve_nats": curve, "stderr_nats": stderr,
             "seconds": seconds}
+
+
+FITTED = ("alpha", "beta", "stderr", "topk")  # params a method's fit chose (or that only qualify it)
+
+
+def method_label(method: str, params: dict | None) -> str:
+    """A method's name that is the same in every run: its name and the settings a user chose (top_p (p=0.95),
+    future_entropy (horizon_k=5, discount=0.95)), without what a fit chose (alpha, beta, a fitted temperature),
+    which go to the legend and the run's config. W&B's series keys and the results table use it."""
+    drop = FITTED + (("temperature",) if method == "fitted_temperature" else ())
+    shown = format_params(params or {}, drop=drop, empty="")
+    return f"{method} ({shown})" if shown else method
 
 
 def timed_generation(model, lm, prefixes: torch.Tensor, horizon: int, samples_per_prefix: int, seed: int,

@@ -52,7 +52,7 @@ from lmcal.stages.smc_study import (
     study_table,
 )
 from lmcal.stages.stage import Stage, earlier_result, stage_context
-from lmcal.stages.wandb_run import wandb_log
+from lmcal.stages.wandb_run import log_config, log_curves, wandb_log
 from lmcal.utils.io import write_json_atomic, write_text_atomic
 from lmcal.utils.numbers import exp_or_inf, format_ce, format_params
 
@@ -122,7 +122,7 @@ def sequence_calibration_stage(lm, train_tokens: torch.Tensor, valid_tokens: tor
         return timed_generation(model, lm, prefixes[:timing_prefixes], timing_horizon, samples_per_prefix, seed,
                                 max_batch, timing_repeats)
 
-    plain_logq = target_log_probs(lm, test)  # [n]: the test stream, every per-word row paired with it
+    plain_logq = target_log_probs(lm, test, progress=True)  # [n]: the test stream, every per-word row paired with it
     plain_tail: list[np.ndarray] = []  # the model's [N, S] last-tenth entropies, what every row is paired with
 
     def per_word(method: str, params: dict, model, s: int = seed, on: torch.Tensor = prefixes,
@@ -138,7 +138,7 @@ def sequence_calibration_stage(lm, train_tokens: torch.Tensor, valid_tokens: tor
 
     def test_ce(model) -> dict:
         """A per-word sampler's test CE on the stream, and its difference from the model's, paired word by word."""
-        logq = plain_logq if model is lm else target_log_probs(model, test)
+        logq = plain_logq if model is lm else target_log_probs(model, test, progress=True)
         d = (logq - plain_logq).double().view(-1, score_streams).mean(0)  # [streams]: a stream is one unit
         return {"test_ce_nats": None if torch.isneginf(logq).any() else -logq.mean().item(),
                 "test_ce_diff_nats": -float(d.mean()),
@@ -262,6 +262,9 @@ def sequence_calibration_stage(lm, train_tokens: torch.Tensor, valid_tokens: tor
     write_json_atomic(out / f"{name}.json", result)
     wandb_log(logger, scalars={f"{name}/{_label(r)}/{k}": r[k] for r in rows for k in ("tail_ppl", "test_ce_nats")
                                if r.get(k) is not None}, images={f"{name}/figure": png})
+    log_curves(logger, f"{name}/curves", "t", range(1, len(rows[0]["curve_nats"]) + 1),
+               {_label(r): r["curve_nats"] for r in rows if r.get("curve_nats")})  # keys: methods, not fitted values
+    log_config(logger, {f"{name}/alpha": result.get("alpha"), f"{name}/alpha_stderr": result.get("alpha_stderr")})
     log.info(f"{name}: {len(rows)} rows in {result['seconds']:.0f} s; {out / (name + '.json')}\n"
              f"{sequence_table(result)}")
     return result

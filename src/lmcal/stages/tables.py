@@ -82,3 +82,14 @@ def memory_table(rows: list[dict]) -> str:
                  "to keep a mere sharpening of P̂ from counting as memory; read it beside beta* (far from 1, the "
                  "calibrated model is largely a re-weighting of P̂ itself).")
     return "\n".join(lines) + "\n"
+
+
+def results_markdown(rows: list[tuple[str, str, float, float | None]]) -> str:
+    """The table an evaluation ends with, in the manner of lm-evaluation-harness: stage | metric | value | ± se."""
+    def num(v: float) -> str:
+        return f"{v:,.1f}" if abs(v) >= 1000 else f"{v:.4f}"
+
+    lines = ["| stage | metric | value | ± se |", "|---|---|---:|---:|"]
+    lines += [f"| {stage} | {metric} | {num(v)} | {'' if se is None else '± ' + num(se)} |"
+              for stage, metric, v, se in rows]
+    return "\n".join(lines) + "\n"

@@ -29,8 +29,28 @@ def slug(text: str) -> str:
 
 
 def run_name(job: str, model: str | None = None, dataset: str | None = None) -> str:
-    """`<stage>-<model>-<dataset>`: the run's display name on the dashboard."""
+    """`<job>-<model>-<dataset>`, one rule for every run: the job (train, tau_model, the stages, memory-window, report),
+    the model with its tau (`awd-lstm-400-1150-3-tau5`: a tau-model's, or the window's), then the dataset."""
     return "-".join([job, *(slug(x) for x in (model, dataset) if x)])
+
+
+def model_group(model: str | None, dataset: str | None) -> str | None:
+    """The W&B group of a run outside a reproduction or sweep: its model and dataset (`awd-lstm-400-1150-3-ptb`), so
+    that a training and the analyses of its checkpoint are grouped together."""
+    return "-".join(slug(x) for x in (model, dataset) if x) or None
+
+
+def clean_config(config: dict) -> dict:
+    """A run's config without the values OmegaConf leaves unset ('???': filled in at run time) and with `tau` as a
+    field of its own (the config's `tau` where the entry point set it, else model.memory_tau), for grouping and
+    filtering."""
+    def clean(node):
+        if isinstance(node, dict):
+            return {k: clean(v) for k, v in node.items() if v != "???"}
+        return [clean(v) for v in node] if isinstance(node, list) else node
+
+    out = clean(config)
+    return {**out, "tau": out.get("tau", (out.get("model") or {}).get("memory_tau"))}
 
 
 def reproduction_group(out: str | Path) -> str:
@@ -68,17 +88,18 @@ def init_args(logger_cfg, out_dir: str | Path | None, job_type: str, model: str 
     out_dir = out_dir or save_dir or "."
     node.pop("log_model", None)
     Path(save_dir).mkdir(parents=True, exist_ok=True)
-    config = dict(config or {})
+    config = clean_config(dict(config or {}))
     config["data"] = config.get("data") or {"name": dataset}  # every run filterable by dataset and model
     config["model"] = config.get("model") or {"name": model}
     return {"project": node.pop("project", None) or "lmcal",
             "name": node.pop("name", None) or run_name(name or job_type, model, dataset),
-            "group": node.pop("group", None) or group or Path(out_dir).resolve().name,
+            "group": node.pop("group", None) or group or model_group(model, dataset) or Path(out_dir).resolve().name,
             "job_type": job_type,
             "tags": sorted({job_type, *(slug(t) for t in (model, dataset) if t), *(t for t in tags if t)}),
             "dir": str(save_dir), "mode": "offline" if offline else "online",
             "id": run_id(out_dir), "resume": "allow", "config": config,
-            "settings": wandb.Settings(silent=True, console="off"), **node}
+            # the console as the run's Logs tab (files/output.log): what the process printed and logged
+            "settings": wandb.Settings(silent=True, console="wrap"), **node}
 
 
 def _has_api_key(host: str) -> bool:
@@ -141,7 +162,7 @@ def finish_run(run) -> None:
 
 
 def _run_of(logger):
-    run = logger.experiment if type(logger).__name__ == "WandbLogger" else logger
+    run = logger.experiment if type(logger).__name__.endswith("WandbLogger") else logger
     return run if type(run).__name__ == "Run" else None
 
 
@@ -163,9 +184,11 @@ def wandb_log(logger, scalars: dict | None = None, images: dict | None = None, t
         run.summary.update(summary)
 
 
-def log_curves(logger, key: str, step_key: str, steps, curves: dict[str, list]) -> None:
+def log_curves(logger, key: str, step_key: str, steps, curves: dict[str, list], legend: dict | None = None) -> None:
     """Generation curves as data W&B plots and overlays: one history row per step, `step_key` the x axis
-    (define_metric), each curve a series `key/<label>`; also a line-series chart of all of them."""
+    (define_metric), each curve a series `key/<label>`, the label the same in every run (a method's name and the
+    settings a user chose, lmcal.stages.rows.method_label: so curves of two runs overlay); also a line-series chart of
+    all of them, whose legend may say more (`legend`: label -> text, e.g. with a fitted value)."""
     run = _run_of(logger)
     if run is None or not curves:
         return
@@ -177,5 +200,64 @@ def log_curves(logger, key: str, step_key: str, steps, curves: dict[str, list]) 
         run.define_metric(f"{key}/{label}", step_metric=f"{key}/{step_key}")
     for i, s in enumerate(steps):
         run.log({f"{key}/{step_key}": s, **{f"{key}/{label}": float(v[i]) for label, v in curves.items()}})
+    keys = [(legend or {}).get(label, label) for label in curves]
     run.log({f"{key}/chart": wandb.plot.line_series(xs=steps, ys=[[float(x) for x in v] for v in curves.values()],
-                                                    keys=list(curves), title=key, xname=step_key)})
+                                                    keys=keys, title=key, xname=step_key)})
+
+
+def log_config(logger, values: dict) -> None:
+    """Values a run chose as it went (a fitted alpha or temperature) into its config, where runs are compared by
+    them, not into its series' names."""
+    run = _run_of(logger)
+    if run is not None and values:
+        run.config.update(values, allow_val_change=True)
+
+
+def checkpoint_artifact(path: str | Path, model: str, dataset: str, upload: bool = False):
+    """The W&B artifact of a checkpoint, `checkpoint-<model>-<dataset>` (type model): the file itself with `upload`
+    (logger.log_model=true), else a reference to its path (nothing uploaded). Both have the same digest (the file's
+    MD5), so the training that wrote it and the analyses that read it name the same artifact version."""
+    import wandb
+
+    art = wandb.Artifact(f"checkpoint-{slug(model)}-{slug(dataset)}", type="model",
+                         metadata={"model": model, "dataset": dataset})
+    if upload:
+        art.add_file(str(path), name="best.ckpt")
+    else:
+        art.add_reference(Path(path).resolve().as_uri(), name="best.ckpt")
+    return art
+
+
+def log_checkpoint(logger, path: str | Path, model: str, dataset: str, upload: bool = False) -> None:
+    """The training run's checkpoint as its output artifact (checkpoint_artifact)."""
+    run = _run_of(logger)
+    if run is not None and Path(path).is_file():
+        run.log_artifact(checkpoint_artifact(path, model, dataset, upload))
+
+
+def use_checkpoint(logger, path: str | Path, model: str, dataset: str) -> None:
+    """The checkpoint an analysis run reads, as its input artifact: the lineage from the training run to the
+    analyses of its checkpoint. wandb refuses use_artifact offline, so an offline run records the use as
+    use_artifact does for a new artifact (the artifact, to be used once committed), which `wandb sync` uploads."""
+    run = _run_of(logger)
+    if run is None or not Path(path).is_file():
+        return
+    art = checkpoint_artifact(path, model, dataset)
+    if run.offline:
+        run._log_artifact(art, aliases=[], is_user_created=True, use_after_commit=True)
+    else:
+        run.use_artifact(art)
+
+
+def log_files(logger, name: str, kind: str, files: list[str | Path]) -> None:
+    """Result files (results.json, REPORT.md, evaluation.json) as one artifact of the run, uploaded on sync."""
+    run = _run_of(logger)
+    if run is None:
+        return
+    import wandb
+
+    art = wandb.Artifact(name, type=kind)
+    for f in files:
+        if Path(f).is_file():
+            art.add_file(str(f), name=Path(f).name)
+    run.log_artifact(art)

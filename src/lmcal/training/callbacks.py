@@ -36,12 +36,14 @@ def best_model_scores(trainer: pl.Trainer, datamodule) -> dict:
         net, raw = load_net(ckpt)
         net.to(trainer.lightning_module.device)
         tau = net.memory_tau
-        if tau:
-            val_ce, _ = limited_context_ce(net, datamodule.tokens("valid"), tau)
-            test_ce, n_test = limited_context_ce(net, datamodule.tokens("test"), tau)
+        if tau:  # progress lines: minutes on a large model, after the training's last line
+            val_ce, _ = limited_context_ce(net, datamodule.tokens("valid"), tau, progress="scoring valid")
+            test_ce, n_test = limited_context_ce(net, datamodule.tokens("test"), tau, progress="scoring test")
         else:
-            val_ce, _ = evaluate_ce(net, datamodule.tokens("valid"), datamodule.eval_batch_size, datamodule.bptt)
-            test_ce, n_test = evaluate_ce(net, datamodule.tokens("test"), datamodule.test_batch_size, datamodule.bptt)
+            val_ce, _ = evaluate_ce(net, datamodule.tokens("valid"), datamodule.eval_batch_size, datamodule.bptt,
+                                    progress="scoring valid")
+            test_ce, n_test = evaluate_ce(net, datamodule.tokens("test"), datamodule.test_batch_size, datamodule.bptt,
+                                          progress="scoring test")
         cache[ckpt] = {"net": net, "ckpt": raw, "path": ckpt, "val_ce": val_ce, "test_ce": test_ce,
                        "test_tokens": n_test}
     return cache[ckpt]
@@ -81,13 +83,15 @@ class MetricsCallback(pl.Callback):
             "device": str(module.device),
         }
         if hasattr(net, "save_hf"):  # a transformer: also a Hugging Face folder, loadable with model=hf
-            folder = net.save_hf(self.out_dir / "hf", trainer.datamodule.prepare().itos)
+            folder = net.save_hf(self.out_dir / "hf", trainer.datamodule.prepare().itos, self.extra.get("model"))
             self.metrics["hf_folder"] = str(folder.resolve())
         write_json_atomic(self.out_dir / "metrics.json", self.metrics)
         final = {f"final/{k}": v for k, v in self.metrics.items()
                  if isinstance(v, (int, float)) and not isinstance(v, bool)}
-        if type(trainer.logger).__name__ == "WandbLogger":  # final numbers: the run's summary, not a history row
-            wandb_log(trainer.logger, summary=final)
+        if type(trainer.logger).__name__.endswith("WandbLogger"):  # final numbers: the summary, not a history row
+            # the validation series' summary is its best value (the checkpoint kept), not the last epoch's
+            wandb_log(trainer.logger, summary={**final, "val/ppl": self.metrics["val_ppl"],
+                                               "val/loss": self.metrics["val_ce_nats"]})
         elif trainer.logger:
             trainer.logger.log_metrics(final)
         log.info(f"val ppl {self.metrics['val_ppl']:.2f}, test ppl {self.metrics['test_ppl']:.2f}; "
@@ -136,6 +140,38 @@ class StagesCallback(pl.Callback):
                           base_ckpt=str(self.base_ckpt) if tau else s["path"],
                           exact_mi=markov_exact_mi(dm.prepare().info, mtau) if dm.name == "markov" and mtau else None)
         self.results = run_stages(self.stages, target, self.settings, self.out_dir, trainer.logger)
+
+
+class TrainingProgress(pl.Callback):
+    """The training's progress as log lines where stderr is not a terminal (a reproduction's logs/<stage>.log, a Slurm
+    log), in place of the bar: one whenever another tenth of an epoch is done and 5 s have passed, or a minute has
+    passed without one, with the time left in the epoch and in the whole training (trainer.max_epochs; NT-ASGD's
+    switch or a stop may end it sooner), at the rate measured so far. Counts and clocks only: no device sync."""
+
+    def on_train_start(self, trainer, module):
+        self.t0, self.first = time.perf_counter(), trainer.current_epoch
+        self.last_t, self.last_batch = self.t0, 0
+
+    def on_train_epoch_start(self, trainer, module):
+        self.epoch_t0, self.last_batch = time.perf_counter(), 0
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        n, done, now = trainer.num_training_batches, batch_idx + 1, time.perf_counter()
+        if not isinstance(n, int) or n <= 0:
+            return
+        if not (((done - self.last_batch) * 10 >= n and now - self.last_t >= 5.0) or now - self.last_t >= 60.0):
+            return
+        self.last_t, self.last_batch = now, done
+        from lmcal.utils.progress import clock
+
+        epochs = trainer.max_epochs if trainer.max_epochs and trainer.max_epochs > 0 else None
+        in_epoch = (now - self.epoch_t0) / done * (n - done)
+        ran = trainer.current_epoch - self.first + done / n  # epochs (fractions) this process has trained
+        left = (f", about {clock((now - self.t0) / ran * (epochs - trainer.current_epoch - done / n))} left in "
+                f"all ({epochs} epochs at most)" if epochs else "")
+        log.info(f"training: epoch {trainer.current_epoch + 1}{f'/{epochs}' if epochs else ''}, {done}/{n} batches "
+                 f"({100 * done / n:.0f}%), {clock(now - self.t0)} in; about {clock(in_epoch)} left in the epoch"
+                 f"{left}")
 
 
 def progress_bar():

@@ -156,11 +156,11 @@ def stop_on_signals():
             signal.signal(s, handler)
 
 
-def run_hydra(main) -> None:
+def run_hydra(main, go_on: str = "rerun the same command to resume from the last checkpoint") -> None:
     """Runs a @hydra.main entry point inside the boundary. HYDRA_FULL_ERROR=1 lets Hydra's own errors (an override it
     cannot parse, a run folder it cannot make) reach the boundary rather than Hydra's printout and exit status 1.
     SIGTERM and SIGHUP stop it as Ctrl-C does, so that its lock and temporary files are removed (a pipeline ends its
-    stages this way); one line says how to go on. Its settings are checked before Hydra writes anything
+    stages this way); one line says how to go on (`go_on`). Its settings are checked before Hydra writes anything
     (lmcal.utils.precheck); a run refused later (exit 2) removes the run folder Hydra made for it where nothing else
     was written there."""
     os.environ.setdefault("HYDRA_FULL_ERROR", "1")
@@ -173,7 +173,7 @@ def run_hydra(main) -> None:
         raise
     except KeyboardInterrupt as e:
         name = f"Stopped by {e}" if isinstance(e, Stopped) else "Interrupted"
-        print(f"{name}: rerun the same command to resume from the last checkpoint.", file=sys.stderr, flush=True)
+        print(f"{name}: {go_on}.", file=sys.stderr, flush=True)
         sys.exit(128 + e.signum if isinstance(e, Stopped) else 130)
 
 

@@ -1,5 +1,6 @@
 """One progress style for the long loops of the analysis stages: a tqdm bar when stderr is a terminal; otherwise (a
-log file, such as a reproduction's logs/<stage>.log) a plain log line now and then, with no carriage returns.
+log file, such as a reproduction's logs/<stage>.log) a plain log line now and then, with no carriage returns, each
+with the time left at the rate measured so far.
 """
 
 from __future__ import annotations
@@ -21,9 +22,16 @@ def progress_bar(iterable=None, total: int | None = None, desc: str = "", unit: 
     return LineProgress(iterable, total, desc, unit, quiet=disable)
 
 
+def clock(seconds: float) -> str:
+    """'1h02m', '4m05s', '12s'."""
+    s = int(round(seconds))
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
+
+
 class LineProgress:
-    """Progress as log lines: one whenever another tenth is done and 5 s have passed since the last, and one at the
-    end when the loop took over 5 s."""
+    """Progress as log lines: one whenever another tenth is done and 5 s have passed since the last, one whenever a
+    minute has passed without one (no silence longer than that while it advances), and one at the end when the loop
+    took over 5 s. Each gives the time left at the rate measured since the start ("about 2m10s left")."""
 
     def __init__(self, iterable=None, total: int | None = None, desc: str = "", unit: str = "it", quiet: bool = False):
         self.iterable, self.desc, self.unit, self.quiet = iterable, desc, unit, quiet
@@ -40,7 +48,8 @@ class LineProgress:
     def update(self, n: int = 1) -> None:
         self.n += n
         now = time.perf_counter()
-        if self.total and (self.n - self.last_n) * 10 >= self.total and now - self.last_t >= 5.0:
+        tenth = self.total and (self.n - self.last_n) * 10 >= self.total
+        if (tenth and now - self.last_t >= 5.0) or now - self.last_t >= 60.0:
             self._line(now)
 
     def close(self) -> None:
@@ -55,5 +64,7 @@ class LineProgress:
             return
         of = f"/{self.total:,}" if self.total else ""
         pct = f" {100 * self.n / self.total:.0f}%" if self.total else ""
-        log.info(f"{self.desc}:{pct} ({self.n:,}{of} {self.unit}, {now - self.t0:.0f} s, "
-                 f"{self.n / max(now - self.t0, 1e-9):,.1f} {self.unit}/s)")
+        rate = self.n / max(now - self.t0, 1e-9)
+        left = f", about {clock((self.total - self.n) / rate)} left" if self.total and self.n < self.total else ""
+        log.info(f"{self.desc}:{pct} ({self.n:,}{of} {self.unit}, {now - self.t0:.0f} s, {rate:,.1f} {self.unit}/s"
+                 f"{left})")

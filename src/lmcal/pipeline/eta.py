@@ -1,0 +1,85 @@
+"""The console's times while `make reproduce` runs: each running stage's elapsed time, the time its current step has
+left (its log's last progress line: a rate measured in the stage itself), and the time the stage and the pipeline
+have left, from stage times that are scaled to this machine as stages finish: a reference run's (docs/runs/<profile>)
+or else the plan check's estimates (lmcal.pipeline.check), fitted as seconds = a + b x basis on the finished stages.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+
+from lmcal.utils.progress import clock
+
+# the progress lines of lmcal.utils.progress.LineProgress and lmcal.training.callbacks.TrainingProgress
+_WHEN = r"^\[(?P<when>\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)[^\]]*\]\[[^\]]*\]\[\w+\]"  # Hydra's log line head
+_STEP = re.compile(_WHEN + r" - (?P<what>[\w ]+): (?P<pct>\d+)% \([^\n]*?about (?P<left>\w+) left\)", re.M)
+_TRAINING = re.compile(_WHEN + r" - training: epoch (?P<epoch>\S+), [^\n]*?about (?P<in_epoch>\w+) left in the "
+                       r"epoch(?:, about (?P<left>\w+) left in all)?", re.M)
+
+
+def seconds(text: str) -> float:
+    """'1h02m', '4m05s' or '12s' (lmcal.utils.progress.clock) in seconds."""
+    parts = dict((u, int(v)) for v, u in re.findall(r"(\d+)([hms])", text))
+    return 3600 * parts.get("h", 0) + 60 * parts.get("m", 0) + parts.get("s", 0)
+
+
+def step_eta(log_path: Path, tail_bytes: int = 8192, now: float | None = None) -> str | None:
+    """The last progress line of a stage's log as "scoring 40%, about 1m20s left" (a training's: "epoch 3/300, about
+    2h10m left"), the time left counted down by the line's age (its time stamp), or None when it has none yet."""
+    try:
+        with open(log_path, "rb") as f:
+            f.seek(0, 2)
+            f.seek(max(0, f.tell() - tail_bytes))
+            text = f.read().decode("utf-8", "replace")
+    except OSError:
+        return None
+    found = [(m.start(), m) for rx in (_STEP, _TRAINING) for m in rx.finditer(text)]
+    if not found:
+        return None
+    m = max(found, key=lambda e: e[0])[1]
+    age = max(0.0, (time.time() if now is None else now) - time.mktime(time.strptime(m["when"], "%Y-%m-%d %H:%M:%S")))
+    training = "epoch" in m.groupdict()
+    left = seconds(m["left"] or m["in_epoch"]) if training else seconds(m["left"])
+    left = f"about {clock(left - age)} left" if left > age else "finishing"
+    if training:
+        return f"epoch {m['epoch']}, {left}" + ("" if m["left"] or left == "finishing" else " in the epoch")
+    return f"{m['what']} {m['pct']}%, {left}"
+
+
+def scaled(basis: dict[str, float], finished: dict[str, float], reference: bool) -> dict[str, float]:
+    """Each stage's expected seconds on this machine: a + b x basis[name], a and b fitted (least squares, a >= 0) on
+    the stages that finished in this run (finished: {name: seconds}); with one finished stage b alone; with none, the
+    basis itself where it is a reference run's times (`reference`), else nothing ({}: an estimate for another device
+    says nothing here until a stage has been timed)."""
+    pts = [(basis[n], s) for n, s in finished.items() if n in basis]
+    if not pts:
+        return dict(basis) if reference else {}
+    a, b = 0.0, sum(y for _, y in pts) / max(sum(x for x, _ in pts), 1e-9)
+    if len(pts) >= 2:
+        mx, my = sum(x for x, _ in pts) / len(pts), sum(y for _, y in pts) / len(pts)
+        var = sum((x - mx) ** 2 for x, _ in pts)
+        if var > 0:
+            slope = sum((x - mx) * (y - my) for x, y in pts) / var
+            if slope > 0 and my - slope * mx >= 0:
+                a, b = my - slope * mx, slope
+    return {n: a + b * x for n, x in basis.items()}
+
+
+def stage_line(name: str, number: int, total: int, elapsed: float, expected: float | None, step: str | None) -> str:
+    """'[3/22] calibration: 4m10s, about 2m05s left (scoring 40%, about 1m20s left)': the stage's number in the order
+    the stages started, its elapsed time, its expected time left and its current step's."""
+    line = f"[{number}/{total}] {name}: {clock(elapsed)}"
+    if expected is not None:
+        line += f", about {clock(expected - elapsed)} left" if expected > elapsed else ", past its expected time"
+    return line + (f" ({step})" if step else "")
+
+
+def plan_left(expected: dict[str, float], waiting: list[str], running: dict[str, float], jobs: int) -> float | None:
+    """Seconds the pipeline has left: the stages waiting and what the running ones (name: elapsed) have left, spread
+    over `jobs` at once but never less than the longest running stage's; None without an expectation for each."""
+    if not expected or any(n not in expected for n in [*waiting, *running]):
+        return None
+    left = {n: max(expected[n] - t, 0.0) for n, t in running.items()}
+    return max(max(left.values(), default=0.0), (sum(expected[n] for n in waiting) + sum(left.values())) / jobs)
