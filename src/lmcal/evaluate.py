@@ -19,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from lmcal.core.lookahead import set_memory_budget
 from lmcal.errors import LmcalError
 from lmcal.stages.registry import run_stages
+from lmcal.stages.scale_record import record_evaluation
 from lmcal.stages.targets import checkpoint_target, hf_target, stage_settings
 from lmcal.stages.wandb_run import finish_run, wandb_run
 from lmcal.utils.boundary import boundary, run_hydra
@@ -67,7 +68,9 @@ def _evaluate(cfg: DictConfig, out: Path) -> dict:
                        name="-".join([*stages, *(["window", f"tau{settings['memory'].get('tau')}"] if window else [])])
                        or "evaluate")
     try:
-        results.update(run_stages(list(cfg.stages), target, settings, out, logger))
+        stage_results = run_stages(list(cfg.stages), target, settings, out, logger)
+        results.update(stage_results)
+        record_evaluation(out, cfg, target, stage_results, logger)  # scale.json, after entropy_rate
         write_json_atomic(out / "evaluation.json", results)
         return results
     finally:

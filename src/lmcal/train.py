@@ -28,6 +28,7 @@ from lmcal.stages.stage import KINDS
 from lmcal.stages.wandb_run import init_args, open_run
 from lmcal.training.callbacks import EpochEntropyRateCallback, MetricsCallback, StagesCallback, progress_bar
 from lmcal.training.module import LMModule
+from lmcal.training.scale_run import record_training
 from lmcal.utils.boundary import explain, fail, run_hydra
 from lmcal.utils.device import apply_precision_policy, cuda_missing
 from lmcal.utils.io import atomic_path, write_json_atomic
@@ -260,6 +261,7 @@ def _train(cfg: DictConfig, out: Path) -> dict:
         if metrics is None:
             raise LmcalError(f"Training stopped before it could be scored; see {out / 'train.log'}.")
         metrics.update(summary(stages_cb.results))
+        record_training(out, trainer, dm, metrics, stages_cb.results, logger)  # scale.json, after entropy_rate
         if stages:
             metrics["wall_seconds"] = time.perf_counter() - t_start
             write_json_atomic(out / "metrics.json", metrics)

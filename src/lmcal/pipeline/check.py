@@ -62,7 +62,7 @@ class Model:
 
 def model_of(train_cfg: DictConfig) -> Model:
     m, d = train_cfg.model, train_cfg.data
-    if d.name == "markov":
+    if d.name in ("markov", "powerlaw"):  # the generated sources: their sizes are their settings
         ck = d.corpus_kwargs
         V, corpus = int(ck.vocab_size), {"train": int(ck.n_train), "valid": int(ck.n_valid), "test": int(ck.n_test)}
     else:
