@@ -1,6 +1,7 @@
 """The wall time of a scale profile's sweeps (make reproduce PROFILE=scale), estimated from short timed pieces.
 
-    python bench/scale_sweep.py [--profile scale] [--slice 20000] [--fraction 0.2] [--out docs/bench/scale_sweep.md]
+    python bench/scale_sweep.py [--profile scale] [--sweeps awd_lstm ...] [--slice 20000] [--fraction 0.2]
+        [--out docs/bench/scale_sweep.md]
 
 For each distinct model of the profile's grids (its jobs differ in their training tokens only, which leave the speed
 alone) this trains the job's own model and recipe on --slice training tokens for one epoch, times a validation pass,
@@ -77,13 +78,12 @@ def piece(overrides: list[str], slice_tokens: int, fraction: float, tmp: Path) -
     res = evaluate(ev)
     stage_s = {n: res[n]["profile"]["seconds"] for n in stages}
     return {"params": m["params"], "train_tps": m["train_tokens"] / m["train_seconds"], "eval_tps": eval_tps,
-            "stages_s": stage_s, "other_s": time.perf_counter() - t0 - sum(stage_s.values()),
-            "epochs": int(job.trainer.max_epochs)}
+            "stages_s": stage_s, "other_s": time.perf_counter() - t0 - sum(stage_s.values())}
 
 
-def job_seconds(p: dict, train_tokens: int, valid_tokens: int, test_tokens: int, fraction: float) -> tuple:
+def job_seconds(p: dict, epochs: int, train_tokens: int, valid_tokens: int, test_tokens: int, fraction: float) -> tuple:
     """(training, analysis) seconds of one job from its model's pieces."""
-    train = p["epochs"] * (train_tokens / p["train_tps"] + valid_tokens / p["eval_tps"])
+    train = epochs * (train_tokens / p["train_tps"] + valid_tokens / p["eval_tps"])
     scoring = (valid_tokens + 2 * test_tokens) / p["eval_tps"]  # best checkpoint's valid and test CE, the record's pass
     return train + scoring, sum(p["stages_s"].values()) / fraction + p["other_s"]
 
@@ -93,13 +93,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--profile", default="scale", help="a sweep profile of make reproduce (scale, scale_gpu)")
     ap.add_argument("--slice", type=int, default=20_000, help="training tokens of each timed training")
     ap.add_argument("--fraction", type=float, default=0.2, help="share of the analysis' sizes each timed run has")
+    ap.add_argument("--sweeps", nargs="+", default=None, help="time these of the profile's sweeps only")
     add_out_option(ap, "scale_sweep")
     args = ap.parse_args(argv)
     emit, lines = tee()
     torch_threads = os.environ.get("OMP_NUM_THREADS", "default")
     rate0 = matmul_flops(seconds=1.0) / 1e9
     cfg = load_profile([f"profile={args.profile}", "logger=none"])
-    jobs = [st for st in plan_sweeps(cfg) if "cmd" in st]
+    jobs = [st for st in plan_sweeps(cfg) if "cmd" in st and (not args.sweeps or st["sweep"] in args.sweeps)]
     pieces: dict[tuple, dict] = {}
     rows, totals = [], {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -115,7 +116,7 @@ def main(argv: list[str] | None = None) -> None:
             full = corpus.get("n_train", 929_589)
             n = min(int(c.data.max_train_tokens or full), full)
             valid, test = (corpus.get("n_valid", VALID), corpus.get("n_test", TEST))
-            tr, an = job_seconds(p, n, valid, test, args.fraction)
+            tr, an = job_seconds(p, int(c.trainer.max_epochs), n, valid, test, args.fraction)
             rows.append((st["name"], p["params"], n, p["train_tps"], p["eval_tps"], tr, an))
             totals[st["sweep"]] = totals.get(st["sweep"], 0.0) + tr + an
     rate1 = matmul_flops(seconds=1.0) / 1e9

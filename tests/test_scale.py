@@ -223,8 +223,9 @@ def write_runs(root: Path, family="AWD-LSTM", corpus="ptb", b_n=-0.3, b_d=0.0, a
         ce = 5.0 - 0.1 * math.log(ni * di / 1e11)
         res = stage_results(ce_c=-0.02 * (6 - ce), seed=i)
         res["entropy_rate"]["tail_nats_per_generation"] = [[ce + t] * 3 for t in tails[i]]
+        one_budget = {"train_tokens": 1_920_000, "data_tokens": int(di)} if tail_exponent else {"train_tokens": int(di)}
         rec = scale_record(res, model=f"{family} {i}", family=family, corpus=corpus, params=int(ni),
-                           train_tokens=int(di), test_ce=ce, test_ce_stderr=0.002, wandb_group=group,
+                           test_ce=ce, test_ce_stderr=0.002, wandb_group=group, **one_budget,
                            **({"tail_exponent": tail_exponent} if tail_exponent else {}))
         run = root / f"job{i}"
         run.mkdir(parents=True)
@@ -244,8 +245,9 @@ def test_the_report_writes_the_table_figure_fit_and_sentences(tmp_path):
     assert ptb["label"] == "AWD-LSTM on ptb" and syn["label"] == "AWD-LSTM on powerlaw, tail exponent s = 2"
     f = ptb["fits"]["params"]
     assert f["exponents"]["params"] == pytest.approx(-0.3, abs=0.05) and f["reference"] == paper.CVL_TEXT_EXPONENT
-    f = syn["fits"]["train_tokens"]
-    assert f["reference"] == -0.5 and f["exponents"]["train_tokens"] == pytest.approx(-0.5, abs=0.05)  # CVL's, s = 2
+    f = syn["fits"]["data_tokens"]  # trained on one budget of tokens: the distinct ones vary
+    assert f["reference"] == -0.5 and f["exponents"]["data_tokens"] == pytest.approx(-0.5, abs=0.05)  # CVL's, s = 2
+    assert set(syn["fits"]) == {"params", "data_tokens", "test_ce_nats", "params+data_tokens"}
     assert set(ptb["fits"]) == {"params", "train_tokens", "test_ce_nats", "params+train_tokens"}
     assert ptb["verdicts"]["scale_exponent_params"] == "falls" and "trend_calibration" in ptb["verdicts"]
     md = (out / "REPORT.md").read_text()
@@ -276,6 +278,7 @@ def test_the_report_logs_one_wandb_run_in_the_sweeps_group(tmp_path):
     assert row["scale/table/nrows"] == 6 and row["scale/figure/_type"] == "image-file"
     for x in ("params", "train_tokens", "test_ce_nats"):  # each scatter: its table, and its chart (W&B's scatter)
         assert row[f"scale/gap_vs_{x}_table/nrows"] == 6
+    assert not any("data_tokens" in k for k in row)  # no run has distinct tokens apart: no scatter of them
     (wandb_file,) = (tmp_path / "out").rglob("run-*.wandb")
     assert wandb_file.read_bytes().count(b"wandb/scatter/v0") == 3
     assert run["summary"]["scale/awd-lstm-on-ptb/params"] == pytest.approx(rep["groups"][0]["fits"]["params"][
@@ -375,30 +378,47 @@ def test_a_multirun_of_tiny_models_ends_with_the_table_and_the_fit(tmp_path):
     assert wb["group"] == "multirun-sweep"  # the sweep's own group: its training runs and the report's
 
 
+def trained_gpt2(folder: Path, width: int, layers: int, ids: torch.Tensor, steps: int = 40):
+    """A tiny GPT-2 trained for `steps` Adam steps on windows of `ids`, saved with the word-level tokenizer."""
+    import transformers
+
+    from tests.test_hf import WORDS, tiny_tokenizer
+
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    m = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=layers, n_embd=width, n_head=2,
+                                                             vocab_size=len(WORDS), n_positions=64, bos_token_id=0,
+                                                             eos_token_id=0))
+    opt = torch.optim.Adam(m.parameters(), lr=3e-3)
+    for _ in range(steps):
+        x = torch.stack([ids[a:a + 33] for a in torch.randint(0, len(ids) - 33, (8,), generator=g)])  # [8, 33]
+        loss = m(input_ids=x, labels=x).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    m.save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    return folder
+
+
 @pytest.mark.slow
 def test_a_hugging_face_family_gives_the_same_record(tmp_path):
-    """python -m lmcal.evaluate -m model=hf model.name_or_path=A,B,C stages=[entropy_rate] on three tiny GPT-2
-    models built here (no download): each job's scale.json, its parameters read from the model; then the fit."""
-    from tests.test_hf import WORDS, tiny_gpt2, tiny_tokenizer
-
+    """python -m lmcal.evaluate -m model=hf model.name_or_path=A,B,C stages=[entropy_rate] on three tiny GPT-2 models
+    built and briefly trained here on a repeated sentence (no download): each job's scale.json, its parameters read
+    from the model; then the table and the fit. Trained alike, the larger models fit the sentence better and wander
+    less once their generations leave it: the gap falls with size."""
     transformers = pytest.importorskip("transformers")
-    folders = []
-    for i, (width, layers) in enumerate(((16, 1), (32, 2), (64, 2))):
-        torch.manual_seed(i)
-        cfg = transformers.GPT2Config(n_layer=layers, n_embd=width, n_head=2, vocab_size=len(WORDS), n_positions=64,
-                                      bos_token_id=0, eos_token_id=0, initializer_range=0.3)
-        f = tmp_path / f"gpt-{width}"
-        transformers.GPT2LMHeadModel(cfg).save_pretrained(f)
-        tiny_tokenizer().save_pretrained(f)
-        folders.append(f)
-    assert tiny_gpt2  # (the fixture's model family)
-    g = np.random.default_rng(0)
+    from tests.test_hf import WORDS
+
+    sentence = "the cat sat on the mat and the dog ran far away"
+    ids = torch.tensor([WORDS.index(w) for w in sentence.split()] * 40)
+    folders = [trained_gpt2(tmp_path / f"gpt-{w}", w, n, ids) for w, n in ((16, 1), (32, 2), (64, 2))]
     for split in ("valid", "test"):
-        (tmp_path / f"{split}.txt").write_text("\n".join(" ".join(g.choice(WORDS[1:], size=8)) for _ in range(60)))
+        (tmp_path / f"{split}.txt").write_text("\n".join([sentence] * 40) + "\n")
     sweep = tmp_path / "sweep"
     r = run(["lmcal.evaluate", "-m", "model=hf", f"model.name_or_path={','.join(map(str, folders))}",
              "stages=[entropy_rate]", f"model.valid_text={tmp_path / 'valid.txt'}",
-             f"model.test_text={tmp_path / 'test.txt'}", "model.train_tokens=1000", *TINY_ANALYSIS[:4],
+             f"model.test_text={tmp_path / 'test.txt'}", "model.train_tokens=10560", *TINY_ANALYSIS[:4],
              "logger.group=scale-hf", f"hydra.sweep.dir={sweep}", "hydra.sweep.subdir=job${hydra.job.num}"], tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     recs = [json.loads(p.read_text()) for p in sorted(sweep.rglob(RECORD))]
@@ -406,13 +426,15 @@ def test_a_hugging_face_family_gives_the_same_record(tmp_path):
     for rec in recs:
         size = transformers.GPT2LMHeadModel.from_pretrained(rec["name_or_path"]).num_parameters()
         assert rec["params"] == size and rec["family"] == "gpt2" and rec["unit"] == "model token"
-        assert rec["train_tokens"] == 1000 and rec["effects"] == {} and rec["corpus"] == "valid"
-        assert rec["test_ce_stderr_nats"] > 0 and rec["wandb_group"] == "scale-hf"
+        assert rec["train_tokens"] == 10560 and rec["effects"] == {} and rec["corpus"] == "valid"
+        assert rec["test_ce_stderr_nats"] > 0 and rec["wandb_group"] == "scale-hf" and rec["gap_nats"] > 0
     r = run(["lmcal.report", str(sweep), "--out", str(tmp_path / "report"), "--bootstrap", "100"], tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     rep = json.loads((tmp_path / "report" / "scale_report.json").read_text())
     (grp,) = rep["groups"]
-    assert grp["label"] == "gpt2 on valid (per model token)" and set(grp["fits"]) >= {"params", "test_ce_nats"}
+    assert grp["label"] == "gpt2 on valid (per model token)" and grp["fits"]["params"]["n_runs"] == 3
+    assert grp["fits"]["params"]["exponents"]["params"] < 0 and grp["fits"]["params"]["reference"] == -0.05
+    assert "| gpt-64 | 0.10M | 10,560 |" in (tmp_path / "report" / "scale.md").read_text()
     (wb,) = [w for w in runs_under(tmp_path / "report") if w["job_type"] == "report"]
     assert wb["group"] == "scale-hf"
 
@@ -429,7 +451,8 @@ def test_make_reproduce_profile_scale_runs_its_sweeps_and_resumes(tmp_path):
                            "data.corpus_kwargs.tail_exponent=1.1,2.0", "data.corpus_kwargs.vocab_size=12",
                            "data.corpus_kwargs.n_train=12000", "data.corpus_kwargs.n_valid=2000",
                            "data.corpus_kwargs.n_test=2000", "model.hidden_size=32", "model.emb_size=16",
-                           "trainer.max_epochs=2", "trainer.enable_progress_bar=false", *TINY_ANALYSIS]
+                           "optim.lr=0.01", "trainer.max_epochs=3", "trainer.enable_progress_bar=false",
+                           *TINY_ANALYSIS]
     res = reproduce_sweeps(OmegaConf.create(OmegaConf.to_container(cfg)))
     assert [g["label"] for g in res["groups"]] == ["AWD-LSTM on powerlaw, tail exponent s = 1.1",
                                                     "AWD-LSTM on powerlaw, tail exponent s = 2"]

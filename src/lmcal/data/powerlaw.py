@@ -28,7 +28,7 @@ def zipf_law(vocab_size: int, tail_exponent: float) -> np.ndarray:
     return p / p.sum()
 
 
-def make_powerlaw_chain(vocab_size: int = 64, order: int = 2, tail_exponent: float = 1.1, seed: int = 0) -> np.ndarray:
+def make_powerlaw_chain(vocab_size: int = 256, order: int = 1, tail_exponent: float = 1.1, seed: int = 0) -> np.ndarray:
     """The table [V**order, V] float64 of P(w | context) (contexts encoded as lmcal.data.markov encodes them): row c
     is zipf_law(V, s) over a random permutation of the words, a function of the arguments only."""
     if order < 1 or vocab_size < 2 or not tail_exponent > 0:
@@ -42,7 +42,7 @@ def make_powerlaw_chain(vocab_size: int = 64, order: int = 2, tail_exponent: flo
     return probs
 
 
-def powerlaw_corpus(vocab_size: int = 64, order: int = 2, tail_exponent: float = 1.1, n_train: int = 200_000,
+def powerlaw_corpus(vocab_size: int = 256, order: int = 1, tail_exponent: float = 1.1, n_train: int = 200_000,
                     n_valid: int = 20_000, n_test: int = 20_000, seed: int = 0) -> Corpus:
     """Three independent stationary samples (seeds [seed, 1..3]) of `make_powerlaw_chain(...)`, with the exact
     entropy rate (the stationary chain's) in `info`."""

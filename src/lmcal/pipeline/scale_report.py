@@ -74,7 +74,7 @@ def reference(key: tuple, axis: str) -> tuple[float | None, str]:
     """The exponent the fit is set beside: CVL's prediction for the power-law source against training tokens, their
     fitted exponent for text against parameters."""
     corpus, s, _, _ = key
-    if s is not None and axis == "train_tokens":
+    if s is not None and axis in ("train_tokens", "data_tokens"):
         return (paper.cvl_predicted_exponent(s), f"The exponent {paper.CVL}'s simplified setting predicts for s = "
                 f"{s:g}, -(1 - 1/s) (our reading: the missing mass of the law)")
     if s is None and axis == "params":
@@ -88,10 +88,16 @@ def fit_group(key: tuple, rows: list[dict], n_boot: int = 2000, seed: int = 0) -
     tails = [np.asarray(r["tail_nats_per_prefix"]) for r in rows]
     ce = [r["test_ce_nats"] for r in rows]
     ce_se = [r.get("test_ce_stderr_nats") for r in rows]
-    varying = [k for k in ("params", "train_tokens")
+    varying = [k for k in ("params", "train_tokens", "data_tokens")
                if all(isinstance(r.get(k), (int, float)) and r[k] > 0 for r in rows) and len({r[k] for r in rows}) > 1]
+    ratio = [r["train_tokens"] / r["data_tokens"] for r in rows] if {"train_tokens", "data_tokens"} <= set(varying) \
+        else []
+    if ratio and max(ratio) < 1.05 * min(ratio):  # as many epochs each (windows drop a few tokens): the same axis
+        varying.remove("data_tokens")
+    tokens = [k for k in varying if k != "params"][:1]  # the distinct tokens where the runs saw as many in all
+    joint = ["params", *tokens] if "params" in varying and tokens else []
     fits = {}
-    for axes in [[k] for k in varying + ["test_ce_nats"]] + ([varying] if len(varying) == 2 else []):
+    for axes in [[k] for k in varying + ["test_ce_nats"]] + ([joint] if joint else []):
         name = "+".join(axes)
         try:
             f = fit_power_law({k: [r[k] for r in rows] for k in axes}, tails, ce, ce_se, n_boot=n_boot, seed=seed)
@@ -112,7 +118,7 @@ def fit_group(key: tuple, rows: list[dict], n_boot: int = 2000, seed: int = 0) -
                                        [e["tail_diff_stderr_nats"] for e in eff])
             trends[m] = {"slope": slope, "stderr": se, "runs": len(rows)}
     return {"label": group_label(key), "corpus": key[0], "tail_exponent": key[1], "family": key[2], "unit": key[3],
-            "runs": len(rows), "fits": fits, "trends": trends}
+            "runs": len(rows), "fits": fits, "trends": trends, "token_axis": (tokens or ["train_tokens"])[0]}
 
 
 def scale_figure(groups: list[tuple[dict, list[dict]]], path: Path) -> Path:
@@ -128,7 +134,7 @@ def scale_figure(groups: list[tuple[dict, list[dict]]], path: Path) -> Path:
     fig, axes = plt.subplots(1, 3, figsize=(13.5, 4.2), dpi=120)
     for i, (g, rows) in enumerate(groups):
         color = f"C{i}"
-        for ax, axis in zip(axes, AXES, strict=True):
+        for ax, axis in zip(axes, ("params", g.get("token_axis", "train_tokens"), "test_ce_nats"), strict=True):
             pts = [(r[axis], r["gap_nats"], r["gap_stderr_nats"]) for r in rows
                    if isinstance(r.get(axis), (int, float)) and r[axis] > 0 and r["gap_nats"] > 0]
             if not pts:
@@ -144,7 +150,7 @@ def scale_figure(groups: list[tuple[dict, list[dict]]], path: Path) -> Path:
                         label=f"b = {f['exponents'][axis]:+.3f} [{f['ci'][axis][0]:+.2f}, {f['ci'][axis][1]:+.2f}]")
     from matplotlib import ticker
 
-    for ax, axis in zip(axes, AXES, strict=True):
+    for ax, axis in zip(axes, ("params", "train_tokens", "test_ce_nats"), strict=True):
         ax.set_xscale("log")
         ax.set_yscale("log")
         for a in (ax.xaxis, ax.yaxis):  # narrow ranges: plain labels at 1, 2, 5 x 10^k (no overlapping minor ones)
@@ -156,7 +162,8 @@ def scale_figure(groups: list[tuple[dict, list[dict]]], path: Path) -> Path:
             ax.xaxis.set_major_formatter(ticker.FormatStrFormatter("%.2f"))
         else:
             ax.xaxis.set_major_formatter(ticker.EngFormatter(sep=""))
-        ax.set_xlabel(AXES[axis] + (" (nats)" if axis == "test_ce_nats" else ""))
+        ax.set_xlabel({"train_tokens": "training tokens (distinct, for runs trained on one budget)"}.get(
+            axis, AXES[axis]) + (" (nats)" if axis == "test_ce_nats" else ""))
         ax.grid(alpha=0.3, which="both")
         if ax.has_data():
             ax.legend(fontsize=6)
@@ -236,10 +243,10 @@ def log_scale_wandb(report: dict, out: str | Path, mode: str = "offline", projec
     by_group: dict[str, list[dict]] = {}
     for r in report["runs"]:
         by_group.setdefault(group or r.get("wandb_group") or f"scale-{out.resolve().name}", []).append(r)
-    cols = ["model", "family", "corpus", "tail_exponent", "params", "train_tokens", "test_ce_nats", "tail_nats",
-            "gap_nats", "gap_stderr_nats", "temperature_effect_nats", "calibration_effect_nats"]
+    cols = ["model", "family", "corpus", "tail_exponent", "params", "train_tokens", "data_tokens", "test_ce_nats",
+            "tail_nats", "gap_nats", "gap_stderr_nats", "temperature_effect_nats", "calibration_effect_nats"]
     for name, runs in by_group.items():
-        data = [[r.get(c) for c in cols[:10]] + [(r["effects"].get(m) or {}).get("tail_diff_nats")
+        data = [[r.get(c) for c in cols[:11]] + [(r["effects"].get(m) or {}).get("tail_diff_nats")
                                                   for m in ("fitted_temperature", "calibration")] for r in runs]
         node = {"_target_": "WandbLogger", "project": project, "offline": mode != "online"}
         run = open_run(init_args(node, out / f"wandb-{slug(name)}", job_type="report", name="scale_report",
@@ -248,7 +255,8 @@ def log_scale_wandb(report: dict, out: str | Path, mode: str = "offline", projec
             table = wandb.Table(columns=cols, data=data)
             run.log({"scale/table": table, "scale/figure": wandb.Image(str(out / "scale.png")),
                      **{f"scale/gap_vs_{x}": wandb.plot.scatter(table, x, "gap_nats", title=f"gap against {x}")
-                        for x in ("params", "train_tokens", "test_ce_nats")}})
+                        for x in ("params", "train_tokens", "data_tokens", "test_ce_nats")
+                        if any(isinstance(r.get(x), (int, float)) for r in runs)}})
             run.summary.update({f"scale/{slug(g['label'])}/{n}": f["exponents"][n] for g in report["groups"]
                                 for n, f in g["fits"].items() if "exponents" in f and n in f["exponents"]})
         finally:

@@ -152,14 +152,18 @@ def check_sweeps(cfg: DictConfig) -> str:
                      f"{int(c.trainer.max_epochs)} epochs x {m.corpus.get('train', 0):,} tokens = "
                      f"{t_flops:.3g} training FLOP; " + "; ".join(parts))
     seconds = sum(total.values())
-    ref = reference_note(cfg.profile)
-    return "\n".join([f"Plan of the {cfg.profile} profile: {len(stages) - 1} runs in {len(cfg.sweeps)} sweep(s) and "
-                      "the report; every run composed and within its ranges, every stream within its model's "
-                      "context.", "", *lines, "",
-                      f"Wall time on {plan_check.DEVICE}: an ESTIMATE from FLOP counts at assumed sustained rates "
-                      f"({', '.join(f'{k} {r:g} TFLOP/s' for k, r in plan_check.RATES.items())}), runs one after "
-                      f"another, launch overheads not counted: training {total['train'] / 3600:.2f} h + analysis "
-                      f"{total['analysis'] / 3600:.2f} h = {seconds / 3600:.2f} h." + ref])
+    if cfg.get("estimate_for", "gpu") == "gpu":
+        when = (f"Wall time on {plan_check.DEVICE}: an ESTIMATE from FLOP counts at assumed sustained rates "
+                f"({', '.join(f'{k} {r:g} TFLOP/s' for k, r in plan_check.RATES.items())}), runs one after another, "
+                f"launch overheads not counted: training {total['train'] / 3600:.2f} h + analysis "
+                f"{total['analysis'] / 3600:.2f} h = {seconds / 3600:.2f} h.")
+    else:  # small models on a CPU run far from its peak rate: FLOPs say little of the time
+        when = (f"Wall time on this machine's CPU: `python bench/scale_sweep.py --profile {cfg.profile}` estimates it "
+                "from short timed pieces of every model in a few minutes.")
+    return "\n".join([f"Plan of the {cfg.profile} profile: {len(stages) - 1} runs in "
+                      f"{sum(o is not None for o in cfg.sweeps.values())} sweep(s) and the report; every run composed "
+                      "and within its ranges, every stream within its model's context.", "", *lines, "",
+                      when + reference_note(cfg.profile)])
 
 
 def reference_note(profile: str) -> str:

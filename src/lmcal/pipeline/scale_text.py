@@ -10,7 +10,8 @@ from lmcal import paper
 from lmcal.pipeline.claims import effect_trend, scale_exponent
 from lmcal.pipeline.docs import provenance, provenance_line
 
-AXES = {"params": "parameters", "train_tokens": "training tokens", "test_ce_nats": "test CE"}
+AXES = {"params": "parameters", "train_tokens": "training tokens", "data_tokens": "distinct training tokens",
+        "test_ce_nats": "test CE"}
 METHODS = {"fitted_temperature": "the fitted temperature", "calibration": "lookahead calibration"}
 
 BIG = ("tail_nats_per_prefix", "curve_nats", "stderr_nats")  # kept in each run's scale.json, not in results.json
@@ -45,8 +46,8 @@ def _count(n) -> str:
 def scale_table(rows: list[dict]) -> str:
     """One line per run: size, tokens, test CE, the last tenth, the gap, and each fitted method's paired change of the
     last tenth with its test CE (on the stages' scored test tokens, beside the plain model's there)."""
-    lines = ["| model | parameters | training tokens | test CE | last tenth | gap | T* (test CE) | calibration "
-             "(test CE) | plain (test CE) | wall |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| model | parameters | training tokens (distinct) | test CE | last tenth | gap | T* (test CE) | "
+             "calibration (test CE) | plain (test CE) | wall |", "|---|---|---|---|---|---|---|---|---|---|"]
     def effect(r, m):
         e = r["effects"].get(m)
         return f"{_pm(e['tail_diff_nats'], e['tail_diff_stderr_nats'])} ({e['test_ce_nats']:.4f})" if e else "–"
@@ -55,11 +56,12 @@ def scale_table(rows: list[dict]) -> str:
         eff = r["effects"]
 
         wall = f"{r['wall_seconds'] / 60:.1f} min" if r.get("wall_seconds") else "–"
-        lines.append(f"| {r['model']} | {_count(r['params'])} | {_count(r['train_tokens'])} | "
+        distinct = f" ({_count(r['data_tokens'])})" if r.get("data_tokens") else ""
+        lines.append(f"| {r['model']} | {_count(r['params'])} | {_count(r['train_tokens'])}{distinct} | "
                      f"{_pm(r['test_ce_nats'], r.get('test_ce_stderr_nats'), 4)} | "
                      f"{_pm(r['tail_nats'], r['tail_stderr_nats'])} | {_pm(r['gap_nats'], r['gap_stderr_nats'])} | "
                      f"{effect(r, 'fitted_temperature')} | {effect(r, 'calibration')} | "
-                     f"{(eff.get('model') or {}).get('test_ce_nats', float('nan')):.4f} | {wall} |")
+                     f"{_pm((eff.get('model') or {}).get('test_ce_nats'), None, 4)} | {wall} |")
     return "\n".join(lines) + "\n"
 
 
