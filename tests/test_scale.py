@@ -223,7 +223,7 @@ def write_runs(root: Path, family="AWD-LSTM", corpus="ptb", b_n=-0.3, b_d=0.0, a
         ce = 5.0 - 0.1 * math.log(ni * di / 1e11)
         res = stage_results(ce_c=-0.02 * (6 - ce), seed=i)
         res["entropy_rate"]["tail_nats_per_generation"] = [[ce + t] * 3 for t in tails[i]]
-        one_budget = {"train_tokens": 1_920_000, "data_tokens": int(di)} if tail_exponent else {"train_tokens": int(di)}
+        one_budget = {"train_tokens": 640_000, "data_tokens": int(di)} if tail_exponent else {"train_tokens": int(di)}
         rec = scale_record(res, model=f"{family} {i}", family=family, corpus=corpus, params=int(ni),
                            test_ce=ce, test_ce_stderr=0.002, wandb_group=group, **one_budget,
                            **({"tail_exponent": tail_exponent} if tail_exponent else {}))
@@ -297,7 +297,18 @@ def test_the_sweep_presets_expand_to_their_grids():
     assert grid(["experiment=scale", "model=awd_lstm_xs", "data.max_train_tokens=1000,2000"])[1][1] == \
         {"model": "awd_lstm_xs", "data.max_train_tokens": "2000"}  # a command-line list replaces the preset's
     syn = grid(["experiment=scale_powerlaw"])
-    assert len(syn) == 12 and {v["data.corpus_kwargs.tail_exponent"] for _, v in syn} == {"1.1", "2.0"}
+    assert len(syn) == 10 and {v["data.corpus_kwargs.tail_exponent"] for _, v in syn} == {"1.1", "2.0"}
+
+
+def test_every_amount_of_the_power_law_sweep_trains_on_one_budget():
+    from lmcal.utils.settings import composed
+
+    epochs = {t: composed("lmcal.train", ["experiment=scale_powerlaw", f"data.max_train_tokens={t}"]).trainer.max_epochs
+              for t in (20000, 40000, 320000)}
+    assert epochs == {20000: 32, 40000: 16, 320000: 2}  # 640k training tokens each
+    c = composed("lmcal.train", ["experiment=scale_powerlaw", "data.max_train_tokens=null"])
+    with pytest.raises(Exception, match="lmcal_epochs needs the training tokens"):
+        OmegaConf.to_container(c, resolve=True)
 
 
 def test_the_gpu_sweep_is_checked_by_the_plan_check(tmp_path):
@@ -318,7 +329,7 @@ def test_the_gpu_sweep_is_checked_by_the_plan_check(tmp_path):
 def test_the_cpu_sweep_profile_plans_every_job_with_one_wandb_group(tmp_path):
     cfg = load_profile(["profile=scale", f"out={tmp_path / 'scale'}"])
     stages = plan_sweeps(cfg)
-    assert len(stages) == 25 and [s["sweep"] for s in stages[:-1]].count("powerlaw") == 12
+    assert len(stages) == 23 and [s["sweep"] for s in stages[:-1]].count("powerlaw") == 10
     cmd = stages[0]["cmd"]
     assert cmd[2:5] == ["lmcal.train", "experiment=scale", "model=awd_lstm_xs"]
     assert "logger.group=reproduce-scale" in cmd
