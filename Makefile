@@ -14,7 +14,7 @@ STAMP := $(VENV)/.installed
 
 help: ## list the targets
 	@awk 'BEGIN{FS=":.*## "} /^[a-zA-Z_-]+:.*## /{printf "  make %-10s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
-	@echo "  variables: TORCH='$(TORCH)' PROFILE=$(PROFILE) (auto|paper|paper_full|cpu|smoke) LMCAL_DATA_ROOT=<folder holding ptb/>"
+	@echo "  variables: TORCH='$(TORCH)' PROFILE=$(PROFILE) (auto|paper|paper_full|cpu|smoke|scale|scale_gpu) LMCAL_DATA_ROOT=<folder holding ptb/>"
 	@echo "             ARGS='out=DIR taus=[5,10] ...' (reproduce: overrides of conf/reproduce/<profile>.yaml)"
 	@echo "             FORCE=1 (reproduce: redo the stages whose settings changed, and those downstream)"
 

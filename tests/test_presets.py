@@ -8,6 +8,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf, open_dict
 
 from lmcal.pipeline.plan import load_profile, plan, stage_settings
+from lmcal.pipeline.scale_sweep import is_sweep_profile, plan_sweeps
 from lmcal.stages.registry import STAGES, check_settings
 from lmcal.train import train
 from lmcal.utils.settings import CONF_DIR
@@ -51,6 +52,9 @@ def test_every_reproduce_profile_plans_valid_stages(profile, tmp_path):
     """Each stage of the profile's pipeline composes and passes the checks, as `make reproduce` does before running."""
     cfg = load_profile([f"profile={profile}", f"out={tmp_path}"])
     check_config(cfg)
+    if is_sweep_profile(cfg):  # scale, scale_gpu: a job per stage, then the report (tests/test_scale.py checks them)
+        assert plan_sweeps(cfg)[-1]["name"] == "report"
+        return
     stages = plan(cfg)
     assert [s["name"] for s in stages][:2] == ["base", "tau_models"] and stages[-1]["name"] == "report"
     for st in stages:

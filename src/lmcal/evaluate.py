@@ -23,6 +23,7 @@ from lmcal.models.checkpoint import model_name, read_checkpoint
 from lmcal.pipeline.docs import provenance, versions
 from lmcal.pipeline.preflight import checkpoint_model, hf_model, preflight
 from lmcal.stages.registry import result_rows, run_stages
+from lmcal.stages.scale_record import record_evaluation
 from lmcal.stages.tables import results_markdown
 from lmcal.stages.targets import checkpoint_target, hf_target, stage_settings
 from lmcal.stages.wandb_run import check_online, finish_run, log_files, slug, use_checkpoint, wandb_log, wandb_run
@@ -79,7 +80,9 @@ def _evaluate(cfg: DictConfig, out: Path, settings: dict[str, dict]) -> dict:
     results["device"] = str(cfg.device)
     logger = evaluation_run(cfg, target, settings, out)
     try:
-        results.update(run_stages(list(cfg.stages), target, settings, out, logger))
+        stage_results = run_stages(list(cfg.stages), target, settings, out, logger)
+        results.update(stage_results)
+        record_evaluation(out, cfg, target, stage_results, logger)  # scale.json, after entropy_rate
         rows = result_rows(results)
         results.update(table=[{"stage": st, "metric": k, "value": v, "stderr": se} for st, k, v, se in rows],
                        config=OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False),

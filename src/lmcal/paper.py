@@ -28,3 +28,19 @@ MEMORY_PTB = {
 # leaves test perplexity unchanged.
 CALIBRATION_EFFECT = "generations' perplexity falls by almost 20 points, test perplexity unchanged"
 CALIBRATION_PPL_DROP = 20.0  # "almost 20 points", from the EntRate of TABLE1's AWD-LSTM (93.1): -0.24 nats
+
+
+# Cao, Valiant & Liang, "On the Entropy Calibration of Language Models" (NeurIPS 2025; arXiv 2511.11966), the
+# reference of the scale sweep (lmcal.pipeline.scale_report). They fit the gap between the entropy of generations and
+# the log loss on human text against model size, log gap = a + b log N, for families of 0.5B-70B parameters, and
+# report exponents for text "close to 0" (faster for code); about -0.05 is the figure summaries of the paper quote.
+CVL = "Cao, Valiant & Liang (NeurIPS 2025)"
+CVL_TEXT_EXPONENT = -0.05  # gap ~ N^b for text, b "close to 0": about -0.05 (check against their Figure before quoting)
+CVL_SIZES = "0.5B-70B parameters"
+
+
+def cvl_predicted_exponent(tail_exponent: float) -> float:
+    """The exponent of the gap against the amount of data m that CVL's simplified setting predicts for data whose
+    frequencies follow a power law of exponent s, as we read it: that of the missing mass of such a law after m
+    draws, m^-(1 - 1/s), near 0 for s near 1 (their abstract's statement) and -1/2 for s = 2."""
+    return -(1.0 - 1.0 / float(tail_exponent))

@@ -13,6 +13,12 @@ stages=[decoders] decoder=top_p decoder.p=0.8,0.9,0.95`) goes into one table per
 
 Every training run under them (a folder with `metrics.json`, or a failed sweep job's `failed.json`) goes into one
 table, `runs.md` and `runs.json`: its overrides (or folder), validation and test perplexity, status and folder.
+
+Every `scale.json` under them (a run whose stages included entropy_rate: `python -m lmcal.train -m experiment=scale`,
+or `python -m lmcal.evaluate -m model=hf model.name_or_path=A,B,C stages=[entropy_rate]`) goes into the scale table,
+`scale.md`, the log-log figure `scale.png` of the gap against parameters, training tokens and test CE, and the fitted
+exponents with bootstrap intervals beside Cao, Valiant & Liang's (`scale_report.json`; also as results.json and
+REPORT.md, which `make docs RUNS=<--out folder>` snapshots into docs/runs/scale), logged to W&B in the runs' group.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from pathlib import Path
 
 from lmcal.errors import LmcalError
 from lmcal.pipeline.runs_table import runs_report
+from lmcal.pipeline.scale_report import log_scale_wandb, scale_report
 from lmcal.pipeline.tabulate import collect_memory, decoders_report, memory_report
 from lmcal.stages.wandb_run import check_online
 from lmcal.utils.boundary import boundary
@@ -39,6 +46,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--wandb", default="offline", choices=["offline", "online", "disabled"])
     ap.add_argument("--project", default="lmcal")
     ap.add_argument("--group")
+    ap.add_argument("--bootstrap", type=int, default=2000, help="bootstrap replicates of the scale fits")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     with boundary():
@@ -64,8 +72,11 @@ def main(argv: list[str] | None = None) -> None:
             decoders = decoders_report(args.dirs, out)
             if decoders:
                 write_json_atomic(out / "decoders_report.json", decoders)
-            if (decoders or runs) and not collect_memory(args.dirs):
-                return  # training runs or a decoder sweep: nothing else to aggregate
+            scale = scale_report(args.dirs, out, n_boot=args.bootstrap)
+            if scale and args.wandb != "disabled":
+                log_scale_wandb(scale, out, args.wandb, args.project, args.group)
+            if (decoders or runs or scale) and not collect_memory(args.dirs):
+                return  # training runs, a decoder sweep or a scale sweep: nothing else to aggregate
             memory_report(args.dirs, args.out, args.wandb, args.project, args.group)
 
 

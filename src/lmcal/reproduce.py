@@ -1,6 +1,6 @@
 """`make reproduce`: every result of the paper this project reproduces, in one resumable pipeline.
 
-    python -m lmcal.reproduce [profile=auto|paper|paper_full|cpu|smoke] [out=DIR] [key=value ...]
+    python -m lmcal.reproduce [profile=auto|paper|paper_full|cpu|smoke|scale|scale_gpu] [out=DIR] [key=value ...]
 
 The profile (conf/reproduce/<profile>.yaml; `auto` is `paper` with CUDA, else `cpu`) names the overrides of each
 stage; `key=value` pairs override the profile (OmegaConf dot-list, e.g. `taus=[5,10]`). Stages, in order:
@@ -17,6 +17,9 @@ stage; `key=value` pairs override the profile (OmegaConf dot-list, e.g. `taus=[5
                       memory bound on tau-token windows (Table 1's second row, Figure 4's transformer column)
     report            results.json, REPORT.md, memory tables and Figure 4
 
+The scale profiles (scale on 2 CPU cores, scale_gpu on one GPU) run the scale sweeps instead: every job of each
+sweep's Hydra grid a stage, then the scale table and fit (lmcal.pipeline.scale_sweep, lmcal.pipeline.scale_report).
+
 Each stage runs as its own process (lmcal.pipeline: up to `jobs` at once, where they do not depend on each other)
 with its log in <out>/logs/<stage>.log and records completion in <out>/stages/<stage>.json (written atomically,
 after its outputs). A rerun skips recorded stages, and a training
@@ -31,6 +34,7 @@ import sys
 from lmcal.pipeline.check import check
 from lmcal.pipeline.plan import load_profile
 from lmcal.pipeline.reproduce import reproduce
+from lmcal.pipeline.scale_sweep import check_sweeps, is_sweep_profile, reproduce_sweeps
 from lmcal.pipeline.schedule import clock, progress_line, reference_seconds, schedule  # noqa: F401  (clock, progress_line: public)
 from lmcal.pipeline.signals import watch_parent
 from lmcal.utils.boundary import Stopped, boundary, stop_on_signals
@@ -47,10 +51,11 @@ def main(argv: list[str] | None = None) -> None:
             if watched.isdigit():  # started by `make reproduce`: end with make, not run on as an orphan
                 watch_parent(int(watched))
             cfg = load_profile(argv)
+            sweeps = is_sweep_profile(cfg)  # scale, scale_gpu: Hydra grids of trainings (lmcal.pipeline.scale_sweep)
             if cfg.get("check"):  # the plan check alone: composes and sizes every stage, runs nothing
-                print(check(cfg), flush=True)
+                print(check_sweeps(cfg) if sweeps else check(cfg), flush=True)
                 return
-            reproduce(cfg)
+            reproduce_sweeps(cfg) if sweeps else reproduce(cfg)
     except KeyboardInterrupt as e:  # Ctrl-C, SIGTERM, SIGHUP: the stages, temporary files and lock are cleaned up
         how = f"Stopped by {e}" if isinstance(e, Stopped) else "Interrupted"
         print(f"{how}: rerun the same command to resume; finished stages are kept.", file=sys.stderr)

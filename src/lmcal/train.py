@@ -39,6 +39,7 @@ from lmcal.training.callbacks import (
     progress_bar,
 )
 from lmcal.training.module import LMModule
+from lmcal.training.scale_run import record_training
 from lmcal.utils.boundary import explain, fail, run_hydra
 from lmcal.utils.budget import tau_too_long
 from lmcal.utils.device import apply_precision_policy, cuda_missing
@@ -313,6 +314,7 @@ def _train(cfg: DictConfig, out: Path) -> dict:
             log_checkpoint(logger, metrics["best_ckpt"], model_name(cfg.model), cfg.data.name,
                            upload=bool(cfg.logger.get("log_model")))
         metrics.update(summary(stages_cb.results))
+        record_training(out, trainer, dm, metrics, stages_cb.results, logger)  # scale.json, after entropy_rate
         if stages:
             metrics["wall_seconds"] = time.perf_counter() - t_start
             write_json_atomic(out / "metrics.json", metrics)

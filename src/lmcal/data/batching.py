@@ -9,6 +9,7 @@ import torch
 
 from lmcal.data.corpora import Corpus, load_ptb, load_wikitext2, synthetic_corpus
 from lmcal.data.markov import markov_corpus
+from lmcal.data.powerlaw import powerlaw_corpus
 from lmcal.errors import DataError
 
 
@@ -103,14 +104,16 @@ class CorpusData:
 
 
 def load_corpus(name: str = "ptb", root: str | None = None, download: bool = False, **kwargs) -> Corpus:
-    """The corpus `name`; `kwargs` (data.corpus_kwargs) configure the generated ones (markov, synthetic)."""
+    """The corpus `name`; `kwargs` (data.corpus_kwargs) configure the generated ones (markov, powerlaw, synthetic)."""
     if name == "ptb":
         return load_ptb(root, download=download)
     if name == "wikitext2":
         return load_wikitext2(root, download=download)
     if name == "markov":
         return markov_corpus(**kwargs)
+    if name == "powerlaw":
+        return powerlaw_corpus(**kwargs)
     if name == "synthetic":
         return synthetic_corpus(**kwargs)
-    raise DataError(f"Unknown corpus {name!r}: choose data=ptb, data=wikitext2 or data=markov "
+    raise DataError(f"Unknown corpus {name!r}: choose data=ptb, data=wikitext2, data=markov or data=powerlaw "
                     "(or name=synthetic in tests).")

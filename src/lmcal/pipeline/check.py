@@ -70,7 +70,7 @@ def model_of(train_cfg: DictConfig, vocab: int | None = None, corpus: dict | Non
     m, d = train_cfg.model, train_cfg.data
     if vocab is not None:
         V, corpus = int(vocab), dict(corpus or {})
-    elif d.name == "markov":
+    elif d.name in ("markov", "powerlaw"):  # the generated sources: their sizes are their settings
         ck = d.corpus_kwargs
         V, corpus = int(ck.vocab_size), {"train": int(ck.n_train), "valid": int(ck.n_valid), "test": int(ck.n_test)}
     else:

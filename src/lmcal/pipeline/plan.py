@@ -20,7 +20,7 @@ from lmcal.stages.wandb_run import reproduction_group
 from lmcal.utils.settings import CONF_DIR, composed, settings_of
 from lmcal.utils.validate import check_config
 
-PROFILES = ("paper", "paper_full", "cpu", "smoke")
+PROFILES = ("paper", "paper_full", "cpu", "smoke", "scale", "scale_gpu")  # scale*: lmcal.pipeline.scale_sweep
 
 
 def resolve_profile(name: str) -> tuple[str, str | None]:
@@ -33,7 +33,8 @@ def resolve_profile(name: str) -> tuple[str, str | None]:
                       "); choose another with `make reproduce PROFILE=paper|paper_full|cpu|smoke`.")
     if name not in PROFILES:
         raise LmcalError(f"Unknown profile {name!r}: use auto, paper (one GPU, about 4 hours), paper_full (the "
-                         "paper's 500 epochs), cpu or smoke.")
+                         "paper's 500 epochs), cpu or smoke; or scale (the scale sweeps on 2 CPU cores) or scale_gpu "
+                         "(on one GPU).")
     return name, None
 
 

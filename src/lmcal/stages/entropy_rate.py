@@ -45,6 +45,7 @@ def entropy_rate_stage(lm, valid_tokens: torch.Tensor, test_ce_nats: float, out_
         "entrate_nats": float(curve.mean[-1]), "entrate_ppl": exp_or_inf(curve.mean[-1]),
         "curve_nats": curve.mean.tolist(), "stderr_nats": curve.stderr.tolist(),
         "tail_nats": float(tail), "tail_stderr_nats": float(tail_se),
+        "tail_nats_per_generation": curve.tail.tolist(),  # [N, S]: the scale record's bootstrap resamples prefixes
         "horizon": horizon, "num_prefixes": prefixes.size(0), "samples_per_prefix": samples_per_prefix,
         "num_generations": n_gen, "prefix_len": prefix_len, "seed": seed,
         "seconds": seconds, "generated_tokens_per_s": n_gen * horizon / seconds, "unit": unit,

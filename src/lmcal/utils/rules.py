@@ -102,6 +102,7 @@ RULES: dict[str, tuple[Range, str]] = {
     "data.corpus_kwargs.n_valid": (Range(lo=2, integer=True), "the generated corpus's validation tokens"),
     "data.corpus_kwargs.n_test": (Range(lo=2, integer=True), "the generated corpus's test tokens"),
     "data.corpus_kwargs.seed": (SEED, "the generated corpus's seed"),
+    "data.corpus_kwargs.tail_exponent": (POSITIVE, "the power-law source's tail exponent s (p_r ~ r^-s)"),
     # model (AWD-LSTM; the Hugging Face adapter's own keys below)
     "model.emb_size": (COUNT, "embedding size"),
     "model.hidden_size": (COUNT, "LSTM hidden size"),
@@ -122,6 +123,7 @@ RULES: dict[str, tuple[Range, str]] = {
     "model.context": (OPT_COUNT, "scoring window of a Hugging Face model"),
     "model.max_tokens": (OPT_COUNT, "tokens kept of each text"),
     "model.dtype": (Range(choices=(None, "float32", "bfloat16", "float16", "auto")), "a Hugging Face model's dtype"),
+    "model.train_tokens": (Range(lo=1, optional=True), "tokens a Hugging Face model was trained on (null: unknown)"),
     # trainer
     "trainer.max_epochs": (Range(lo=1, integer=True, also=(-1,)), "training epochs (-1: until trainer.max_time)"),
     # optimisation

@@ -20,6 +20,17 @@ PROJECT_ROOT = Path(__file__).resolve().parents[3]
 CONF_DIR = PROJECT_ROOT / "conf"
 OmegaConf.register_new_resolver("lmcal_root", lambda: str(PROJECT_ROOT), replace=True)  # conf/*: paths.root_dir
 
+
+def epochs_for(budget, tokens) -> int:
+    """`${lmcal_epochs:BUDGET,${data.max_train_tokens}}`: the epochs over `tokens` of training text that make about
+    BUDGET training tokens, at least 1 (experiment=scale_powerlaw: every amount of data trained for one budget)."""
+    if tokens in (None, "null") or int(tokens) < 1:
+        raise ValueError(f"lmcal_epochs needs the training tokens of the data (data.max_train_tokens), got {tokens}")
+    return max(1, round(int(budget) / int(tokens)))
+
+
+OmegaConf.register_new_resolver("lmcal_epochs", epochs_for, replace=True)
+
 # Keys that do not change any result: where things are read from and written to, and how progress is shown
 # (the same list Hydra's override_dirname leaves out, in conf/train.yaml, plus the run's own bookkeeping).
 NOT_SETTINGS = ("paths", "logger", "task_name", "data.root", "data.download", "data_root", "ckpt_path",

@@ -1,0 +1,264 @@
+"""The scale sweep's table and fit (the logic of `python -m lmcal.report` on folders holding scale.json records):
+one table of the runs, a log-log figure of the gap against parameters, training tokens and test cross-entropy, and
+the fitted exponents with bootstrap intervals beside Cao, Valiant & Liang's, with the sentences about them written
+by lmcal.pipeline.claims. Written into the output folder as scale.md, scale.png and scale_report.json, and as
+results.json and REPORT.md (profile `scale`), so that `make docs RUNS=<that folder>` snapshots it into
+docs/runs/scale; logged to W&B as one report run per group, with the table and the scatter as W&B plots.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shlex
+from pathlib import Path
+
+import numpy as np
+
+from lmcal import paper
+from lmcal.core.scaling import fit_power_law, weighted_trend
+from lmcal.errors import LmcalError
+from lmcal.pipeline.scale_text import AXES, METHODS, report_markdown, results_json, scale_table
+from lmcal.stages.scale_record import RECORD
+from lmcal.utils.io import inside, write_json_atomic, write_text_atomic
+
+log = logging.getLogger("lmcal")
+
+NEEDED = ("model", "family", "corpus", "unit", "params", "train_tokens", "test_ce_nats", "tail_nats",
+          "tail_stderr_nats", "gap_nats", "gap_stderr_nats", "tail_nats_per_prefix", "effects")
+
+
+def collect_scale(dirs: list[str | Path]) -> list[dict]:
+    """Every scale.json under `dirs`, with its path and its run's wall time (metrics.json's, or the stages' of
+    evaluation.json); a file that is not a record is one paragraph naming it."""
+    rows = []
+    for d in map(Path, dirs):
+        for path in sorted(d.rglob(RECORD)):
+            try:
+                r = json.loads(path.read_text())
+                missing = [k for k in NEEDED if k not in r] if isinstance(r, dict) else list(NEEDED)
+                if missing:
+                    raise KeyError(f"it lacks {', '.join(missing)}")
+            except (ValueError, KeyError, TypeError) as e:
+                raise LmcalError(f"{path} is not a scale record ({str(e).strip(chr(39))}); delete it or rerun that "
+                                 "run's analysis (stages=[entropy_rate,...]).") from None
+            r["path"] = str(path)
+            r["wall_seconds"] = run_seconds(path.parent)
+            rows.append(r)
+    return rows
+
+
+def run_seconds(run: Path) -> float | None:
+    """A run folder's wall time: metrics.json's wall_seconds (training and stages), else the sum of its stages'
+    times in evaluation.json."""
+    for name in ("metrics.json", "evaluation.json"):
+        try:
+            m = json.loads((run / name).read_text())
+        except (OSError, ValueError):
+            continue
+        if name == "metrics.json" and isinstance(m.get("wall_seconds"), (int, float)):
+            return float(m["wall_seconds"])
+        if name == "evaluation.json":
+            s = [v["profile"]["seconds"] for v in m.values() if isinstance(v, dict) and "profile" in v]
+            return float(sum(s)) if s else None
+    return None
+
+
+def group_label(key: tuple) -> str:
+    corpus, s, family, unit = key
+    return f"{family} on {corpus}" + (f", tail exponent s = {s:g}" if s is not None else "") + \
+        (f" (per {unit})" if unit != "word" else "")
+
+
+def reference(key: tuple, axis: str) -> tuple[float | None, str]:
+    """The exponent the fit is set beside: CVL's prediction for the power-law source against training tokens, their
+    fitted exponent for text against parameters."""
+    corpus, s, _, _ = key
+    if s is not None and axis in ("train_tokens", "data_tokens"):
+        return (paper.cvl_predicted_exponent(s), f"The exponent {paper.CVL}'s simplified setting predicts for s = "
+                f"{s:g}, -(1 - 1/s) (our reading: the missing mass of the law)")
+    if s is None and axis == "params":
+        return paper.CVL_TEXT_EXPONENT, f"The exponent {paper.CVL} fit for text ({paper.CVL_SIZES})"
+    return None, ""
+
+
+def fit_group(key: tuple, rows: list[dict], n_boot: int = 2000, seed: int = 0) -> dict:
+    """The fits of one group of runs: the gap against each of parameters and training tokens that varies (each
+    alone, as CVL fit it, and both at once when both vary), and against test CE; the paired effects' trends."""
+    tails = [np.asarray(r["tail_nats_per_prefix"]) for r in rows]
+    ce = [r["test_ce_nats"] for r in rows]
+    ce_se = [r.get("test_ce_stderr_nats") for r in rows]
+    varying = [k for k in ("params", "train_tokens", "data_tokens")
+               if all(isinstance(r.get(k), (int, float)) and r[k] > 0 for r in rows) and len({r[k] for r in rows}) > 1]
+    ratio = [r["train_tokens"] / r["data_tokens"] for r in rows] if {"train_tokens", "data_tokens"} <= set(varying) \
+        else []
+    if ratio and max(ratio) < 1.05 * min(ratio):  # as many epochs each (windows drop a few tokens): the same axis
+        varying.remove("data_tokens")
+    tokens = [k for k in varying if k != "params"][:1]  # the distinct tokens where the runs saw as many in all
+    joint = ["params", *tokens] if "params" in varying and tokens else []
+    fits = {}
+    for axes in [[k] for k in varying + ["test_ce_nats"]] + ([joint] if joint else []):
+        name = "+".join(axes)
+        try:
+            f = fit_power_law({k: [r[k] for r in rows] for k in axes}, tails, ce, ce_se, n_boot=n_boot, seed=seed)
+        except ValueError as e:
+            fits[name] = {"axes": axes, "error": str(e)}
+            continue
+        fits[name] = {"axes": axes, "exponents": f.exponents, "ci": {k: list(v) for k, v in f.ci.items()},
+                      "stderr": f.stderr, "intercept": f.intercept, "level": f.level, "n_runs": f.n_runs,
+                      "excluded": [rows[i]["model"] for i in f.excluded], "replicates": f.replicates,
+                      "failed_replicates": f.failed_replicates}
+        if len(axes) == 1:
+            fits[name]["reference"], fits[name]["reference_text"] = reference(key, axes[0])
+    trends = {}
+    for m in METHODS:
+        eff = [r["effects"].get(m) for r in rows]
+        if all(eff) and len({round(c, 9) for c in ce}) > 1:
+            slope, se = weighted_trend(np.log(ce), [e["tail_diff_nats"] for e in eff],
+                                       [e["tail_diff_stderr_nats"] for e in eff])
+            trends[m] = {"slope": slope, "stderr": se, "runs": len(rows)}
+    return {"label": group_label(key), "corpus": key[0], "tail_exponent": key[1], "family": key[2], "unit": key[3],
+            "runs": len(rows), "fits": fits, "trends": trends, "token_axis": (tokens or ["train_tokens"])[0]}
+
+
+def scale_figure(groups: list[tuple[dict, list[dict]]], path: Path) -> Path:
+    """The gap against parameters, training tokens and test CE, log-log, one colour per group, ±1 se bars (clipped
+    above 0), and each single-axis fit's line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from lmcal.utils.io import atomic_path
+
+    fig, axes = plt.subplots(1, 3, figsize=(13.5, 4.2), dpi=120)
+    for i, (g, rows) in enumerate(groups):
+        color = f"C{i}"
+        for ax, axis in zip(axes, ("params", g.get("token_axis", "train_tokens"), "test_ce_nats"), strict=True):
+            pts = [(r[axis], r["gap_nats"], r["gap_stderr_nats"]) for r in rows
+                   if isinstance(r.get(axis), (int, float)) and r[axis] > 0 and r["gap_nats"] > 0]
+            if not pts:
+                continue
+            x, y, se = (np.asarray(v, dtype=float) for v in zip(*pts, strict=True))
+            se = np.nan_to_num(se)
+            ax.errorbar(x, y, yerr=[np.minimum(se, 0.9 * y), se], fmt="o", color=color, ms=4, capsize=2,
+                        label=g["label"])
+            f = g["fits"].get(axis)
+            if f and "exponents" in f and len(x) > 1:
+                xs = np.geomspace(x.min(), x.max(), 20)
+                ax.plot(xs, np.exp(f["intercept"]) * xs ** f["exponents"][axis], color=color, lw=1,
+                        label=f"b = {f['exponents'][axis]:+.3f} [{f['ci'][axis][0]:+.2f}, {f['ci'][axis][1]:+.2f}]")
+    from matplotlib import ticker
+
+    for ax, axis in zip(axes, ("params", "train_tokens", "test_ce_nats"), strict=True):
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        for a in (ax.xaxis, ax.yaxis):  # narrow ranges: plain labels at 1, 2, 5 x 10^k (no overlapping minor ones)
+            a.set_major_locator(ticker.LogLocator(subs=(1.0, 2.0, 5.0)))
+            a.set_minor_formatter(ticker.NullFormatter())
+        ax.yaxis.set_major_formatter(ticker.FormatStrFormatter("%g"))
+        if axis == "test_ce_nats":  # a few tenths of a nat: linear ticks read better
+            ax.xaxis.set_major_locator(ticker.MaxNLocator(5))
+            ax.xaxis.set_major_formatter(ticker.FormatStrFormatter("%.2f"))
+        else:
+            ax.xaxis.set_major_formatter(ticker.EngFormatter(sep=""))
+        ax.set_xlabel({"train_tokens": "training tokens (distinct, for runs trained on one budget)"}.get(
+            axis, AXES[axis]) + (" (nats)" if axis == "test_ce_nats" else ""))
+        ax.grid(alpha=0.3, which="both")
+        if ax.has_data():
+            ax.legend(fontsize=6)
+    axes[0].set_ylabel("gap = last tenth's entropy - test CE (nats)")
+    fig.suptitle("Entropy miscalibration against scale (bars ±1 se; lines: log-log least squares)", fontsize=10)
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png")
+    plt.close(fig)
+    return path
+
+
+def sweep_commands(rows: list[dict]) -> list[str]:
+    """The multirun commands that made the runs, rebuilt from each job's .hydra/overrides.yaml: per entry point and
+    experiment, each key with the values its jobs took (a run outside a sweep: its own overrides)."""
+    import yaml
+
+    cmds: dict[tuple, dict[str, list]] = {}
+    for r in rows:
+        run = Path(r["path"]).parent
+        try:
+            ov = yaml.safe_load((run / ".hydra" / "overrides.yaml").read_text())
+            job = yaml.safe_load((run / ".hydra" / "hydra.yaml").read_text())["hydra"]["job"]["name"]
+        except (OSError, yaml.YAMLError, KeyError, TypeError):
+            continue
+        ov = [str(o) for o in ov or []]
+        entry = "evaluate" if "evaluate" in str(job) else "train"
+        exp = next((o for o in ov if o.startswith("experiment=")), "")
+        keys = cmds.setdefault((entry, exp), {})
+        for o in ov:
+            k, _, v = o.partition("=")
+            if v not in keys.setdefault(k, []):
+                keys[k].append(v)
+    return [f"python -m lmcal.{entry} -m " + " ".join(shlex.quote(f"{k}={','.join(v)}") for k, v in keys.items())
+            for (entry, _), keys in cmds.items()]
+
+
+def scale_report(dirs: list[str | Path], out: str | Path, n_boot: int = 2000, seed: int = 0, profile: str = "scale",
+                 command: str | None = None, extra: dict | None = None) -> dict:
+    """Collects the records under `dirs`, fits each group (corpus, tail exponent, family, unit) and writes scale.md,
+    scale.png, scale_report.json, results.json and REPORT.md into `out`; returns the report ({} without records).
+    `profile` names the snapshot (docs/runs/<profile>), `command` what ran the sweep (None: rebuilt from its jobs'
+    overrides, then this process's own), `extra` more keys of results.json."""
+    rows = collect_scale(dirs)
+    if not rows:
+        return {}
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    by_key: dict[tuple, list[dict]] = {}
+    for r in sorted(rows, key=lambda r: (r["params"] or 0, r["train_tokens"] or 0)):
+        by_key.setdefault((r["corpus"], r.get("tail_exponent"), r["family"], r["unit"]), []).append(r)
+    groups = [(fit_group(k, v, n_boot, seed) if len(v) > 1 else
+               {"label": group_label(k), "runs": 1, "fits": {}, "trends": {}}, v) for k, v in by_key.items()]
+    png = scale_figure(groups, inside(out, out / "scale.png"))
+    report = {**results_json(groups, rows, [command] if command else sweep_commands(rows), n_boot, profile,
+                             own=command is None), **(extra or {})}
+    write_text_atomic(inside(out, out / "scale.md"), "\n".join(f"## {g['label']}\n\n{scale_table(v)}"
+                                                              for g, v in groups))
+    write_json_atomic(inside(out, out / "scale_report.json"), report)
+    write_json_atomic(inside(out, out / "results.json"), report)
+    write_text_atomic(inside(out, out / "REPORT.md"), report_markdown(report, groups, png.name))
+    for g, v in groups:
+        print(f"{g['label']}:\n{scale_table(v)}", flush=True)
+    return report
+
+
+def log_scale_wandb(report: dict, out: str | Path, mode: str = "offline", project: str = "lmcal",
+                    group: str | None = None) -> list[str]:
+    """One W&B report run per W&B group of the records (`group`: one run, in that group): the runs' table, the gap
+    against parameters, training tokens and test CE as W&B scatter plots, the figure, and the fitted exponents in its
+    summary. Returns the groups logged to."""
+    import wandb
+
+    from lmcal.stages.wandb_run import init_args, open_run, slug
+
+    out = Path(out)
+    by_group: dict[str, list[dict]] = {}
+    for r in report["runs"]:
+        by_group.setdefault(group or r.get("wandb_group") or f"scale-{out.resolve().name}", []).append(r)
+    cols = ["model", "family", "corpus", "tail_exponent", "params", "train_tokens", "data_tokens", "test_ce_nats",
+            "tail_nats", "gap_nats", "gap_stderr_nats", "temperature_effect_nats", "calibration_effect_nats"]
+    for name, runs in by_group.items():
+        data = [[r.get(c) for c in cols[:11]] + [(r["effects"].get(m) or {}).get("tail_diff_nats")
+                                                  for m in ("fitted_temperature", "calibration")] for r in runs]
+        node = {"_target_": "WandbLogger", "project": project, "offline": mode != "online"}
+        run = open_run(init_args(node, out / f"wandb-{slug(name)}", job_type="report", name="scale_report",
+                                 group=name, dataset="+".join(sorted({r["corpus"] for r in runs}))))
+        try:
+            table = wandb.Table(columns=cols, data=data)
+            run.log({"scale/table": table, "scale/figure": wandb.Image(str(out / "scale.png")),
+                     **{f"scale/gap_vs_{x}": wandb.plot.scatter(table, x, "gap_nats", title=f"gap against {x}")
+                        for x in ("params", "train_tokens", "data_tokens", "test_ce_nats")
+                        if any(isinstance(r.get(x), (int, float)) for r in runs)}})
+            run.summary.update({f"scale/{slug(g['label'])}/{n}": f["exponents"][n] for g in report["groups"]
+                                for n, f in g["fits"].items() if "exponents" in f and n in f["exponents"]})
+        finally:
+            run.finish()
+    return list(by_group)
