@@ -31,7 +31,7 @@ def resolve_profile(name: str) -> tuple[str, str | None]:
         return name, (f"PROFILE=auto: running the '{name}' profile ({'CUDA found' if name == 'paper' else 'no CUDA'}"
                       "); choose another with `make reproduce PROFILE=paper|paper_full|cpu|smoke`.")
     if name not in PROFILES:
-        raise LmcalError(f"Unknown profile {name!r}: use auto, paper (one GPU, about 4 hours), paper_full (the "
+        raise LmcalError(f"Unknown profile {name!r}: use auto, paper (one GPU, about 6 hours), paper_full (the "
                          "paper's 500 epochs), cpu or smoke.")
     return name, None
 
