@@ -45,9 +45,15 @@ from lmcal.core.sampling import random_prefixes
 from lmcal.data.batching import batchify
 from lmcal.models.step_lm import as_step_lm
 from lmcal.pipeline.docs import save_bench
-from lmcal.stages.dose_response import approximation_markdown, approximation_note, approximation_table, rules_of
+from lmcal.stages.dose_response import (
+    approximation_markdown,
+    approximation_note,
+    approximation_table,
+    rule_from_text,
+)
 from lmcal.stages.rows import timed_generation
 from lmcal.stages.targets import load_checkpoint_and_data
+from lmcal.utils.boundary import boundary
 from lmcal.utils.profiling import matmul_flops
 
 ALPHAS = (-0.2, -0.1, -0.05, 0.0, 0.05, 0.1, 0.2)
@@ -60,19 +66,12 @@ def fit_timed(lm, tokens, topk, m, seed, args):
     return fit, time.perf_counter() - t
 
 
-def parse_rule(text: str) -> dict:
-    """'top-16' -> {topk: 16}; 'cover-0.95' (or 'cover-0.95-1024': at most 1024) -> {cover: 0.95, ...}; 'exact'."""
-    parts = text.split("-")
-    if parts[0] == "exact":
-        return {"topk": None}
-    if parts[0] == "top" and len(parts) == 2:
-        return {"topk": int(parts[1])}
-    if parts[0] == "cover" and len(parts) in (2, 3):
-        return {"cover": float(parts[1]), **({"cover_max": int(parts[2])} if len(parts) == 3 else {})}
-    raise SystemExit(f"lmcal: error: --rules {text!r}: a rule is top-K, cover-C, cover-C-MAX or exact")
-
-
 def main():
+    with boundary():
+        run()
+
+
+def run():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ckpt", required=True)
     ap.add_argument("--data-root")
@@ -109,7 +108,7 @@ def main():
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.set_grad_enabled(False)
-    rules = rules_of([parse_rule(r) for r in args.rules], "--rules")
+    rules = [rule_from_text(r) for r in args.rules]
     net, _, dm = load_checkpoint_and_data(args.ckpt, args.data_root, args.device)
     lm = as_step_lm(net)
     per_stream = -(-args.positions // args.streams)

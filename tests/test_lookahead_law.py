@@ -293,3 +293,32 @@ def test_calibration_stage_dose_response_and_approximation(oracle, tmp_path):
     assert (tmp_path / "calibration_dose_response.png").stat().st_size > 1000
     md = (tmp_path / "calibration_dose_response.md").read_text()
     assert "| 3α* = " in md and "kept at α*" in md
+
+
+@pytest.mark.gpu
+def test_the_law_on_cuda_is_the_cpus():
+    """The calibrated law's rows, its fitted CE and the noise-free shifts on CUDA against the CPU (issue 40's GPU row
+    runs bench/calibration_dose_row.py there): the same candidates and draws, entropies to float rounding."""
+    from lmcal.models.awd_lstm import AWDLSTM
+    from lmcal.models.step_lm import LSTMStepLM
+
+    torch.manual_seed(0)
+    net = AWDLSTM(vocab_size=1000, emb_size=64, hidden_size=128, num_layers=3).eval()
+    with torch.no_grad():
+        net.encoder.weight.mul_(8.0)  # peaked rows: candidate sets of varied sizes
+    text = torch.randint(0, 1000, (12, 4), generator=torch.Generator().manual_seed(1))
+    out = {}
+    for device in ("cpu", "cuda"):
+        lm = LSTMStepLM(net.to(device))
+        rows = []
+        for rule in (dict(topk=16), dict(cover=0.9, cover_max=300), dict()):
+            cal = calibrated(lm, -0.4, seed=3, **rule)
+            state = cal.init_state(4)
+            for t in range(5):
+                logp, state = cal.step(text[t], state)
+            rows.append(logp.cpu())
+            rows.append(torch.tensor([fit_lookahead_calibration(lm, text, seed=3, **rule).ce_at(-0.4)]))
+        shifts = hnext_shifts(lm, text[:3].T, 4, [2, 4], [Rule(topk=8, tail_samples=4)], [-0.4], seed=2)
+        out[device] = rows + [shifts["exact"], shifts["top-8"]]
+    for a, b in zip(out["cpu"], out["cuda"], strict=True):
+        torch.testing.assert_close(a.double(), b.double(), atol=2e-4, rtol=1e-4)

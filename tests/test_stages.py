@@ -240,7 +240,7 @@ def test_decoders_after_training_in_a_sweep_and_in_the_report(tmp_path, data_ove
     # process, other thread blockings; the sampled words may then differ, so the tails are not compared)
     assert [(x["rule"], x["multiple"]) for x in cal["dose_response"]["rows"]] == [
         ("top-8", 1), ("top-8", 3), ("cover 0.9 (at most 64)", 1), ("cover 0.9 (at most 64)", 3)]
-    for args, name in ((["--topk", "8", "--tail-samples", "4"], "top8"), (["--multiples", "1"], "exact")):
+    for args, name in ((["--rules", "top-8", "--tail-samples", "4"], "top8"), (["--multiples", "1"], "exact")):
         r = subprocess.run([sys.executable, "bench/calibration_dose_row.py", "--ckpt", m["best_ckpt"], "--calibration",
                             str(tmp_path / "run" / "calibration.json"), "--device", "cpu", *args, "--out",
                             str(tmp_path / "run" / f"dose_rows_{name}.json"),

@@ -247,20 +247,25 @@ def calibration_limit(ap: dict, dr: dict, extra: list[dict] | None = None, z: fl
     loses = measured and abs(s) < abs(e) and abs(lost) > z * lost_se and kept < 0.5
     keeps = measured and (abs(lost) <= z * lost_se or kept >= 0.5)
     sign = math.copysign(1.0, alpha) if alpha else 0.0
-    grows = [r for r in dr["rows"] if r["rule"] != dr["rules"][0] and _finite(r.get("vs_first_stderr_nats"))
+    first = dr["rules"][0]  # a row's vs_first is paired with that rule's generations in its own run
+    grows = [r for r in [*dr["rows"], *(extra or [])] if r["rule"] != first and r.get("vs_rule", first) == first
+             and _finite(r.get("vs_first_nats")) and _finite(r.get("vs_first_stderr_nats"))
              and sign * r["vs_first_nats"] > z * r["vs_first_stderr_nats"]]
     star = _at_star([*dr["rows"], *(extra or [])])
     effects = [r for r in star if abs(r["tail_diff_nats"]) > z * r["tail_diff_stderr_nats"]]
     shift = (f"at α* = {alpha:.4g}, exact lookahead shifts the expected entropy of the next word by {e:+.4f} ± "
              f"{e_se:.4f} nats at the model's own generations, of which {cheap['rule']} keeps {kept:.0%} "
              f"({s:+.4f}; it loses {lost:+.4f} ± {lost_se:.4f})")
-    each = "; ".join(f"{r['rule']}{' (' + r['device'] + ')' if 'device' in r else ''} {r['tail_diff_nats']:+.3f} ± "
-                     f"{r['tail_diff_stderr_nats']:.3f}" for r in star)
+    from lmcal.stages.dose_response import row_label  # (torch, for the tables: only where there is a dose-response)
+
+    each = "; ".join(f"{row_label(r, dr)} {r['tail_diff_nats']:+.3f} ± {r['tail_diff_stderr_nats']:.3f}"
+                     for r in star)
     if loses and grows:
         g = max(grows, key=lambda r: abs(r["vs_first_nats"]) / r["vs_first_stderr_nats"])
         v = "approximation"
         sentence = (f"The approximation is the limit here: {shift}; and the last tenth moves further with more "
-                    f"candidates: {g['rule']} at {g['multiple']:g}α* changes it by {g['vs_first_nats']:+.3f} ± "
+                    f"candidates: {row_label(g, dr)} at {g['multiple']:g}α* changes it by "
+                    f"{g['vs_first_nats']:+.3f} ± "
                     f"{g['vs_first_stderr_nats']:.3f} nats beyond {cheap['rule']} (paired). At α*, each rule's change "
                     f"of the last tenth: {each} nats.")
     elif keeps and not effects:

@@ -36,6 +36,22 @@ def rules_of(specs: list[dict] | None, what: str) -> list[Rule]:
     return rules
 
 
+def rule_from_text(text: str) -> Rule:
+    """A rule written as on a command line: top-K, cover-C, cover-C-MAX (at most MAX candidates) or exact."""
+    parts = text.split("-")
+    try:
+        if parts == ["exact"]:
+            return make_rule()
+        if parts[0] == "top" and len(parts) == 2:
+            return make_rule(topk=int(parts[1]))
+        if parts[0] == "cover" and len(parts) in (2, 3):
+            return make_rule(cover=float(parts[1]), cover_max=int(parts[2]) if len(parts) == 3 else None)
+    except ValueError:
+        pass
+    raise LmcalError(f"rule {text!r}: a candidate rule is top-K, cover-C, cover-C-MAX (at most MAX candidates) or "
+                     "exact, e.g. top-16, cover-0.95, cover-0.95-512.")
+
+
 def _clustered(x: torch.Tensor, n: int) -> tuple[float, float]:
     """Mean and standard error of positions x [P] in step-major order of n generations (position i is generation
     i % n), generations as clusters."""
@@ -122,6 +138,7 @@ def dose_response(lm, alpha: float, rules: list[Rule], multiples: list[float], p
             vs, vs_se = clustered_mean(curve.tail - first[k])
             level, level_se = clustered_mean(curve.tail)
             rows.append({"rule": r.label, "settings": r.settings(), "multiple": k, "alpha": k * alpha,
+                         "generations": curve.num_generations, "vs_rule": rules[0].label,
                          "tail_nats": float(level), "tail_stderr_nats": float(level_se),
                          "tail_diff_nats": float(diff), "tail_diff_stderr_nats": float(diff_se),
                          "vs_first_nats": float(vs), "vs_first_stderr_nats": float(vs_se),
@@ -176,14 +193,23 @@ def dose_markdown(dr: dict, extra: list[dict] | None = None) -> str:
              "Δ test CE vs model (nats) | ms / word |", "|---|---|---|---|---|---|---|---|"]
     rows = sorted([*dr["rows"], *(extra or [])], key=lambda r: (r["multiple"], "device" in r))
     for r in rows:
-        paired = r["rule"] != first and "device" not in r and r.get("vs_first_nats") is not None
+        paired = r["rule"] != first and r.get("vs_rule", first) == first and r.get("vs_first_nats") is not None
         vs = f"{r['vs_first_nats']:+.3f} ± {r['vs_first_stderr_nats']:.3f}" if paired else "–"
-        where = f" ({r['device']}, its own plain generations)" if "device" in r else ""
-        lines.append(f"| {r['multiple']:g}α* = {r['alpha']:.4f} | {r['rule']}{where} | {r['candidates_mean']:,.1f} | "
+        where = row_label(r, dr, ", its own plain generations")
+        lines.append(f"| {r['multiple']:g}α* = {r['alpha']:.4f} | {where} | {r['candidates_mean']:,.1f} | "
                      f"{r['tail_diff_nats']:+.3f} ± {r['tail_diff_stderr_nats']:.3f} | {vs} | "
                      f"{r['test_ce_nats']:.4f} | {r['test_ce_diff_nats']:+.4f} ± {r['test_ce_diff_stderr_nats']:.4f} | "
                      + (f"{r['ms_per_word']:.2f} |" if r.get("ms_per_word") is not None else "– |"))
     return "\n".join(lines) + "\n"
+
+
+def row_label(r: dict, dr: dict, own: str = "") -> str:
+    """A dose-response row's rule, with the device and generations of a row another run added."""
+    if "device" not in r:
+        return r["rule"]
+    main = dr.get("generations")
+    gens = f", {r['generations']} generations" if r.get("generations", main) != main else ""
+    return f"{r['rule']} ({r['device']}{gens}{own})"
 
 
 def dose_note(dr: dict, main_generations: int | None = None) -> str:
@@ -208,10 +234,9 @@ def dose_figure(dr: dict, path: str | Path, extra: list[dict] | None = None) -> 
     path = Path(path)
     fig, (ax, bx) = plt.subplots(2, 1, figsize=(6.4, 6.4), dpi=120, sharex=True)
     rows = [*dr["rows"], *(extra or [])]
-    labels = list(dict.fromkeys(r["rule"] + (f" ({r['device']})" if "device" in r else "") for r in rows))
+    labels = list(dict.fromkeys(row_label(r, dr) for r in rows))
     for i, label in enumerate(labels):
-        rs = sorted((r for r in rows if r["rule"] + (f" ({r['device']})" if "device" in r else "") == label),
-                    key=lambda r: r["alpha"])
+        rs = sorted((r for r in rows if row_label(r, dr) == label), key=lambda r: r["alpha"])
         x = np.array([r["alpha"] for r in rs]) * (1 + 0.015 * (i - len(labels) / 2))  # a little apart
         for axis, key in ((ax, "tail_diff"), (bx, "test_ce_diff")):
             axis.errorbar(x, [r[f"{key}_nats"] for r in rs], yerr=[1.96 * r[f"{key}_stderr_nats"] for r in rs],
