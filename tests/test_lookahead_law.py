@@ -289,6 +289,8 @@ def test_calibration_stage_dose_response_and_approximation(oracle, tmp_path):
     assert [row["rule"] for row in ap["rows"]] == ["exact", "top-3", "cover 0.8"]
     assert ap["positions"] == 4 * 3 and ap["steps"] == [3, 7, 10] and ap["rows"][0]["kept"] == pytest.approx([1, 1])
     assert ap["rows"][0]["lost_nats"] == [0.0, 0.0] and ap["rows"][1]["candidates_mean"] == 3
+    assert ap["rows"][0]["mass_mean"] == 1.0 and 0 < ap["rows"][1]["mass_mean"] < ap["rows"][2]["mass_mean"] < 1
+    assert ap["rows"][2]["mass_mean"] >= 0.8 - 1e-9  # the covering rule holds its share at every position
     assert ap["rows"][0]["shift_nats"][1] < ap["rows"][0]["shift_nats"][0] < 0 or r["alpha"] > 0
     assert (tmp_path / "calibration_dose_response.png").stat().st_size > 1000
     md = (tmp_path / "calibration_dose_response.md").read_text()

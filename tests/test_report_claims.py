@@ -144,7 +144,7 @@ def test_report_states_which_limit_calibration_meets_with_the_tables_behind_it(t
     assert limit.verdict == "approximation" and limit.sentence in report
     assert "rules out the paper's -0.24 nats: it lies 3.5 standard errors from it." in report
     assert "### What each candidate rule keeps of exact lookahead" in report and "### Dose-response" in report
-    assert "| cover 0.95 (at most 512) | 430.5 |" in report
+    assert "| cover 0.95 (at most 512) | 430.5 | – |" in report
     gpu = "| 1α* = -0.0480 | exact (NVIDIA H100, its own plain generations) | 10,000.0 | -0.120 ± 0.050 | – |"
     assert gpu in report
     assert "40 generations (40 prefixes, 1 each, fewer than the main rows' 300)" in report

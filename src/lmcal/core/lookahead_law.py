@@ -238,7 +238,7 @@ def hnext_shifts(lm, prefixes: torch.Tensor, horizon: int, steps: list[int], rul
     g = prefix g), every word's H_next exactly (V model steps a row), and there each law's E_{P_a}[H_next] -
     E_q[H_next] for every a in `alphas`: {"exact": [A, P], rule.label: [A, P], ...} float64 with P = N * len(steps)
     positions in step-major order (position i is generation i % N), plus "cap" (the covering rule's, from the memory
-    budget) and "candidates": each rule's mean candidates per position."""
+    budget), "candidates" and "mass": each rule's mean candidates per position and the mean mass of q they hold."""
     from lmcal.core.lookahead import advance_keys, mix_uniform, start_keys
     from lmcal.core.sampling import draw, uniforms
 
@@ -252,6 +252,7 @@ def hnext_shifts(lm, prefixes: torch.Tensor, horizon: int, steps: list[int], rul
     laws = list({r.label: r for r in [Rule(), *rules]}.values())  # exact first, each law once
     out = {r.label: [[] for _ in alphas] for r in laws}
     sizes = {r.label: [] for r in rules if not r.exact}
+    masses = {r.label: [] for r in rules if not r.exact}
     cap = None
     todo = sorted(set(steps))
     bar = range(1, max(todo) + 1)
@@ -269,11 +270,14 @@ def hnext_shifts(lm, prefixes: torch.Tensor, horizon: int, steps: list[int], rul
                 for j, a in enumerate(alphas):
                     out[r.label][j].append(rule_shift(logq, h, keys, r, a, seed, cap).cpu())
                 if not r.exact:
-                    sizes[r.label].append(candidate_set(logq, r, cap)[1].sum(1).double().cpu())
+                    words, mask = candidate_set(logq, r, cap)
+                    sizes[r.label].append(mask.sum(1).double().cpu())
+                    masses[r.label].append((logq.gather(1, words).double().exp() * mask).sum(1).cpu())
         if t == max(todo):
             break
         tokens, _ = draw(logq.exp(), uniforms(seed, gen_ids, t - 1))
         logp, state = lm.step(tokens, state)
         keys = advance_keys(keys, tokens)
     return {**{k: torch.stack([torch.cat(x) for x in v]) for k, v in out.items()}, "cap": cap,
-            "candidates": {"exact": float(logq.size(1)), **{k: torch.cat(v).mean().item() for k, v in sizes.items()}}}
+            "candidates": {"exact": float(logq.size(1)), **{k: torch.cat(v).mean().item() for k, v in sizes.items()}},
+            "mass": {"exact": 1.0, **{k: torch.cat(v).mean().item() for k, v in masses.items()}}}

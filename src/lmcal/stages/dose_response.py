@@ -73,6 +73,7 @@ def approximation_table(lm, prefixes: torch.Tensor, horizon: int, steps: int, ru
     rows = []
     for r in {r.label: r for r in [Rule(), *rules]}.values():  # exact first, each law once
         row = {"rule": r.label, "settings": r.settings(), "candidates_mean": out["candidates"].get(r.label),
+               "mass_mean": out["mass"].get(r.label),
                "shift_nats": [], "shift_stderr_nats": [], "lost_nats": [], "lost_stderr_nats": [], "kept": []}
         for j in range(len(alphas)):
             s, se = _clustered(out[r.label][j], n)
@@ -166,14 +167,15 @@ def approximation_markdown(ap: dict) -> str:
     lookahead's (paired)."""
     ks = ap["multiples"]
     head = " | ".join(f"shift at {k:g}α* (nats)" for k in ks)
-    lines = [f"| rule | candidates / position | {head} | kept at α* | lost at α* (nats, paired) |",
-             "|---|---|" + "---|" * len(ks) + "---|---|"]
+    lines = [f"| rule | candidates / position | their mass | {head} | kept at α* | lost at α* (nats, paired) |",
+             "|---|---|---|" + "---|" * len(ks) + "---|---|"]
     for r in ap["rows"]:
         c = r["candidates_mean"]
         cells = " | ".join(f"{s:+.4f} ± {se:.4f}" for s, se in zip(r["shift_nats"], r["shift_stderr_nats"],
                                                                      strict=True))
         lost = "–" if r["rule"] == "exact" else f"{r['lost_nats'][0]:+.4f} ± {r['lost_stderr_nats'][0]:.4f}"
-        lines.append(f"| {r['rule']} | {ap['vocab_size'] if c is None else f'{c:,.1f}'} | {cells} | "
+        mass = f"{r['mass_mean']:.3f}" if r.get("mass_mean") is not None else "–"
+        lines.append(f"| {r['rule']} | {ap['vocab_size'] if c is None else f'{c:,.1f}'} | {mass} | {cells} | "
                      f"{r['kept'][0]:.2f} | {lost} |")
     return "\n".join(lines) + "\n"
 
@@ -181,7 +183,8 @@ def approximation_markdown(ap: dict) -> str:
 def approximation_note(ap: dict) -> str:
     return (f"E_{{P_α}}[H_next] − E_P[H_next], nats per word, at {ap['positions']} positions of the model's own plain "
             f"generations ({ap['generations']} generations, steps {', '.join(map(str, ap['steps']))}), every H_next "
-            f"exact (α* = {ap['alpha']:.4g}); ± one standard error, generations as clusters. Kept: the rule's mean "
+            f"exact (α* = {ap['alpha']:.4g}); ± one standard error, generations as clusters. Their mass: the mean "
+            "share of P's mass the rule's candidates hold there. Kept: the rule's mean "
             "shift over exact lookahead's; lost: its shift minus exact's, paired position by position. The tail "
             "draws are those generation makes.")
 
