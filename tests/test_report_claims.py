@@ -73,12 +73,11 @@ def _future_entropy_json(res: dict) -> dict:
             "cluster_size": 100, "timing_prefixes": 20, "samples_per_prefix": 3, "timing_horizon": 30}
 
 
-def test_report_built_from_the_cpu_results_claims_only_what_they_show(tmp_path):
+def _cpu_report(res: dict, tmp_path: Path) -> str:
+    """REPORT.md of the cpu profile from results.json `res`, with the files it reads beside results.json."""
     from lmcal.pipeline.report_md import report_markdown
     from lmcal.stages.tables import memory_table
 
-    # the cpu reproduction issue 33 read (2026-11-24), kept as a fixture: docs/runs/cpu moves on with each snapshot
-    res = json.loads((ROOT / "tests" / "fixtures" / "cpu_results_2026-11-24.json").read_text())
     rows = [m | {"corpus": "ptb"} for m in res["memory"] if m.get("model") != "transformer"]
     (tmp_path / "memory_ptb.md").write_text("# Memory bound on ptb\n\n" + memory_table(rows) + "\n")
     fe = tmp_path / "ptb" / "future_entropy" / "future_entropy.json"
@@ -87,6 +86,13 @@ def test_report_built_from_the_cpu_results_claims_only_what_they_show(tmp_path):
     cfg = OmegaConf.load(ROOT / "conf" / "reproduce" / "cpu.yaml")
     cfg.profile, cfg.stages = "cpu", ["entropy_rate", "calibration", "decoders", "future_entropy"]
     report = report_markdown(cfg, res, tmp_path)
+    return report
+
+
+def test_report_built_from_the_cpu_results_claims_only_what_they_show(tmp_path):
+    # the cpu reproduction issue 33 read (2026-11-24), kept as a fixture: docs/runs/cpu moves on with each snapshot
+    res = json.loads((ROOT / "tests" / "fixtures" / "cpu_results_2026-11-24.json").read_text())
+    report = _cpu_report(res, tmp_path)
     lines = check_effect_sentences(report, res, tmp_path)
     # issue 33's readings of this run, now written by code: the tail effect is 2.5 se, the drift is lowered but not
     # flattened, calibration is not shown to be better than the fitted temperature, and the best head is chosen on its
@@ -106,8 +112,6 @@ def test_report_built_from_the_cpu_results_claims_only_what_they_show(tmp_path):
 def test_report_states_which_limit_calibration_meets_with_the_tables_behind_it(tmp_path):
     """Issue 40: with the calibration stage's approximation table and dose-response (and a row from a GPU run), the
     calibration section states the verdict calibration_limit writes, the paper's size ruled out, and both tables."""
-    from lmcal.pipeline.report_md import report_markdown
-    from lmcal.stages.tables import memory_table
 
     res = json.loads((ROOT / "tests" / "fixtures" / "cpu_results_2026-11-24.json").read_text())
     cal = res["calibration"]
@@ -130,15 +134,10 @@ def test_report_states_which_limit_calibration_meets_with_the_tables_behind_it(t
                             "test_tokens": 1990, "cluster_size": 100,
                             "rows": [row("top-16", k, 0.0, 0.0, 16) for k in (1, 3, 10)]
                             + [row("cover 0.95 (at most 512)", k, -0.05 * k, -0.05 * k, 430.5) for k in (1, 3, 10)],
-                            "extra_rows": [row("exact", 1, -0.12, None, 10000) | {"device": "NVIDIA H100"}]}
-    rows = [m | {"corpus": "ptb"} for m in res["memory"] if m.get("model") != "transformer"]
-    (tmp_path / "memory_ptb.md").write_text("# Memory bound on ptb\n\n" + memory_table(rows) + "\n")
-    fe = tmp_path / "ptb" / "future_entropy" / "future_entropy.json"
-    fe.parent.mkdir(parents=True)
-    fe.write_text(json.dumps(_future_entropy_json(res)))
-    cfg = OmegaConf.load(ROOT / "conf" / "reproduce" / "cpu.yaml")
-    cfg.profile, cfg.stages = "cpu", ["entropy_rate", "calibration", "decoders", "future_entropy"]
-    report = report_markdown(cfg, res, tmp_path)
+                            "extra_rows": [row("exact", 1, -0.12, None, 10000) | {"device": "NVIDIA H100"}],
+                            "extra_fits": [{"rule": "exact", "device": "NVIDIA H100", "alpha": -0.0412,
+                                            "alpha_stderr": 0.0071}]}
+    report = _cpu_report(res, tmp_path)
     check_effect_sentences(report, res, tmp_path)
     limit = next(c for c in calibration_claims(res) if c.key == "calibration_limit")
     assert limit.verdict == "approximation" and limit.sentence in report
@@ -150,3 +149,23 @@ def test_report_states_which_limit_calibration_meets_with_the_tables_behind_it(t
     assert "40 generations (40 prefixes, 1 each, fewer than the main rows' 300)" in report
     assert "one top-16 law for the fit, the test CE and generation" in report
     assert "figure_dose_response.png" in report
+    assert "exact's own α*, fitted on the same text (NVIDIA H100): -0.0412 ± 0.0071." in report
+
+
+def test_results_take_the_dose_rows_other_runs_added(tmp_path):
+    """results.json's dose-response: the stage's rows without their per-generation numbers, and every
+    dose_rows_*.json beside calibration.json (bench/calibration_dose_row.py) as extra rows marked with their device,
+    with the first rule's own alpha* where that run fitted it."""
+    from lmcal.pipeline.results import calibration_dose
+
+    row = {"rule": "top-16", "multiple": 1, "tail_diff_nats": 0.0, "tail_nats_per_generation": [[1.0]]}
+    cal = {"dose_response": {"rules": ["top-16"], "rows": [row], "plain_tail_nats_per_generation": [[1.0]]}}
+    (tmp_path / "dose_rows_gpu.json").write_text(json.dumps(
+        {"device": "NVIDIA H200", "rules": ["exact"], "rows": [{**row, "rule": "exact"}],
+         "own_fit": {"alpha": -0.04, "alpha_stderr": 0.01}}))
+    dr = calibration_dose(cal, tmp_path)["dose_response"]
+    assert dr["rows"] == [{"rule": "top-16", "multiple": 1, "tail_diff_nats": 0.0}]
+    assert "plain_tail_nats_per_generation" not in dr
+    assert dr["extra_rows"] == [{"rule": "exact", "multiple": 1, "tail_diff_nats": 0.0, "device": "NVIDIA H200"}]
+    assert dr["extra_fits"] == [{"rule": "exact", "device": "NVIDIA H200", "alpha": -0.04, "alpha_stderr": 0.01}]
+    assert calibration_dose({}, tmp_path) == {}

@@ -101,10 +101,14 @@ def calibration_dose(cal: dict, folder: Path) -> dict:
     if not dr:
         return {}
     drop = ("tail_nats_per_generation", "plain_tail_nats_per_generation")
+    files = [read_json(p) for p in sorted(folder.glob("dose_rows_*.json"))]
     extra = [{k: v for k, v in row.items() if k not in drop} | {"device": f.get("device", "another run")}
-             for f in (read_json(p) for p in sorted(folder.glob("dose_rows_*.json"))) for row in f["rows"]]
+             for f in files for row in f["rows"]]
+    fits = [{"rule": f["rules"][0], "device": f.get("device", "another run"), **f["own_fit"]} for f in files
+            if f.get("own_fit") and f.get("rules")]  # a rule's own alpha*, fitted there on the stage's fit text
     return {"dose_response": {k: v for k, v in dr.items() if k not in drop}
-            | {"rows": [{k: v for k, v in r.items() if k not in drop} for r in dr["rows"]], "extra_rows": extra}}
+            | {"rows": [{k: v for k, v in r.items() if k not in drop} for r in dr["rows"]], "extra_rows": extra,
+               "extra_fits": fits}}
 
 
 def _present(d: dict, *keys: str) -> dict:

@@ -133,9 +133,9 @@ def calibration_lines(r: dict) -> list[str]:
                      + " (± one standard error, clustered by prefix).")
     if (cal.get("topk") or cal.get("cover")) and "mass_outside_topk" in cal:
         where = f"the top {cal['topk']}" if cal.get("topk") else f"the {cal.get('rule', 'covering')} candidates"
-        size = (f" (on average {cal['candidates_mean']:,.1f} candidates per position)" if cal.get("cover")
+        size = (f"{cal['candidates_mean']:,.1f} per position on average; " if cal.get("cover")
                 and cal.get("candidates_mean") else "")
-        lines.append(f"Outside {where}{size} (over {cal['coverage_positions']:,} test positions): the "
+        lines.append(f"Outside {where} ({size}over {cal['coverage_positions']:,} test positions): the "
                      "calibrated model gives those words, which share one estimated tilt, "
                      f"{cal['mass_outside_topk']:.3f} of its mass on average, and "
                      f"{100 * cal['true_word_outside_topk']:.1f}% of the true next words are among them.")

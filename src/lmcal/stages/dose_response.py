@@ -225,7 +225,9 @@ def dose_note(dr: dict, main_generations: int | None = None) -> str:
             f"rule's at the same α (± one standard error, clustered by prefix); test CE: the law's own on "
             f"{dr['test_tokens']:,} test tokens, Δ paired with the model's word by word (blocks of "
             f"{dr['cluster_size']} positions); ms / word: the generation's wall time per generated word in this run "
-            "(on a shared machine, a rough figure; bench/calibration_topk.py --timing measures it).")
+            "(on a shared machine, a rough figure; bench/calibration_topk.py --timing measures it)."
+            + "".join(f" {f['rule']}'s own α*, fitted on the same text ({f['device']}): {f['alpha']:.4g} ± "
+                      f"{f['alpha_stderr']:.2g}." for f in dr.get("extra_fits") or []))
 
 
 def dose_figure(dr: dict, path: str | Path, extra: list[dict] | None = None) -> Path:
