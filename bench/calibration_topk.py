@@ -1,43 +1,60 @@
-"""Top-k + tail lookahead against exact lookahead on a trained model: CE(alpha), CE'(alpha) and alpha*.
+"""Candidate rules of lookahead calibration against exact lookahead on a trained model: the noise-free shift each
+rule's law keeps of exact lookahead's, the fits (CE(alpha), CE'(alpha), alpha*), and the cost per generated word.
 
     python bench/calibration_topk.py --ckpt runs/cpu/ptb/base/checkpoints/best.ckpt [--positions 1000]
         [--topk 16 64] [--tail-samples 16] [--min-context 100] [--out docs/bench/calibration_topk.md]
+        [--calibration RUN/ptb/calibration/calibration.json] [--rules top-16 top-256 cover-0.95]
+        [--multiples 1 3 10] [--approximation 30 10] [--timing] [--skip-fits]
 
-Reads the first validation tokens of the checkpoint's corpus as --streams streams, each reading --min-context tokens
-before its positions count, and fits alpha* on the same --positions positions in every mode: exact (V model steps
-per position) and each top-k + tail setting (k + 1 + m steps). For alpha in ALPHAS it prints CE(alpha) and
-CE'(alpha) of each approximate mode beside exact mode, and each difference in units of exact alpha*'s standard
-error (blocks of --cluster-size positions):
+1. The approximation table (issue 40; --approximation G S, 0 0 to skip): at S positions of each of G plain
+   generations (the calibration stage's first G prefixes, seed and horizon: from --calibration where given), every
+   word's H_next exactly, and there E_{P_a}[H_next] - E_P[H_next] of exact lookahead against each of --rules' laws
+   at a = k alpha* for each of --multiples (lmcal.stages.dose_response.approximation_table): what each rule keeps of
+   the exact tilt, without generation noise. alpha*: the stage's (--calibration), else --alpha, else the first fit's.
 
-- dCE' / (CE''(alpha) se): how far, in standard errors, the error in CE' would move a root of CE' near alpha;
-- dCE / (CE''(a*) se^2 / 2): the error in CE against what CE changes when alpha moves one standard error from a*
-  (a constant offset in CE leaves alpha* where it is);
-- d alpha* / se.
+2. The fits (skipped with --skip-fits): the first validation tokens of the checkpoint's corpus as --streams streams,
+   each reading --min-context tokens before its positions count, and alpha* fitted on the same --positions positions
+   in every mode: exact (V model steps per position) and each top-k law (k + m steps; the rest sharing one tilt from m
+   draws, in the fit as in generation). For alpha in ALPHAS it prints CE(alpha) and CE'(alpha) of each top-k law beside
+   exact mode's, and each difference in units of exact alpha*'s standard error (blocks of --cluster-size positions):
+   dCE' / (CE''(alpha) se), how far the law's root of CE' lies from exact's, in standard errors; dCE / (CE''(a*) se^2 /
+   2); d alpha* / se. Each top-k law is another law than exact lookahead's: these are the differences of the laws, not
+   an estimator's error. With --seeds R each is fitted R times with other draws (the spread of alpha* over seeds is the
+   draws' share of its uncertainty). Exact mode is timed on one position per stream first; if all positions would take
+   more than --exact-budget seconds it is skipped (run it where it fits, e.g. on a GPU with --device cuda), and with
+   --reference K M the differences are taken against top-K + M draws instead.
 
-With --seeds R every top-k + tail setting is fitted R times with other draws: the spread of alpha* over seeds is the
-draws' share of its uncertainty, and the mean over seeds shows a bias (its differences are the means over seeds).
-
-Exact mode is timed on one position per stream first; if all positions would take more than --exact-budget seconds
-it prints the measured rate and skips it (run it where it fits, e.g. on a GPU with --device cuda). With
---reference K M the differences are then taken against top-K + M-tail instead, M large: the estimator is consistent
-(exact as M grows), its seed-to-seed noise falls as 1/sqrt(M) and its bias as 1/M, so a large M stands in for exact
-mode at a fraction of its cost. The tables say which reference they use.
+3. --timing: ms per generated word of the plain model and of each rule's law at alpha* (the calibration stage's
+   generation: --timing-prefixes prefixes x 1 generation of --timing-horizon words, the best of --timing-repeats runs,
+   each interleaved with a plain run: lmcal.stages.rows.timed_generation), against plain sampling and against the first
+   rule, beside this machine's float32 matmul rate measured in the same run. Run it on a quiet machine.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import shlex
 import sys
 import time
 
 import torch
 
-from lmcal.core.calibration import fit_lookahead_calibration, lookahead_statistics
+from lmcal.core.calibration import calibrated, fit_lookahead_calibration, lookahead_statistics
+from lmcal.core.sampling import random_prefixes
 from lmcal.data.batching import batchify
-from lmcal.models.step_lm import LSTMStepLM
+from lmcal.models.step_lm import as_step_lm
 from lmcal.pipeline.docs import save_bench
+from lmcal.stages.dose_response import (
+    approximation_markdown,
+    approximation_note,
+    approximation_table,
+    rule_from_text,
+)
+from lmcal.stages.rows import timed_generation
 from lmcal.stages.targets import load_checkpoint_and_data
+from lmcal.utils.boundary import boundary
+from lmcal.utils.profiling import matmul_flops
 
 ALPHAS = (-0.2, -0.1, -0.05, 0.0, 0.05, 0.1, 0.2)
 
@@ -50,6 +67,11 @@ def fit_timed(lm, tokens, topk, m, seed, args):
 
 
 def main():
+    with boundary():
+        run()
+
+
+def run():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ckpt", required=True)
     ap.add_argument("--data-root")
@@ -68,12 +90,27 @@ def main():
     ap.add_argument("--threads", type=int, help="torch threads (default: torch's); 1 on a machine shared with "
                     "other work, where idle threads spin")
     ap.add_argument("--progress", action="store_true")
+    ap.add_argument("--calibration", help="a calibration stage's calibration.json: its alpha*, prefixes, horizon, seed")
+    ap.add_argument("--alpha", type=float, help="alpha* of the approximation table and the timing (without "
+                    "--calibration; default: the first fit's)")
+    ap.add_argument("--rules", nargs="+", default=["top-16", "top-256", "cover-0.95"])
+    ap.add_argument("--multiples", type=float, nargs="+", default=[1, 3, 10])
+    ap.add_argument("--approximation", type=int, nargs=2, default=[30, 10], metavar=("G", "S"),
+                    help="generations and positions each of the approximation table (0 0: skipped)")
+    ap.add_argument("--horizon", type=int, default=200, help="generated words (without --calibration)")
+    ap.add_argument("--skip-fits", action="store_true", help="only the approximation table (and --timing)")
+    ap.add_argument("--timing", action="store_true", help="ms per generated word of each rule (a quiet machine)")
+    ap.add_argument("--timing-prefixes", type=int, default=20)
+    ap.add_argument("--timing-horizon", type=int, default=30)
+    ap.add_argument("--timing-repeats", type=int, default=3)
     ap.add_argument("--out", help="write the Markdown tables here")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    torch.set_grad_enabled(False)
+    rules = [rule_from_text(r) for r in args.rules]
     net, _, dm = load_checkpoint_and_data(args.ckpt, args.data_root, args.device)
-    lm = LSTMStepLM(net)
+    lm = as_step_lm(net)
     per_stream = -(-args.positions // args.streams)
     t0 = max(1, args.min_context)
     valid = dm.tokens("valid")
@@ -89,6 +126,36 @@ def main():
 
     for line in lines:
         print(line)
+    fits = {}
+    if not args.skip_fits:
+        fits = compare_fits(lm, tokens, n, t0, args, emit)
+    settings = json.loads(open(args.calibration).read()) if args.calibration else {}
+    alpha = settings.get("alpha", args.alpha)
+    if alpha is None and fits:
+        alpha = next(iter(fits.values()))[0].alpha
+    valid_prefixes = random_prefixes(valid, settings.get("num_prefixes", 100), settings.get("prefix_len", 100),
+                                     seed=settings.get("seed", 0))
+    horizon, seed = settings.get("horizon", args.horizon), settings.get("seed", 0)
+    g, steps = args.approximation
+    if g and steps and alpha is not None:
+        ap = approximation_table(lm, valid_prefixes[:g], horizon, steps, rules, alpha, args.multiples, seed,
+                                 progress=args.progress)
+        emit("")
+        whose = f", the calibration stage's: {args.calibration}" if args.calibration else ""
+        emit(f"**What each rule's law keeps of exact lookahead** (alpha* = {alpha:.5f}{whose}; {ap['seconds']:.0f} s)")
+        emit("")
+        emit(approximation_markdown(ap).rstrip("\n"))
+        emit("")
+        emit(approximation_note(ap))
+    if args.timing and alpha is not None:
+        emit("")
+        emit(timing_table(lm, valid_prefixes[:args.timing_prefixes], rules, alpha, seed, args))
+    save_bench(args.out, "Lookahead calibration: candidate rules against exact lookahead", "\n".join(lines),
+               command="python " + shlex.join(sys.argv))
+
+
+def compare_fits(lm, tokens, n, t0, args, emit) -> dict:
+    """Section 2 of the docstring: each top-k law's fit beside exact mode's (or the --reference law's)."""
     timing = ["| mode | steps per position | wall per fit (s) | positions/s | alpha* (mean over seeds) | "
               "std over seeds | se | std over seeds / se |", "|---|---|---|---|---|---|---|---|"]
     fits = {}
@@ -100,7 +167,7 @@ def main():
             se = sum(f.alpha_stderr for f in fits[(k, m)]) / args.seeds
             spread = a.std().item() if args.seeds > 1 else float("nan")
             dt = sum(t for _, t in runs) / args.seeds
-            timing.append(f"| top-{k} + {m} tail | {k + 1 + m} | {dt:.1f} | {n / dt:.1f} | {a.mean():.5f} | "
+            timing.append(f"| top-{k} + {m} tail | {k + m} | {dt:.1f} | {n / dt:.1f} | {a.mean():.5f} | "
                           f"{spread:.5f} | {se:.5f} | {spread / se:.2f} |")
             print(timing[-1], flush=True)
     exact = None
@@ -123,7 +190,7 @@ def main():
         k, m = args.reference
         ref = f"top-{k} + {m} tail"
         exact, dt = fit_timed(lm, tokens, k, m, 0, args)
-        timing.append(f"| {ref} (reference) | {k + 1 + m} | {dt:.1f} | {n / dt:.2f} | {exact.alpha:.5f} | – | "
+        timing.append(f"| {ref} (reference) | {k + m} | {dt:.1f} | {n / dt:.2f} | {exact.alpha:.5f} | – | "
                       f"{exact.alpha_stderr:.5f} | – |")
     emit("")
     emit("\n".join(timing))
@@ -148,9 +215,27 @@ def main():
                 unit_ce = d2_star * se**2 / 2
                 emit(f"| {label} | {ce:.5f} | {ce_k:.5f} | {ce_k - ce:+.2e} | {(ce_k - ce) / unit_ce:+.2f} | "
                      f"{d1:+.5f} | {d1_k:+.5f} | {d1_k - d1:+.2e} | {(d1_k - d1) / (d2 * se):+.2f} |")
-    save_bench(args.out, "Lookahead: top-k + tail against exact", "\n".join(lines),
-               command="python " + shlex.join(sys.argv))
+    return fits
 
+
+def timing_table(lm, prefixes, rules, alpha, seed, args) -> str:
+    """Section 3 of the docstring: ms per generated word of each rule's law at alpha*, against plain sampling (timed
+    alternately with it, lmcal.stages.rows.timed_generation) and against the first rule."""
+    peak = max(matmul_flops(1024) for _ in range(3))
+    rows, plain, first = [], [], None
+    for r in rules:
+        model = calibrated(lm, alpha, r.topk, tail_samples=r.tail_samples, seed=seed, cover=r.cover,
+                           cover_max=r.cover_max)
+        ms, ratio = timed_generation(model, lm, prefixes, args.timing_horizon, 1, seed, 1024, args.timing_repeats)
+        plain.append(ms / ratio)
+        first = first or ms
+        rows.append(f"| {r.label} at alpha* = {alpha:.4f} | {ms:.2f} | {ratio:.1f} | {ms / first:.2f} |")
+        print(rows[-1], flush=True)
+    return (f"**Cost per generated word** ({prefixes.size(0)} generations of {args.timing_horizon} words at once, the "
+            f"best of {args.timing_repeats}, each law timed alternately with plain sampling; "
+            f"{torch.get_num_threads()} threads; float32 matmul {peak / 1e9:.1f} GFLOP/s measured in this run)\n\n"
+            f"| law | ms per generated word | × plain sampling | × {rules[0].label} |\n|---|---|---|---|\n"
+            f"| plain sampling | {min(plain):.3f} | 1.0 | – |\n" + "\n".join(rows))
 
 if __name__ == "__main__":
     main()

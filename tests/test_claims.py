@@ -41,9 +41,10 @@ def test_against_temperature_branches():
     # issue 33's numbers: calibration -0.102 ± 0.040, the fitted temperature -0.100 ± 0.033
     c = C.against_temperature("Calibration", -0.102, 0.040, -0.100, 0.033, 0.9901, 4.7518, 4.7501)
     assert c.verdict == "no_better"
-    assert c.sentence == ("Calibration is no better than the fitted temperature (T = 0.9901), the baseline every "
-                          "calibration must beat: -0.102 ± 0.040 nats against its -0.100 ± 0.033, a difference of "
-                          "-0.002 within 2 (se + se) = 0.146. Test CE 4.7518 against the temperature's 4.7501 nats.")
+    assert c.sentence == ("Calibration is not shown to be better than the fitted temperature (T = 0.9901), the "
+                          "baseline every calibration must beat: -0.102 ± 0.040 nats against its -0.100 ± 0.033, a "
+                          "difference of -0.002 within 2 (se + se) = 0.146. Test CE 4.7518 against the temperature's "
+                          "4.7501 nats.")
     more = C.against_temperature("Head", -0.297, 0.043, -0.100, 0.033)  # -0.197 beyond 0.152
     assert more.verdict == "more" and "by more than the fitted temperature" in more.sentence
     assert "Test CE" not in more.sentence
@@ -150,3 +151,59 @@ def test_memory_flags():
     assert "β* = 0.341, α* = 0.691" in flags[1].sentence
     assert flags[2].sentence.endswith("within 2 standard errors of zero: the τ-limited model predicts these words "
                                       "about as well as the full one.")
+
+
+def test_against_the_papers_size():
+    c = C.against_paper("Calibration", 0.008, 0.044)  # issue 40: +0.008 ± 0.044 against -0.24
+    assert c.verdict == "rules_out" and c.sentence == (
+        "Calibration's change of the last tenth, +0.008 ± 0.044 nats, rules out the paper's -0.24 nats: it lies 5.7 "
+        "standard errors from it.")
+    c = C.against_paper("Calibration", -0.15, 0.06)
+    assert c.verdict == "consistent" and "does not rule out the paper's -0.24 nats (1.5 standard errors" in c.sentence
+    assert C.against_paper("X", -0.1, math.nan).verdict == "untested"
+
+
+def _limit_inputs(kept_shift, lost_se, vs, vs_se, tail_at_star, se_star=0.05, exact=(-0.03, 0.002)):
+    """An approximation table (exact and top-16 at a* and 3a*) and a dose-response (top-16 and cover 0.95 at a*
+    and 3a*) with these numbers; alpha* < 0."""
+    e, e_se = exact
+    ap = {"alpha": -0.05, "multiples": [1, 3], "rows": [
+        {"rule": "exact", "shift_nats": [e, 3 * e], "shift_stderr_nats": [e_se, e_se], "lost_nats": [0, 0],
+         "lost_stderr_nats": [0, 0], "kept": [1, 1]},
+        {"rule": "top-16", "shift_nats": [kept_shift, 3 * kept_shift], "shift_stderr_nats": [e_se, e_se],
+         "lost_nats": [kept_shift - e, 3 * (kept_shift - e)], "lost_stderr_nats": [lost_se, lost_se],
+         "kept": [kept_shift / e, kept_shift / e]}]}
+    row = lambda rule, k, d, v: {"rule": rule, "multiple": k, "tail_diff_nats": d, "tail_diff_stderr_nats": se_star,
+                                 "vs_first_nats": v, "vs_first_stderr_nats": vs_se}
+    dr = {"rules": ["top-16", "cover 0.95"], "rows": [
+        row("top-16", 1, tail_at_star[0], 0.0), row("cover 0.95", 1, tail_at_star[1], vs[0]),
+        row("top-16", 3, 0.0, 0.0), row("cover 0.95", 3, vs[1], vs[1])]}
+    return ap, dr
+
+
+def test_which_limit_lookahead_calibration_meets():
+    # top-16 keeps a fifth of the exact shift, and cover 0.95 lowers the tail beyond top-16 at 3 alpha*: the
+    # approximation
+    ap, dr = _limit_inputs(-0.006, 0.001, vs=(-0.05, -0.2), vs_se=0.04, tail_at_star=(0.01, -0.06))
+    c = C.calibration_limit(ap, dr)
+    assert c.verdict == "approximation" and c.sentence.startswith("The approximation is the limit here: at α* = -0.05,"
+                                                                  " exact lookahead shifts the expected entropy")
+    assert "top-16 keeps 20% (-0.0060; it loses +0.0240 ± 0.0010)" in c.sentence
+    assert "cover 0.95 at 3α* changes it by -0.200 ± 0.040 nats beyond top-16 (paired)" in c.sentence
+    # the rules keep the exact shift and nothing moves at alpha*: the model
+    ap, dr = _limit_inputs(-0.028, 0.001, vs=(0.0, -0.03), vs_se=0.04, tail_at_star=(0.01, -0.02))
+    c = C.calibration_limit(ap, dr)
+    assert c.verdict == "model" and c.sentence.startswith("The model is the limit here:")
+    assert "no rule changes the last tenth at α* beyond 2 standard errors (top-16 +0.010 ± 0.050; cover 0.95 " \
+           "-0.020 ± 0.050 nats)" in c.sentence
+    # an extra row (exact lookahead on a GPU) that shows an effect at alpha* keeps it from "model"
+    gpu = {"rule": "exact", "multiple": 1, "tail_diff_nats": -0.2, "tail_diff_stderr_nats": 0.05, "device": "H100"}
+    assert C.calibration_limit(ap, dr, [gpu]).verdict == "undecided"
+    # the rules lose the shift but more candidates move nothing: undecided, saying what is missing
+    ap, dr = _limit_inputs(-0.006, 0.001, vs=(0.0, -0.03), vs_se=0.04, tail_at_star=(0.01, -0.02))
+    c = C.calibration_limit(ap, dr)
+    assert c.verdict == "undecided" and "no more covering rule moves the last tenth beyond top-16's" in c.sentence
+    # the exact shift itself not measured: undecided
+    ap, dr = _limit_inputs(-0.001, 0.001, vs=(0.0, 0.0), vs_se=0.04, tail_at_star=(0.0, 0.0), exact=(-0.002, 0.002))
+    c = C.calibration_limit(ap, dr)
+    assert c.verdict == "undecided" and "the exact shift is not measured (-0.0020 ± 0.0020 nats)" in c.sentence

@@ -33,3 +33,27 @@ def test_tau_models_and_tail_levels():
         "trains them from scratch.")
     assert S.tau_models_sentence(False, None) == "The trained τ-models are trained from scratch, as in the paper."
     assert S.tail_level_sentence("L", 5.0, 0.05) == "L: 5.000 ± 0.050 nats, exp 148.4 ± 7.4"
+
+
+def test_the_setup_says_the_law_that_generates_is_the_one_fitted():
+    """Issue 40: one law for the fit, the test CE and generation, said in the setup sentence for each rule; results
+    from before it (no "rule" key) keep the sentence that says their fit was another law."""
+    s = {"topk": 16, "tail_samples": 16, "rule": "top-16"}
+    assert S.topk_departure(s) == (
+        "one top-16 law for the fit, the test CE and generation: the top 16 words get their own tilt and the rest "
+        "share one estimated from 16 drawn words (a true word among the rest shares it in the fit too); the paper "
+        "tilts every word exactly")
+    cover = S.topk_departure({"topk": None, "cover": 0.95, "tail_samples": 16, "rule": "cover 0.95 (at most 512)"})
+    assert cover.startswith("one cover 0.95 (at most 512) law for the fit, the test CE and generation: the fewest most "
+                            "likely words holding 0.95 of the mass get their own tilt")
+    assert S.topk_departure({"topk": None, "rule": "exact"}) == (
+        "exact lookahead (every word its own tilt, as the paper's), one law for the fit, the test CE and generation")
+    assert S.topk_departure({"topk": 16, "tail_samples": 16}).startswith("per-token top-16 mixture")
+    lines = S.calibration_lines({"base": {"model": "M"}, "entropy_rate": {"horizon": 200, "num_generations": 300},
+                                 "calibration": {"topk": None, "cover": 0.95, "tail_samples": 16,
+                                                 "rule": "cover 0.95", "candidates_mean": 612.4,
+                                                 "mass_outside_topk": 0.08, "true_word_outside_topk": 0.05,
+                                                 "coverage_positions": 2000, "horizon": 200, "num_prefixes": 100,
+                                                 "samples_per_prefix": 3}})
+    assert ("Outside the cover 0.95 candidates (612.4 per position on average; over 2,000 test positions): the "
+            "calibrated model gives those words, which share one estimated tilt, 0.080 of its mass") in lines[2]

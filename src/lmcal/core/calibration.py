@@ -18,24 +18,13 @@ which is convex in a (CE'' = mean_t Var_{P_a}[H_next] >= 0); at a* the mean of H
 true next words. a < 0 steers generations away from words after which the model is unsure, which counters the upward
 drift of the entropy of long generations.
 
-Exact mode (topk None) steps all V candidates per position. Top-k mode steps only a few, and estimates the rest:
-
-- the k most likely words and (in the fit) the true next word y get their exact H_next, so the fit's signal,
-  H_next(y) against E_{P_a}[H_next], is never replaced by an average;
-- the rest R (its mass P(R)) enters Z_t(a) through m words w_1..w_m drawn with replacement from P restricted to R,
-  each an atom of mass P(R) / m carrying its own H_next: Z^_t(a) = sum_exact P(w) e^{a H(w)} + P(R) mean_j e^{a H(w_j)}.
-
-Z^_t(a) and its derivative Z^'_t(a) (= sum P(w) H(w) e^{a H(w)}) are unbiased for every a, and Z^_t(0) = 1 exactly; so
-CE(0) is exact and CE'(0) = mean_t (E_P[H] - H(y)) is unbiased. CE(a) (through log Z^) and CE'(a) = Z^'/Z^ - H(y) for
-a != 0 are ratios: consistent, with a bias of order 1/m per position that averages over positions no further (the
-noise of the draws does, and is part of alpha_stderr). bench/calibration_topk.py measures both against exact mode.
-
-The calibrated StepLM (CalibratedLM) samples from the same estimated distribution: at each step it computes the top-k
-exactly, draws m words from the rest, and gives every word w of the rest the estimated mean tilt
-e^{a H~} = mean_j e^{a H(w_j)}, so that its normaliser is exactly Z^_t(a) of the fitted family and the rest gets the
-family's estimated total mass P(R) e^{a H~} / Z^_t(a), spread over R in proportion to P (one would need every H_next
-of R to tilt within it). The true word is not known at generation time, so a test word in R is scored with the
-shared tilt: the StepLM's test cross-entropy is that of the model generations are drawn from, not the fit's CE(a).
+Exact mode (topk and cover None) steps all V candidates per position. The other candidate rules (top-k; cover: the
+smallest set holding a share of P's mass) step only their candidates and give the rest R one shared tilt estimated
+from m words drawn from it (lmcal.core.lookahead_law). That is one law, built by one function (law_atoms) for the fit,
+the test scoring and generation alike: the a* fitted is the a* of the law that generates, its fitted CE(a) is the
+CE the calibrated StepLM scores on the same text, and a true word in R shares the tilt in the fit as in generation.
+bench/calibration_topk.py measures each rule against exact mode; hnext_shifts measures what each keeps of the exact
+tilt at states of the model's own generations.
 
 The draws are a pure function of (seed, the tokens a row has read): each row carries a 32-bit hash of its history,
 and draw j uses counter-based uniforms of (seed, hash, j) (lmcal.core.entropy_rate's). So the fit and every step of the
@@ -49,34 +38,33 @@ or [V].
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field
 
 import torch
 
-from lmcal.core.expfit import fit_alpha, objective, stream_block_sums
-from lmcal.core.lookahead import (
-    advance_keys,
-    candidate_entropies,
-    check_tail,
-    draw_tail,
-    lookahead_entropies,
-    mix_uniform,
-    start_keys,
-    tail_uniforms,
+from lmcal.core.expfit import fit_alpha, newton_minimize, objective, stream_block_sums
+from lmcal.core.lookahead import advance_keys, mix_uniform, start_keys
+from lmcal.core.lookahead_law import (
+    Rule,
+    law_atoms,
+    law_log_probs,
+    law_objective,
+    make_rule,
+    target_slots,
 )
 from lmcal.errors import LmcalError
 from lmcal.utils.profiling import timed
 
+log = logging.getLogger("lmcal")
+
 # ---------------------------------------------------------------------------------------------------------------------
 # The objective and its fit
 # ---------------------------------------------------------------------------------------------------------------------
-# Per predicted position the objective needs the target's (log P(y), H_next(y)) and the distribution of H_next under
-# P, kept as K weighted "atoms" (log-weight, H_next): in exact mode the V words; in top-k mode the k most likely words,
-# one slot for the true word y (weight 0 when y is among the k) and m tail atoms of weight P(R) / m each (R: all other
-# words). P_a is then the tilted family of lmcal.core.expfit with s = H_next over the atoms: log Z(a) =
-# logsumexp_j(logw_j + a h_j), CE' = E_{P_a}[h] - h(y), CE'' = Var_{P_a}[h]; exact in exact mode, the unbiased
-# importance-sampling estimate of Z(a) of the module docstring in top-k mode.
+# Per predicted position the objective needs the law's atoms (lmcal.core.lookahead_law: the m tail atoms, then the
+# candidates, as (log-weight, H_next)), log P(y) and which atom y is (-1: y is in the rest and shares the tail's tilt).
+# In exact mode the atoms are the V words and this is the tilted family of lmcal.core.expfit with s = H_next.
 
 
 def stream_block_stderr(g: torch.Tensor, d2: float, streams: int, cluster_size: int) -> float:
@@ -98,12 +86,32 @@ def _fit(stats: tuple, bound: float, what: str, streams: int = 1, cluster_size: 
     return alpha, ce_before, ce_after, stream_block_stderr(g, d2, streams, cluster_size), g.numel()
 
 
+def _fit_law(stats: tuple, m: int, bound: float, streams: int, cluster_size: int):
+    """a* of the law's held-out CE (Newton's method bracketed by the sign of CE', from a = 0; CE need not be convex
+    with a shared tilt) within [-bound, bound], with a warning at the bound: (a*, CE(0), CE(a*), its standard error,
+    positions)."""
+    alpha = newton_minimize(lambda a: law_objective(stats, m, a)[1:3], -bound, bound)
+    ce_before = law_objective(stats, m, 0.0)[0]
+    if bound - abs(alpha) < 1e-6:
+        alpha = math.copysign(bound, alpha)
+        log.warning(f"lookahead calibration: held-out CE keeps falling up to |alpha| = {bound}; using alpha = "
+                    f"{alpha:g}, the minimum over [-bound, bound]. Fit on more, or more varied, text.")
+    (ce_after, _, d2, _, _), g, _ = law_objective(stats, m, alpha, per_row=True)
+    if ce_after > ce_before + 1e-12:  # a stationary point that is no minimum (CE is not convex here): keep a = 0
+        log.warning(f"lookahead calibration: the stationary point alpha = {alpha:.4g} has a higher CE than alpha = 0 "
+                    f"({ce_after:.6f} > {ce_before:.6f}); using alpha = 0.")
+        alpha = 0.0
+        (ce_after, _, d2, _, _), g, _ = law_objective(stats, m, alpha, per_row=True)
+    return alpha, ce_before, ce_after, stream_block_stderr(g, d2, streams, cluster_size), g.numel()
+
+
 @dataclass
 class CalibrationFit:
     """The fitted a* with its held-out statistics, kept so CE(a) can be evaluated at any a without the model.
 
-    Atoms: logw, h [n, K] float32 on CPU (K = V exact, k + 1 + m top-k), targets' logq_y, h_y [n]; 8*n*K bytes in all.
-    In top-k mode CE(a) and its derivatives are those of the estimated Z^(a) of the module docstring.
+    Statistics (lmcal.core.lookahead_law): logw, h [n, K] float32 on CPU (K = V exact; m + the largest candidate set
+    otherwise, the m tail atoms first), logq_y [n] and y's atom slot [n] (-1: y in the rest); 8*n*K bytes in all.
+    CE(a) is that of the law that generates (CalibratedLM with the same rule and seed) on the fitted positions.
     """
 
     alpha: float
@@ -116,61 +124,54 @@ class CalibrationFit:
     logw: torch.Tensor = field(repr=False)
     h: torch.Tensor = field(repr=False)
     logq_y: torch.Tensor = field(repr=False)
-    h_y: torch.Tensor = field(repr=False)
+    slot: torch.Tensor = field(repr=False)
     tail_samples: int = 0  # m (0 in exact mode)
     min_context: int = 0
     cluster_size: int = 1
     seed: int = 0
+    cover: float | None = None
+    cover_max: int | None = None
+    candidates_mean: float = 0.0  # own-tilt candidates per position, on average (V in exact mode)
+
+    @property
+    def stats(self) -> tuple:
+        return self.logw, self.h, self.logq_y, self.slot
+
+    @property
+    def rule(self) -> Rule:
+        return make_rule(self.topk, self.cover, self.cover_max, self.tail_samples or None)
 
     def ce_derivatives(self, alpha: float) -> tuple[float, float, float]:
         """(CE(a), CE'(a), CE''(a)) in nats, exact on the stored statistics."""
-        return tuple(objective([(self.logw, self.h, self.logq_y, self.h_y)], alpha)[:3])
+        return tuple(law_objective(self.stats, self.tail_samples, alpha)[:3])
 
     def ce_at(self, alpha: float) -> float:
         return self.ce_derivatives(alpha)[0]
 
+    def per_position_ce(self, alpha: float) -> torch.Tensor:
+        """CE_t(a) of every position [n] float64, in position order (t-major)."""
+        return law_objective(self.stats, self.tail_samples, alpha, per_row=True)[2]
+
     def hnext_means(self, alpha: float) -> tuple[float, float]:
-        """(mean over positions of E_{P_a}[H_next], mean H_next at the true next words): equal at a* (moments)."""
-        return objective([(self.logw, self.h, self.logq_y, self.h_y)], alpha)[3], self.h_y.double().mean().item()
+        """(mean over positions of E_{P_a}[H_next], mean of the targets' statistic: H_next(y), or the tail's tilted
+        mean E_{tail,a}[H_next] where y is in the rest): equal at a* (moments)."""
+        return tuple(law_objective(self.stats, self.tail_samples, alpha)[3:5])
 
 
-def _atoms(lm, state, logq: torch.Tensor, y: torch.Tensor, keys: torch.Tensor, topk: int | None, tail_samples: int,
-           epsilon: float, seed: int, chunk: int | None):
-    """One position's atoms for B rows: (logw [B, K], h [B, K], h_y [B]); logq [B, V] the (eps-mixed) base
-    distribution in `state`, y [B] the true next words, keys [B] the rows' history hashes."""
-    B, V = logq.shape
-    if topk is None:  # every word is an atom, in vocabulary order
-        h = lookahead_entropies(lm, state, logq, epsilon, chunk)  # [B, V]
-        return logq, h, h.gather(1, y[:, None])[:, 0]
-    k = min(topk, V)
-    top = logq.topk(k, dim=-1).indices  # [B, k]
-    exact = torch.cat([top, y[:, None]], 1)  # [B, k + 1]: the true word is always computed
-    m = tail_samples if k < V else 0  # the rest is empty when k = V (and, for a row, when the k and y cover V)
-    cand = exact
-    if m:
-        tail, log_rest = draw_tail(logq, exact, tail_uniforms(seed, keys, m))  # [B, m], [B]
-        cand = torch.cat([exact, tail], 1)  # [B, k + 1 + m]
-    h = candidate_entropies(lm, state, cand, epsilon, chunk)  # [B, K]
-    in_top = top == y[:, None]  # [B, k]
-    y_top = in_top.any(1)  # [B]
-    # y's own H_next; when y is among the top k, the same number as its top-k atom (bit for bit, whatever the chunking)
-    h_y = torch.where(y_top, (h[:, :k] * in_top).sum(1), h[:, k])  # [B]
-    logw = torch.cat([logq.gather(1, top), logq.gather(1, y[:, None]).masked_fill(y_top[:, None], -math.inf)], 1)
-    if m:
-        logw = torch.cat([logw, (log_rest - math.log(m))[:, None].expand(B, m)], 1)  # [B, K]
-    return logw, h, h_y
+def _pad(x: list[torch.Tensor], fill: float) -> torch.Tensor:
+    """Per-step [B, K_t] pieces as one [n, max K_t], padded with `fill`."""
+    K = max(t.size(1) for t in x)
+    return torch.cat([torch.nn.functional.pad(t, (0, K - t.size(1)), value=fill) for t in x])
 
 
 @torch.no_grad()
-def lookahead_statistics(lm, tokens: torch.Tensor, topk: int | None = None, epsilon: float = 0.0, *,
-                         tail_samples: int = 16, min_context: int = 0, seed: int = 0, chunk: int | None = None,
-                         progress: bool = False):
-    """One pass over time-major streams tokens [S, B] -> atoms (logw [n, K], h [n, K], logq_y [n], h_y [n]) on CPU,
-    in position order t = t0..S-1 (B streams each), t0 = max(1, min_context): the first t0 tokens of every stream are
-    read but not predicted, n = (S - t0) * B."""
+def law_positions(lm, tokens: torch.Tensor, rule: Rule, epsilon: float = 0.0, *, min_context: int = 0, seed: int = 0,
+                  chunk: int | None = None, progress: bool = False):
+    """One pass over time-major streams tokens [S, B], yielding at each scored step t = t0..S-1 (t0 = max(1,
+    min_context); the first t0 tokens of every stream are read but not predicted) the law's statistics of its B
+    positions: (logw [B, K_t], h [B, K_t], log q(y) [B], y's atom slot [B], candidates [B]), on the model's device."""
     S, B = tokens.shape
     t0 = max(1, min_context)
-    logw, h, logq_y, h_y = [], [], [], []
     state = lm.init_state(B)
     logp, state = lm.step(tokens[0], state)
     keys = advance_keys(start_keys(B, logp.device), tokens[0])
@@ -182,36 +183,51 @@ def lookahead_statistics(lm, tokens: torch.Tensor, topk: int | None = None, epsi
         y = tokens[t].to(logp.device)  # [B]
         if t >= t0:
             logq = mix_uniform(logp, epsilon)  # [B, V]
-            w_t, h_t, hy_t = _atoms(lm, state, logq, y, keys, topk, tail_samples, epsilon, seed, chunk)
-            logw.append(w_t.float().cpu())
-            h.append(h_t.float().cpu())
-            logq_y.append(logq.gather(1, y[:, None])[:, 0].float().cpu())
-            h_y.append(hy_t.float().cpu())
+            words, mask, logw, h = law_atoms(lm, state, logq, keys, rule, seed, epsilon, chunk)
+            yield logw, h, logq.gather(1, y[:, None])[:, 0], target_slots(words, mask, y, rule.draws), mask.sum(1)
         if t < S - 1:
             logp, state = lm.step(y, state)
             keys = advance_keys(keys, y)
-    return torch.cat(logw), torch.cat(h), torch.cat(logq_y), torch.cat(h_y)
+
+
+def lookahead_statistics(lm, tokens: torch.Tensor, topk: int | None = None, epsilon: float = 0.0, *,
+                         tail_samples: int = 16, min_context: int = 0, seed: int = 0, chunk: int | None = None,
+                         progress: bool = False, cover: float | None = None, cover_max: int | None = None):
+    """The law's statistics of every scored position of law_positions, kept on CPU: ((logw [n, K], h [n, K], logq_y
+    [n], slot [n]), the mean candidates per position), n = (S - t0) * B in position order (t-major)."""
+    rule = make_rule(topk, cover, cover_max, tail_samples)
+    logw, h, logq_y, slot, sizes = [], [], [], [], []
+    for w_t, h_t, q_t, s_t, c_t in law_positions(lm, tokens, rule, epsilon, min_context=min_context, seed=seed,
+                                                 chunk=chunk, progress=progress):
+        logw.append(w_t.float().cpu())
+        h.append(h_t.float().cpu())
+        logq_y.append(q_t.float().cpu())
+        slot.append(s_t.cpu())
+        sizes.append(c_t.double().cpu())
+    return (_pad(logw, -math.inf), _pad(h, 0.0), torch.cat(logq_y), torch.cat(slot)), torch.cat(sizes).mean().item()
 
 
 @timed("fit")
 def fit_lookahead_calibration(lm, tokens: torch.Tensor, topk: int | None = None, epsilon: float = 0.0, *,
                               tail_samples: int = 16, min_context: int = 0, seed: int = 0, cluster_size: int = 100,
-                              chunk: int | None = None, bound: float = 100.0, progress: bool = False) -> CalibrationFit:
+                              chunk: int | None = None, bound: float = 100.0, progress: bool = False,
+                              cover: float | None = None, cover_max: int | None = None) -> CalibrationFit:
     """Fit a* on held-out time-major streams tokens [S, B]: each stream starts from lm.init_state(B) and its first
     max(1, min_context) tokens are context only, so (S - max(1, min_context)) * B next words are scored
     ((S - 1) * B with min_context 0).
 
-    topk None: exact lookahead. topk k: the k most likely words and the true one exactly, `tail_samples` draws for the
-    rest (seeded by `seed`; see the module docstring). alpha_stderr: the sandwich standard error with blocks of
-    `cluster_size` consecutive positions of a stream as the independent units.
+    The candidate rule (lmcal.core.lookahead_law): topk and cover None, exact lookahead; topk k, the k most likely
+    words; cover c, the smallest set holding c of the mass (at most cover_max words); the rest sharing one tilt from
+    `tail_samples` draws (seeded by `seed`). alpha_stderr: the sandwich standard error with blocks of `cluster_size`
+    consecutive positions of a stream as the independent units.
 
-    Cost: one model step per token plus the lookahead, V (exact) or k + 1 + m (top-k) steps per scored position;
-    memory: the atoms, 8 * n * K bytes on CPU. The fit itself is Newton's method on the stored statistics, from a = 0,
-    and never touches the model again.
+    Cost: one model step per token plus the lookahead, V (exact) or |C| + m steps per scored position; memory: the
+    statistics, 8 * n * K bytes on CPU. The fit itself runs on the stored statistics and never touches the model
+    again.
     """
     if tokens.dim() != 2 or tokens.size(0) < 2:
         raise ValueError(f"tokens must be time-major [S, B] with S >= 2, got shape {tuple(tokens.shape)}")
-    check_tail(topk, tail_samples)
+    rule = make_rule(topk, cover, cover_max, tail_samples)
     if not (isinstance(min_context, int) and min_context >= 0) or tokens.size(0) <= max(1, min_context):
         raise LmcalError(f"min_context={min_context!r}: each fit stream reads that many tokens before any position "
                          f"counts, but the streams are {tokens.size(0)} tokens long. Use a non-negative min_context "
@@ -219,12 +235,12 @@ def fit_lookahead_calibration(lm, tokens: torch.Tensor, topk: int | None = None,
     if isinstance(cluster_size, bool) or not isinstance(cluster_size, int) or cluster_size < 1:
         raise LmcalError(f"cluster_size={cluster_size!r}: positions per block of the standard error must be a "
                          "positive integer.")
-    stats = lookahead_statistics(lm, tokens, topk, epsilon, tail_samples=tail_samples, min_context=min_context,
-                                 seed=seed, chunk=chunk, progress=progress)
-    alpha, ce_before, ce_after, stderr, n = _fit(stats, bound, "lookahead calibration", tokens.size(1), cluster_size)
-    return CalibrationFit(alpha, ce_before, ce_after, n, stderr, topk, epsilon, *stats,
-                          tail_samples=tail_samples if topk is not None else 0, min_context=min_context,
-                          cluster_size=cluster_size, seed=seed)
+    stats, size = lookahead_statistics(lm, tokens, topk, epsilon, tail_samples=tail_samples, min_context=min_context,
+                                       seed=seed, chunk=chunk, progress=progress, cover=cover, cover_max=cover_max)
+    alpha, ce_before, ce_after, stderr, n = _fit_law(stats, rule.draws, bound, tokens.size(1), cluster_size)
+    return CalibrationFit(alpha, ce_before, ce_after, n, stderr, rule.topk, epsilon, *stats,
+                          tail_samples=rule.draws, min_context=min_context, cluster_size=cluster_size, seed=seed,
+                          cover=rule.cover, cover_max=rule.cover_max, candidates_mean=size)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -233,16 +249,16 @@ def fit_lookahead_calibration(lm, tokens: torch.Tensor, topk: int | None = None,
 
 
 class CalibratedLM:
-    """P_a as a StepLM. Its state is (the base state, each row's history hash [B]): step advances the base model with
-    the fed tokens, then steps candidates from the new state to get H_next: every word (exact, 1 + V base steps per
-    row), or the top k and m words drawn from the rest (1 + k + m base steps), the rest then sharing the estimated
-    tilt of the module docstring. a = 0 skips the lookahead and is the (eps-mixed) base model exactly."""
+    """P_a as a StepLM: the law of lmcal.core.lookahead_law, the one the fit fitted. Its state is (the base state,
+    each row's history hash [B]): step advances the base model with the fed tokens, then steps the rule's candidates
+    and tail draws from the new state (exact: every word, 1 + V base steps per row). a = 0 skips the lookahead and is
+    the (eps-mixed) base model exactly. `prefill` feeds a prompt to the base model and calibrates its last step only."""
 
     def __init__(self, lm, alpha: float, topk: int | None = None, epsilon: float = 0.0, *, tail_samples: int = 16,
-                 seed: int = 0, chunk: int | None = None):
-        check_tail(topk, tail_samples)
-        self.lm, self.alpha, self.topk, self.epsilon = lm, float(alpha), topk, float(epsilon)
-        self.tail_samples, self.seed, self.chunk = tail_samples, seed, chunk
+                 seed: int = 0, chunk: int | None = None, cover: float | None = None, cover_max: int | None = None):
+        self.rule = make_rule(topk, cover, cover_max, tail_samples)
+        self.lm, self.alpha, self.epsilon = lm, float(alpha), float(epsilon)
+        self.topk, self.tail_samples, self.seed, self.chunk = self.rule.topk, self.rule.tail_samples, seed, chunk
         self.vocab_size = lm.vocab_size
         self.device = getattr(lm, "device", None)
 
@@ -254,24 +270,29 @@ class CalibratedLM:
         base, keys = state
         logp, base = self.lm.step(tokens, base)  # [B, V]
         keys = advance_keys(keys.to(logp.device), tokens)
+        return self._law(logp, base, keys), (base, keys)
+
+    @torch.no_grad()
+    def prefill(self, prompt: torch.Tensor, state):
+        """Feeds prompt [B, L] (as L steps would): the base model reads it (its own prefill where it has one), and
+        only the distribution after its last token is calibrated; the same result as L steps, L - 1 lookaheads
+        fewer."""
+        base, keys = state
+        if hasattr(self.lm, "prefill"):
+            logp, base = self.lm.prefill(prompt, base)
+        else:
+            for i in range(prompt.size(1)):
+                logp, base = self.lm.step(prompt[:, i], base)
+        for i in range(prompt.size(1)):
+            keys = advance_keys(keys.to(logp.device), prompt[:, i])
+        return self._law(logp, base, keys), (base, keys)
+
+    def _law(self, logp: torch.Tensor, base, keys: torch.Tensor) -> torch.Tensor:
         logq = mix_uniform(logp, self.epsilon)
         if self.alpha == 0.0:
-            return logq, (base, keys)
-        return self._tilted(logq, base, keys).log_softmax(-1), (base, keys)
-
-    def _tilted(self, logq: torch.Tensor, base, keys: torch.Tensor) -> torch.Tensor:
-        """log q + a H_next [B, V], unnormalised; in top-k mode the rest's H_next replaced by the shared estimate."""
-        B, V = logq.shape
-        a = self.alpha
-        if self.topk is None or self.topk >= V:
-            return logq + a * lookahead_entropies(self.lm, base, logq, self.epsilon, self.chunk)
-        m = self.tail_samples
-        top = logq.topk(self.topk, dim=-1).indices  # [B, k]
-        tail, _ = draw_tail(logq, top, tail_uniforms(self.seed, keys, m))  # [B, m]
-        h = candidate_entropies(self.lm, base, torch.cat([top, tail], 1), self.epsilon, self.chunk)  # [B, k + m]
-        log_tilt = (a * h[:, self.topk:].double()).logsumexp(-1) - math.log(m)  # [B]: log mean_j e^{a H(w_j)}
-        rest = logq + log_tilt.to(logq.dtype)[:, None]  # [B, V]: every word at the shared tilt ...
-        return rest.scatter(1, top, logq.gather(1, top) + a * h[:, :self.topk])  # ... the top k at their own
+            return logq
+        atoms = law_atoms(self.lm, base, logq, keys, self.rule, self.seed, self.epsilon, self.chunk)
+        return law_log_probs(logq, atoms, self.alpha, self.rule.draws)
 
     def select(self, state, index: torch.Tensor):
         base, keys = state
@@ -279,33 +300,37 @@ class CalibratedLM:
 
 
 def calibrated(lm, alpha: float, topk: int | None = None, epsilon: float = 0.0, *, tail_samples: int = 16,
-               seed: int = 0, chunk: int | None = None) -> CalibratedLM:
+               seed: int = 0, chunk: int | None = None, cover: float | None = None,
+               cover_max: int | None = None) -> CalibratedLM:
     """The lookahead-calibrated StepLM P_a of `lm` (see CalibratedLM)."""
-    return CalibratedLM(lm, alpha, topk, epsilon, tail_samples=tail_samples, seed=seed, chunk=chunk)
+    return CalibratedLM(lm, alpha, topk, epsilon, tail_samples=tail_samples, seed=seed, chunk=chunk, cover=cover,
+                        cover_max=cover_max)
 
 
 @torch.no_grad()
 def topk_coverage(cal: CalibratedLM, tokens: torch.Tensor) -> dict:
-    """How far the calibrated StepLM in top-k mode is from the fitted family, along time-major streams tokens [S, B]
-    (first token context only): the mean mass it gives outside the top k (the words sharing one estimated tilt), and
-    the fraction of true next words that fall there (each scored with that shared tilt, where the fit gave it its
-    own). In exact mode (topk None or >= V) both are 0 by construction."""
+    """How much of the calibrated law shares the rest's one estimated tilt, along time-major streams tokens [S, B]
+    (first token context only): the mean mass it gives outside its candidates, the fraction of true next words that
+    fall there, and the mean candidates per position. In exact mode the first two are 0 by construction."""
     S, B = tokens.shape
-    if cal.topk is None or cal.topk >= cal.vocab_size:
-        return {"mass_outside_topk": 0.0, "true_word_outside_topk": 0.0, "positions": (S - 1) * B}
+    if cal.rule.exact or (cal.topk or 0) >= cal.vocab_size:
+        return {"mass_outside_topk": 0.0, "true_word_outside_topk": 0.0, "positions": (S - 1) * B,
+                "candidates_mean": float(cal.vocab_size)}
     base, keys = cal.init_state(B)
-    mass, outside = [], []
+    mass, outside, sizes = [], [], []
     for t in range(S - 1):
-        logp, base = cal.lm.step(tokens[t], base)  # [B, V]: as CalibratedLM.step, keeping the top k it tilts
+        logp, base = cal.lm.step(tokens[t], base)  # [B, V]: as CalibratedLM.step, keeping the candidates
         keys = advance_keys(keys.to(logp.device), tokens[t])
         logq = mix_uniform(logp, cal.epsilon)
-        top = logq.topk(cal.topk, dim=-1).indices  # [B, k]
-        logc = cal._tilted(logq, base, keys).log_softmax(-1)  # [B, V]
-        mass.append((1 - logc.gather(1, top).exp().sum(-1)).double().cpu())  # [B]
-        outside.append((top != tokens[t + 1].to(top.device)[:, None]).all(-1).cpu())  # [B]
+        atoms = law_atoms(cal.lm, base, logq, keys, cal.rule, cal.seed, cal.epsilon, cal.chunk)
+        words, mask = atoms[:2]
+        logc = law_log_probs(logq, atoms, cal.alpha, cal.rule.draws)  # [B, V]
+        mass.append((1 - (logc.gather(1, words).exp() * mask).sum(-1)).double().cpu())  # [B]
+        outside.append((target_slots(words, mask, tokens[t + 1].to(words.device), 0) < 0).cpu())  # [B]
+        sizes.append(mask.sum(1).double().cpu())
     mass, outside = torch.cat(mass), torch.cat(outside)
     return {"mass_outside_topk": mass.mean().item(), "true_word_outside_topk": outside.double().mean().item(),
-            "positions": mass.numel()}
+            "positions": mass.numel(), "candidates_mean": torch.cat(sizes).mean().item()}
 
 
 @torch.no_grad()

@@ -53,21 +53,35 @@ def memory_budget(device: torch.device) -> float:
     return CPU_BUDGET_GB * 1e9
 
 
-def chunk_sizes(lm, state, pairs: int, V: int, device: torch.device, fused: bool,
-                per_row: int = 1) -> tuple[int, int]:
-    """(candidates per forward, vocabulary words per block of linear_entropy) that keep one chunk within the memory
-    budget: each candidate holds its row's state for one step (where the model says: lm.candidate_bytes(state,
-    per_row) with `per_row` candidates a row, or lm.row_bytes(state), its forked copy) and its float32 rows of logits:
+def candidate_bytes(lm, state, V: int, device: torch.device, fused: bool, per_row: int = 1) -> tuple[float, int]:
+    """(bytes one lookahead candidate holds, vocabulary words per block of linear_entropy): its row's state for one
+    step (where the model says: lm.candidate_bytes(state, per_row) with `per_row` candidates a row, or
+    lm.row_bytes(state), its forked copy) and its float32 rows of logits:
     LOGIT_ROWS rows of [block] fused (linear_entropy), three of [V] otherwise (log-probs, their exp and the product)."""
     block = CPU_BLOCK if device.type == "cpu" else V
     if hasattr(lm, "candidate_bytes"):
         row = lm.candidate_bytes(state, per_row)
     else:
         row = lm.row_bytes(state) if hasattr(lm, "row_bytes") else 0
-    per = row + 4.0 * (LOGIT_ROWS * min(block, V) if fused else 3 * V)
+    return row + 4.0 * (LOGIT_ROWS * min(block, V) if fused else 3 * V), block
+
+
+def chunk_sizes(lm, state, pairs: int, V: int, device: torch.device, fused: bool,
+                per_row: int = 1) -> tuple[int, int]:
+    """(candidates per forward, vocabulary words per block of linear_entropy) that keep one chunk within the memory
+    budget (candidate_bytes each)."""
+    per, block = candidate_bytes(lm, state, V, device, fused, per_row)
     chunk = max(1, int(memory_budget(device) // per))
     chunk = min(chunk, CPU_MAX_CHUNK if device.type == "cpu" else CUDA_MAX_CHUNK)
     return min(chunk, max(1, pairs)), block
+
+
+def row_capacity(lm, state, V: int, device: torch.device, fused: bool) -> int:
+    """The most candidates of one row whose lookahead the memory budget holds at once (at most V): the cap of the
+    covering candidate rule (lmcal.core.lookahead_law). The chunk caps of the CPU and CUDA (CPU_MAX_CHUNK,
+    CUDA_MAX_CHUNK) set how candidates are batched, not how many a row may have, so they do not cap it."""
+    per, _ = candidate_bytes(lm, state, V, device, fused, V)
+    return max(1, min(V, int(memory_budget(device) // per)))
 
 
 def mix_uniform(logp: torch.Tensor, epsilon: float, vocab_size: int | None = None) -> torch.Tensor:
@@ -138,20 +152,27 @@ def linear_entropy(f: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
 
 @timed("lookahead")
-def candidate_entropies(lm, state, cand: torch.Tensor, epsilon: float, chunk: int | None = None) -> torch.Tensor:
+def candidate_entropies(lm, state, cand: torch.Tensor, epsilon: float, chunk: int | None = None,
+                        mask: torch.Tensor | None = None) -> torch.Tensor:
     """H of the (eps-mixed) next distribution after feeding candidate cand[b, k] to state row b. cand [B, K] -> [B, K].
 
-    All B*K (row, candidate) pairs are flattened and stepped `chunk` at a time (None: as many as the memory budget
-    holds, chunk_sizes) from their row's state: from copies of it, or, where the model shares a row's past among its
-    candidates (HFCausalLM.candidate_step), from the state itself. A StepLM with a linear last layer (`features` and
-    `head`, see StepLM) gets its entropies from linear_entropy when eps = 0.
+    All B*K (row, candidate) pairs (only those where mask [B, K] is True, when given: the others are 0 and cost
+    nothing) are flattened and stepped `chunk` at a time (None: as many as the memory budget holds, chunk_sizes) from
+    their row's state: from copies of it, or, where the model shares a row's past among its candidates
+    (HFCausalLM.candidate_step), from the state itself. A StepLM with a linear last layer (`features` and `head`, see
+    StepLM) gets its entropies from linear_entropy when eps = 0.
     """
     B, K = cand.shape
     rows = torch.arange(B, device=cand.device).repeat_interleave(K)  # [B*K]: row b repeated K times
     toks = cand.reshape(-1)  # [B*K]
+    if mask is not None:  # the pairs kept, each row's still together and in order
+        keep = mask.to(cand.device).reshape(-1)
+        rows, toks = rows[keep], toks[keep]
+    pairs = toks.numel()
     fused = epsilon == 0.0 and getattr(lm, "head", None) is not None
     device = lm.head[0].device if fused else cand.device
-    auto, block = chunk_sizes(lm, state, B * K, getattr(lm, "vocab_size", None) or 50_000, device, fused, K)
+    auto, block = chunk_sizes(lm, state, pairs, getattr(lm, "vocab_size", None) or 50_000, device, fused,
+                              max(1, pairs // max(1, B)))
     chunk = chunk or auto
     # a fork for one step: a model that can (HFCausalLM) gives it room for that step only, not a growing buffer
     fork = getattr(lm, "select_for_step", lm.select)
@@ -160,7 +181,7 @@ def candidate_entropies(lm, state, cand: torch.Tensor, epsilon: float, chunk: in
     # a transformer's past read once per row by all its candidates, not copied for each
     share_past = hasattr(lm, "candidate_step") and lm.shares_past(state)
     h = []
-    for i in range(0, B * K, chunk):
+    for i in range(0, pairs, chunk):
         c_toks, c_rows = toks[i:i + chunk], rows[i:i + chunk]
         if shared is not None:
             f = lm.candidate_features(c_toks, state, c_rows, shared)  # [c, E]
@@ -174,7 +195,12 @@ def candidate_entropies(lm, state, cand: torch.Tensor, epsilon: float, chunk: in
             continue
         with span("forward", 2.0 * lm.head[0].numel() * f.size(0)):  # the output layer, fused with its entropy
             h.append(linear_entropy(f, *lm.head, block=block))
-    return torch.cat(h).view(B, K)
+    if mask is None:
+        return torch.cat(h).view(B, K)
+    out = torch.zeros(B * K, device=keep.device, dtype=h[0].dtype if h else torch.float32)
+    if h:
+        out[keep] = torch.cat(h).to(keep.device)
+    return out.view(B, K)
 
 
 @torch.no_grad()

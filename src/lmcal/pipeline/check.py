@@ -62,6 +62,8 @@ class Model:
     heads: int = 1                # attention heads (the transformer)
     context_key: str = "model.n_positions"  # where its context is set, for the messages
     what: str = ""                # the model in messages ("" : its kind)
+    candidate_share: float = 1.0  # a lookahead candidate's FLOPs over a step's (the LSTM's skip h W_hh: lmcal.models.
+                                  # step_lm.LSTMStepLM.candidate_features)
 
 
 def model_of(train_cfg: DictConfig, vocab: int | None = None, corpus: dict | None = None) -> Model:
@@ -93,8 +95,10 @@ def model_of(train_cfg: DictConfig, vocab: int | None = None, corpus: dict | Non
         n_in, n_out = (E if i == 0 else H), (E if (i == L - 1 and tied) else H)
         lstm += 4 * n_out * (n_in + n_out) + 8 * n_out
     out = E if tied else H
-    return Model("awd_lstm", None, V, out, L, V * E + lstm + V * (0 if tied else out) + V,
-                 2.0 * (lstm + V * out), corpus)
+    recurrent = sum(4 * n * n for n in ([H] * (L - 1) + [E if tied else H]))  # h W_hh^T of each layer
+    step = 2.0 * (lstm + V * out)
+    return Model("awd_lstm", None, V, out, L, V * E + lstm + V * (0 if tied else out) + V, step, corpus,
+                 candidate_share=(step - 2.0 * recurrent) / step)
 
 
 def _bytes(b: float) -> str:
@@ -213,16 +217,53 @@ def _score_tokens(a: dict, m: Model) -> int:
         else m.corpus.get("test", 0)
 
 
+def candidates(rule: dict, m: Model) -> int:
+    """Lookahead steps a position takes under a candidate rule (lmcal.core.lookahead_law): top-k, k + the tail draws;
+    cover, at most cover_max (else the vocabulary: the memory budget's cap holds every word of these models) + the
+    draws; exact, the vocabulary."""
+    if rule.get("topk"):
+        return int(rule["topk"]) + int(rule.get("tail_samples") or 16)
+    if rule.get("cover"):
+        return min(m.vocab, int(rule.get("cover_max") or m.vocab)) + int(rule.get("tail_samples") or 16)
+    return m.vocab
+
+
+def look_steps(rule: dict, m: Model) -> float:
+    """A position's lookahead in step equivalents: its candidates, each the share of a model step it costs."""
+    return candidates(rule, m) * m.candidate_share
+
+
+def calibration_extras(a: dict, m: Model) -> float:
+    """Model steps of the calibration stage's approximation table (exact lookahead at its positions of plain
+    generations) and dose-response (each rule's test CE, one lookahead pass, and its generations at each multiple;
+    the stage's own at a* reused where the generations are the same)."""
+    steps, length = 0.0, a.get("prefix_len", 0) + a.get("horizon", 0)
+    ap, dr = a.get("approximation"), a.get("dose_response")
+    rules = (dr or {}).get("rules") or []
+    if ap and rules:
+        steps += ap.get("generations", 30) * (length + ap.get("steps", 10) * m.vocab * m.candidate_share)
+    if dr and rules:
+        n = (dr.get("num_prefixes") or a["num_prefixes"]) * (dr.get("samples_per_prefix") or a["samples_per_prefix"])
+        score = min(dr.get("score_tokens") or _score_tokens(a, m), m.corpus.get("test", 10**12))
+        for rule in rules:
+            steps += score * (1 + look_steps(rule, m))
+            steps += len(dr.get("multiples") or [1]) * n * (a["prefix_len"] + a["horizon"] * (1 + look_steps(rule, m)))
+    return steps
+
+
 def model_steps(name: str, a: dict, m: Model, memory_tau: int | None = None) -> float:
-    """Model token steps of an analysis stage (the main terms; the arithmetic is in each line)."""
+    """Model token steps of an analysis stage (the main terms; the arithmetic is in each line), a lookahead candidate
+    counted as the share of a step it costs (Model.candidate_share)."""
     gen = a.get("num_prefixes", 0) * a.get("samples_per_prefix", 0) * (a.get("prefix_len", 0) + a.get("horizon", 0))
-    look = 1 + (a["topk"] + 1 + a["tail_samples"] if a.get("topk") else m.vocab) if "tail_samples" in a else 1
+    look = 1 + look_steps(a, m) if "tail_samples" in a else 1
     fit = min(a.get("fit_tokens") or 0, m.corpus.get("valid", 0)) if "fit_tokens" in a else 0
     score = _score_tokens(a, m) if "score_tokens" in a else 0
     if name == "entropy_rate":
         return gen
-    if name == "calibration":  # the fit's lookahead, the test scored before and after, plain and calibrated generations
-        return fit * look + score * (1 + look) + gen * (1 + look)
+    if name == "calibration":  # the fit's lookahead, the test scored before and after, plain and calibrated
+        # generations (the calibrated ones' prompts read by the base model, their lookahead after each word only)
+        words = a.get("num_prefixes", 0) * a.get("samples_per_prefix", 0) * a.get("horizon", 0)
+        return fit * look + score * (1 + look) + gen + words * look + calibration_extras(a, m)
     if name == "decoders":  # seven decoders and the fitted temperature, a plain step each (calibration row reused)
         return fit + 8 * (score + gen)
     if name == "future_entropy":
@@ -257,8 +298,12 @@ def peak_tensors(name: str, a: dict, m: Model, budget_gb: float | None = None) -
     if B:
         out.append((f"next-word log-probs [max_batch, V] = [{B:,}, {V:,}]", 4.0 * B * V))
     T = a.get("prefix_len", 0) + a.get("horizon", 0)
+    if name == "calibration":  # the fit's statistics, kept on the CPU: logw and H of each position's atoms
+        fit = min(a.get("fit_tokens") or m.corpus.get("valid", 0), m.corpus.get("valid", 10**12))
+        out.append((f"fit statistics 2 x [fit positions, candidates] = 2 x [{fit:,}, {candidates(a, m):,}] "
+                    "(CPU memory)", 8.0 * fit * candidates(a, m)))
     if B and "tail_samples" in a:
-        cands = B * ((a["topk"] + 1 + a["tail_samples"]) if a.get("topk") else V)  # candidates per generated word
+        cands = B * candidates(a, m)  # candidates per generated word
         per_row = cands // B
         # the transformer's candidates of a row share its past: one layer's keys and values, [T, E] each, one row
         own = shared_candidate_bytes(2.0 * T * m.emb * 4, T, per_row, m.heads, m.emb) if m.kind == "transformer" \

@@ -1,5 +1,5 @@
-"""Sentences that state an effect ("lowers", "flattens", "within", "no better than"), written from the numbers and
-their tests, never typed. REPORT.md and docs/RESULTS.md take their effect sentences from here.
+"""Sentences that state an effect ("lowers", "flattens", "within", "not shown to be better than"), written from the
+numbers and their tests, never typed. REPORT.md and docs/RESULTS.md take their effect sentences from here.
 
 The tests, all at Z = 2 standard errors:
 - an effect d ± se (nats) is shown when |d| > Z se; else it is "within Z standard errors of no change";
@@ -9,7 +9,11 @@ The tests, all at Z = 2 standard errors:
 - a curve rises (drifts) from t = 1 to the last tenth when that rise exceeds Z times mean(se over the last tenth) +
   se(t = 1), again a bound on its standard error whatever the correlation of the steps;
 - a level is within 10% of a reference perplexity when the whole level ± Z se lies within 10% of it, not within when
-  none of it does, and undecided otherwise.
+  none of it does, and undecided otherwise;
+- a change of the last tenth rules out the paper's (-0.24 nats) when the two are more than Z se apart;
+- lookahead calibration is limited by its approximation or by the model as calibration_limit says, from the
+  noise-free approximation table and the dose-response (never from one step's EntRate, whose standard error is
+  several times the effects here).
 Sizes are stated in nats and in perplexity points (exp of the level after minus before), beside the paper's figure
 (lmcal.paper). Every function is pure: numbers in, a Claim out.
 """
@@ -54,7 +58,13 @@ def ppl_points(base_nats: float, d: float) -> float:
 def paper_calibration() -> str:
     """The paper's calibration effect in nats and points: almost 20 points from its EntRate of about 93."""
     base, points = paper.AWD_LSTM_PTB["entrate_ppl"], -paper.CALIBRATION_PPL_DROP
-    return f"the paper: {points:+.0f} points from {base:.1f} ({math.log((base + points) / base):+.2f} nats)"
+    return f"the paper: {points:+.0f} points from {base:.1f} ({paper_calibration_nats():+.2f} nats)"
+
+
+def paper_calibration_nats() -> float:
+    """The paper's calibration effect in nats: log((93.1 - 20) / 93.1) = -0.24."""
+    base = paper.AWD_LSTM_PTB["entrate_ppl"]
+    return math.log((base - paper.CALIBRATION_PPL_DROP) / base)
 
 
 def tail_effect(name: str, d: float, se: float, base_nats: float, paper_text: str | None = None,
@@ -95,8 +105,9 @@ def against_temperature(name: str, d: float, se: float, d_t: float, se_t: float,
                 f"difference of {diff:+.3f} beyond {z:g} (se + se) = {z * (se + se_t):.3f}.",
         "less": f"{name} lowers the last tenth's entropy by less than the fitted temperature{t} does: {pair}, a "
                 f"difference of {diff:+.3f} beyond {z:g} (se + se) = {z * (se + se_t):.3f}.",
-        "no_better": f"{name} is no better than the fitted temperature{t}, the baseline every calibration must "
-                     f"beat: {pair}, a difference of {diff:+.3f} within {z:g} (se + se) = {z * (se + se_t):.3f}.",
+        "no_better": f"{name} is not shown to be better than the fitted temperature{t}, the baseline every "
+                     f"calibration must beat: {pair}, a difference of {diff:+.3f} within {z:g} (se + se) = "
+                     f"{z * (se + se_t):.3f}.",
         "untested": f"{name} against the fitted temperature{t}: {pair}; untested (a standard error is missing).",
     }[v]
     if _finite(ce) and _finite(ce_t):
@@ -171,9 +182,10 @@ def _row(rows: list[dict] | None, method: str) -> dict | None:
 
 
 def calibration_claims(r: dict) -> list[Claim]:
-    """The calibration section's claims from results.json: the tail effect beside the paper's, the drift, and the
-    calibration against the fitted temperature of the decoders stage (paired on the same generations where that stage
-    took calibration's, as its rows say)."""
+    """The calibration section's claims from results.json: the tail effect beside the paper's, the drift, whether
+    the paper's size is ruled out, which limit the approximation table and the dose-response show (where the stage
+    made them), and the calibration against the fitted temperature of the decoders stage (paired on the same
+    generations where that stage took calibration's, as its rows say)."""
     cal = r["calibration"]
     out = [tail_effect("Calibration", cal["tail_diff_nats"], cal["tail_diff_stderr_nats"],
                        math.log(cal["tail_ppl_before"]), paper_calibration(), key="calibration_tail"),
@@ -181,6 +193,10 @@ def calibration_claims(r: dict) -> list[Claim]:
                  (cal["curve_nats"], cal["stderr_nats"]), cal["tail_steps"],
                  (cal["tail_diff_nats"] - cal["diff_curve_nats"][0],
                   cal["tail_diff_stderr_nats"] + cal["diff_stderr_nats"][0]), key="calibration_drift")]
+    out.append(against_paper("Calibration", cal["tail_diff_nats"], cal["tail_diff_stderr_nats"]))
+    if cal.get("approximation") and cal.get("dose_response"):
+        out.append(calibration_limit(cal["approximation"], cal["dose_response"],
+                                     cal["dose_response"].get("extra_rows")))
     temp, c = _row(r.get("decoders"), "fitted_temperature"), _row(r.get("decoders"), "calibration")
     if temp and c:
         out.append(against_temperature("Calibration", c["tail_diff_nats"], c["tail_diff_stderr_nats"],
@@ -188,6 +204,85 @@ def calibration_claims(r: dict) -> list[Claim]:
                                        temp["params"].get("temperature"), c["test_ce_nats"], temp["test_ce_nats"],
                                        key="calibration_vs_temperature"))
     return out
+
+
+def against_paper(name: str, d: float, se: float, key: str = "calibration_vs_paper", z: float = Z) -> Claim:
+    """Whether `name`'s paired change of the last tenth, d ± se nats, rules out the paper's effect (-0.24 nats):
+    'rules_out' when the two are more than z se apart, 'consistent' otherwise, 'untested' without an se."""
+    p = paper_calibration_nats()
+    if not (_finite(d) and _finite(se) and se > 0):
+        return Claim(key, "untested", f"{name}'s change of the last tenth, {d:+.3f} nats, against the paper's "
+                     f"{p:+.2f}: untested (no standard error recorded).", {"d": d, "se": se, "paper": p})
+    gap = abs(d - p) / se
+    v = "rules_out" if gap > z else "consistent"
+    sentence = {"rules_out": f"{name}'s change of the last tenth, {d:+.3f} ± {se:.3f} nats, rules out the paper's "
+                             f"{p:+.2f} nats: it lies {gap:.1f} standard errors from it.",
+                "consistent": f"{name}'s change of the last tenth, {d:+.3f} ± {se:.3f} nats, does not rule out the "
+                              f"paper's {p:+.2f} nats ({gap:.1f} standard errors from it)."}[v]
+    return Claim(key, v, sentence, {"d": d, "se": se, "paper": p})
+
+
+def _at_star(rows: list[dict]) -> list[dict]:
+    return [r for r in rows if r.get("multiple") == 1]
+
+
+def calibration_limit(ap: dict, dr: dict, extra: list[dict] | None = None, z: float = Z) -> Claim:
+    """Whether the candidate rule or the model limits lookahead calibration (issue 40), from the approximation table
+    `ap` and the dose-response `dr` (extra: its rows from other runs, e.g. exact lookahead on a GPU):
+
+    - 'approximation': exact lookahead's shift of E[H_next] at a* is measured (beyond z se), the cheapest rule (the
+      dose-response's first) loses a significant part of it and keeps less than half, and the last tenth moves
+      further with more candidates (a rule's paired difference from the cheapest's, at some multiple of a*, beyond
+      z se in the direction of a);
+    - 'model': the exact shift is measured, the cheapest rule keeps it (its loss within z se, or at least half
+      kept), and no rule changes the last tenth at a* beyond z se;
+    - 'undecided' otherwise, saying what is missing."""
+    j = ap["multiples"].index(1) if 1 in ap["multiples"] else 0
+    rows = {r["rule"]: r for r in ap["rows"]}
+    ex, cheap = rows["exact"], rows.get(dr["rules"][0])
+    alpha = ap["alpha"]
+    e, e_se = ex["shift_nats"][j], ex["shift_stderr_nats"][j]
+    measured = _finite(e_se) and abs(e) > z * e_se
+    s, lost, lost_se, kept = (cheap[k][j] for k in ("shift_nats", "lost_nats", "lost_stderr_nats", "kept"))
+    loses = measured and abs(s) < abs(e) and abs(lost) > z * lost_se and kept < 0.5
+    keeps = measured and (abs(lost) <= z * lost_se or kept >= 0.5)
+    sign = math.copysign(1.0, alpha) if alpha else 0.0
+    first = dr["rules"][0]  # a row's vs_first is paired with that rule's generations in its own run
+    grows = [r for r in [*dr["rows"], *(extra or [])] if r["rule"] != first and r.get("vs_rule", first) == first
+             and _finite(r.get("vs_first_nats")) and _finite(r.get("vs_first_stderr_nats"))
+             and sign * r["vs_first_nats"] > z * r["vs_first_stderr_nats"]]
+    star = _at_star([*dr["rows"], *(extra or [])])
+    effects = [r for r in star if abs(r["tail_diff_nats"]) > z * r["tail_diff_stderr_nats"]]
+    shift = (f"at α* = {alpha:.4g}, exact lookahead shifts the expected entropy of the next word by {e:+.4f} ± "
+             f"{e_se:.4f} nats at the model's own generations, of which {cheap['rule']} keeps {kept:.0%} "
+             f"({s:+.4f}; it loses {lost:+.4f} ± {lost_se:.4f})")
+    from lmcal.stages.dose_response import row_label  # (torch, for the tables: only where there is a dose-response)
+
+    each = "; ".join(f"{row_label(r, dr)} {r['tail_diff_nats']:+.3f} ± {r['tail_diff_stderr_nats']:.3f}"
+                     for r in star)
+    if loses and grows:
+        g = max(grows, key=lambda r: abs(r["vs_first_nats"]) / r["vs_first_stderr_nats"])
+        v = "approximation"
+        sentence = (f"The approximation is the limit here: {shift}; and the last tenth moves further with more "
+                    f"candidates: {row_label(g, dr)} at {g['multiple']:g}α* changes it by "
+                    f"{g['vs_first_nats']:+.3f} ± "
+                    f"{g['vs_first_stderr_nats']:.3f} nats beyond {cheap['rule']} (paired). At α*, each rule's change "
+                    f"of the last tenth: {each} nats.")
+    elif keeps and not effects:
+        v = "model"
+        sentence = (f"The model is the limit here: {shift}, so more candidates add little; and no rule changes the "
+                    f"last tenth at α* beyond {z:g} standard errors ({each} nats).")
+    else:
+        v = "undecided"
+        why = [f"the exact shift is {'not ' if not measured else ''}measured ({e:+.4f} ± {e_se:.4f} nats)",
+               f"{cheap['rule']} keeps {kept:.0%} of it (loses {lost:+.4f} ± {lost_se:.4f})",
+               (f"{len(grows)} dose-response row(s) move the last tenth beyond {cheap['rule']}'s" if grows else
+                f"no more covering rule moves the last tenth beyond {cheap['rule']}'s at {z:g} standard errors"),
+               f"at α* the rules change the last tenth by {each} nats"]
+        sentence = ("Whether the approximation or the model limits lookahead calibration here is undecided: "
+                    + "; ".join(why) + ".")
+    return Claim("calibration_limit", v, sentence, {"exact_shift": e, "exact_shift_se": e_se, "kept": kept,
+                                                     "grows": len(grows), "effects_at_star": len(effects)})
 
 
 def _head_label(d: dict) -> str:

@@ -32,7 +32,7 @@ def resolve_profile(name: str) -> tuple[str, str | None]:
         return name, (f"PROFILE=auto: running the '{name}' profile ({'CUDA found' if name == 'paper' else 'no CUDA'}"
                       "); choose another with `make reproduce PROFILE=paper|paper_full|cpu|smoke`.")
     if name not in PROFILES:
-        raise LmcalError(f"Unknown profile {name!r}: use auto, paper (one GPU, about 4 hours), paper_full (the "
+        raise LmcalError(f"Unknown profile {name!r}: use auto, paper (one GPU, about 5 hours), paper_full (the "
                          "paper's 500 epochs), cpu or smoke; or scale (the scale sweeps on 2 CPU cores) or scale_gpu "
                          "(on one GPU).")
     return name, None

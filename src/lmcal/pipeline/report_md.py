@@ -133,6 +133,10 @@ def report(cfg: DictConfig, out: Path, names: list[str]) -> None:
                                      "mean": np.array(cal["diff_curve_nats"]),
                                      "stderr": np.array(cal["diff_stderr_nats"]), "tail": cal["tail_diff_nats"],
                                      "tail_stderr": cal["tail_diff_stderr_nats"], "tail_steps": cal["tail_steps"]})
+    if cal.get("dose_response"):  # with the rows other runs added (results.calibration_dose)
+        from lmcal.stages.dose_response import dose_figure
+
+        dose_figure(cal["dose_response"], out / "figure_dose_response.png", cal["dose_response"].get("extra_rows"))
     copy_atomic(out / cfg.dataset / "decoders" / "decoders.png", out / "figure_decoders.png")
     if "future_entropy" in cfg.stages:
         copy_atomic(out / cfg.dataset / "future_entropy" / "future_entropy.png", out / "figure_future_entropy.png")
@@ -145,6 +149,38 @@ def report(cfg: DictConfig, out: Path, names: list[str]) -> None:
     write_text_atomic(out / "REPORT.md", report_markdown(cfg, results, out))
     if cfg.logger == "wandb":
         _log_report(cfg, results, out)
+
+
+def _lookahead_words(cal: dict) -> str:
+    """How the calibration's law tilts, in the alpha* sentence."""
+    if "rule" not in cal:  # a result from before issue 40
+        return (f"top-{cal['topk']} lookahead (the true word exact, {cal['tail_samples']} sampled words for the "
+                "rest); " if cal["topk"] else "exact lookahead; ")
+    if cal["rule"] == "exact":
+        return "exact lookahead (the law that generates); "
+    return (f"the {cal['rule']} law that generates ({cal.get('candidates_mean', 0):,.1f} candidates per position on "
+            f"average, {cal['tail_samples']} sampled words for the rest's shared tilt); ")
+
+
+def calibration_limit_markdown(cal: dict) -> list[str]:
+    """The approximation table and the dose-response behind the calibration's verdict (lmcal.stages.dose_response),
+    where the stage made them."""
+    from lmcal.stages.dose_response import approximation_markdown, approximation_note, dose_markdown, dose_note
+
+    lines = []
+    if cal.get("approximation"):
+        ap = cal["approximation"]
+        lines += ["### What each candidate rule keeps of exact lookahead", "", approximation_markdown(ap).rstrip("\n"),
+                  "", approximation_note(ap), ""]
+    if cal.get("dose_response"):
+        dr = cal["dose_response"]
+        main = cal["num_prefixes"] * cal["samples_per_prefix"] if cal.get("num_prefixes") else None
+        extra = dr.get("extra_rows") or []
+        lines += ["### Dose-response", "", dose_markdown(dr, extra).rstrip("\n"), "", dose_note(dr, main)
+                  + (" Rows marked with a device come from a separate run on it, paired with its own plain "
+                     "generations of the same prefixes and seeds (bench/calibration_dose_row.py)." if extra else ""),
+                  "", "![dose-response](figure_dose_response.png)", ""]
+    return lines
 
 
 def decoders_markdown(rows: list[dict]) -> list[str]:
@@ -272,17 +308,17 @@ def report_markdown(cfg: DictConfig, r: dict, out: Path) -> str:
         f"{cal['entrate_tail_ppl_before']:.1f} |",
         f"| calibrated | {cal['alpha']:.4f} ± {cal['alpha_stderr']:.4f} | {cal['test_ppl_after']:.2f} | "
         f"{cal['entrate_ppl_after']:.1f} | {cal['entrate_tail_ppl_after']:.1f} |", "",
-        f"Standard error of the last step's entropy: {cal['stderr_nats'][-1]:.3f} nats (calibrated). Over the last "
+        f"Standard error of the last step's entropy: {cal['stderr_nats'][-1]:.3f} nats (calibrated): EntRate is one "
+        "step's entropy, a level to read beside Table 1's, not an effect. Over the last "
         f"tenth of the horizon ({cal['tail_steps']} words), paired generation by generation (same prefixes and "
         f"seeds), calibration changes the mean entropy by {cal['tail_diff_nats']:+.4f} ± "
         f"{cal['tail_diff_stderr_nats']:.4f} nats (± one standard error, clustered by prefix): exp of the mean "
         f"{cal['tail_ppl_before']:.1f} → {cal['tail_ppl_after']:.1f}.", "",
         f"alpha* fitted on {cal['fit_tokens']:,} validation positions, each after at least "
-        f"{max(1, cal['min_context'])} tokens of context, with "
-        + (f"top-{cal['topk']} lookahead (the true word exact, {cal['tail_samples']} sampled words for the rest); "
-           if cal["topk"] else "exact lookahead; ") +
+        f"{max(1, cal['min_context'])} tokens of context, with " + _lookahead_words(cal) +
         f"test perplexity on {cal['test_tokens']:,} test tokens. ![Figure 3](figure3_calibration.png)", "",
         *claims_markdown(calibration_claims(r)),
+        *calibration_limit_markdown(cal),
         *(calibration_samples_markdown(out, cfg.dataset)
           if (out / cfg.dataset / "calibration" / "calibration.json").is_file() else []),
         "## Decoders beside calibration", "",

@@ -116,7 +116,9 @@ def collect_results(cfg: DictConfig, out: Path, names: list[str]) -> dict:
         | {"entrate_tail_ppl_before": tail_ppl(cal["curve_nats_before"]),
            "entrate_tail_ppl_after": tail_ppl(cal["curve_nats"])}
         | _present(cal, *SETTINGS, "epsilon", "tail_nats_before", "tail_stderr_nats_before", "tail_nats",
-                   "tail_stderr_nats", "mass_outside_topk", "true_word_outside_topk", "coverage_positions"),
+                   "tail_stderr_nats", "mass_outside_topk", "true_word_outside_topk", "coverage_positions", "cover",
+                   "cover_max", "rule", "candidates_mean", "approximation")
+        | calibration_dose(cal, ptb / "calibration"),
         "decoders": [{k: r[k] for k in ("method", "params", "entrate_ppl", "test_ce_nats", "zero_prob_fraction",
                                         "test_ce_kept_nats", "test_ce_mixed_nats", "entropy_t1_nats",
                                         "entropy_last_nats", "tail_diff_nats", "tail_diff_stderr_nats")}
@@ -151,6 +153,24 @@ def collect_results(cfg: DictConfig, out: Path, names: list[str]) -> dict:
 
 
 SETTINGS = ("num_prefixes", "samples_per_prefix", "prefix_len", "horizon", "seed")  # a generation stage's setup
+
+
+def calibration_dose(cal: dict, folder: Path) -> dict:
+    """The calibration stage's dose-response without its per-generation numbers, with the rows other runs added
+    beside it (each dose_rows_*.json in its folder, e.g. exact lookahead on a GPU: bench/calibration_dose_row.py) as
+    extra_rows, each marked with its device."""
+    dr = cal.get("dose_response")
+    if not dr:
+        return {}
+    drop = ("tail_nats_per_generation", "plain_tail_nats_per_generation")
+    files = [read_json(p) for p in sorted(folder.glob("dose_rows_*.json"))]
+    extra = [{k: v for k, v in row.items() if k not in drop} | {"device": f.get("device", "another run")}
+             for f in files for row in f["rows"]]
+    fits = [{"rule": f["rules"][0], "device": f.get("device", "another run"), **f["own_fit"]} for f in files
+            if f.get("own_fit") and f.get("rules")]  # a rule's own alpha*, fitted there on the stage's fit text
+    return {"dose_response": {k: v for k, v in dr.items() if k not in drop}
+            | {"rows": [{k: v for k, v in r.items() if k not in drop} for r in dr["rows"]], "extra_rows": extra,
+               "extra_fits": fits}}
 
 
 def _present(d: dict, *keys: str) -> dict:

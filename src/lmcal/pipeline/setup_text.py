@@ -49,12 +49,21 @@ def setup_sentence(what: str, model: str, s: dict, extra: list[str] | None = Non
 
 
 def topk_departure(s: dict) -> str | None:
-    """How top-k calibration departs from the fitted family, where it ran top-k (lmcal.core.calibration)."""
-    if not s.get("topk"):
-        return None
-    return (f"per-token top-{s['topk']} mixture: in generation only the top {s['topk']} words get their own tilt and "
-            f"the rest share one estimated from {s.get('tail_samples')} drawn words, while in the fit the true word "
-            "has its own too; the paper tilts every word exactly")
+    """The law's candidate rule, where it is not exact lookahead (lmcal.core.lookahead_law), and that the law is one
+    for the fit, the test CE and generation."""
+    rule = s.get("rule") or (f"top-{s['topk']}" if s.get("topk") else None)
+    if not rule or rule == "exact":
+        return ("exact lookahead (every word its own tilt, as the paper's), one law for the fit, the test CE and "
+                "generation") if rule == "exact" else None
+    own = (f"the top {s['topk']} words" if s.get("topk") else
+           f"the fewest most likely words holding {s.get('cover'):g} of the mass" if s.get("cover") else rule)
+    if "rule" not in s:  # a result from before issue 40: its fit gave the true word its own tilt
+        return (f"per-token top-{s['topk']} mixture: in generation only the top {s['topk']} words get their own tilt "
+                f"and the rest share one estimated from {s.get('tail_samples')} drawn words, while in the fit the true "
+                "word has its own too; the paper tilts every word exactly")
+    return (f"one {rule} law for the fit, the test CE and generation: {own} get their own tilt and the rest share "
+            f"one estimated from {s.get('tail_samples')} drawn words (a true word among the rest shares it in the fit "
+            "too); the paper tilts every word exactly")
 
 
 def paired_conditional(what: str) -> str:
@@ -122,8 +131,11 @@ def calibration_lines(r: dict) -> list[str]:
                                          cal["tail_stderr_nats_before"]) + "; "
                      + tail_level_sentence("calibrated", cal["tail_nats"], cal["tail_stderr_nats"])
                      + " (± one standard error, clustered by prefix).")
-    if cal.get("topk") and "mass_outside_topk" in cal:
-        lines.append(f"Outside the top {cal['topk']} (over {cal['coverage_positions']:,} test positions): the "
+    if (cal.get("topk") or cal.get("cover")) and "mass_outside_topk" in cal:
+        where = f"the top {cal['topk']}" if cal.get("topk") else f"the {cal.get('rule', 'covering')} candidates"
+        size = (f"{cal['candidates_mean']:,.1f} per position on average; " if cal.get("cover")
+                and cal.get("candidates_mean") else "")
+        lines.append(f"Outside {where} ({size}over {cal['coverage_positions']:,} test positions): the "
                      "calibrated model gives those words, which share one estimated tilt, "
                      f"{cal['mass_outside_topk']:.3f} of its mass on average, and "
                      f"{100 * cal['true_word_outside_topk']:.1f}% of the true next words are among them.")

@@ -1,5 +1,7 @@
 """The calibration stage: lookahead calibration (Algorithm 2, Figure 3): alpha*, test CE before and after, and both
-generation curves from the same prefixes and seeds, compared generation by generation over the last tenth.
+generation curves from the same prefixes and seeds, compared generation by generation over the last tenth; with the
+approximation table and the dose-response (lmcal.stages.dose_response) that say whether the candidate rule or the
+model limits the effect.
 """
 
 from __future__ import annotations
@@ -19,12 +21,23 @@ from lmcal.core.entropy_rate import (
     paired_tail_difference,
     tail_steps,
 )
+from lmcal.core.lookahead_law import make_rule
 from lmcal.core.sampling import random_prefixes
 from lmcal.data.batching import batchify
+from lmcal.stages.dose_response import (
+    approximation_markdown,
+    approximation_note,
+    approximation_table,
+    dose_figure,
+    dose_markdown,
+    dose_note,
+    dose_response,
+    rules_of,
+)
 from lmcal.stages.plots import entropy_curve_figure
 from lmcal.stages.stage import Stage, pick, stage_context
 from lmcal.stages.wandb_run import log_config, log_curves, wandb_log
-from lmcal.utils.io import write_json_atomic
+from lmcal.utils.io import write_json_atomic, write_text_atomic
 from lmcal.utils.numbers import exp_or_inf
 
 log = logging.getLogger("lmcal")
@@ -32,32 +45,41 @@ log = logging.getLogger("lmcal")
 
 def calibration_stage(lm, valid_tokens: torch.Tensor, test_tokens: torch.Tensor, out_dir: str | Path, *,
                       fit_tokens: int = 20_000, fit_streams: int = 20, score_tokens: int | None = None,
-                      score_streams: int = 10, topk: int | None = 64, tail_samples: int = 16, min_context: int = 100,
+                      score_streams: int = 10, topk: int | None = 64, tail_samples: int = 16,
+                      cover: float | None = None, cover_max: int | None = None, min_context: int = 100,
                       uniform_weight: float = 0.0, num_prefixes: int = 100, samples_per_prefix: int = 5,
                       prefix_len: int = 100, horizon: int = 700, seed: int = 0, max_batch: int = 1024,
+                      approximation: dict | None = None, dose_response: dict | None = None,
                       model_name: str = "model", corpus: str = "ptb", logger=None, name: str = "calibration",
                       unit: str = "word") -> dict:
     """Lookahead calibration (Algorithm 2, Figure 3): fit alpha* on the first `fit_tokens` validation tokens
-    (as `fit_streams` parallel streams, each reading `min_context` tokens before its positions count; top-k lookahead
-    with `tail_samples` draws for the rest, seeded by `seed`), score test CE before and after on the first
-    `score_tokens` test tokens (all when null), and the generation entropy curves of both models from the same
-    prefixes and seeds, compared generation by generation over the last tenth of the horizon.
+    (as `fit_streams` parallel streams, each reading `min_context` tokens before its positions count), score test CE
+    before and after on the first `score_tokens` test tokens (all when null), and the generation entropy curves of
+    both models from the same prefixes and seeds, compared generation by generation over the last tenth of the
+    horizon. The law fitted, scored and sampled is one (lmcal.core.lookahead_law): its candidates by the rule topk /
+    cover (cover_max) / exact (both null), the rest sharing one tilt from `tail_samples` draws seeded by `seed`.
+
+    approximation ({generations, steps}) and dose_response ({multiples, rules, num_prefixes, samples_per_prefix,
+    score_tokens}; null: skipped): see lmcal.stages.dose_response.
 
     "Before" is the eps-mixture (1 - w) P + w uniform, w = uniform_weight, for the cross-entropy and the curve alike
     (with w = 0, the model itself)."""
+    rule = make_rule(topk, cover, cover_max, tail_samples)
+    dose_rules = rules_of((dose_response or {}).get("rules"), "analysis.calibration.dose_response.rules")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     fit = fit_lookahead_calibration(lm, batchify(valid_tokens[:fit_tokens], fit_streams), topk=topk,
                                     epsilon=uniform_weight, tail_samples=tail_samples, min_context=min_context,
-                                    seed=seed, progress=True)
+                                    seed=seed, progress=True, cover=cover, cover_max=cover_max)
     t_fit = time.perf_counter() - t0
     plain = calibrated(lm, 0.0, epsilon=uniform_weight)  # the eps-mixed base model, bit for bit lm itself at w = 0
-    cal = calibrated(lm, fit.alpha, topk=topk, epsilon=uniform_weight, tail_samples=tail_samples, seed=seed)
+    cal = calibrated(lm, fit.alpha, topk=topk, epsilon=uniform_weight, tail_samples=tail_samples, seed=seed,
+                     cover=cover, cover_max=cover_max)
     test = batchify(test_tokens[:score_tokens] if score_tokens else test_tokens, score_streams)
     cost_before = heldout_cost(plain, test, progress=True)
     cost_after = heldout_cost(cal, test, progress=True)  # a lookahead a position: minutes on a large model
-    coverage = topk_coverage(cal, test[:201])  # the first 200 steps of the score streams: what top-k generation skips
+    coverage = topk_coverage(cal, test[:201])  # the first 200 steps of the score streams: what the rest shares
     ce_before, ce_after, n_scored = cost_before["test_ce_nats"], cost_after["test_ce_nats"], cost_after["test_tokens"]
     prefixes = random_prefixes(valid_tokens, num_prefixes, prefix_len, seed=seed)
     curves = {}
@@ -90,7 +112,9 @@ def calibration_stage(lm, valid_tokens: torch.Tensor, test_tokens: torch.Tensor,
         "diff_curve_nats": diff_curve.tolist(), "diff_stderr_nats": diff_se.tolist(),
         "tail_nats_per_generation_before": curves["before"].tail.tolist(),
         "tail_nats_per_generation": curves["after"].tail.tolist(),
-        "topk": topk, "tail_samples": tail_samples if topk is not None else None, "epsilon": uniform_weight,
+        "topk": rule.topk, "tail_samples": rule.tail_samples if not rule.exact else None, "cover": rule.cover,
+        "cover_max": rule.cover_max, "rule": rule.label, "candidates_mean": fit.candidates_mean,
+        "candidates_mean_test": coverage["candidates_mean"], "epsilon": uniform_weight,
         "uniform_weight": uniform_weight, "horizon": horizon, "num_prefixes": prefixes.size(0),
         "samples_per_prefix": samples_per_prefix, "prefix_len": prefix_len, "seed": seed,
         "samples": shown_generations(prefixes, curves["before"], curves["after"], samples_per_prefix),
@@ -106,12 +130,29 @@ def calibration_stage(lm, valid_tokens: torch.Tensor, test_tokens: torch.Tensor,
                                difference={"label": "calibrated minus plain, paired", "mean": diff_curve,
                                            "stderr": diff_se, "tail": tail_diff, "tail_stderr": tail_se,
                                            "tail_steps": tail_steps(horizon)})
+    scalars = {f"{name}/{k}": result[k] for k in ("alpha", "test_ppl_before", "test_ppl_after", "entrate_ppl_before",
+                                                  "entrate_ppl_after", "tail_ppl_before", "tail_ppl_after",
+                                                  "tail_diff_nats", "tail_diff_stderr_nats")}
+    images = {f"{name}/figure": png}
+    if approximation and dose_rules:
+        dr = dose_response or {}
+        result["approximation"] = approximation_table(
+            lm, prefixes[:approximation.get("generations", 30)], horizon, approximation.get("steps", 10), dose_rules,
+            fit.alpha, dr.get("multiples", [1]), seed, uniform_weight)
+        log.info(f"{name}: what each candidate rule keeps of exact lookahead's shift of E[H_next]\n"
+                 + approximation_markdown(result["approximation"]))
+    if dose_response and dose_rules:
+        result["dose_response"] = _dose(lm, fit.alpha, dose_rules, dose_response, prefixes, rule, curves, test_tokens,
+                                        test, score_tokens, score_streams, samples_per_prefix, horizon, seed,
+                                        uniform_weight, max_batch)
+        images[f"{name}/dose_response"] = dose_figure(result["dose_response"], out / f"{name}_dose_response.png")
+        scalars.update({f"{name}/dose/{r['rule']}/x{r['multiple']:g}/{k}": r[k] for r in result["dose_response"]["rows"]
+                        for k in ("tail_diff_nats", "tail_diff_stderr_nats", "test_ce_diff_nats")})
+    if "approximation" in result or "dose_response" in result:
+        write_text_atomic(out / f"{name}_dose_response.md", dose_response_markdown(result))
+    result["seconds"] = time.perf_counter() - t0
     write_json_atomic(out / f"{name}.json", result)
-    wandb_log(logger, scalars={f"{name}/{k}": result[k] for k in ("alpha", "test_ppl_before", "test_ppl_after",
-                                                                   "entrate_ppl_before", "entrate_ppl_after",
-                                                                   "tail_ppl_before", "tail_ppl_after",
-                                                                   "tail_diff_nats", "tail_diff_stderr_nats")},
-              images={f"{name}/figure": png})
+    wandb_log(logger, scalars=scalars, images=images)
     log_curves(logger, f"{name}/curves", "t", range(1, horizon + 1),
                {"before_nats": curves["before"].mean.tolist(), "after_nats": curves["after"].mean.tolist(),
                 "after_minus_before_nats": diff_curve.tolist()})
@@ -122,6 +163,37 @@ def calibration_stage(lm, valid_tokens: torch.Tensor, test_tokens: torch.Tensor,
              f"{result['tail_ppl_after']:.1f} (paired difference {tail_diff:+.4f} +- {tail_se:.4f} nats; "
              f"{result['seconds']:.0f} s)")
     return result
+
+
+def _dose(lm, alpha, rules, settings: dict, prefixes, rule, curves, test_tokens, test, score_tokens, score_streams,
+          samples_per_prefix, horizon, seed, epsilon, max_batch) -> dict:
+    """The dose-response on its own generations and test tokens (settings: the stage's where null), reusing the
+    stage's plain and calibrated curves where they are the same generations."""
+    n = settings.get("num_prefixes") or prefixes.size(0)
+    s = settings.get("samples_per_prefix") or samples_per_prefix
+    tokens = settings.get("score_tokens") or score_tokens
+    same = n == prefixes.size(0) and s == samples_per_prefix
+    reuse = {(rule.label, 1): curves["after"]} if same and rule.label in [r.label for r in rules] else {}
+    dose_test = test if tokens == score_tokens else batchify(test_tokens[:tokens] if tokens else test_tokens,
+                                                              score_streams)
+    dr = dose_response(lm, alpha, rules, settings.get("multiples", [1, 3, 10]), prefixes[:n], horizon, s, dose_test,
+                       seed=seed, epsilon=epsilon, max_batch=max_batch, plain=curves["before"] if same else None,
+                       reuse=reuse)
+    return dr | {"score_tokens": tokens, "score_streams": score_streams}  # what bench/calibration_dose_row.py reads
+
+
+def dose_response_markdown(result: dict) -> str:
+    """The stage's approximation table and dose-response as Markdown (calibration_dose_response.md)."""
+    parts = []
+    if "approximation" in result:
+        ap = result["approximation"]
+        parts += ["## What each candidate rule keeps of exact lookahead", "", approximation_markdown(ap),
+                  approximation_note(ap), ""]
+    if "dose_response" in result:
+        dr = result["dose_response"]
+        parts += ["## Dose-response", "", dose_markdown(dr), dose_note(dr, result["num_prefixes"] *
+                                                                         result["samples_per_prefix"]), ""]
+    return "\n".join(parts)
 
 
 def shown_generations(prefixes: torch.Tensor, before, after, samples_per_prefix: int, shown: int = 3) -> list[dict]:

@@ -34,7 +34,8 @@ def decoders_stage(lm, valid_tokens: torch.Tensor, test_tokens: torch.Tensor, ou
                    methods: list[dict] | None = None, fitted: list[str] = ("temperature", "calibration"),
                    calibration: dict | None = None, fit_tokens: int = 20_000, fit_streams: int = 20,
                    score_tokens: int | None = None, score_streams: int = 10, topk: int | None = 64,
-                   tail_samples: int = 16, min_context: int = 100, mix_epsilon: float = 1e-6,
+                   tail_samples: int = 16, cover: float | None = None, cover_max: int | None = None,
+                   min_context: int = 100, mix_epsilon: float = 1e-6,
                    num_prefixes: int = 100, samples_per_prefix: int = 5,
                    prefix_len: int = 100, horizon: int = 700, seed: int = 0, max_batch: int = 1024,
                    model_name: str = "model", corpus: str = "ptb", logger=None, name: str = "decoders",
@@ -113,14 +114,18 @@ def decoders_stage(lm, valid_tokens: torch.Tensor, test_tokens: torch.Tensor, ou
         rows[-1].update(fit_ce_before_nats=tf.ce_before, fit_ce_after_nats=tf.ce_after)
     if "calibration" in fitted:
         if reuse:
+            rule = {k: reuse[k] for k in ("topk", "cover", "cover_max") if reuse.get(k) is not None or k == "topk"}
             rows.append(row("calibration", {"alpha": reuse["alpha"], "alpha_stderr": reuse["alpha_stderr"],
-                                            "topk": reuse["topk"]}, reuse["curve_nats"], reuse["stderr_nats"],
+                                            **rule}, reuse["curve_nats"], reuse["stderr_nats"],
                             reused_cost("after"), 0.0, reuse["tail_nats_per_generation"]))
         else:
             fit = fit_lookahead_calibration(lm, fit_text, topk=topk, tail_samples=tail_samples,
-                                            min_context=min_context, seed=seed, progress=True)
-            rows.append(measure("calibration", {"alpha": fit.alpha, "alpha_stderr": fit.alpha_stderr, "topk": topk},
-                                calibrated(lm, fit.alpha, topk=topk, tail_samples=tail_samples, seed=seed)))
+                                            min_context=min_context, seed=seed, progress=True, cover=cover,
+                                            cover_max=cover_max)
+            rule = {"topk": topk, **{k: v for k, v in (("cover", cover), ("cover_max", cover_max)) if v is not None}}
+            rows.append(measure("calibration", {"alpha": fit.alpha, "alpha_stderr": fit.alpha_stderr, **rule},
+                                calibrated(lm, fit.alpha, topk=topk, tail_samples=tail_samples, seed=seed,
+                                           cover=cover, cover_max=cover_max)))
     ref = rows[0]["test_ce_nats"]
     result = {"model": model_name, "corpus": corpus, "rows": rows, "reference_test_ce_nats": ref,
               "mix_epsilon": mix_epsilon, "fit_tokens": fit_text.numel() - fit_text.size(1),

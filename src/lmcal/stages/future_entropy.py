@@ -27,6 +27,7 @@ from lmcal.core.future_entropy import (
     word_vectors,
 )
 from lmcal.core.lookahead import mix_uniform
+from lmcal.core.lookahead_law import make_rule
 from lmcal.core.sampling import random_prefixes
 from lmcal.data.batching import batchify
 from lmcal.errors import LmcalError
@@ -68,7 +69,8 @@ def future_entropy_stage(lm, train_tokens: torch.Tensor, valid_tokens: torch.Ten
                          temperature: bool = True, exact_lookahead: str | bool = "auto", exact_max_vocab: int = 2000,
                          fit_tokens: int = 20_000, fit_streams: int = 20, min_context: int = 100,
                          cluster_size: int = 100, score_tokens: int | None = None, score_streams: int = 10,
-                         topk: int | None = 64, tail_samples: int = 16, mix_epsilon: float = 1e-6,
+                         topk: int | None = 64, tail_samples: int = 16, cover: float | None = None,
+                         cover_max: int | None = None, mix_epsilon: float = 1e-6,
                          timing_prefixes: int = 20, timing_horizon: int = 30, timing_repeats: int = 3,
                          decoders: dict | None = None,
                          num_prefixes: int = 100, samples_per_prefix: int = 5, prefix_len: int = 100,
@@ -187,7 +189,8 @@ def future_entropy_stage(lm, train_tokens: torch.Tensor, valid_tokens: torch.Ten
         for r in reuse["rows"][1:]:
             p = r["params"]
             if r["method"] == "calibration":
-                model = calibrated(lm, p["alpha"], topk=p.get("topk"), tail_samples=tail_samples, seed=seed)
+                model = calibrated(lm, p["alpha"], topk=p.get("topk"), tail_samples=tail_samples, seed=seed,
+                                   cover=p.get("cover"), cover_max=p.get("cover_max"))
             elif r["method"] == "fitted_temperature":
                 model = make_decoder("temperature", lm, temperature=p["temperature"])
             else:
@@ -255,7 +258,8 @@ def _short_label(r: dict) -> str:
     if "horizon_k" in p:
         return f"head K={p['horizon_k']}, γ={p['discount']:g}" + (", with β" if "beta" in p else "")
     return {"model": "model", "lookahead_exact": "exact one-step lookahead",
-            "calibration": f"top-{p.get('topk')} lookahead", "fitted_temperature": "fitted temperature"}.get(
+            "calibration": f"{make_rule(p.get('topk'), p.get('cover'), p.get('cover_max')).label} lookahead",
+            "fitted_temperature": "fitted temperature"}.get(
         r["method"], r["method"])
 
 

@@ -69,12 +69,36 @@ def problems(cfg: DictConfig) -> list[str]:
             if all(isinstance(x, int) and not isinstance(x, bool) for x in (v, k)) and k > v:
                 across.append(f"data.corpus_kwargs.support={k} (tokens that share each Markov row's mass: must be "
                               f"at most data.corpus_kwargs.vocab_size={v})")
+        if key.endswith("calibration.dose_response.rules") and value is not None:
+            found += rule_problems(value, key)
         if key == "analysis.decoders.methods" and isinstance(value, list):
             for i, m in enumerate(value):
                 if isinstance(m, dict):
                     found += decoder_problems(m.get("name"), {k: v for k, v in m.items() if k != "name"},
                                               f"{key}[{i}]")
     return found + across
+
+
+RULE_KEYS = {"topk": RULES["analysis.*.topk"], "cover": RULES["analysis.*.cover"],
+             "cover_max": RULES["analysis.*.cover_max"], "tail_samples": RULES["analysis.*.tail_samples"]}
+
+
+def rule_problems(rules, key: str) -> list[str]:
+    """Out-of-range lookahead candidate rules (lmcal.core.lookahead_law) of a list such as
+    analysis.calibration.dose_response.rules."""
+    if not isinstance(rules, list):
+        return [f"{key}={show_value(rules)} (candidate rules: must be a list such as [{{topk: 16}}, {{cover: 0.95}}])"]
+    found = []
+    for i, r in enumerate(rules):
+        if not isinstance(r, dict) or set(r) - set(RULE_KEYS):
+            found.append(f"{key}[{i}]={show_value(r)} (a candidate rule: a mapping of "
+                         f"{', '.join(RULE_KEYS)}, e.g. {{topk: 16}}, {{cover: 0.95}} or {{topk: null}} for exact)")
+            continue
+        found += [f"{key}[{i}].{k}={show_value(v)} ({RULE_KEYS[k][1]}: must be {RULE_KEYS[k][0].describe()})"
+                  for k, v in r.items() if not RULE_KEYS[k][0].ok(v)]
+        if r.get("topk") is not None and r.get("cover") is not None:
+            found.append(f"{key}[{i}]={show_value(r)} (a rule takes either topk or cover, not both)")
+    return found
 
 
 def check_config(cfg: DictConfig, where: str = "") -> None:
