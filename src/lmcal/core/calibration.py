@@ -158,6 +158,9 @@ class CalibrationFit:
         return tuple(law_objective(self.stats, self.tail_samples, alpha)[3:5])
 
 
+HOST_COPY_STEPS = 32  # steps of lookahead statistics held on the model's device between copies to the host
+
+
 def _pad(x: list[torch.Tensor], fill: float) -> torch.Tensor:
     """Per-step [B, K_t] pieces as one [n, max K_t], padded with `fill`."""
     K = max(t.size(1) for t in x)
@@ -196,14 +199,24 @@ def lookahead_statistics(lm, tokens: torch.Tensor, topk: int | None = None, epsi
     """The law's statistics of every scored position of law_positions, kept on CPU: ((logw [n, K], h [n, K], logq_y
     [n], slot [n]), the mean candidates per position), n = (S - t0) * B in position order (t-major)."""
     rule = make_rule(topk, cover, cover_max, tail_samples)
-    logw, h, logq_y, slot, sizes = [], [], [], [], []
-    for w_t, h_t, q_t, s_t, c_t in law_positions(lm, tokens, rule, epsilon, min_context=min_context, seed=seed,
-                                                 chunk=chunk, progress=progress):
-        logw.append(w_t.float().cpu())
-        h.append(h_t.float().cpu())
-        logq_y.append(q_t.float().cpu())
-        slot.append(s_t.cpu())
-        sizes.append(c_t.double().cpu())
+    fills = (-math.inf, 0.0, None, None, None)  # logw and h are [B, K_t] (K_t varies with the rule): padded
+    kept, held = [[] for _ in fills], [[] for _ in fills]  # on the CPU; on the device since the last copy
+
+    def copy_to_host():  # one copy per statistic every HOST_COPY_STEPS steps: a GPU is not waited on at every step
+        for k, h_, fill in zip(kept, held, fills, strict=True):
+            if h_:
+                k.append((_pad(h_, fill) if fill is not None else torch.cat(h_)).cpu())
+                h_.clear()
+
+    for i, stats in enumerate(law_positions(lm, tokens, rule, epsilon, min_context=min_context, seed=seed,
+                                            chunk=chunk, progress=progress), 1):
+        for h_, x, dtype in zip(held, stats, (torch.float32, torch.float32, torch.float32, None, torch.float64),
+                                strict=True):
+            h_.append(x.to(dtype) if dtype is not None else x)
+        if i % HOST_COPY_STEPS == 0:
+            copy_to_host()
+    copy_to_host()
+    logw, h, logq_y, slot, sizes = kept
     return (_pad(logw, -math.inf), _pad(h, 0.0), torch.cat(logq_y), torch.cat(slot)), torch.cat(sizes).mean().item()
 
 
@@ -345,8 +358,8 @@ def target_log_probs(lm, tokens: torch.Tensor, progress: bool = False) -> torch.
     out = []
     for t in progress_bar(range(S - 1), desc="scoring", disable=not progress, leave=False):
         logp, state = lm.step(tokens[t], state)  # [B, V]
-        out.append(logp.gather(1, tokens[t + 1].to(logp.device)[:, None])[:, 0].double().cpu())
-    return torch.cat(out)
+        out.append(logp.gather(1, tokens[t + 1].to(logp.device)[:, None])[:, 0].double())  # [B], on the device
+    return torch.cat(out).cpu()  # one copy: 8 (S-1) B bytes
 
 
 @timed("scoring")
@@ -381,16 +394,18 @@ def next_token_rows(lm, tokens: torch.Tensor, progress: bool = False) -> tuple[t
     n = (S-1)*B, in position order t = 1..S-1 (B streams each)."""
     S, B = tokens.shape
     state = lm.init_state(B)
-    rows, ys = [], []
+    rows, held = [], []  # on the CPU; on the device since the last copy (one every HOST_COPY_STEPS steps)
     steps = range(S - 1)
     if progress:
         from lmcal.utils.progress import progress_bar
         steps = progress_bar(steps, desc="scoring")
     for t in steps:
         logp, state = lm.step(tokens[t], state)  # [B, V]
-        rows.append(logp.float().cpu())
-        ys.append(tokens[t + 1].cpu())
-    return torch.cat(rows), torch.cat(ys)
+        held.append(logp.float())
+        if len(held) == HOST_COPY_STEPS or t == S - 2:
+            rows.append(torch.cat(held).cpu())
+            held.clear()
+    return torch.cat(rows), tokens[1:].reshape(-1).cpu()  # y in position order t = 1..S-1
 
 
 @timed("fit")
