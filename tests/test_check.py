@@ -13,12 +13,14 @@ from omegaconf import OmegaConf
 from lmcal.errors import LmcalError
 from lmcal.models.awd_lstm import AWDLSTM
 from lmcal.models.transformer import GPTLM
-from lmcal.pipeline.check import check, model_of, side_by_side, stream_passes, stream_sizes
+from lmcal.pipeline.check import check, side_by_side, stream_passes
 from lmcal.pipeline.plan import load_profile
+from lmcal.pipeline.sizes import model_of, stream_sizes
 from lmcal.pipeline.timing import Job, lstm_epoch_seconds, schedule, side_by_side_group
 from lmcal.utils.settings import CONF_DIR
 
-PROFILES = sorted(p.stem for p in (CONF_DIR / "reproduce").glob("*.yaml"))
+# the pipeline profiles (the scale profiles run Hydra grids instead: lmcal.pipeline.scale_sweep, tests/test_scale.py)
+PROFILES = sorted(p.stem for p in (CONF_DIR / "reproduce").glob("*.yaml") if "sweeps" not in OmegaConf.load(p))
 
 
 def _train_cfg(overrides):

@@ -125,7 +125,8 @@ def test_auto_keeps_rows_on_a_gpu_within_the_budget_else_streams():
 def test_the_plan_check_says_where_the_rows_are_kept():
     """GPT-2's 50,257 words on PTB's 82,430 test tokens: 33 GB of float32 rows, within the default budget (half of
     80 GB free); float16 rows over a 10 GB budget are streamed, one chunk of windows_per_batch rows at a time."""
-    from lmcal.pipeline.check import Model, peak_tensors
+    from lmcal.pipeline.check import peak_tensors
+    from lmcal.pipeline.sizes import Model
 
     m = Model("transformer", 1024, 50_257, 768, 12, 124_000_000, 2.5e8, {"test": 82_430})
     kept = 2 * 82_430 * 50_257 * 4

@@ -14,9 +14,10 @@ from hydra import compose, initialize_config_dir
 from omegaconf import open_dict
 
 from lmcal.errors import LmcalError
-from lmcal.pipeline.check import Model, check, fitting_settings, size_problems
+from lmcal.pipeline.check import check
 from lmcal.pipeline.plan import load_profile
 from lmcal.pipeline.preflight import preflight
+from lmcal.pipeline.sizes import Model, fitting_settings, size_problems
 from lmcal.utils.budget import memory_bytes
 from lmcal.utils.settings import CONF_DIR
 

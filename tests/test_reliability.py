@@ -184,7 +184,9 @@ def test_each_range_rule_rejects_a_bad_value_before_a_wandb_folder_exists(patter
             reproduce(load_profile(["profile=smoke", f"out={tmp_path / 'out'}", f"{pattern}={_hydra(value)}"]))
         assert not (tmp_path / "out").exists()
         return
-    hf = pattern in ("model.score_tokens", "model.context", "model.max_tokens", "model.dtype")
+    hf = pattern in ("model.score_tokens", "model.context", "model.max_tokens", "model.dtype", "model.train_tokens")
+    if pattern.startswith("data.corpus_kwargs."):  # the generated sources' settings
+        data_overrides = ["data=powerlaw" if pattern.endswith("tail_exponent") else "data=markov"]
     transformer = pattern in ("model.n_positions", "model.n_embd", "model.n_layer", "model.n_head",
                               "model.attn_dropout", "model.embd_dropout")
     cfg = _cfg("train", tmp_path, ["experiment=smoke", "logger=wandb", *(["model=hf"] if hf else []),

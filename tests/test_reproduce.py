@@ -140,7 +140,7 @@ def test_the_wandb_dashboard_of_the_smoke_reproduction(uninterrupted):
     assert all(r["output"] for r in runs)  # every run's Logs tab
     report = next(r for r in runs if r["job_type"] == "report")
     assert report["summary"]["calibration/alpha"] == pytest.approx(res["calibration"]["alpha"])
-    from lmcal.pipeline.report_md import numbers
+    from lmcal.pipeline.report_wandb import numbers
 
     (table,) = (report["folder"] / "files" / "media" / "table").glob("results_*.table.json")
     assert len(json.loads(table.read_text())["data"]) == len(numbers(res))  # every number of results.json

@@ -23,9 +23,9 @@ from lmcal.data.markov import markov_stationary, sample_markov
 from lmcal.data.powerlaw import make_powerlaw_chain, zipf_law
 from lmcal.errors import LmcalError
 from lmcal.models.oracles import MarkovOracle
-from lmcal.pipeline.claims import effect_trend, scale_exponent
 from lmcal.pipeline.docs import render, snapshot
 from lmcal.pipeline.plan import load_profile
+from lmcal.pipeline.scale_claims import effect_trend, scale_exponent
 from lmcal.pipeline.scale_report import collect_scale, log_scale_wandb, scale_report
 from lmcal.pipeline.scale_sweep import check_sweeps, grid, plan_sweeps
 from lmcal.stages.scale_record import RECORD, scale_record, write_scale_record

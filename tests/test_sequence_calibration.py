@@ -41,6 +41,7 @@ from lmcal.core.soft_value import (
 from lmcal.data.batching import batchify
 from lmcal.data.markov import make_markov_chain, markov_entropy_rate, sample_markov
 from lmcal.models.oracles import DelayedDriftOracle, DriftingOracle, MarkovOracle
+from tests.test_memory import _Generic  # a StepLM without state_features (as a Hugging Face model's cache)
 
 CHAIN = make_markov_chain(vocab_size=8, order=1, support=3, smoothing=0.05, seed=1)
 TRUTH = MarkovOracle.from_chain(CHAIN)
@@ -321,27 +322,11 @@ def test_a_soft_value_head_is_a_twist_and_features_travel_with_a_state_that_lack
                                rank=16)
     twist = soft_value_twist(orc, head)
     assert twist.lm is orc  # the oracle's state holds its features
-    assert soft_value_twist(wrapped.lm, head).lm is orc and isinstance(soft_value_twist(_HasNoFeatures(orc), head).lm,
+    assert soft_value_twist(wrapped.lm, head).lm is orc and isinstance(soft_value_twist(_Generic(orc), head).lm,
                                                                         FeatureStateLM)
     r = smc_generate(twist.lm, prefixes, a, 2 * HARD_T, particles=4, seed=0, twist=twist)
     plain = smc_generate(orc, prefixes, a, 2 * HARD_T, particles=4, seed=0)
     assert abs(_last_tenth_z(r, g)) < 4.5 and (r.ess.mean() > plain.ess.mean())
-
-
-class _HasNoFeatures:
-    """A StepLM without state_features (as a Hugging Face model's cache)."""
-
-    def __init__(self, lm):
-        self.lm, self.vocab_size = lm, lm.vocab_size
-
-    def init_state(self, b):
-        return self.lm.init_state(b)
-
-    def step(self, tokens, state):
-        return self.lm.step(tokens, state)
-
-    def select(self, state, index):
-        return self.lm.select(state, index)
 
 
 def test_soft_value_heads_reach_the_perron_fixed_point():

@@ -375,8 +375,11 @@ def test_report_tabulates_the_training_runs_of_any_folders(tmp_path):
     """`lmcal.report` on folders of training runs: one table of them (overrides, val/test ppl, status, folder)."""
     for name, metrics in (("a", {"val_ppl": 101.234, "test_ppl": 99.5, "dataset": "ptb"}), ("b", None)):
         (tmp_path / "runs" / name / ".hydra").mkdir(parents=True)
-        (tmp_path / "runs" / name / ".hydra" / "overrides.yaml").write_text(
-            f"- data=ptb\n- model.memory_tau={ord(name) - ord('a') + 5}\n")
+        tau = ord(name) - ord('a') + 5
+        (tmp_path / "runs" / name / ".hydra" / "overrides.yaml").write_text(f"- data=ptb\n- model.memory_tau={tau}\n")
+        # the job's composed config: a failed run's dataset and tau come from it
+        (tmp_path / "runs" / name / ".hydra" / "config.yaml").write_text(
+            f"data: {{name: ptb}}\nmodel: {{memory_tau: {tau}}}\n")
         if metrics:
             (tmp_path / "runs" / name / "metrics.json").write_text(json.dumps(metrics))
         else:
@@ -386,8 +389,10 @@ def test_report_tabulates_the_training_runs_of_any_folders(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     lines = (tmp_path / "rep" / "runs.md").read_text().splitlines()
     assert lines[0] == "All runs: data=ptb"  # the overrides every run shares, once
-    assert lines[4] == f"| model.memory_tau=5 | 101.23 | 99.50 | ok | {tmp_path / 'runs' / 'a'} |"
-    assert lines[5] == f"| model.memory_tau=6 | - | - | failed: tau must be > 0 | {tmp_path / 'runs' / 'b'} |"
+    assert lines[2] == "| run | dataset | τ | val ppl | test ppl | wall time | status | folder |"
+    assert lines[4] == f"| model.memory_tau=5 | ptb | 5 | 101.23 | 99.50 | - | ok | {tmp_path / 'runs' / 'a'} |"
+    assert lines[5] == (f"| model.memory_tau=6 | ptb | 6 | - | - | - | failed: tau must be > 0 more "  # the whole error
+                        f"| {tmp_path / 'runs' / 'b'} |")
     assert lines[4] in r.stdout
 
 
@@ -409,7 +414,8 @@ def test_markov_memory_figure_shows_the_exact_value_and_counts_have_integer_tick
     monkeypatch.setattr(tabulate, "memory_figure", lambda series, *a, **k: (seen.update(series),
                                                                             real_figure(series, *a, **k))[1])
     memory_report([tmp_path], wandb_mode="disabled")
-    assert seen["exact I_tau (the source)"] == ([1, 2], [0.25, 0.0], None)
+    exact = next(k for k in seen if k.startswith("exact I_tau of the source"))  # and what the bounds bound
+    assert seen[exact] == ([1, 2], [0.25, 0.0], None) and "the LSTM's bound is on the LSTM's own I_tau" in exact
     ticks = figs[-1].axes[0].get_xticks()
     assert all(float(t).is_integer() for t in ticks)
     plots.entropy_curve_figure({"m": (np.ones(3), np.zeros(3))}, tmp_path / "e.png")

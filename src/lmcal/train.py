@@ -26,8 +26,8 @@ from pytorch_lightning.plugins.io import TorchCheckpointIO
 from lmcal.core.lookahead import set_memory_budget
 from lmcal.errors import LmcalError
 from lmcal.models.checkpoint import base_checkpoint, load_base_net, load_net, model_name, read_checkpoint
-from lmcal.pipeline.check import model_of
 from lmcal.pipeline.preflight import preflight
+from lmcal.pipeline.sizes import model_of
 from lmcal.stages.registry import STAGES, check_plan, check_stages, stage_kinds, summary
 from lmcal.stages.stage import KINDS
 from lmcal.stages.wandb_run import check_online, init_args, log_checkpoint, open_run
@@ -86,7 +86,8 @@ def stages_on_command_line() -> bool:
     overrides count as the caller's own choice)."""
     if not HydraConfig.initialized():
         return True
-    return any(o.lstrip("+~").split("=")[0] == "analysis.stages" for o in HydraConfig.get().overrides.task)
+    return any(o.lstrip("+~").split("=")[0] == "analysis.stages"
+               for o in OmegaConf.to_container(HydraConfig.get().overrides.task, resolve=False))
 
 
 def applicable_stages(stages: list[str], kind: str, settings: dict[str, dict]) -> list[str]:
@@ -341,7 +342,7 @@ def main(cfg: DictConfig) -> float | None:
             log.error(f"job {hc.job.num} ({hc.job.override_dirname}) failed: {message}", exc_info=not explained)
             write_json_atomic(Path(hc.runtime.output_dir) / "failed.json",
                               {"error": message, "traceback": None if explained else traceback.format_exc(),
-                               "overrides": list(hc.overrides.task)})
+                               "overrides": OmegaConf.to_container(hc.overrides.task, resolve=False)})
             return None
         if not explained:
             raise

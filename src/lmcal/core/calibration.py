@@ -28,8 +28,7 @@ tilt at states of the model's own generations.
 
 The draws are a pure function of (seed, the tokens a row has read): each row carries a 32-bit hash of its history,
 and draw j uses counter-based uniforms of (seed, hash, j) (lmcal.core.entropy_rate's). So the fit and every step of the
-calibrated model are deterministic for a seed, whatever the batching, and rows with other histories get independent
-draws.
+calibrated model are deterministic for a seed, whatever the batching; other histories get independent draws.
 
 Everything here runs on the StepLM interface (lmcal.models.step_lm): vocab_size, init_state(B), step(tokens [B],
 state) -> (log-probs [B, V], state), select(state, index). Shapes are batch-first per step: rows [B], candidates [K]
@@ -38,6 +37,7 @@ or [V].
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 from dataclasses import dataclass, field
@@ -200,22 +200,16 @@ def lookahead_statistics(lm, tokens: torch.Tensor, topk: int | None = None, epsi
     [n], slot [n]), the mean candidates per position), n = (S - t0) * B in position order (t-major)."""
     rule = make_rule(topk, cover, cover_max, tail_samples)
     fills = (-math.inf, 0.0, None, None, None)  # logw and h are [B, K_t] (K_t varies with the rule): padded
+    dtypes = (torch.float32, torch.float32, torch.float32, None, torch.float64)
     kept, held = [[] for _ in fills], [[] for _ in fills]  # on the CPU; on the device since the last copy
-
-    def copy_to_host():  # one copy per statistic every HOST_COPY_STEPS steps: a GPU is not waited on at every step
-        for k, h_, fill in zip(kept, held, fills, strict=True):
-            if h_:
-                k.append((_pad(h_, fill) if fill is not None else torch.cat(h_)).cpu())
+    steps = law_positions(lm, tokens, rule, epsilon, min_context=min_context, seed=seed, chunk=chunk, progress=progress)
+    for i, stats in enumerate(itertools.chain(steps, [None]), 1):  # None: the end
+        for h_, x, d in zip(held, stats or (None,) * 5, dtypes, strict=True):
+            h_ += [] if x is None else [x if d is None else x.to(d)]
+        if (stats is None or i % HOST_COPY_STEPS == 0) and held[0]:  # one copy a statistic every HOST_COPY_STEPS
+            for k, h_, fill in zip(kept, held, fills, strict=True):
+                k.append((torch.cat(h_) if fill is None else _pad(h_, fill)).cpu())
                 h_.clear()
-
-    for i, stats in enumerate(law_positions(lm, tokens, rule, epsilon, min_context=min_context, seed=seed,
-                                            chunk=chunk, progress=progress), 1):
-        for h_, x, dtype in zip(held, stats, (torch.float32, torch.float32, torch.float32, None, torch.float64),
-                                strict=True):
-            h_.append(x.to(dtype) if dtype is not None else x)
-        if i % HOST_COPY_STEPS == 0:
-            copy_to_host()
-    copy_to_host()
     logw, h, logq_y, slot, sizes = kept
     return (_pad(logw, -math.inf), _pad(h, 0.0), torch.cat(logq_y), torch.cat(slot)), torch.cat(sizes).mean().item()
 

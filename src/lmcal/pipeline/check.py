@@ -14,7 +14,6 @@ the wall-time figure is an estimate from FLOP counts at a stated device rate, la
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -22,6 +21,17 @@ from lmcal.core.lookahead import CUDA_MAX_CHUNK, LOGIT_ROWS
 from lmcal.errors import LmcalError
 from lmcal.models.hf import shared_candidate_bytes
 from lmcal.pipeline.plan import plan
+from lmcal.pipeline.sizes import (
+    GB,
+    Model,
+    bytes_text,
+    model_of,
+    score_tokens,
+    setting,
+    size_problems,
+    size_refusal,
+    stream_sizes,
+)
 from lmcal.pipeline.timing import (
     ANCHOR,
     BATCHED_TFLOPS,
@@ -38,184 +48,8 @@ from lmcal.utils.budget import tau_too_long
 from lmcal.utils.settings import CONF_DIR, composed
 from lmcal.utils.validate import check_config
 
-# Tokens of each split (PTB with its <eos>; the Markov source's come from its config). A corpus not listed is
-# checked only where a stage names its token counts.
-CORPUS_TOKENS = {"ptb": {"train": 929_589, "valid": 73_760, "test": 82_430}}
-PTB_VOCAB = 10_000
 GPU_FREE_GB = 80.0  # the free memory of one H100-class GPU, for the memory budgets' null (half of it)
 SIDE_BY_SIDE_LAUNCHER = "hydra/launcher=local_parallel"  # a sweep's jobs as parallel local processes (joblib)
-GB = 1e9
-
-
-@dataclass
-class Model:
-    """What a stage's model is, from its training stage's composed config."""
-
-    kind: str                     # "awd_lstm" | "transformer"
-    context: int | None           # tokens it can read (None: unbounded, a recurrent state)
-    vocab: int
-    emb: int
-    layers: int
-    params: int                   # all parameters (tied embeddings counted once)
-    step_flops: float             # forward FLOPs of one token step, output layer included
-    corpus: dict = field(default_factory=dict)   # {split: tokens} where known
-    heads: int = 1                # attention heads (the transformer)
-    context_key: str = "model.n_positions"  # where its context is set, for the messages
-    what: str = ""                # the model in messages ("" : its kind)
-    candidate_share: float = 1.0  # a lookahead candidate's FLOPs over a step's (the LSTM's skip h W_hh: lmcal.models.
-                                  # step_lm.LSTMStepLM.candidate_features)
-
-
-def model_of(train_cfg: DictConfig, vocab: int | None = None, corpus: dict | None = None) -> Model:
-    """The model of a training config (its `model` and `data` nodes); `vocab` and `corpus` ({split: tokens}): the
-    corpus as read, where it has been (else PTB's and the Markov source's sizes from the config)."""
-    m, d = train_cfg.model, train_cfg.data
-    if vocab is not None:
-        V, corpus = int(vocab), dict(corpus or {})
-    elif d.name in ("markov", "powerlaw"):  # the generated sources: their sizes are their settings
-        ck = d.corpus_kwargs
-        V, corpus = int(ck.vocab_size), {"train": int(ck.n_train), "valid": int(ck.n_valid), "test": int(ck.n_test)}
-    else:
-        V, corpus = PTB_VOCAB, dict(CORPUS_TOKENS.get(str(d.name), {}))
-    for split, limit in (("train", d.get("max_train_tokens")), ("valid", d.get("max_eval_tokens")),
-                         ("test", d.get("max_eval_tokens"))):
-        if limit and split in corpus and vocab is None:
-            corpus[split] = min(corpus[split], int(limit))
-    if str(m._target_).endswith("GPTLM"):
-        E, L, n = int(m.n_embd), int(m.n_layer), int(m.n_positions)
-        inner = int(m.n_inner or 4 * E)
-        body = L * (4 * E * E + 2 * E * inner)  # attention q,k,v,o and the MLP matrices
-        small = L * (9 * E + inner) + 2 * E  # their biases and the layer norms
-        return Model("transformer", n, V, E, L, body + small + V * E + n * E, 2.0 * (body + V * E), corpus,
-                     heads=int(m.n_head))
-    E, H, L = int(m.emb_size), int(m.hidden_size), int(m.num_layers)
-    tied = bool(m.get("tie_weights", True))
-    lstm = 0
-    for i in range(L):
-        n_in, n_out = (E if i == 0 else H), (E if (i == L - 1 and tied) else H)
-        lstm += 4 * n_out * (n_in + n_out) + 8 * n_out
-    out = E if tied else H
-    recurrent = sum(4 * n * n for n in ([H] * (L - 1) + [E if tied else H]))  # h W_hh^T of each layer
-    step = 2.0 * (lstm + V * out)
-    return Model("awd_lstm", None, V, out, L, V * E + lstm + V * (0 if tied else out) + V, step, corpus,
-                 candidate_share=(step - 2.0 * recurrent) / step)
-
-
-def _bytes(b: float) -> str:
-    return f"{b / GB:.2f} GB" if b >= 0.1 * GB else f"{b / 1e6:.1f} MB"
-
-
-def stream_sizes(name: str, a: dict, m: Model, memory_tau: int | None) -> list[tuple[str, int]]:
-    """(what, with which keys; tokens) of every stream stage `name` (settings `a`) feeds its model in one piece."""
-    sizes = []
-    if "horizon" in a:
-        sizes.append((f"prefix_len + horizon = {a['prefix_len']} + {a['horizon']}", a["prefix_len"] + a["horizon"]))
-    if "timing_horizon" in a:
-        sizes.append((f"prefix_len + timing_horizon = {a['prefix_len']} + {a['timing_horizon']}",
-                      a["prefix_len"] + a["timing_horizon"]))
-    if "fit_streams" in a and name != "sequence_calibration":  # its fit reads prefix + horizon windows instead
-        fit = _fit_tokens(a, m)
-        if fit:
-            sizes.append((f"fit_tokens / fit_streams = {fit:,} / {a['fit_streams']}", fit // a["fit_streams"]))
-    if "score_streams" in a:
-        test = m.corpus.get("test")
-        score = min(a["score_tokens"], test) if a["score_tokens"] and test else a["score_tokens"] or test
-        if score:
-            sizes.append((f"score_tokens / score_streams = {score:,} / {a['score_streams']}",
-                          score // a["score_streams"]))
-    if name == "future_entropy":
-        k = max(a["horizon_k"]) if isinstance(a["horizon_k"], list) else a["horizon_k"]
-        steps = a.get("rollout_steps") or a["horizon"]  # null: the horizon
-        sizes.append((f"rollout_prefix + rollout_steps + max(horizon_k) = {a['rollout_prefix']} + "
-                      f"{steps} + {k}", a["rollout_prefix"] + steps + k))
-    if name == "sequence_calibration":  # Algorithm 1's law: fitted, generated and scored over law_horizon words
-        law = a.get("law_horizon") or 2 * a["horizon"]
-        sizes.append((f"prefix_len + law_horizon = {a['prefix_len']} + {law}"
-                      + ("" if a.get("law_horizon") else " (null: 2 x horizon)"), a["prefix_len"] + law))
-        if a.get("soft_value"):
-            sizes.append((f"sv_prefix + sv_steps = {a['sv_prefix']} + {a['sv_steps']}",
-                          a["sv_prefix"] + a["sv_steps"]))
-    if name == "memory":
-        tau = a.get("tau") or memory_tau
-        if tau:
-            sizes.append((f"memory window tau = {tau}", int(tau)))
-    return sizes
-
-
-def _fit_tokens(a: dict, m: Model) -> int:
-    """Validation tokens a stage fits on: fit_tokens (null: the whole split), at most the split's own."""
-    return min(a["fit_tokens"] or m.corpus.get("valid", 0), m.corpus.get("valid", a["fit_tokens"] or 0))
-
-
-def fitting_settings(name: str, a: dict, m: Model, memory_tau: int | None = None) -> dict:
-    """{key: value} of stage `name`'s settings `a` changed so that every stream fits m's context (prefix_len at most
-    half of it, the horizons and rollouts shortened, the streams more numerous) and each fit stream is longer than
-    min_context: the settings a refusal proposes."""
-    c, b = m.context, dict(a)
-    for _ in range(4):  # a change shortens streams only: a few rounds settle
-        bad = [w.split(" = ")[0] for w, s in stream_sizes(name, b, m, memory_tau) if c and s > c]
-        for key in bad:
-            if key.startswith(("prefix_len + ", "sv_prefix")):
-                first = "prefix_len" if key.startswith("prefix_len") else "sv_prefix"
-                b[first] = max(1, c // 4) if b[first] > c // 2 else b[first]
-                b[key.split(" + ")[1]] = max(1, c - b[first])
-            elif key.startswith(("fit_tokens", "score_tokens")):
-                fit = key.startswith("fit")
-                b[f"{key[:key.index('_')]}_streams"] = -(-(_fit_tokens(b, m) if fit else _score_tokens(b, m)) // c)
-            elif key.startswith("rollout_prefix"):
-                ks = [k for k in (b["horizon_k"] if isinstance(b["horizon_k"], list) else [b["horizon_k"]])
-                      if k <= c // 2] or [1]
-                b["horizon_k"] = ks if isinstance(b["horizon_k"], list) else ks[0]
-                b["rollout_prefix"] = min(b["rollout_prefix"], max(1, c // 4))
-                b["rollout_steps"] = max(1, c - b["rollout_prefix"] - max(ks))
-            elif key.startswith("memory window"):
-                b["tau"] = c
-        if short := short_fit_streams(name, b, m):
-            b["min_context"] = short // 2
-        if not bad and not short:
-            break
-    return {k: v for k, v in b.items() if v != a.get(k)}
-
-
-def short_fit_streams(name: str, a: dict, m: Model) -> int:
-    """The length of stage `name`'s fit streams where it is not more than min_context (nothing to fit), else 0."""
-    fit = _fit_tokens(a, m) if "min_context" in a and "fit_streams" in a and name != "sequence_calibration" else 0
-    return fit // a["fit_streams"] if fit and fit // a["fit_streams"] <= max(1, a["min_context"]) else 0
-
-
-def size_problems(name: str, a: dict, m: Model, memory_tau: int | None = None) -> tuple[str, dict]:
-    """What in stage `name`'s settings `a` does not fit model `m`, as sentences naming the keys, their values and the
-    limit ("" when everything fits), and the settings that fit ({key: value}, fitting_settings)."""
-    bad = [(w, s) for w, s in stream_sizes(name, a, m, memory_tau) if m.context and s > m.context]
-    text = (f"would feed its {m.what or m.kind} more tokens than its context of {m.context} ({m.context_key}): "
-            + "; ".join(f"{what} = {size:,} tokens" for what, size in bad) + ".") if bad else ""
-    if short := short_fit_streams(name, a, m):
-        text += (" Its" if text else "would read") + (
-            f" fit streams of fit_tokens / fit_streams = {_fit_tokens(a, m):,} / {a['fit_streams']} = {short:,} "
-            f"tokens, not longer than min_context = {a['min_context']} (the tokens each reads before its positions "
-            "count): nothing to fit.")
-    return text, (fitting_settings(name, a, m, memory_tau) if text else {})
-
-
-def setting(key: str, v) -> str:  # key=value as a Hydra override
-    return f"{key}=[{','.join(map(str, v))}]" if isinstance(v, (list, tuple)) else f"{key}={v}"
-
-
-def size_refusal(problems: list[tuple[str, str, dict]], how: str) -> LmcalError:
-    """One paragraph: problems (subject, what size_problems says, {key: value that fits}); how: where they go."""
-    fits = [setting(k, v) for _, _, f in problems for k, v in f.items()]
-    head = "A setting that fits" if len(fits) == 1 else "Settings that fit"
-    fix = f"{head}: {' '.join(fits)} ({how})." if fits else how
-    return LmcalError(" ".join(f"{subject} {text}" for subject, text, _ in problems)
-                      + f" {'It' if len(problems) == 1 else 'Each'} would fail when it got there, after the stages "
-                      f"before it had run; nothing was run. {fix}")
-
-
-def _score_tokens(a: dict, m: Model) -> int:
-    """Test tokens a stage scores: score_tokens (null: the whole test split), at most the split's own."""
-    return min(a["score_tokens"], m.corpus.get("test", a["score_tokens"])) if a.get("score_tokens") \
-        else m.corpus.get("test", 0)
-
 
 def candidates(rule: dict, m: Model) -> int:
     """Lookahead steps a position takes under a candidate rule (lmcal.core.lookahead_law): top-k, k + the tail draws;
@@ -244,7 +78,7 @@ def calibration_extras(a: dict, m: Model) -> float:
         steps += ap.get("generations", 30) * (length + ap.get("steps", 10) * m.vocab * m.candidate_share)
     if dr and rules:
         n = (dr.get("num_prefixes") or a["num_prefixes"]) * (dr.get("samples_per_prefix") or a["samples_per_prefix"])
-        score = min(dr.get("score_tokens") or _score_tokens(a, m), m.corpus.get("test", 10**12))
+        score = min(dr.get("score_tokens") or score_tokens(a, m), m.corpus.get("test", 10**12))
         for rule in rules:
             steps += score * (1 + look_steps(rule, m))
             steps += len(dr.get("multiples") or [1]) * n * (a["prefix_len"] + a["horizon"] * (1 + look_steps(rule, m)))
@@ -257,7 +91,7 @@ def model_steps(name: str, a: dict, m: Model, memory_tau: int | None = None) -> 
     gen = a.get("num_prefixes", 0) * a.get("samples_per_prefix", 0) * (a.get("prefix_len", 0) + a.get("horizon", 0))
     look = 1 + look_steps(a, m) if "tail_samples" in a else 1
     fit = min(a.get("fit_tokens") or 0, m.corpus.get("valid", 0)) if "fit_tokens" in a else 0
-    score = _score_tokens(a, m) if "score_tokens" in a else 0
+    score = score_tokens(a, m) if "score_tokens" in a else 0
     if name == "entropy_rate":
         return gen
     if name == "calibration":  # the fit's lookahead, the test scored before and after, plain and calibrated
@@ -312,7 +146,7 @@ def peak_tensors(name: str, a: dict, m: Model, budget_gb: float | None = None) -
         chunk = int(min(cands, CUDA_MAX_CHUNK, max(1, budget // (own + 4.0 * LOGIT_ROWS * V))))
         what = "share of its row's past" if m.kind == "transformer" else "state"
         out.append((f"lookahead chunk: {chunk:,} of {cands:,} candidates ({budget / 1e9:g} GB budget) x ({what} "
-                    f"{_bytes(own)} + [V] logits x {LOGIT_ROWS})", chunk * (own + 4.0 * LOGIT_ROWS * V)))
+                    f"{bytes_text(own)} + [V] logits x {LOGIT_ROWS})", chunk * (own + 4.0 * LOGIT_ROWS * V)))
     if m.kind == "transformer" and B:
         kv = 2.0 * m.layers * B * T * m.emb * 4
         out.append((f"KV cache 2 x layers x [max_batch, T, E] = 2 x {m.layers} x [{B:,}, {T}, {m.emb}]", kv))
@@ -335,14 +169,14 @@ def side_by_side(cmd: list[str], n: int) -> int:
 def _memory_rows(a: dict, m: Model, budget_gb: float | None) -> tuple[str, float]:
     """The memory stage's fit rows where analysis.memory.rows keeps them (lmcal.stages.memory.rows_where), on the
     GPU: auto keeps them there when they fit the budget (null: half of GPU_FREE_GB), else streams them."""
-    n = _score_tokens(a, m)
+    n = score_tokens(a, m)
     dtype, rows = a.get("store_dtype", "float32"), a.get("rows", "auto")
     size = 2.0 * m.vocab * {"float32": 4, "float16": 2, "bfloat16": 2}[dtype]  # one row of log P^ and log P~
     why, where = f"rows={rows}", {"cpu": "on the CPU", "device": "on the model's device"}.get(rows)
     if rows == "auto":
         budget = (budget_gb or GPU_FREE_GB / 2) * GB
         fits = n * size <= budget
-        why += f": {_bytes(n * size)} {'within' if fits else 'over'} the {budget / GB:g} GB budget"
+        why += f": {bytes_text(n * size)} {'within' if fits else 'over'} the {budget / GB:g} GB budget"
         why += "; a model on the CPU keeps them there" if fits else ""
         rows, where = ("device", "on the GPU") if fits else ("stream", None)
     if rows == "stream":
@@ -358,7 +192,7 @@ def stream_passes(a: dict, m: Model) -> int:
     47, 80, 132, 238 for 2, 5, 10 and 20 blocks)."""
     if a.get("jackknife", "onestep") != "exact":
         return 25
-    n = _score_tokens(a, m)
+    n = score_tokens(a, m)
     return 25 + 11 * -(-n // int(a.get("cluster_size", 2000)))
 
 
@@ -414,13 +248,14 @@ def check(cfg: DictConfig, estimates: dict | None = None) -> str:
                              f"context {m.context or 'unbounded'}, V {m.vocab:,}), {epochs} epochs x "
                              f"{m.corpus.get('train', 0):,} tokens = {tokens:,} tokens, batch {batch}, "
                              f"3 x {m.step_flops:.3g} FLOP x tokens = {flops:.3g} FLOP; time alone: {time_text}; peak: "
-                             + "; ".join(f"{w} {_bytes(b)}" for w, b in peak))
+                             + "; ".join(f"{w} {bytes_text(b)}" for w, b in peak))
                 group.append((seconds, busy, sum(b for _, b in peak)))
             wall, busy = side_by_side_group([g[0] for g in group], [g[1] for g in group], at_once)
             jobs.append(Job(st["name"], wall, busy, tuple(st["deps"])))
             if at_once > 1:
+                most = bytes_text(max(g[2] for g in group))
                 lines.append(f"{st['name']}: the {len(group)} trainings side by side on the one GPU, {at_once} at once "
-                             f"({SIDE_BY_SIDE_LAUNCHER}): peak {at_once} x {_bytes(max(g[2] for g in group))} of the "
+                             f"({SIDE_BY_SIDE_LAUNCHER}): peak {at_once} x {most} of the "
                              f"tensors above, plus each process's CUDA context; time-sliced: {wall / 3600:.2f} h "
                              f"against {sum(g[0] for g in group) / 3600:.2f} h one after another")
             continue
@@ -436,7 +271,7 @@ def check(cfg: DictConfig, estimates: dict | None = None) -> str:
         mem_tau = next((int(o.split("=")[1]) for o in overrides if o.startswith("model.memory_tau=")), None)
         if name == "memory":  # a tau-model's own memory length (its training stage's folder holds the checkpoint)
             mem_tau = next((t for d, t in tau_of.items() if ckpt.startswith(d + os.sep)), mem_tau)
-            tau, test = a.get("tau") or mem_tau, _score_tokens(a, m)
+            tau, test = a.get("tau") or mem_tau, score_tokens(a, m)
             if tau and test and int(tau) >= test:
                 raise LmcalError(where + tau_too_long("tau", int(tau), test, "test") + " Lower it, or score more "
                                  "tokens (analysis.memory.score_tokens).")
@@ -461,8 +296,8 @@ def check(cfg: DictConfig, estimates: dict | None = None) -> str:
                      + (", ".join(f"{w} -> {s:,}" for w, s in sizes) or "none") + "; ~"
                      + (f"{passes} passes x {steps / passes:.3g} = " if passes > 1 else "")
                      + f"{steps:.3g} model steps = "
-                     f"{flops:.3g} FLOP; peak: " + ("; ".join(f"{w} {_bytes(b)}" for w, b in peak) or "small")
-                     + (f" (largest {_bytes(top[1])})" if top else ""))
+                     f"{flops:.3g} FLOP; peak: " + ("; ".join(f"{w} {bytes_text(b)}" for w, b in peak) or "small")
+                     + (f" (largest {bytes_text(top[1])})" if top else ""))
     total, _ = schedule(jobs, max(1, int(cfg.get("jobs", 1))))
     alone = {j.name: j.seconds for j in jobs}
     for n, t in alone.items() if estimates is not None else ():  # the console's ETAs scale them

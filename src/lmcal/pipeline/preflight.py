@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from omegaconf import OmegaConf
 
-from lmcal.pipeline.check import GB, Model, model_of, size_problems, size_refusal
+from lmcal.pipeline.sizes import GB, Model, model_of, size_problems, size_refusal
 from lmcal.utils.budget import memory_bytes
 
 

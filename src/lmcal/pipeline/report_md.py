@@ -4,7 +4,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import shlex
@@ -32,7 +31,6 @@ from lmcal.pipeline.setup_text import (
     future_entropy_lines,
     memory_lines,
 )
-from lmcal.stages.wandb_run import init_args, log_files, open_run, reproduction_group, slug
 from lmcal.utils.device import precision_policy
 from lmcal.utils.io import copy_atomic, read_json, write_json_atomic, write_text_atomic
 from lmcal.utils.numbers import exp_or_inf, format_ce, format_params
@@ -148,7 +146,9 @@ def report(cfg: DictConfig, out: Path, names: list[str]) -> None:
     write_json_atomic(out / "results.json", results)
     write_text_atomic(out / "REPORT.md", report_markdown(cfg, results, out))
     if cfg.logger == "wandb":
-        _log_report(cfg, results, out)
+        from lmcal.pipeline.report_wandb import log_report  # (W&B is imported only when it logs)
+
+        log_report(cfg, results, out)
 
 
 def _lookahead_words(cal: dict) -> str:
@@ -388,40 +388,3 @@ def wall_seconds(stages: dict[str, dict]) -> float:
         total += max(0.0, b - max(a, end))
         end = max(end, b)
     return total + sum(s["seconds"] for s in stages.values() if "finished_at" not in s or "started_at" not in s)
-
-
-def numbers(obj, prefix: str = "") -> list[tuple[str, float]]:
-    """Every number of a results file as (key path, value): dicts by key, lists by index (a/b/0)."""
-    if isinstance(obj, bool) or obj is None:
-        return []
-    if isinstance(obj, (int, float)):
-        return [(prefix, obj)]
-    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list) else []
-    return [kv for k, v in items for kv in numbers(v, f"{prefix}/{k}" if prefix else str(k))]
-
-
-def _log_report(cfg: DictConfig, results: dict, out: Path) -> None:
-    """The report's W&B run: its summary holds every number of results.json that is not part of a list (the curves
-    are), a table ("results") holds every number, lists too, and results.json, REPORT.md and the figures are its
-    artifact."""
-    import wandb
-
-    node = {"_target_": "WandbLogger", "project": cfg.wandb_project, "offline": cfg.wandb_offline}
-    run = open_run(init_args(node, out, job_type="report", dataset=cfg.dataset, name=f"report-{cfg.profile}",
-                             group=reproduction_group(out), config={"profile": cfg.profile}))
-    try:
-        every = numbers(results)
-        run.summary.update({k: v for k, v in every if not any(p.isdigit() for p in k.split("/"))})
-        run.log({"results": wandb.Table(columns=["key", "value"], data=[[k, float(v)] for k, v in every])})
-        run.log({p.stem: wandb.Image(str(p)) for p in sorted([*out.glob("figure*.png"), *out.glob("memory_*.png")])})
-        cols = ["tau", "limited", "ce_limited_nats", "delta_ce_nats", "mi_upper_bound_nats", "mi_stderr_nats",
-                "mi_upper_bound_crossfit_nats", "alpha"]
-        run.log({"memory": wandb.Table(columns=cols, data=[[m[c] for c in cols] for m in results["memory"]])})
-        cols = ["method", "params", "entrate_ppl", "test_ce_nats", "zero_prob_fraction", "test_ce_mixed_nats"]
-        run.log({"decoders": wandb.Table(columns=cols, data=[[json.dumps(d[c]) if c == "params" else d[c]
-                                                              for c in cols] for d in results["decoders"]])})
-        log_files(run, f"report-{slug(out.name)}", "report", [out / "results.json", out / "REPORT.md",
-                                                                *sorted(out.glob("figure*.png")),
-                                                                *sorted(out.glob("memory_*.png"))])
-    finally:
-        run.finish()

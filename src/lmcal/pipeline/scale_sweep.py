@@ -26,6 +26,8 @@ from omegaconf import DictConfig, OmegaConf
 from lmcal.errors import LmcalError
 from lmcal.pipeline import check as plan_check
 from lmcal.pipeline.plan import logger_overrides, stage_settings
+from lmcal.pipeline.sizes import model_of, stream_sizes
+from lmcal.pipeline.timing import BATCHED_TFLOPS, MEASURED_ON, lstm_epoch_seconds
 from lmcal.stages.scale_record import RECORD
 from lmcal.stages.wandb_run import reproduction_group
 from lmcal.utils.settings import CONF_DIR, composed
@@ -124,19 +126,24 @@ def check_sweeps(cfg: DictConfig) -> str:
         overrides = [o for o in st["cmd"][3:] if not o.startswith(("hydra.", "logger"))]
         c = composed("lmcal.train", overrides)
         check_config(c, where=f"Stage '{st['name']}' (python -m lmcal.train): ")
-        m = plan_check.model_of(c)
+        m = model_of(c)
         bptt = int(c.data.bptt)
         if m.context and bptt > m.context:
             raise LmcalError(f"Stage '{st['name']}': data.bptt = {bptt} exceeds its transformer's context of "
                              f"{m.context} (model.n_positions); nothing was run. Set data.bptt <= {m.context}.")
-        tokens = m.corpus.get("train", 0) * int(c.trainer.max_epochs)
+        epochs = max(int(c.trainer.max_epochs), 0)
+        tokens = m.corpus.get("train", 0) * epochs
         t_flops = 3 * m.step_flops * tokens
-        total["train"] += t_flops / (plan_check.RATES["recurrent training" if m.kind == "awd_lstm" else "batched"]
-                                     * 1e12)
+        if m.kind == "awd_lstm":  # latency-bound: the step measured on a GPU (lmcal.pipeline.timing)
+            epoch, _ = lstm_epoch_seconds(m.corpus.get("train", 0), m.corpus.get("valid", 0), int(c.data.batch_size),
+                                          bptt, None, int(c.data.eval_batch_size))
+            total["train"] += epochs * epoch
+        else:
+            total["train"] += t_flops / (BATCHED_TFLOPS * 1e12)
         parts = []
         for name in c.analysis.stages:
             a = OmegaConf.to_container(c.analysis[name], resolve=True)
-            sizes = plan_check.stream_sizes(name, a, m, None)
+            sizes = stream_sizes(name, a, m, None)
             bad = [(w, s) for w, s in sizes if m.context and s > m.context]
             if bad:
                 raise LmcalError(f"Stage '{st['name']}' would feed its {m.kind} more tokens than its context of "
@@ -144,7 +151,7 @@ def check_sweeps(cfg: DictConfig) -> str:
                                  + "; ".join(f"{w} = {s:,} tokens" for w, s in bad) + ". Nothing was run. Lower "
                                  "prefix_len or horizon, or raise fit_streams or score_streams, until each fits.")
             steps = plan_check.model_steps(name, a, m)
-            total["analysis"] += steps * m.step_flops / (plan_check.RATES["batched"] * 1e12)
+            total["analysis"] += steps * m.step_flops / (BATCHED_TFLOPS * 1e12)
             peak = max((b for _, b in plan_check.peak_tensors(name, a, m, c.analysis.get("memory_budget_gb"))),
                        default=0.0)
             parts.append(f"{name} {steps:.3g} steps (peak {peak / 1e9:.2f} GB)")
@@ -153,9 +160,9 @@ def check_sweeps(cfg: DictConfig) -> str:
                      f"{t_flops:.3g} training FLOP; " + "; ".join(parts))
     seconds = sum(total.values())
     if cfg.get("estimate_for", "gpu") == "gpu":
-        when = (f"Wall time on {plan_check.DEVICE}: an ESTIMATE from FLOP counts at assumed sustained rates "
-                f"({', '.join(f'{k} {r:g} TFLOP/s' for k, r in plan_check.RATES.items())}), runs one after another, "
-                f"launch overheads not counted: training {total['train'] / 3600:.2f} h + analysis "
+        when = (f"Wall time on one GPU: an ESTIMATE, runs one after another (AWD-LSTM trainings at the step "
+                f"measured on {MEASURED_ON}, the rest's FLOPs at an assumed {BATCHED_TFLOPS:g} TFLOP/s; "
+                f"launch overheads not counted): training {total['train'] / 3600:.2f} h + analysis "
                 f"{total['analysis'] / 3600:.2f} h = {seconds / 3600:.2f} h.")
     else:  # small models on a CPU run far from its peak rate: FLOPs say little of the time
         when = (f"Wall time on this machine's CPU: `python bench/scale_sweep.py --profile {cfg.profile}` estimates it "

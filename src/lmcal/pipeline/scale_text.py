@@ -7,8 +7,8 @@ import math
 import time
 
 from lmcal import paper
-from lmcal.pipeline.claims import effect_trend, scale_exponent
 from lmcal.pipeline.docs import provenance, provenance_line
+from lmcal.pipeline.scale_claims import effect_trend, scale_exponent
 
 AXES = {"params": "parameters", "train_tokens": "training tokens", "data_tokens": "distinct training tokens",
         "test_ce_nats": "test CE"}

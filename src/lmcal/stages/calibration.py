@@ -174,12 +174,16 @@ def _dose(lm, alpha, rules, settings: dict, prefixes, rule, curves, test_tokens,
     tokens = settings.get("score_tokens") or score_tokens
     same = n == prefixes.size(0) and s == samples_per_prefix
     reuse = {(rule.label, 1): curves["after"]} if same and rule.label in [r.label for r in rules] else {}
-    dose_test = test if tokens == score_tokens else batchify(test_tokens[:tokens] if tokens else test_tokens,
-                                                              score_streams)
+    dose_test, streams = test, score_streams
+    if tokens != score_tokens:  # its own test streams, each within a bounded context (S tokens take S positions)
+        n_tok = min(tokens, len(test_tokens)) if tokens else len(test_tokens)
+        context = getattr(lm, "max_positions", None)
+        streams = max(score_streams, -(-n_tok // context)) if context else score_streams
+        dose_test = batchify(test_tokens[:n_tok], streams)
     dr = dose_response(lm, alpha, rules, settings.get("multiples", [1, 3, 10]), prefixes[:n], horizon, s, dose_test,
                        seed=seed, epsilon=epsilon, max_batch=max_batch, plain=curves["before"] if same else None,
                        reuse=reuse)
-    return dr | {"score_tokens": tokens, "score_streams": score_streams}  # what bench/calibration_dose_row.py reads
+    return dr | {"score_tokens": tokens, "score_streams": streams}  # what bench/calibration_dose_row.py reads
 
 
 def dose_response_markdown(result: dict) -> str:

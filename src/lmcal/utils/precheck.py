@@ -47,6 +47,12 @@ def deleted_required(entry: str, overrides: list[str]) -> str | None:
             "choose another preset.")
 
 
+def _overrides(config: DictConfig) -> list[str]:
+    """The command line's overrides as typed: an interpolation in one (data.root=${oc.env:X}) is not resolved here but
+    where its setting is, so that an error names the setting."""
+    return list(OmegaConf.to_container(config.hydra.overrides.task, resolve=False))
+
+
 def job_config(config: DictConfig, out: Path) -> tuple[DictConfig, DictConfig]:
     """(the job's whole config, its task config) as it will run in `out`: hydra.runtime.output_dir and
     paths.output_dir set, so that every interpolation resolves, without touching the disk."""
@@ -80,7 +86,7 @@ def check_job(entry: str, config: DictConfig, out: Path, where: str = "") -> Non
                              "writing one folder would mix their logs, checkpoints and results; nothing was written. "
                              "Wait for it to finish, or give this run another folder (hydra.run.dir=...). If no such "
                              f"process runs, delete {lock}.")
-        if why := deleted_required(entry, list(config.hydra.overrides.task)):
+        if why := deleted_required(entry, _overrides(config)):
             raise LmcalError(why)
         full, cfg = job_config(config, out)
         before = HydraConfig.instance().cfg
@@ -113,7 +119,7 @@ def sweep_jobs(config: DictConfig) -> list[tuple[list[str], DictConfig]]:
     loader = GlobalHydra.instance().config_loader()
     params = [f"{k}={v}" for k, v in (config.hydra.sweeper.get("params") or {}).items()]
     parsed = OverridesParser.create(config_loader=loader).parse_overrides(
-        params + list(config.hydra.overrides.task))
+        params + _overrides(config))
     jobs = []
     for num, overrides in enumerate(o for batch in BasicSweeper.split_arguments(parsed, None) for o in batch):
         job = loader.load_sweep_config(config, list(overrides))
