@@ -26,7 +26,7 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP) ## create .venv: pinned torch first, then lmcal with its dependencies
 
-test: $(STAMP) ## the fast tests, under ~5 min (real PTB through LMCAL_DATA_ROOT if set; slow tests excluded)
+test: $(STAMP) ## the fast tests, about 15 min on 2 cores (real PTB through LMCAL_DATA_ROOT if set; slow tests excluded)
 	$(PY) -m pytest -m "not slow and not slurm"
 
 test-all: $(STAMP) ## every test, the slow tier too (what CI runs), but the Slurm tier

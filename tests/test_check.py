@@ -28,7 +28,8 @@ def _train_cfg(overrides):
         return compose(config_name="train", overrides=overrides)
 
 
-@pytest.mark.parametrize("profile", PROFILES)
+@pytest.mark.parametrize("profile", [pytest.param(p, marks=pytest.mark.slow) if p == "paper_full" else p
+                                     for p in PROFILES])  # paper_full extends paper: the slow tier
 def test_every_profile_passes_the_plan_check(profile, tmp_path):
     cfg = load_profile([f"profile={profile}", f"out={tmp_path / 'out'}", "check=true"])
     text = check(cfg)
@@ -146,6 +147,7 @@ def test_side_by_side_reads_the_launcher_and_its_jobs():
     assert side_by_side(["hydra/launcher=local_parallel", "hydra.launcher.n_jobs=6"], 3) == 3  # no more than jobs
 
 
+@pytest.mark.slow
 def test_streamed_memory_rows_cost_a_forward_of_both_models_per_pass_of_the_fit(tmp_path):
     """analysis.memory.rows=stream keeps one chunk but recomputes the rows on every pass: the plan's model steps of a
     memory stage are 25 times those of kept rows (the one-step jackknife), and 25 + 11 per block with the exact one."""

@@ -133,6 +133,7 @@ def test_k1_head_gives_the_alpha_of_exact_one_step_lookahead(oracle):
     assert fit.ce_after <= fit.ce_before
 
 
+@pytest.mark.slow
 def test_a_long_horizon_head_closes_the_drift_one_step_lookahead_cannot():
     orc, horizon = _oracle(), 100
     ex = rollout_examples(orc, _text(50000, 0), [(20, 1.0), (1, 1.0)], contexts=2000, prefix_len=5, steps=30,

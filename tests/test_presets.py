@@ -47,7 +47,8 @@ def test_every_analysis_preset_composes_and_is_valid(analysis):
         _check_analysis(cfg)
 
 
-@pytest.mark.parametrize("profile", PROFILES)
+@pytest.mark.parametrize("profile", [pytest.param(p, marks=pytest.mark.slow) if p == "paper_full" else p
+                                     for p in PROFILES])  # paper_full extends paper: the slow tier
 def test_every_reproduce_profile_plans_valid_stages(profile, tmp_path):
     """Each stage of the profile's pipeline composes and passes the checks, as `make reproduce` does before running."""
     cfg = load_profile([f"profile={profile}", f"out={tmp_path}"])

@@ -52,8 +52,8 @@ def _train(cwd, *args, env=None):
     return run("lmcal.train", [*TRAIN, *args], cwd, env=env)
 
 
-@pytest.mark.parametrize("args", [["optim.lr=-1"], ["~optim.lr"], ["~data"], ["seed=99999999999999999999"],
-                                  ["data=markov", "data.corpus_kwargs.vocab_size=1"]])
+@pytest.mark.parametrize("args", [["optim.lr=-1"], *(pytest.param(a, marks=pytest.mark.slow) for a in (
+    ["~optim.lr"], ["~data"], ["seed=99999999999999999999"], ["data=markov", "data.corpus_kwargs.vocab_size=1"]))])
 def test_a_refused_training_makes_no_folder(args, tmp_path):
     out = tmp_path / "new" / "run"
     r = _train(tmp_path, *SYNTHETIC if "data=markov" not in args and "~data" not in args else [], *args,

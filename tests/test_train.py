@@ -98,8 +98,8 @@ def test_a_resumed_run_repeats_an_uninterrupted_one_exactly(tmp_path, data_overr
         assert resumed[k] == straight[k], k
 
 
-@pytest.mark.parametrize("args", [["trainer.devices=2"], ["+trainer.strategy=ddp"], ["+trainer.num_nodes=2"],
-                                  ["trainer.devices=[0,1]"]])
+@pytest.mark.parametrize("args", [["trainer.devices=2"], *(pytest.param(a, marks=pytest.mark.slow) for a in (
+    ["+trainer.strategy=ddp"], ["+trainer.num_nodes=2"], ["trainer.devices=[0,1]"]))])  # one in the fast tier
 def test_several_devices_are_refused_before_any_work(tmp_path, args):
     """DDP would shard the BPTT windows across processes (each carried hidden state skipping the other's tokens):
     refused with one paragraph that says why and what to use, before the run lock, a checkpoint or a logger."""
