@@ -62,6 +62,17 @@ def test_rerun_in_same_directory_resumes_from_last(tmp_path, data_overrides):
     assert second["train_tokens"] == pytest.approx(2 * first["train_tokens"], rel=0.1)
 
 
+def test_last_checkpoint_follows_every_epoch_even_when_it_is_not_the_best(tmp_path):
+    """A rerun resumes from last.ckpt: it must hold the last epoch, not the last epoch that improved (Lightning's
+    save_last writes it only with best.ckpt). On this seed the validation loss is best after the first of 3 epochs."""
+    import torch
+
+    train(smoke_cfg(tmp_path, ["data=markov", "logger=none", "trainer.max_epochs=3"]))
+    last, best = (torch.load(tmp_path / "checkpoints" / f"{n}.ckpt", map_location="cpu", weights_only=True)
+                  for n in ("last", "best"))
+    assert last["epoch"] == 2 and best["epoch"] < last["epoch"]
+
+
 def _cli(args, tmp_path, env_extra=None):
     env = {**os.environ, "WANDB_MODE": "offline", **(env_extra or {})}
     return subprocess.run([sys.executable, "-m", "lmcal.train", *args], cwd=tmp_path, env=env,

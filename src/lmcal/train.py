@@ -266,7 +266,11 @@ def _train(cfg: DictConfig, out: Path) -> dict:
 
     ckpt_dir = out / "checkpoints"
     ckpt_cb = ModelCheckpoint(dirpath=ckpt_dir, filename="best", monitor="val_loss", mode="min",
-                              save_last=True, save_top_k=1, enable_version_counter=False)
+                              save_top_k=1, enable_version_counter=False)
+    # last.ckpt after every epoch, the one a rerun resumes from: its own callback, since Lightning's save_last writes it
+    # only on an epoch that also writes best.ckpt (a run killed after epochs that did not improve lost them)
+    last_cb = ModelCheckpoint(dirpath=ckpt_dir, filename="last", monitor=None, save_top_k=1, every_n_epochs=1,
+                              enable_version_counter=False)
     resume = cfg.get("ckpt_path") or (str(ckpt_dir / "last.ckpt") if (ckpt_dir / "last.ckpt").is_file() else None)
     if resume:
         check_resume(resume, net_cfg, dm.vocab_size)
@@ -291,7 +295,7 @@ def _train(cfg: DictConfig, out: Path) -> dict:
     metrics_cb = MetricsCallback(out, extra={"dataset": cfg.data.name, "model": model_name(cfg.model),
                                              "resumed_from": resume})
     stages_cb = StagesCallback(out, stages, settings, model_name(cfg.model), base_ckpt)
-    callbacks = [ckpt_cb, metrics_cb, stages_cb]  # in this order: metrics.json is written before any stage runs
+    callbacks = [ckpt_cb, last_cb, metrics_cb, stages_cb]  # metrics.json is written before any stage runs
     if cfg.trainer.get("enable_progress_bar", True):
         callbacks.append(progress_bar() if sys.stderr.isatty() else TrainingProgress())  # a log: lines with ETAs
     every = (settings.get("entropy_rate") or {}).pop("every_n_epochs", None)
