@@ -294,5 +294,6 @@ def test_gpu_check_compares_two_cpu_runs_end_to_end(tmp_path):
     assert all(row[3] in ("0", "same") for row in rows), [row for row in rows if row[3] not in ("0", "same")]
     stages = {row[0].removeprefix("| ").split(":")[0].split(" ")[0] for row in rows}
     assert stages == {"training", "entropy_rate", "calibration", "decoders", "future_entropy",
-                      "sequence_calibration", "memory"}
+                      "sequence_calibration", "memory", "cpu"}  # cpu: each run resumed vs straight
+    assert sum("resumed training's last weights against the uninterrupted run's" in row[0] for row in rows) == 2
     assert (tmp_path / "devices" / "a" / "evaluate" / "memory.json").is_file()
