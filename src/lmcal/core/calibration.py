@@ -37,7 +37,6 @@ or [V].
 
 from __future__ import annotations
 
-import itertools
 import logging
 import math
 from dataclasses import dataclass, field
@@ -55,6 +54,7 @@ from lmcal.core.lookahead_law import (
     target_slots,
 )
 from lmcal.errors import LmcalError
+from lmcal.utils.device import host_blocks
 from lmcal.utils.profiling import timed
 
 log = logging.getLogger("lmcal")
@@ -158,9 +158,6 @@ class CalibrationFit:
         return tuple(law_objective(self.stats, self.tail_samples, alpha)[3:5])
 
 
-HOST_COPY_STEPS = 32  # steps of lookahead statistics held on the model's device between copies to the host
-
-
 def _pad(x: list[torch.Tensor], fill: float) -> torch.Tensor:
     """Per-step [B, K_t] pieces as one [n, max K_t], padded with `fill`."""
     K = max(t.size(1) for t in x)
@@ -201,15 +198,12 @@ def lookahead_statistics(lm, tokens: torch.Tensor, topk: int | None = None, epsi
     rule = make_rule(topk, cover, cover_max, tail_samples)
     fills = (-math.inf, 0.0, None, None, None)  # logw and h are [B, K_t] (K_t varies with the rule): padded
     dtypes = (torch.float32, torch.float32, torch.float32, None, torch.float64)
-    kept, held = [[] for _ in fills], [[] for _ in fills]  # on the CPU; on the device since the last copy
-    steps = law_positions(lm, tokens, rule, epsilon, min_context=min_context, seed=seed, chunk=chunk, progress=progress)
-    for i, stats in enumerate(itertools.chain(steps, [None]), 1):  # None: the end
-        for h_, x, d in zip(held, stats or (None,) * 5, dtypes, strict=True):
-            h_ += [] if x is None else [x if d is None else x.to(d)]
-        if (stats is None or i % HOST_COPY_STEPS == 0) and held[0]:  # one copy a statistic every HOST_COPY_STEPS
-            for k, h_, fill in zip(kept, held, fills, strict=True):
-                k.append((torch.cat(h_) if fill is None else _pad(h_, fill)).cpu())
-                h_.clear()
+    kept = [[] for _ in fills]  # on the CPU; one copy a statistic per block of steps
+    for block in host_blocks(law_positions(lm, tokens, rule, epsilon, min_context=min_context, seed=seed, chunk=chunk,
+                                           progress=progress)):
+        for k, xs, fill, d in zip(kept, zip(*block, strict=True), fills, dtypes, strict=True):
+            x = torch.cat(xs) if fill is None else _pad(list(xs), fill)
+            k.append((x if d is None else x.to(d)).cpu())
     logw, h, logq_y, slot, sizes = kept
     return (_pad(logw, -math.inf), _pad(h, 0.0), torch.cat(logq_y), torch.cat(slot)), torch.cat(sizes).mean().item()
 
@@ -387,19 +381,18 @@ def next_token_rows(lm, tokens: torch.Tensor, progress: bool = False) -> tuple[t
     """One pass over time-major streams tokens [S, B] -> (log P rows [n, V] float32 on CPU, next words [n]),
     n = (S-1)*B, in position order t = 1..S-1 (B streams each)."""
     S, B = tokens.shape
-    state = lm.init_state(B)
-    rows, held = [], []  # on the CPU; on the device since the last copy (one every HOST_COPY_STEPS steps)
     steps = range(S - 1)
     if progress:
         from lmcal.utils.progress import progress_bar
         steps = progress_bar(steps, desc="scoring")
-    for t in steps:
-        logp, state = lm.step(tokens[t], state)  # [B, V]
-        held.append(logp.float())
-        if len(held) == HOST_COPY_STEPS or t == S - 2:
-            rows.append(torch.cat(held).cpu())
-            held.clear()
-    return torch.cat(rows), tokens[1:].reshape(-1).cpu()  # y in position order t = 1..S-1
+
+    def rows(state):
+        for t in steps:
+            logp, state = lm.step(tokens[t], state)  # [B, V]
+            yield logp.float()
+
+    held = [torch.cat(block).cpu() for block in host_blocks(rows(lm.init_state(B)))]  # one host copy per block
+    return torch.cat(held), tokens[1:].reshape(-1).cpu()  # y in position order t = 1..S-1
 
 
 @timed("fit")

@@ -6,6 +6,8 @@ results.json by `precision_policy`. On a machine without CUDA the flags are set 
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 TF32 = False  # the policy: full float32 matmuls and convolutions/RNNs on CUDA
@@ -62,3 +64,14 @@ def resolve_device(name: str | None) -> str:
         raise LmcalError(f"device={name}, but this machine has no MPS (Apple GPU) device torch can use. Run with "
                          "device=cpu or device=null.")
     return str(dev)
+
+
+HOST_COPY_STEPS = 32  # steps of per-step results held on the device between copies to the host
+
+
+def host_blocks(steps, n: int = HOST_COPY_STEPS):
+    """Lists of n consecutive items of `steps` (the last may be shorter): one copy to the host per list, not per step,
+    so that the host waits on a GPU n times less often."""
+    it = iter(steps)
+    while block := list(itertools.islice(it, n)):
+        yield block
