@@ -10,7 +10,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
 .DEFAULT_GOAL := help
-.PHONY: help install test test-all lint bench smoke reproduce docs clean gpu-check gpu-wheels test-slurm
+.PHONY: help install test test-slow test-all lint bench smoke reproduce docs clean gpu-check gpu-wheels test-slurm
 
 help: ## list the targets
 	@awk 'BEGIN{FS=":.*## "} /^[a-zA-Z_-]+:.*## /{printf "  make %-10s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -29,7 +29,10 @@ install: $(STAMP) ## create .venv: pinned torch first, then lmcal with its depen
 test: $(STAMP) ## the fast tests, about 15 min on 2 cores (real PTB through LMCAL_DATA_ROOT if set; slow tests excluded)
 	$(PY) -m pytest -m "not slow and not slurm"
 
-test-all: $(STAMP) ## every test, the slow tier too (what CI runs), but the Slurm tier
+test-slow: $(STAMP) ## the slow tier, and the fast tests that read the real corpus (ptb) when LMCAL_DATA_ROOT has it (CI: after make test)
+	$(PY) -m pytest -m "(slow or ptb) and not slurm"
+
+test-all: $(STAMP) ## every test, the slow tier too, but the Slurm tier
 	$(PY) -m pytest -m "not slurm"
 
 test-slurm: $(STAMP) ## the Slurm tier: a single-node Slurm cluster on loopback (root; apt-get install slurm-wlm munge)

@@ -13,7 +13,12 @@ from lmcal.data.corpora import PTB_SHA256
 DATA_ROOT = os.environ.get("LMCAL_DATA_ROOT")
 DATA_ROOT = str(Path(DATA_ROOT).resolve()) if DATA_ROOT else None  # subprocesses run in other folders
 HAVE_PTB = bool(DATA_ROOT) and all((Path(DATA_ROOT) / "ptb" / f).is_file() for f in PTB_SHA256)
-needs_ptb = pytest.mark.skipif(not HAVE_PTB, reason="real PTB not found: set LMCAL_DATA_ROOT to a folder holding ptb/")
+_NO_PTB = "real PTB not found: set LMCAL_DATA_ROOT to a folder holding ptb/"
+
+
+def needs_ptb(test):
+    """Skipped without the real corpus; marked ptb: make test-slow runs it again where LMCAL_DATA_ROOT has it."""
+    return pytest.mark.ptb(pytest.mark.skipif(not HAVE_PTB, reason=_NO_PTB)(test))
 
 
 @pytest.fixture
@@ -25,9 +30,13 @@ def data_overrides() -> list[str]:
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked gpu run only where CUDA is present (make gpu-check); elsewhere they are skipped, saying why."""
+    """Tests that take `data_overrides` read the real corpus when it is found: marked ptb (make test-slow runs them).
+    Tests marked gpu run only where CUDA is present (make gpu-check); elsewhere they are skipped, saying why."""
     import torch
 
+    for item in items:
+        if "data_overrides" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.ptb)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA (a gpu test): none on this machine")

@@ -77,6 +77,8 @@ def test_every_experiment_preset_trains_a_few_batches(experiment, tmp_path):
         cfg.paths.output_dir = str(tmp_path)
         if cfg.data.name == "markov":
             cfg.data.corpus_kwargs.n_train = 20000
+        if cfg.model.get("n_embd", 0) >= 512:  # the 512-wide transformer: its own model on 2 streams (32: 95 s)
+            cfg.data.batch_size = 2
     m = train(cfg)
     assert m["epochs"] == 1 and Path(m["best_ckpt"]).is_file()
 
@@ -105,7 +107,13 @@ def _shrunk(analysis: str) -> list[str]:
     for stage in ("calibration", "decoders"):
         streams, ctx = 2, node[stage].min_context
         out += [f"analysis.{stage}.fit_streams={streams}", f"analysis.{stage}.fit_tokens={streams * (ctx + 6)}",
-                f"analysis.{stage}.score_tokens=200"]
+                f"analysis.{stage}.score_streams={streams}", f"analysis.{stage}.score_tokens=200"]
+    cal = node.calibration  # the approximation table and the dose-response: their rules kept, a few positions
+    if cal.get("approximation") is not None:
+        out += ["analysis.calibration.approximation.generations=1", "analysis.calibration.approximation.steps=2"]
+    if cal.get("dose_response") is not None:
+        out += [f"analysis.calibration.dose_response.{k}={v}" for k, v in (("num_prefixes", 1), ("score_tokens", 20),
+                                                                           ("samples_per_prefix", 1))]
     return out + ["analysis.memory.limited=window", "analysis.memory.tau=2", "analysis.memory.score_tokens=400",
                   "analysis.memory.cluster_size=100"]
 

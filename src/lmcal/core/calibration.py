@@ -326,12 +326,12 @@ def topk_coverage(cal: CalibratedLM, tokens: torch.Tensor) -> dict:
         atoms = law_atoms(cal.lm, base, logq, keys, cal.rule, cal.seed, cal.epsilon, cal.chunk)
         words, mask = atoms[:2]
         logc = law_log_probs(logq, atoms, cal.alpha, cal.rule.draws)  # [B, V]
-        mass.append((1 - (logc.gather(1, words).exp() * mask).sum(-1)).double().cpu())  # [B]
-        outside.append((target_slots(words, mask, tokens[t + 1].to(words.device), 0) < 0).cpu())  # [B]
-        sizes.append(mask.sum(1).double().cpu())
-    mass, outside = torch.cat(mass), torch.cat(outside)
+        mass.append((1 - (logc.gather(1, words).exp() * mask).sum(-1)).double())  # [B], kept on the device
+        outside.append(target_slots(words, mask, tokens[t + 1].to(words.device), 0) < 0)  # [B]
+        sizes.append(mask.sum(1).double())
+    mass, outside, sizes = torch.cat(mass).cpu(), torch.cat(outside).cpu(), torch.cat(sizes).cpu()  # one copy
     return {"mass_outside_topk": mass.mean().item(), "true_word_outside_topk": outside.double().mean().item(),
-            "positions": mass.numel(), "candidates_mean": torch.cat(sizes).mean().item()}
+            "positions": mass.numel(), "candidates_mean": sizes.mean().item()}
 
 
 @torch.no_grad()

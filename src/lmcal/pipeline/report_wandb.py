@@ -32,6 +32,8 @@ def log_report(cfg: DictConfig, results: dict, out: Path) -> None:
                              group=reproduction_group(out), config={"profile": cfg.profile}))
     try:
         every = numbers(results)
+        print(f"report: {len(every)} numbers of results.json, REPORT.md and the figures logged from {out}",
+              flush=True)  # the run's Logs tab (console="wrap"): this process prints nothing else while it is open
         run.summary.update({k: v for k, v in every if not any(p.isdigit() for p in k.split("/"))})
         run.log({"results": wandb.Table(columns=["key", "value"], data=[[k, float(v)] for k, v in every])})
         run.log({p.stem: wandb.Image(str(p)) for p in sorted([*out.glob("figure*.png"), *out.glob("memory_*.png")])})
