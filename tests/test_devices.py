@@ -53,3 +53,28 @@ def test_stages_side_by_side_get_different_gpus(tmp_path, monkeypatch):
     stages = [_stage("a", one), _stage("b", one)]
     S.schedule(stages, OmegaConf.create({}), one, {"a": {}, "b": {}}, jobs=1, ref={})
     assert [st["done"][0].read_text() for st in stages] == ["-", "-"]
+
+
+def test_each_stage_gets_its_share_of_the_cores_unless_the_user_set_threads():
+    thread_env = D.thread_env
+    assert thread_env(1, env={}, cores=2) == {"OMP_NUM_THREADS": "2"}
+    assert thread_env(2, env={}, cores=2) == {"OMP_NUM_THREADS": "1"}
+    assert thread_env(3, env={}, cores=2) == {"OMP_NUM_THREADS": "1"}  # never 0
+    assert thread_env(4, env={}, cores=16) == {"OMP_NUM_THREADS": "4"}
+    assert thread_env(2, env={"OMP_NUM_THREADS": "3"}, cores=16) == {}  # theirs holds
+
+
+def test_stage_processes_side_by_side_start_with_their_share(tmp_path, monkeypatch):
+    """Through the scheduler: two stages at once on this machine each see cores // 2 threads in their torch."""
+    import os
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    cores = len(os.sched_getaffinity(0))
+    stages = []
+    for name in ("a", "b"):
+        d = tmp_path / name
+        stages.append({"name": name, "dir": d, "done": [d / "threads.txt"], "deps": [],
+                       "cmd": [sys.executable, "-c", f"import pathlib, torch; p = pathlib.Path({str(d)!r}); "
+                               "p.mkdir(exist_ok=True); (p / 'threads.txt').write_text(str(torch.get_num_threads()))"]})
+    S.schedule(stages, OmegaConf.create({}), tmp_path, {"a": {}, "b": {}}, jobs=2, ref={})
+    assert [(tmp_path / n / "threads.txt").read_text() for n in ("a", "b")] == [str(max(1, cores // 2))] * 2

@@ -126,6 +126,8 @@ def test_sigterm_and_sighup_stop_the_pipeline_and_its_stages(sig, tmp_path):
     assert not any(_alive(pid) for pid in children)
     assert not list(out.rglob(LOCK_NAME))  # the pipeline's, and its stages' (they stop as on Ctrl-C too)
     assert not [f for f in out.rglob("*.tmp") if f != dead]
+    if sig != signal.SIGTERM:
+        return  # the rerun after a stop is the same whichever signal stopped it: checked once
 
     again = _reproduce(out, tmp_path)  # not refused by a lock, and it sweeps the dead run's temporary file
     _stage_pids(out, old=tuple(children))

@@ -107,7 +107,7 @@ def _shrunk(analysis: str) -> list[str]:
     for stage in ("calibration", "decoders"):
         streams, ctx = 2, node[stage].min_context
         out += [f"analysis.{stage}.fit_streams={streams}", f"analysis.{stage}.fit_tokens={streams * (ctx + 6)}",
-                f"analysis.{stage}.score_streams={streams}", f"analysis.{stage}.score_tokens=200"]
+                f"analysis.{stage}.score_streams={streams}", f"analysis.{stage}.score_tokens=40"]
     cal = node.calibration  # the approximation table and the dose-response: their rules kept, a few positions
     if cal.get("approximation") is not None:
         out += ["analysis.calibration.approximation.generations=1", "analysis.calibration.approximation.steps=2"]

@@ -9,6 +9,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from lmcal.stages.wandb_run import init_args, log_files, open_run, reproduction_group, slug
+from lmcal.utils.io import strict_json
 
 
 def numbers(obj, prefix: str = "") -> list[tuple[str, float]]:
@@ -31,7 +32,7 @@ def log_report(cfg: DictConfig, results: dict, out: Path) -> None:
     run = open_run(init_args(node, out, job_type="report", dataset=cfg.dataset, name=f"report-{cfg.profile}",
                              group=reproduction_group(out), config={"profile": cfg.profile}))
     try:
-        every = numbers(results)
+        every = numbers(strict_json(results))  # as results.json holds them: a non-finite value is null there
         print(f"report: {len(every)} numbers of results.json, REPORT.md and the figures logged from {out}",
               flush=True)  # the run's Logs tab (console="wrap"): this process prints nothing else while it is open
         run.summary.update({k: v for k, v in every if not any(p.isdigit() for p in k.split("/"))})

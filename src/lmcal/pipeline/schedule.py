@@ -15,7 +15,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from lmcal.errors import LmcalError
-from lmcal.pipeline.devices import device_env, free_slot, visible_gpus
+from lmcal.pipeline.devices import device_env, free_slot, thread_env, visible_gpus
 from lmcal.pipeline.eta import plan_left, scaled, stage_line, step_eta
 from lmcal.pipeline.results import not_whole, stage_record
 from lmcal.pipeline.signals import end_groups, stage_process_options
@@ -129,11 +129,12 @@ def schedule(stages: list[dict], cfg: DictConfig, out: Path, current: dict, jobs
              estimates: dict[str, float] | None = None) -> None:
     """Runs the stages in plan order, up to `jobs` at once: a stage starts once every stage it depends on has
     finished (the report, in this process, once all have). A stage recorded as done is skipped unless a stage it
-    depends on ran again. Every stage process gets the same environment (threads included) whatever `jobs` is, so
-    its results do not depend on what runs beside it, apart from its GPU: with several, each running stage gets
-    its own (CUDA_VISIBLE_DEVICES). On a failure the others are stopped; a rerun resumes. The console numbers the
-    stages in the order they start, and gives each running stage's times left (lmcal.pipeline.eta) from the reference
-    run's stage times `ref`, else the plan check's `estimates`, scaled to this machine as stages finish."""
+    depends on ran again. Every stage process gets the same environment whatever runs beside it, apart from its GPU
+    (with several, each running stage gets its own: CUDA_VISIBLE_DEVICES) and its threads: cores // jobs
+    (OMP_NUM_THREADS, unless set: lmcal.pipeline.devices.thread_env). On a failure the others are stopped; a rerun
+    resumes. The console numbers the stages in the order they start, and gives each running stage's times left
+    (lmcal.pipeline.eta) from the reference run's stage times `ref`, else the plan check's `estimates`, scaled to
+    this machine as stages finish."""
     gpus = visible_gpus() if jobs > 1 else []
     total, index, number = len(stages), {st["name"]: i for i, st in enumerate(stages, 1)}, {}
     todo, running, finished, ran, seconds = list(stages), {}, set(), set(), {}
@@ -171,7 +172,8 @@ def schedule(stages: list[dict], cfg: DictConfig, out: Path, current: dict, jobs
                     run = {"t0": t0, "proc": None, "log": None, "rec": rec}
                 else:
                     slot = free_slot(running)
-                    run = launch(stage, out, device_env(slot, gpus, jobs)) | {"rec": rec, "slot": slot}
+                    env = {**thread_env(jobs), **device_env(slot, gpus, jobs)}
+                    run = launch(stage, out, env) | {"rec": rec, "slot": slot}
                 running[name] = run
             if todo and not running:  # nothing runs and nothing could start: a plan whose deps are not in it
                 raise LmcalError(f"Stages {', '.join(st['name'] for st in todo)} wait on stages that are not in the "
