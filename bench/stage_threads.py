@@ -50,7 +50,7 @@ def main() -> None:
         "data.name=synthetic", "+data.corpus_kwargs={vocab_size: 10000, n_train: 40000, n_valid: 3000, n_test: 3000}"]
     cores = len(os.sched_getaffinity(0))
     emit, lines = tee()
-    emit(f"{cores} cores; float32 matmul {matmul_flops("cpu") / 1e9:.1f} GFLOP/s; the smoke model (experiment=smoke), "
+    emit(f"{cores} cores; float32 matmul {matmul_flops('cpu') / 1e9:.1f} GFLOP/s; the smoke model (experiment=smoke), "
          f"one epoch, {'real PTB' if args.data_root else 'a synthetic corpus of 10,000 words'}")
     emit("")
     emit("| processes at once | threads each | wall (s) | training tokens/s, each |")
