@@ -29,7 +29,7 @@ install: $(STAMP) ## create .venv: pinned torch first, then lmcal with its depen
 test: $(STAMP) ## the fast tests, about 15 min on 2 cores (real PTB through LMCAL_DATA_ROOT if set; slow tests excluded)
 	$(PY) -m pytest -m "not slow and not slurm"
 
-test-slow: $(STAMP) ## the slow tier, and the fast tests that read the real corpus (ptb) when LMCAL_DATA_ROOT has it (CI: after make test)
+test-slow: $(STAMP) ## the slow tier, and the fast tests that need the real corpus (ptb; LMCAL_DATA_ROOT) (CI: after make test)
 	$(PY) -m pytest -m "(slow or ptb) and not slurm"
 
 test-all: $(STAMP) ## every test, the slow tier too, but the Slurm tier

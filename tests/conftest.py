@@ -17,7 +17,7 @@ _NO_PTB = "real PTB not found: set LMCAL_DATA_ROOT to a folder holding ptb/"
 
 
 def needs_ptb(test):
-    """Skipped without the real corpus; marked ptb: make test-slow runs it again where LMCAL_DATA_ROOT has it."""
+    """Skipped without the real corpus; marked ptb: make test-slow runs it where LMCAL_DATA_ROOT has it."""
     return pytest.mark.ptb(pytest.mark.skipif(not HAVE_PTB, reason=_NO_PTB)(test))
 
 
@@ -30,13 +30,11 @@ def data_overrides() -> list[str]:
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests that take `data_overrides` read the real corpus when it is found: marked ptb (make test-slow runs them).
-    Tests marked gpu run only where CUDA is present (make gpu-check); elsewhere they are skipped, saying why."""
+    """Tests marked gpu run only where CUDA is present (make gpu-check); elsewhere they are skipped, saying why.
+    (Tests that take `data_overrides` run in make test on whichever corpus is found; they are not marked ptb, so
+    make test-slow does not run them a second time.)"""
     import torch
 
-    for item in items:
-        if "data_overrides" in getattr(item, "fixturenames", ()):
-            item.add_marker(pytest.mark.ptb)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA (a gpu test): none on this machine")

@@ -48,6 +48,8 @@ def test_the_sbatch_options(tmp_path, monkeypatch):
                  "--time=2880", "--dependency=afterok:11:12", "--requeue", "--exclude=node13",
                  "--job-name=lmcal-decoders"):
         assert f"#SBATCH {line}\n" in script, line
+    # torch's threads are the job's cores unless the user set theirs (a job of 8 cores: 8; sbatch exports the env)
+    assert "\nexport OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}\n" in script
 
 
 class FakeExecutor:

@@ -31,6 +31,7 @@ Everything here runs on the StepLM interface; the state features come from `feat
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 
@@ -358,10 +359,12 @@ class FutureCalibratedLM:
         self.fused = out is not None
         if self.fused:
             w, b = out
+            # a snapshot of the head where the model runs (a head is trained on the CPU; its trunk reads f [B, E])
+            self.head = head = copy.deepcopy(head).to(w.device).eval()
             with torch.no_grad():
-                U = head.word_matrix().to(w.device)  # [V, r]
+                U = head.word_matrix()  # [V, r]
                 self.weight = torch.cat([w.float(), U.float()], 1)  # [V, E + r]
-                c = head.bias.to(w.device).float() * (self.alpha * head.scale.item())
+                c = head.bias.float() * (self.alpha * head.scale.item())
                 self.bias = c if b is None else self.beta * b.float() + c  # [V]
 
     def init_state(self, batch_size: int):
@@ -371,7 +374,8 @@ class FutureCalibratedLM:
     def step(self, tokens, state):
         if not self.fused:
             logp, f, state = step_features(self.lm, tokens, state)
-            z = self.beta * logp + self.alpha * self.head(f).to(logp.device, logp.dtype)  # [B, V]
+            g = self.head(f.to(self.head.bias.device)).to(logp.device, logp.dtype)  # [B, V] where the model runs
+            z = self.beta * logp + self.alpha * g
             return z.log_softmax(-1), state
         f, state = self.lm.features(tokens, state)  # [B, E]
         h = self.head

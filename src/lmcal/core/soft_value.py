@@ -82,7 +82,7 @@ class SoftValueTwist:
     @torch.no_grad()
     def __call__(self, state, t: int) -> torch.Tensor:
         f = self.lm.state_features(state)
-        return self.head(f.to(next(self.head.parameters()).device))  # [n, V]
+        return self.head(f.to(next(self.head.parameters()).device)).to(f.device)  # [n, V] where the model runs
 
 
 def soft_value_twist(lm, head: FutureEntropyHead) -> SoftValueTwist:
@@ -173,7 +173,9 @@ def new_head(lm, in_dim: int, *, hidden: int = 128, rank: int = 64, seed: int = 
     """A head with Q = 0 everywhere (its word matrix, word bias and level zero, the trunk random): its sampler starts as
     the model's law to the power 1 + α."""
     torch.manual_seed(seed)
-    head = FutureEntropyHead(in_dim, lm.vocab_size, hidden=hidden, rank=rank, words=word_vectors(lm))
+    words = word_vectors(lm)  # on the model's device; the head lives on the CPU with its examples (_q)
+    head = FutureEntropyHead(in_dim, lm.vocab_size, hidden=hidden, rank=rank,
+                             words=None if words is None else words.cpu())
     with torch.no_grad():
         last = head.words if head.basis is None else head.proj.weight
         for p in (last, head.level.weight, head.level.bias, head.bias):

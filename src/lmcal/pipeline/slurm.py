@@ -70,7 +70,10 @@ def executor(s: DictConfig, folder: Path):
     params = {"partition": s.partition, "time": int(s.time_min), "cpus_per_task": s.cpus_per_job,
               "gpus_per_node": s.gpus_per_job or None, "mem": f"{s.mem_gb}GB" if s.mem_gb else None,
               "account": s.account, "qos": s.qos, "constraint": s.constraint, "stderr_to_stdout": True,
-              "additional_parameters": {"requeue": True, **OmegaConf.to_container(s.additional, resolve=True)}}
+              "additional_parameters": {"requeue": True, **OmegaConf.to_container(s.additional, resolve=True)},
+              # torch's threads: the job's cores (lmcal.pipeline.devices.thread_env's rule), unless the user set theirs
+              "setup": [f"export OMP_NUM_THREADS=${{OMP_NUM_THREADS:-{int(s.cpus_per_job)}}}"] if s.cpus_per_job
+              else None}
     ex.update_parameters(**{k: v for k, v in params.items() if v is not None})
     return ex
 

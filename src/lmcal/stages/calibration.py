@@ -65,7 +65,8 @@ def calibration_stage(lm, valid_tokens: torch.Tensor, test_tokens: torch.Tensor,
     "Before" is the eps-mixture (1 - w) P + w uniform, w = uniform_weight, for the cross-entropy and the curve alike
     (with w = 0, the model itself)."""
     rule = make_rule(topk, cover, cover_max, tail_samples)
-    dose_rules = rules_of((dose_response or {}).get("rules"), "analysis.calibration.dose_response.rules")
+    dose_rules = rules_of((dose_response or {}).get("rules"), "analysis.calibration.dose_response.rules",
+                          tail_samples or 16)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
@@ -173,7 +174,8 @@ def _dose(lm, alpha, rules, settings: dict, prefixes, rule, curves, test_tokens,
     s = settings.get("samples_per_prefix") or samples_per_prefix
     tokens = settings.get("score_tokens") or score_tokens
     same = n == prefixes.size(0) and s == samples_per_prefix
-    reuse = {(rule.label, 1): curves["after"]} if same and rule.label in [r.label for r in rules] else {}
+    # the stage's curve serves the rule that is its law (the same candidates and tail draws), at a = alpha*
+    reuse = {(rule.label, 1): curves["after"]} if same and rule.settings() in [r.settings() for r in rules] else {}
     dose_test, streams = test, score_streams
     if tokens != score_tokens:  # its own test streams, each within a bounded context (S tokens take S positions)
         n_tok = min(tokens, len(test_tokens)) if tokens else len(test_tokens)

@@ -24,15 +24,16 @@ from lmcal.core.lookahead_law import Rule, hnext_shifts, law_row_terms, make_rul
 from lmcal.errors import LmcalError
 
 
-def rules_of(specs: list[dict] | None, what: str) -> list[Rule]:
-    """Candidate rules from settings [{topk: 16}, {cover: 0.95}, {topk: null} (exact), ...], each checked."""
+def rules_of(specs: list[dict] | None, what: str, tail_samples: int = 16) -> list[Rule]:
+    """Candidate rules from settings [{topk: 16}, {cover: 0.95}, {topk: null} (exact), ...], each checked; a rule
+    without its own tail_samples draws the stage's (`tail_samples`), so that {topk: 16} is the stage's own law."""
     rules = []
     for spec in specs or []:
         if not isinstance(spec, dict) or set(spec) - {"topk", "cover", "cover_max", "tail_samples"}:
             raise LmcalError(f"{what}: {spec!r} is not a candidate rule; each is a mapping of topk, cover, cover_max "
                              "and tail_samples, e.g. {topk: 16}, {cover: 0.95} or {topk: null} (exact lookahead).")
         rules.append(make_rule(spec.get("topk"), spec.get("cover"), spec.get("cover_max"),
-                               spec.get("tail_samples", 16)))
+                               spec.get("tail_samples", tail_samples)))
     return rules
 
 

@@ -101,8 +101,11 @@ def write_scale_record(out_dir: str | Path, stages: dict, **kw) -> dict | None:
 
 def wandb_group(logger) -> str | None:
     """The W&B group of a run (a W&B run, or Lightning's WandbLogger around one); None for any other logger."""
-    run = logger.experiment if type(logger).__name__ == "WandbLogger" else logger
-    return getattr(run, "group", None) if type(run).__name__ == "Run" else None
+    def kind(x):  # by class name, subclasses too (train's logger subclasses WandbLogger): no Lightning import here
+        return {c.__name__ for c in type(x).__mro__}
+
+    run = logger.experiment if "WandbLogger" in kind(logger) else logger
+    return getattr(run, "group", None) if "Run" in kind(run) else None
 
 
 def family_of(model_name: str) -> str:
