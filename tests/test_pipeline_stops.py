@@ -201,7 +201,10 @@ def test_a_training_stopped_during_fit_ends_with_lmcals_line(sig, tmp_path):
         p = subprocess.Popen([sys.executable, "-m", "lmcal.train", "experiment=smoke", "logger=none", *SYNTHETIC,
                               "trainer.max_epochs=500", "trainer.enable_model_summary=true", "analysis.stages=[]",
                               "trainer.enable_progress_bar=false", f"hydra.run.dir={run}"], cwd=tmp_path, stdout=o,
-                             stderr=f, env={**os.environ, "WANDB_MODE": "disabled"})
+                             stderr=f, env={**os.environ, "WANDB_MODE": "disabled"},
+                             # Ctrl-C's SIGINT as a terminal sends it: a shell's background job (CI started with &)
+                             # passes SIGINT on ignored, and Python then never raises KeyboardInterrupt
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         try:
             deadline = time.time() + 600
             while "Trainable params" not in log.read_text():  # Lightning's model summary: trainer.fit has started
