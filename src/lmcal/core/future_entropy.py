@@ -31,7 +31,6 @@ Everything here runs on the StepLM interface; the state features come from `feat
 
 from __future__ import annotations
 
-import copy
 import math
 from dataclasses import dataclass
 
@@ -349,7 +348,8 @@ class FutureCalibratedLM:
     a constant per row (which log_softmax drops, with the head's `level` and `shift`),
         [beta f, alpha s u] @ [W, U]^T + (beta b + alpha s c),    u = the head's coefficients, s its scale,
     so the head costs its small trunk and r more columns of the output product, and no extra pass over [B, V]. Other
-    models (the oracles) step, then add alpha g to beta log P."""
+    models (the oracles) step, then add alpha g to beta log P. `head` lives where the model runs (the stages move a
+    trained head there): its trunk reads the model's features at every step."""
 
     def __init__(self, lm, head: FutureEntropyHead, alpha: float, beta: float = 1.0):
         self.lm, self.head, self.alpha, self.beta = lm, head.eval(), float(alpha), float(beta)
@@ -359,12 +359,10 @@ class FutureCalibratedLM:
         self.fused = out is not None
         if self.fused:
             w, b = out
-            # a snapshot of the head where the model runs (a head is trained on the CPU; its trunk reads f [B, E])
-            self.head = head = copy.deepcopy(head).to(w.device).eval()
             with torch.no_grad():
-                U = head.word_matrix()  # [V, r]
+                U = head.word_matrix().to(w.device)  # [V, r]
                 self.weight = torch.cat([w.float(), U.float()], 1)  # [V, E + r]
-                c = head.bias.float() * (self.alpha * head.scale.item())
+                c = head.bias.to(w.device).float() * (self.alpha * head.scale.item())
                 self.bias = c if b is None else self.beta * b.float() + c  # [V]
 
     def init_state(self, batch_size: int):
@@ -374,8 +372,7 @@ class FutureCalibratedLM:
     def step(self, tokens, state):
         if not self.fused:
             logp, f, state = step_features(self.lm, tokens, state)
-            g = self.head(f.to(self.head.bias.device)).to(logp.device, logp.dtype)  # [B, V] where the model runs
-            z = self.beta * logp + self.alpha * g
+            z = self.beta * logp + self.alpha * self.head(f).to(logp.device, logp.dtype)  # [B, V]
             return z.log_softmax(-1), state
         f, state = self.lm.features(tokens, state)  # [B, E]
         h = self.head
