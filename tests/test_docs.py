@@ -12,7 +12,9 @@ from lmcal.pipeline.docs import provenance, render, save_bench, snapshot
 def _fake_run(folder):
     folder.mkdir()
     prov = {"command": "python -m lmcal.reproduce profile=smoke", "date": "2026-11-23 10:00 UTC",
-            "machine": "test cpu, 2 cores, no GPU, torch x", "commit": "abc1234"}
+            "machine": "test cpu, 2 cores, no GPU, torch x", "commit": "abc1234",
+            # what the report stage adds (a snapshot of a real reproduction was refused for them)
+            "matmul_gflop_per_s": 115.6, "precision": {"tf32_matmul": False, "float32_matmul_precision": "highest"}}
     (folder / "results.json").write_text(json.dumps({"profile": "smoke", "provenance": prov}))
     (folder / "REPORT.md").write_text("# lmcal reproduction\n\n## Entropy\n\n| a | b |\n|---|---|\n| 1.5 | 2 |\n\n"
                                       "![Figure 2](figure2_entropy_rate.png)\n\n| stage | folder |\n|---|---|\n"
@@ -48,6 +50,17 @@ def test_snapshot_of_an_unfinished_run_is_one_paragraph(tmp_path, capsys):
         main(["--docs", str(tmp_path / "docs"), "--snapshot", str(tmp_path / "nothing")])
     assert e.value.code == 2 and "no finished reproduction" in capsys.readouterr().err
     assert not (tmp_path / "docs" / "RESULTS.md").exists()
+
+
+@pytest.mark.parametrize("prov", [["a", "b"], {"command": 3, "date": "d", "machine": "m"},
+                                  {"command": "c", "date": "d", "machine": "m", "commit": {"x": 1}}])
+def test_a_snapshot_whose_provenance_has_wrong_types_changes_nothing(tmp_path, prov):
+    _fake_run(tmp_path / "run")
+    r = json.loads((tmp_path / "run" / "results.json").read_text())
+    (tmp_path / "run" / "results.json").write_text(json.dumps({**r, "provenance": prov}))
+    with pytest.raises(LmcalError, match="provenance"):
+        snapshot(tmp_path / "run", tmp_path / "docs")
+    assert not (tmp_path / "docs").exists()
 
 
 def test_results_md_writes_the_claims_an_older_report_lacks(tmp_path):
