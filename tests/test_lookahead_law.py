@@ -324,3 +324,19 @@ def test_the_law_on_cuda_is_the_cpus():
         out[device] = rows + [shifts["exact"], shifts["top-8"]]
     for a, b in zip(out["cpu"], out["cuda"], strict=True):
         torch.testing.assert_close(a.double(), b.double(), atol=2e-4, rtol=1e-4)
+
+
+def test_the_dose_figure_reads_multiples_of_a_negative_alpha_left_to_right(tmp_path):
+    """α* < 0 (the cpu profile's PTB model: -0.0326): the figure's axis is α / α*, so 1α*, 3α*, 10α* run left to
+    right; a row from another run, without its multiple, is placed by its α over this α*."""
+    from lmcal.stages.dose_response import _multiple, dose_figure
+
+    dr = {"alpha": -0.03, "rows": []}
+    for rule in ("top-16", "top-256"):
+        for m in (1, 3, 10):
+            dr["rows"].append({"rule": rule, "multiple": m, "alpha": -0.03 * m, "tail_diff_nats": -0.1 * m,
+                               "tail_diff_stderr_nats": 0.05, "test_ce_diff_nats": 0.001 * m,
+                               "test_ce_diff_stderr_nats": 0.001})
+    assert [_multiple(r, dr) for r in dr["rows"][:3]] == [1.0, 3.0, 10.0]
+    assert _multiple({"alpha": -0.09}, dr) == pytest.approx(3.0)
+    assert dose_figure(dr, tmp_path / "dose.png").read_bytes()[:4] == b"\x89PNG"

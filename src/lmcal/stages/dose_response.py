@@ -231,9 +231,17 @@ def dose_note(dr: dict, main_generations: int | None = None) -> str:
                       f"{f['alpha_stderr']:.2g}." for f in dr.get("extra_fits") or []))
 
 
+def _multiple(row: dict, dr: dict) -> float:
+    """A row's α over the stage's α* (its `multiple`, or, for another run's row, its α over this α*)."""
+    if row.get("multiple"):
+        return float(row["multiple"])
+    return abs(row["alpha"] / dr["alpha"]) if dr["alpha"] else 1.0
+
+
 def dose_figure(dr: dict, path: str | Path, extra: list[dict] | None = None) -> Path:
-    """The dose-response: the last tenth's paired change (top) and the test CE's (bottom) against α, a line per
-    rule, ±1.96 se bars."""
+    """The dose-response: the last tenth's paired change (top) and the test CE's (bottom) against α as a multiple of
+    α* (a log axis read left to right whatever α*'s sign: a negative α* on an α axis put 10α* on the left), a line
+    per rule, ±1.96 se bars."""
     from lmcal.stages.plots import plt
     from lmcal.utils.io import atomic_path
 
@@ -242,18 +250,21 @@ def dose_figure(dr: dict, path: str | Path, extra: list[dict] | None = None) -> 
     rows = [*dr["rows"], *(extra or [])]
     labels = list(dict.fromkeys(row_label(r, dr) for r in rows))
     for i, label in enumerate(labels):
-        rs = sorted((r for r in rows if row_label(r, dr) == label), key=lambda r: r["alpha"])
-        x = np.array([r["alpha"] for r in rs]) * (1 + 0.015 * (i - len(labels) / 2))  # a little apart
+        rs = sorted((r for r in rows if row_label(r, dr) == label), key=lambda r: _multiple(r, dr))
+        x = np.array([_multiple(r, dr) for r in rs]) * (1 + 0.03 * (i - len(labels) / 2))  # a little apart
         for axis, key in ((ax, "tail_diff"), (bx, "test_ce_diff")):
             axis.errorbar(x, [r[f"{key}_nats"] for r in rs], yerr=[1.96 * r[f"{key}_stderr_nats"] for r in rs],
                           marker="o", ms=4, capsize=3, lw=1.2, label=label)
     for axis in (ax, bx):
         axis.axhline(0.0, color="k", lw=0.8)
-        axis.set_xscale("symlog", linthresh=abs(dr["alpha"]) or 1e-3)
+        axis.set_xscale("log")
         axis.grid(alpha=0.3)
+    ticks = sorted({round(_multiple(r, dr), 3) for r in rows})
+    bx.set_xticks(ticks, [f"{m:g}α*" for m in ticks])
+    bx.minorticks_off()
     ax.set_ylabel("Δ entropy, last tenth\nvs model (nats, paired)")
     bx.set_ylabel("Δ test CE vs model\n(nats, paired)")
-    bx.set_xlabel(f"α (multiples of α* = {dr['alpha']:.3g})")
+    bx.set_xlabel(f"α, as a multiple of α* = {dr['alpha']:.3g}")
     ax.set_title("Lookahead calibration: dose-response by candidate rule", fontsize=10)
     ax.legend(fontsize=8)
     fig.tight_layout()
