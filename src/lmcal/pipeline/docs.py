@@ -140,9 +140,12 @@ def check_snapshot(run: Path) -> str:
         profile = r.get("profile") or run.name
         if not isinstance(profile, str):
             raise TypeError(f"its profile is a {type(profile).__name__}")
-        prov = r.get("provenance") or {}  # the report stage adds its own numbers (matmul_gflop_per_s, precision)
-        if not isinstance(prov, dict) or (prov and not all(isinstance(prov.get(k), str) for k in
-                                                           ("command", "date", "machine"))) or not isinstance(
+        # what provenance_line reads must be text; the report stage adds numbers of its own (matmul_gflop_per_s,
+        # precision) that nothing here reads
+        prov = r.get("provenance") or {}
+        if not isinstance(prov, dict):
+            raise TypeError(f"its provenance is a {type(prov).__name__}, not a mapping")
+        if prov and not all(isinstance(prov.get(k), str) for k in ("command", "date", "machine")) or not isinstance(
                 prov.get("commit"), (str, type(None))):
             raise TypeError("its provenance's command, date, machine and commit are not texts")
         run_section(run, "runs/" + run.name)  # everything else RESULTS.md reads, read as it will be
