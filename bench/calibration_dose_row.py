@@ -11,7 +11,7 @@ with (vs_first: the same prefixes and uniforms in this run). --num-prefixes / --
 stage's prefixes, S generations each (default: the stage's dose-response's; e.g. 100 and 3 for the main rows' 300).
 Writes a JSON of rows in the stage's own format ({"device", "rows": [...], ...}); a reproduction's report takes every
 dose_rows_*.json beside calibration.json into its dose-response table, figure and verdict
-(lmcal.pipeline.results.calibration_dose), each row marked with its device: regenerate the report with
+(lmcal.reporting.results.calibration_dose), each row marked with its device: regenerate the report with
 `python -m lmcal.reproduce profile=cpu out=RUN` (its stages are done, so only the report runs again). --fit also fits
 the first rule's own alpha* on the stage's fit text (reported beside, not used: the rows use the stage's alphas).
 """
@@ -31,7 +31,7 @@ from lmcal.core.sampling import random_prefixes
 from lmcal.data.batching import batchify
 from lmcal.errors import LmcalError
 from lmcal.models.step_lm import as_step_lm
-from lmcal.pipeline.docs import provenance
+from lmcal.reporting.docs import provenance
 from lmcal.stages.dose_response import dose_response, rule_from_text
 from lmcal.stages.targets import load_checkpoint_and_data
 from lmcal.utils.boundary import boundary

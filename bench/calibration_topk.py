@@ -44,7 +44,7 @@ from lmcal.core.calibration import calibrated, fit_lookahead_calibration, lookah
 from lmcal.core.sampling import random_prefixes
 from lmcal.data.batching import batchify
 from lmcal.models.step_lm import as_step_lm
-from lmcal.pipeline.docs import save_bench
+from lmcal.reporting.docs import save_bench
 from lmcal.stages.dose_response import (
     approximation_markdown,
     approximation_note,

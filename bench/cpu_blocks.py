@@ -24,7 +24,7 @@ import torch
 
 from lmcal.core import decoders as D
 from lmcal.core.memory import memory_summary
-from lmcal.pipeline.docs import add_out_option, save_bench, tee
+from lmcal.reporting.docs import add_out_option, save_bench, tee
 from lmcal.utils.profiling import best_of, matmul_flops
 
 

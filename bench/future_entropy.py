@@ -20,7 +20,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from lmcal.pipeline.docs import save_bench
+from lmcal.reporting.docs import save_bench
 from lmcal.stages.future_entropy import future_entropy_table
 
 

@@ -18,7 +18,7 @@ from train_throughput import build, matmul_flops  # bench/ is on sys.path when r
 from lmcal.core.entropy_rate import generation_entropy_curve
 from lmcal.models.awd_lstm import matmul_params
 from lmcal.models.step_lm import LSTMStepLM
-from lmcal.pipeline.docs import add_out_option, save_bench, tee
+from lmcal.reporting.docs import add_out_option, save_bench, tee
 
 
 def generated_per_s(lm, prefixes, horizon, samples, max_batch) -> float:

@@ -27,7 +27,7 @@ from generation_speed import generated_per_s  # bench/ is on sys.path when run a
 from train_throughput import matmul_flops
 
 from lmcal.models.hf import HFCausalLM
-from lmcal.pipeline.docs import add_out_option, save_bench, tee
+from lmcal.reporting.docs import add_out_option, save_bench, tee
 
 
 def hf_matmul_params(model) -> int:

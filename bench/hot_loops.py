@@ -30,7 +30,7 @@ from lmcal.core.entropy_rate import generation_entropy_curve
 from lmcal.core.sampling import uniforms
 from lmcal.models.awd_lstm import full_context_log_probs, limited_context_log_probs, matmul_params
 from lmcal.models.step_lm import LSTMStepLM
-from lmcal.pipeline.docs import add_out_option, save_bench, tee
+from lmcal.reporting.docs import add_out_option, save_bench, tee
 
 
 def _old_entropy(logp):

@@ -30,7 +30,7 @@ import time
 
 import torch
 
-from lmcal.pipeline.docs import add_out_option, save_bench, tee
+from lmcal.reporting.docs import add_out_option, save_bench, tee
 
 K = 81  # top-64 + the true word + 16 tail draws
 VERSIONS = ("before", "forks", "shared")

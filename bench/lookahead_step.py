@@ -21,7 +21,7 @@ import torch
 from lmcal.core.lookahead import candidate_entropies
 from lmcal.models.awd_lstm import AWDLSTM
 from lmcal.models.step_lm import LSTMStepLM
-from lmcal.pipeline.docs import add_out_option, save_bench, tee
+from lmcal.reporting.docs import add_out_option, save_bench, tee
 from lmcal.utils.profiling import best_of, matmul_flops
 
 SIZES = {"cpu": (200, 400, 500), "paper": (400, 1150, 100)}  # emb, hidden, rows

@@ -30,7 +30,7 @@ from lmcal.core.context import context_rows
 from lmcal.core.memory import memory_summary
 from lmcal.data.markov import make_markov_chain, markov_conditional_entropy, markov_stationary, sample_markov
 from lmcal.models.oracles import MarkovOracle
-from lmcal.pipeline.docs import save_bench
+from lmcal.reporting.docs import save_bench
 
 # the default Markov corpus (conf/data/markov.yaml corpus_kwargs)
 CHAIN = {"vocab_size": 16, "order": 2, "support": 3, "smoothing": 0.01, "seed": 0}

@@ -24,9 +24,9 @@ from pathlib import Path
 from hydra import compose, initialize_config_dir
 from omegaconf import open_dict
 
-from lmcal.pipeline.docs import add_out_option, save_bench, tee
 from lmcal.pipeline.plan import load_profile
 from lmcal.pipeline.scale_sweep import plan_sweeps
+from lmcal.reporting.docs import add_out_option, save_bench, tee
 from lmcal.utils.profiling import matmul_flops
 from lmcal.utils.settings import CONF_DIR
 

@@ -33,7 +33,7 @@ from lmcal.core.smc import smc_generate
 from lmcal.core.soft_value import soft_value_twist, train_soft_value
 from lmcal.data.markov import make_markov_chain, sample_markov
 from lmcal.models.oracles import DelayedDriftOracle, MarkovOracle
-from lmcal.pipeline.docs import add_out_option, save_bench, tee
+from lmcal.reporting.docs import add_out_option, save_bench, tee
 
 T, L = 100, 200
 

@@ -25,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from lmcal.pipeline.docs import add_out_option, save_bench, tee
+from lmcal.reporting.docs import add_out_option, save_bench, tee
 from lmcal.utils.profiling import matmul_flops
 
 # The warm worker: imports what a stage imports, then forks one child per command line read from stdin, and answers

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from train_throughput import matmul_flops  # bench/ is on sys.path when run as a script
 
-from lmcal.pipeline.docs import add_out_option, save_bench, tee
+from lmcal.reporting.docs import add_out_option, save_bench, tee
 
 
 def _train(folder: Path, threads: int, data: list[str]) -> subprocess.Popen:

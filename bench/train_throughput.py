@@ -32,7 +32,7 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
 from lmcal.models.awd_lstm import AWDLSTM, ar_tar, forward_chunked, matmul_params, repackage
-from lmcal.pipeline.docs import add_out_option, save_bench, tee
+from lmcal.reporting.docs import add_out_option, save_bench, tee
 from lmcal.utils.settings import CONF_DIR
 
 CONFIGS = {"paper": ("awd_lstm", 20, 70), "small": ("awd_lstm_small", 32, 35)}  # model preset, batch, BPTT

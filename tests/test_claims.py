@@ -1,11 +1,19 @@
-"""Effect sentences written from numbers and their tests (lmcal.pipeline.claims): every branch of every claim on
+"""Effect sentences written from numbers and their tests (lmcal.reporting.claims): every branch of every claim on
 exact inputs."""
 
 import math
 
 import pytest
 
-from lmcal.pipeline import claims as C
+from lmcal.reporting import claims as C
+
+
+def test_the_earlier_module_path_is_the_same_module():
+    """`lmcal.pipeline.claims`, the path earlier issues and users' scripts name, is lmcal.reporting.claims itself."""
+    import lmcal.pipeline.claims as earlier
+    from lmcal.pipeline.claims import effect_verdict
+
+    assert earlier is C and effect_verdict is C.effect_verdict
 
 
 def test_effect_verdict_branches():

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from lmcal.pipeline.report_md import wall_seconds
+from lmcal.reporting.report_md import wall_seconds
 from lmcal.utils import progress as progress_mod
 from lmcal.utils.progress import LineProgress, progress_bar
 

@@ -6,7 +6,7 @@ import pytest
 
 from lmcal.docs import main
 from lmcal.errors import LmcalError
-from lmcal.pipeline.docs import provenance, render, save_bench, snapshot
+from lmcal.reporting.docs import provenance, render, save_bench, snapshot
 
 
 def _fake_run(folder):
@@ -64,11 +64,11 @@ def test_a_snapshot_whose_provenance_has_wrong_types_changes_nothing(tmp_path, p
 
 
 def test_results_md_writes_the_claims_an_older_report_lacks(tmp_path):
-    """issue 33: a snapshot whose REPORT.md predates lmcal.pipeline.claims gets the effect sentences its results.json
+    """issue 33: a snapshot whose REPORT.md predates lmcal.reporting.claims gets the effect sentences its results.json
     supports, above its report; one whose REPORT.md holds them all gets nothing added."""
     from pathlib import Path
 
-    from lmcal.pipeline.claims import results_claims
+    from lmcal.reporting.claims import results_claims
 
     # the cpu reproduction issue 33 read (2026-11-24), whose REPORT.md predated the claims module
     cpu = json.loads((Path(__file__).resolve().parent / "fixtures" / "cpu_results_2026-11-24.json").read_text())

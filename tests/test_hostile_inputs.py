@@ -380,7 +380,7 @@ def test_a_corpus_file_that_is_not_utf8_is_named(tmp_path):
 
 
 def test_a_snapshots_profile_name_stays_inside_docs_runs(tmp_path):
-    from lmcal.pipeline.docs import snapshot
+    from lmcal.reporting.docs import snapshot
 
     run_dir, docs = tmp_path / "run", tmp_path / "docs"
     run_dir.mkdir()

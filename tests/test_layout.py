@@ -20,7 +20,8 @@ LAYERS = {
     "core": {"models", "data", "errors", "utils"},
     "stages": {"core", "models", "data", "errors", "utils", "paper"},
     "training": {"stages", "core", "models", "data", "errors", "utils"},
-    "pipeline": {"stages", "core", "models", "data", "errors", "utils", "paper"},
+    "reporting": {"stages", "core", "models", "data", "errors", "utils", "paper"},
+    "pipeline": {"reporting", "stages", "core", "models", "data", "errors", "utils", "paper"},
 }
 ENTRY_POINTS = {"train", "evaluate", "reproduce", "report", "docs"}
 

@@ -142,7 +142,7 @@ def test_sigterm_and_sighup_stop_the_pipeline_and_its_stages(sig, tmp_path):
 
 def _memory_plan(out: Path) -> list[dict]:
     """One stage whose done file is a memory.json (whole: every key the report reads), then the report."""
-    from lmcal.pipeline.results import NEEDS
+    from lmcal.reporting.results import NEEDS
 
     whole = {k: (5 if k == "tau" else "trained" if k == "limited" else 0.5) for k in NEEDS["memory.json"]}
     a = out / "a"

@@ -8,8 +8,8 @@ import torch
 
 from lmcal.models.awd_lstm import AWDLSTM
 from lmcal.models.step_lm import LSTMStepLM
-from lmcal.pipeline.report_md import profile_markdown
-from lmcal.pipeline.results import stage_profile
+from lmcal.reporting.report_md import profile_markdown
+from lmcal.reporting.results import stage_profile
 from lmcal.utils import profiling
 
 

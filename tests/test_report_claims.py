@@ -1,5 +1,5 @@
 """Every sentence of REPORT.md that claims an effect agrees with the numbers in results.json: here on a REPORT.md built
-by lmcal.pipeline.report_md from a cpu reproduction's saved results.json (tests/fixtures), and, in
+by lmcal.reporting.report_md from a cpu reproduction's saved results.json (tests/fixtures), and, in
 tests/test_reproduce.py, on the smoke reproduction's own REPORT.md."""
 
 import json
@@ -9,7 +9,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from lmcal.pipeline.claims import (
+from lmcal.reporting.claims import (
     Z,
     best_head_claims,
     calibration_claims,
@@ -19,7 +19,7 @@ from lmcal.pipeline.claims import (
 )
 
 ROOT = Path(__file__).resolve().parents[1]
-# the words that state an effect; a line of REPORT.md holding one must be a sentence written by lmcal.pipeline.claims
+# the words that state an effect; a line of REPORT.md holding one must be a sentence written by lmcal.reporting.claims
 EFFECT = re.compile(r"\b(lowers|raises|flattens|no better than|better than|within \d+%|beyond \d+ standard)")
 
 
@@ -75,7 +75,7 @@ def _future_entropy_json(res: dict) -> dict:
 
 def _cpu_report(res: dict, tmp_path: Path) -> str:
     """REPORT.md of the cpu profile from results.json `res`, with the files it reads beside results.json."""
-    from lmcal.pipeline.report_md import report_markdown
+    from lmcal.reporting.report_md import report_markdown
     from lmcal.stages.tables import memory_table
 
     rows = [m | {"corpus": "ptb"} for m in res["memory"] if m.get("model") != "transformer"]
@@ -156,7 +156,7 @@ def test_results_take_the_dose_rows_other_runs_added(tmp_path):
     """results.json's dose-response: the stage's rows without their per-generation numbers, and every
     dose_rows_*.json beside calibration.json (bench/calibration_dose_row.py) as extra rows marked with their device,
     with the first rule's own alpha* where that run fitted it."""
-    from lmcal.pipeline.results import calibration_dose
+    from lmcal.reporting.results import calibration_dose
 
     row = {"rule": "top-16", "multiple": 1, "tail_diff_nats": 0.0, "tail_nats_per_generation": [[1.0]]}
     cal = {"dose_response": {"rules": ["top-16"], "rows": [row], "plain_tail_nats_per_generation": [[1.0]]}}

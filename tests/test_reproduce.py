@@ -142,7 +142,7 @@ def test_the_wandb_dashboard_of_the_smoke_reproduction(uninterrupted):
     assert all(r["output"] for r in runs)  # every run's Logs tab
     report = next(r for r in runs if r["job_type"] == "report")
     assert report["summary"]["calibration/alpha"] == pytest.approx(res["calibration"]["alpha"])
-    from lmcal.pipeline.report_wandb import numbers
+    from lmcal.reporting.report_wandb import numbers
 
     (table,) = (report["folder"] / "files" / "media" / "table").glob("results_*.table.json")
     assert len(json.loads(table.read_text())["data"]) == len(numbers(res))  # every number of results.json
@@ -155,7 +155,7 @@ def test_the_wandb_dashboard_of_the_smoke_reproduction(uninterrupted):
 
 
 def test_every_effect_sentence_of_the_report_agrees_with_results_json(uninterrupted):
-    """issue 33: REPORT.md's effect sentences are the ones lmcal.pipeline.claims writes from results.json (and the
+    """issue 33: REPORT.md's effect sentences are the ones lmcal.reporting.claims writes from results.json (and the
     future_entropy and sequence_calibration stages' own json), word for word, with verdicts that follow from the
     numbers; and each section says what it ran on."""
     from tests.test_report_claims import check_effect_sentences

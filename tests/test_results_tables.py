@@ -6,7 +6,7 @@ import json
 
 import yaml
 
-from lmcal.pipeline.runs_table import runs_report
+from lmcal.reporting.runs_table import runs_report
 from lmcal.stages.registry import result_rows
 from lmcal.stages.rows import method_label
 from lmcal.stages.tables import results_markdown

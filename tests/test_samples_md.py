@@ -1,4 +1,4 @@
-"""Generations shown as words (lmcal.pipeline.samples_md) and the words the generation curve keeps."""
+"""Generations shown as words (lmcal.reporting.samples_md) and the words the generation curve keeps."""
 
 import math
 
@@ -9,7 +9,7 @@ from lmcal.core.entropy_rate import generation_entropy_curve
 from lmcal.core.sampling import draw, uniforms
 from lmcal.data.markov import make_markov_chain
 from lmcal.models.oracles import MarkovOracle
-from lmcal.pipeline.samples_md import samples_markdown, words
+from lmcal.reporting.samples_md import samples_markdown, words
 
 
 def test_kept_words_are_the_generated_ones_and_change_nothing_else():

@@ -1,6 +1,6 @@
 """Entropy miscalibration against scale: the power-law fit and its bootstrap (lmcal.core.scaling), the source whose
 tail exponent is a setting (lmcal.data.powerlaw), the per-run record (lmcal.stages.scale_record), the sentences
-(lmcal.pipeline.claims), the table, figure, fit and W&B run of `python -m lmcal.report` (lmcal.pipeline.scale_report),
+(lmcal.reporting.claims), the table, figure, fit and W&B run of `python -m lmcal.report` (lmcal.reporting.scale_report),
 the sweep presets and `make reproduce PROFILE=scale|scale_gpu` (lmcal.pipeline.scale_sweep); the slow tier runs
 tiny multiruns of our models and of Hugging Face models built here, end to end."""
 
@@ -23,11 +23,11 @@ from lmcal.data.markov import markov_stationary, sample_markov
 from lmcal.data.powerlaw import make_powerlaw_chain, zipf_law
 from lmcal.errors import LmcalError
 from lmcal.models.oracles import MarkovOracle
-from lmcal.pipeline.docs import render, snapshot
 from lmcal.pipeline.plan import load_profile
-from lmcal.pipeline.scale_claims import effect_trend, scale_exponent
-from lmcal.pipeline.scale_report import collect_scale, log_scale_wandb, scale_report
 from lmcal.pipeline.scale_sweep import check_sweeps, grid, plan_sweeps
+from lmcal.reporting.docs import render, snapshot
+from lmcal.reporting.scale_claims import effect_trend, scale_exponent
+from lmcal.reporting.scale_report import collect_scale, log_scale_wandb, scale_report
 from lmcal.stages.scale_record import RECORD, scale_record, write_scale_record
 from tests.conftest import DATA_ROOT, HAVE_PTB
 from tests.test_wandb import runs_under

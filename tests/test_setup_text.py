@@ -1,6 +1,6 @@
-"""Each REPORT.md section's setup sentence from its stage's settings (lmcal.pipeline.setup_text), on exact inputs."""
+"""Each REPORT.md section's setup sentence from its stage's settings (lmcal.reporting.setup_text), on exact inputs."""
 
-from lmcal.pipeline import setup_text as S
+from lmcal.reporting import setup_text as S
 
 
 def test_setup_sentence_states_what_is_recorded_and_the_departures():

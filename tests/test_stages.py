@@ -14,7 +14,7 @@ from lmcal.errors import LmcalError
 from lmcal.evaluate import evaluate
 from lmcal.models.awd_lstm import limited_context_ce
 from lmcal.models.checkpoint import load_net
-from lmcal.pipeline.tabulate import memory_report
+from lmcal.reporting.tabulate import memory_report
 from lmcal.stages.tables import table1_markdown
 from lmcal.train import train
 from lmcal.utils.settings import CONF_DIR
@@ -397,7 +397,7 @@ def test_report_tabulates_the_training_runs_of_any_folders(tmp_path):
 
 
 def test_markov_memory_figure_shows_the_exact_value_and_counts_have_integer_ticks(tmp_path, monkeypatch):
-    from lmcal.pipeline import tabulate
+    from lmcal.reporting import tabulate
     from lmcal.stages import plots
 
     for tau, mi, exact in ((1, 0.30, 0.25), (2, 0.02, 0.0)):

@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from lmcal.pipeline.docs import DOCS, check_snapshot, render, snapshot
+from lmcal.reporting.docs import DOCS, check_snapshot, render, snapshot
 from lmcal.utils.boundary import boundary
 from lmcal.utils.io import write_text_atomic
 

@@ -20,8 +20,8 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from lmcal.core.lookahead import set_memory_budget
 from lmcal.errors import LmcalError
 from lmcal.models.checkpoint import model_name, read_checkpoint
-from lmcal.pipeline.docs import provenance, versions
 from lmcal.pipeline.preflight import checkpoint_model, hf_model, preflight
+from lmcal.reporting.docs import provenance, versions
 from lmcal.stages.registry import result_rows, run_stages
 from lmcal.stages.scale_record import record_evaluation
 from lmcal.stages.tables import results_markdown

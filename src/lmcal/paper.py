@@ -31,7 +31,7 @@ CALIBRATION_PPL_DROP = 20.0  # "almost 20 points", from the EntRate of TABLE1's 
 
 
 # Cao, Valiant & Liang, "On the Entropy Calibration of Language Models" (NeurIPS 2025; arXiv 2511.11966), the
-# reference of the scale sweep (lmcal.pipeline.scale_report). They fit the gap between the entropy of generations and
+# reference of the scale sweep (lmcal.reporting.scale_report). They fit the gap between the entropy of generations and
 # the log loss on human text against model size, log gap = a + b log N, for families of 0.5B-70B parameters, and
 # report exponents for text "close to 0" (faster for code); about -0.05 is the figure summaries of the paper quote.
 CVL = "Cao, Valiant & Liang (NeurIPS 2025)"

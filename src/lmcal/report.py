@@ -29,9 +29,9 @@ import sys
 from pathlib import Path
 
 from lmcal.errors import LmcalError
-from lmcal.pipeline.runs_table import runs_report
-from lmcal.pipeline.scale_report import log_scale_wandb, scale_report
-from lmcal.pipeline.tabulate import collect_memory, decoders_report, memory_report
+from lmcal.reporting.runs_table import runs_report
+from lmcal.reporting.scale_report import log_scale_wandb, scale_report
+from lmcal.reporting.tabulate import collect_memory, decoders_report, memory_report
 from lmcal.stages.wandb_run import check_online
 from lmcal.utils.boundary import boundary
 from lmcal.utils.io import write_json_atomic

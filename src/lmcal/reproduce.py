@@ -18,7 +18,7 @@ stage; `key=value` pairs override the profile (OmegaConf dot-list, e.g. `taus=[5
     report            results.json, REPORT.md, memory tables and Figure 4
 
 The scale profiles (scale on 2 CPU cores, scale_gpu on one GPU) run the scale sweeps instead: every job of each
-sweep's Hydra grid a stage, then the scale table and fit (lmcal.pipeline.scale_sweep, lmcal.pipeline.scale_report).
+sweep's Hydra grid a stage, then the scale table and fit (lmcal.pipeline.scale_sweep, lmcal.reporting.scale_report).
 
 Each stage runs as its own process (lmcal.pipeline: up to `jobs` at once, where they do not depend on each other)
 with its log in <out>/logs/<stage>.log and records completion in <out>/stages/<stage>.json (written atomically,

@@ -1,7 +1,10 @@
 """Train one language model: `python -m lmcal.train [hydra overrides]`.
 
 `train(cfg)` is a plain function (tests call it through Hydra's compose API); `main` is
-the Hydra entry point around it, which turns `LmcalError`s into one-paragraph messages.
+the Hydra entry point around it, which turns `LmcalError`s into one-paragraph messages. Its parts are in
+lmcal.training: the settings' checks (run_checks, with `check_settings`, which lmcal.utils.precheck calls through
+this module, and TRAINABLE, device_count), checkpoints (checkpoint_io), the W&B logger (wandb_logger), the module and
+callbacks.
 """
 
 from __future__ import annotations
@@ -21,16 +24,14 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.loggers import WandbLogger
-from pytorch_lightning.plugins.io import TorchCheckpointIO
 
 from lmcal.core.lookahead import set_memory_budget
 from lmcal.errors import LmcalError
-from lmcal.models.checkpoint import base_checkpoint, load_base_net, load_net, model_name, read_checkpoint
+from lmcal.models.checkpoint import base_checkpoint, load_base_net, model_name
 from lmcal.pipeline.preflight import preflight
 from lmcal.pipeline.sizes import model_of
-from lmcal.stages.registry import STAGES, check_plan, check_stages, stage_kinds, summary
-from lmcal.stages.stage import KINDS
-from lmcal.stages.wandb_run import check_online, init_args, log_checkpoint, open_run
+from lmcal.stages.registry import STAGES, check_plan, check_stages, summary
+from lmcal.stages.wandb_run import log_checkpoint
 from lmcal.training.callbacks import (
     EpochEntropyRateCallback,
     MetricsCallback,
@@ -38,190 +39,21 @@ from lmcal.training.callbacks import (
     TrainingProgress,
     progress_bar,
 )
+from lmcal.training.checkpoint_io import AtomicCheckpointIO, check_resume, init_from
 from lmcal.training.module import LMModule
+from lmcal.training.run_checks import TRAINABLE, applicable_stages, check_settings, device_count  # noqa: F401
 from lmcal.training.scale_run import record_training
+from lmcal.training.wandb_logger import finish_logger, make_logger
 from lmcal.utils.boundary import explain, fail, run_hydra
 from lmcal.utils.budget import tau_too_long
-from lmcal.utils.device import apply_precision_policy, cuda_missing
-from lmcal.utils.io import atomic_path, write_json_atomic
+from lmcal.utils.device import apply_precision_policy
+from lmcal.utils.io import write_json_atomic
 from lmcal.utils.lock import run_lock, sweep_temp_files
 from lmcal.utils.quiet import quiet_third_party
 from lmcal.utils.settings import CONF_DIR  # noqa: F401  (the tests' and benches' import)
-from lmcal.utils.validate import check_config
 
 log = logging.getLogger("lmcal")
 quiet_third_party()  # once per process, before Lightning says anything
-
-
-def make_logger(cfg: DictConfig, out: Path, vocab_size: int | None = None):
-    """The run's logger: Lightning's WandbLogger with the W&B setup every run shares (lmcal.stages.wandb_run:
-    name, job type `train` or `tau_model`, tags, group, mode passed explicitly, the run id kept in the folder so a
-    resumed training continues its run), or the configured other logger (CSV), or none. The W&B run's config is the
-    composed config once (Lightning's copy of the module's hyper-parameters would repeat it at the top level), with
-    model.vocab_size the corpus's."""
-    lg = cfg.get("logger")
-    if not lg or lg.get("_target_") is None:
-        return False
-    config = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
-    if vocab_size is not None:
-        config["model"]["vocab_size"] = vocab_size
-    args = init_args(OmegaConf.to_container(lg, resolve=True), out,
-                     job_type="tau_model" if cfg.model.get("memory_tau") else "train", model=model_name(cfg.model),
-                     dataset=cfg.data.name, group=sweep_group(), config=config)
-    if args is None:
-        return instantiate(lg)
-    class ConfigOnceWandbLogger(WandbLogger):
-        def log_hyperparams(self, params, *args, **kwargs) -> None:  # the run's config is given when it opens
-            pass
-
-    run = open_run(args)  # opened here, with the mode in its arguments: WandbLogger(offline=True) sets $WANDB_MODE
-    run.define_metric("trainer/global_step")  # as WandbLogger does for the runs it opens itself
-    run.define_metric("*", step_metric="trainer/global_step", step_sync=True)
-    return ConfigOnceWandbLogger(experiment=run, project=args["project"], name=args["name"], id=args["id"],
-                                 save_dir=args["dir"])
-
-
-def stages_on_command_line() -> bool:
-    """Whether analysis.stages was set on the command line (or the run is not a Hydra one: the compose API's
-    overrides count as the caller's own choice)."""
-    if not HydraConfig.initialized():
-        return True
-    return any(o.lstrip("+~").split("=")[0] == "analysis.stages"
-               for o in OmegaConf.to_container(HydraConfig.get().overrides.task, resolve=False))
-
-
-def applicable_stages(stages: list[str], kind: str, settings: dict[str, dict]) -> list[str]:
-    """The stages to run: those a preset lists (conf/experiment) but that do not apply to this kind of model (the
-    full model's stages in a tau sweep) are skipped with a one-line note; stages named on the command line
-    (analysis.stages=[...]) are kept, and one that does not apply stays an error (check_plan)."""
-    if stages_on_command_line():
-        return stages
-    skip = [n for n in stages if n in STAGES and kind not in stage_kinds(n, settings.get(n))]
-    if skip:
-        log.info(f"Skipping stage{'s' if len(skip) > 1 else ''} {', '.join(skip)}: the preset lists "
-                 f"{'them' if len(skip) > 1 else 'it'}, but {'they do' if len(skip) > 1 else 'it does'} not apply "
-                 f"to a {KINDS[kind]} (analysis.stages=[...] chooses the stages).")
-    return [n for n in stages if n not in skip]
-
-
-def sweep_group() -> str | None:
-    """A multirun's jobs share one W&B group, named after the sweep folder (None outside a multirun)."""
-    if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
-        return None
-    return f"multirun-{Path(HydraConfig.get().sweep.dir).name}"
-
-
-def finish_logger(logger) -> None:
-    """Close the W&B run whatever happened, so offline runs are complete and syncable."""
-    if isinstance(logger, WandbLogger):
-        import wandb
-
-        wandb.finish()  # not logger.experiment, which would open a run that never started
-
-
-TRAINABLE = ("AWDLSTM", "GPTLM")  # the networks python -m lmcal.train builds (lmcal.model, lmcal.transformer)
-
-
-class AtomicCheckpointIO(TorchCheckpointIO):
-    """Checkpoints written to a temporary file (named for this process) and renamed: a run killed while saving
-    leaves the previous checkpoint whole, so the rerun can resume from it. Read back safely (`read_checkpoint`)."""
-
-    def save_checkpoint(self, checkpoint, path, storage_options=None):
-        with atomic_path(path) as tmp:
-            super().save_checkpoint(checkpoint, tmp, storage_options)
-
-    def load_checkpoint(self, path, map_location=None, weights_only=None):
-        return read_checkpoint(path, map_location if map_location is not None else "cpu")
-
-
-def check_resume(path: str, model_cfg: dict, vocab_size: int) -> None:
-    """Resuming continues the checkpoint's own network: a run folder resumed with other model settings (a size, tau)
-    stops here with the differences, not with a size-mismatch traceback from deep inside Lightning."""
-    hp = read_checkpoint(path)["hyper_parameters"]
-    was, now = {**hp["net"], "vocab_size": hp["vocab_size"]}, {**model_cfg, "vocab_size": vocab_size}
-    diff = [f"model.{k} is {was.get(k)} there, {now.get(k)} now" for k in sorted(set(was) | set(now))
-            if was.get(k) != now.get(k)]
-    if diff:
-        raise LmcalError(f"Cannot resume from {path}: it was trained with other model settings ({'; '.join(diff)})"
-                         ". Rerun with the settings it was trained with to continue it, or start a new run in "
-                         "another folder (hydra.run.dir=...), or set ckpt_path= to another checkpoint. Nothing "
-                         "was changed.")
-
-
-def init_from(module: LMModule, path: str) -> None:
-    """Start from the network weights of another checkpoint (not its optimiser or schedule): warm-starts
-    tau-models from the base model in the CPU profile."""
-    if not Path(path).is_file():
-        raise LmcalError(f"init_ckpt={path} does not exist.")
-    net, _ = load_net(path)
-    try:
-        module.net.load_state_dict(net.state_dict())
-    except RuntimeError as e:
-        raise LmcalError(f"init_ckpt={path} does not fit this model (different sizes or vocabulary): "
-                         f"{str(e).splitlines()[0]}") from None
-    log.info(f"Initialised the network from {path}")
-
-
-def device_count(trainer_cfg) -> int:
-    """How many devices (or nodes x devices) `trainer` settings would train on: devices=2, "0,1", [0, 1], -1/"auto"
-    (every visible GPU when the accelerator may be a GPU, else 1), times num_nodes."""
-    devices, accel = trainer_cfg.get("devices", 1), str(trainer_cfg.get("accelerator", "auto"))
-    if devices in (-1, "-1", "auto"):
-        import torch
-
-        n = torch.cuda.device_count() if accel in ("auto", "gpu", "cuda") else 1
-    elif isinstance(devices, str):
-        n = len([d for d in devices.split(",") if d.strip()]) if "," in devices else int(devices)
-    elif isinstance(devices, int):
-        n = devices
-    else:  # a list of device indices
-        n = len(devices)
-    return max(n, 1) * int(trainer_cfg.get("num_nodes", 1) or 1)
-
-
-def check_one_device(cfg: DictConfig) -> None:
-    """Training runs on one device: refused, before any folder is written, where Lightning would start several."""
-    t = cfg.get("trainer") or {}
-    n, strategy = device_count(t), str(t.get("strategy", "auto"))
-    if n > 1 or any(s in strategy for s in ("ddp", "fsdp", "deepspeed")):
-        raise LmcalError(
-            f"Training runs on one device, and these settings ask for more (trainer.devices="
-            f"{t.get('devices')}, trainer.num_nodes={t.get('num_nodes', 1)}, trainer.strategy={strategy}). The "
-            "AWD-LSTM is trained on BPTT streams that carry the hidden state from one window to the next; Lightning's "
-            "DistributedSampler would give each process alternate windows, so each carried state would skip the "
-            "other's tokens, the learning rate would follow each process's own window lengths and NT-ASGD each "
-            "process's own validation loss: a different model, silently. Nothing was run or written. Train on one "
-            "device (trainer.devices=1) and use the other devices for the runs that are independent: the tau-models "
-            "and the analysis stages, side by side with `make reproduce ARGS='jobs=N'` (one device per running "
-            "stage), as Slurm jobs with `make reproduce ARGS='launcher=slurm'`, or a tau-model sweep with "
-            "`python -m lmcal.train -m hydra/launcher=slurm_gpu ...`.")
-
-
-def check_accelerator(cfg: DictConfig) -> None:
-    """trainer.accelerator=gpu (or cuda) on a machine without CUDA: refused in the words of the analysis entry point's
-    device=cuda (lmcal.utils.device.resolve_device), before any folder is written."""
-    import torch
-
-    accel = str((cfg.get("trainer") or {}).get("accelerator", "auto"))
-    if accel in ("gpu", "cuda") and not torch.cuda.is_available():
-        raise LmcalError(f"trainer.accelerator={accel}, but this machine has no CUDA device torch can use "
-                         f"({cuda_missing()}). Nothing was run or written. Train with trainer.accelerator=auto (the "
-                         "GPU where there is one, else the CPU) or cpu.")
-
-
-def check_settings(cfg: DictConfig) -> None:
-    """Every check the settings alone allow (no file is read): ranges and sizes, a network this command trains, one
-    device, the accelerator, W&B's mode. `python -m lmcal.train` runs it before Hydra writes anything
-    (lmcal.utils.precheck), train() again."""
-    check_config(cfg)
-    if not str((cfg.get("model") or {}).get("_target_") or "").endswith(TRAINABLE):
-        raise LmcalError("python -m lmcal.train trains AWD-LSTMs (model=awd_lstm or awd_lstm_small) and transformers "
-                         "(model=transformer_small or transformer); a Hugging Face model (model=hf) is analysed as "
-                         "it is: python -m lmcal.evaluate model=hf model.name_or_path=FOLDER "
-                         "stages=[entropy_rate,calibration,decoders].")
-    check_one_device(cfg)
-    check_accelerator(cfg)
-    check_online(OmegaConf.to_container(cfg.logger, resolve=True) if cfg.get("logger") else None)
 
 
 def train(cfg: DictConfig) -> dict:

@@ -1,2 +1,2 @@
-"""`make reproduce`: the plan of stages, their scheduling as processes, the stage records, results.json, REPORT.md,
-the tables over run folders, and docs/RESULTS.md."""
+"""`make reproduce`: the plan of stages, the plan check, their scheduling as processes (locally or as Slurm jobs),
+stops and time left. What the runs wrote is read back and written up by lmcal.reporting."""

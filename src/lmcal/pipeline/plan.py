@@ -12,9 +12,9 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from lmcal.errors import LmcalError
-from lmcal.pipeline.report_md import report
-from lmcal.pipeline.results import PAPER_STAGES
 from lmcal.pipeline.slurm import slurm_defaults
+from lmcal.reporting.report_md import report
+from lmcal.reporting.results import PAPER_STAGES
 from lmcal.stages.registry import STAGES
 from lmcal.stages.wandb_run import reproduction_group
 from lmcal.utils.settings import CONF_DIR, composed, settings_of

@@ -14,9 +14,9 @@ from omegaconf import DictConfig, OmegaConf
 from lmcal.errors import LmcalError
 from lmcal.pipeline.check import check
 from lmcal.pipeline.plan import plan, stage_settings
-from lmcal.pipeline.results import PAPER_STAGES, stage_record
 from lmcal.pipeline.schedule import reference_seconds, schedule
 from lmcal.pipeline.slurm import check_slurm_tools, schedule_slurm
+from lmcal.reporting.results import PAPER_STAGES, stage_record
 from lmcal.stages.registry import check_stages
 from lmcal.stages.wandb_run import check_online
 from lmcal.utils.io import write_json_atomic, write_text_atomic

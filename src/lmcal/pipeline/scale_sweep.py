@@ -1,6 +1,6 @@
 """`make reproduce PROFILE=scale` (2 CPU cores) and `PROFILE=scale_gpu` (one GPU): the scale sweeps of a profile's
 `sweeps` (name -> overrides of `python -m lmcal.train -m`, e.g. [experiment=scale]) as one resumable pipeline, then
-their table and fit (lmcal.pipeline.scale_report).
+their table and fit (lmcal.reporting.scale_report).
 
 Each job of each sweep's Hydra grid (its preset's hydra.sweeper.params, and any comma list in its overrides) is one
 stage: `python -m lmcal.train <the job's overrides>` in <out>/<sweep>/<job>, run by lmcal.pipeline.schedule as every
@@ -96,7 +96,7 @@ def plan_sweeps(cfg: DictConfig) -> list[dict]:
 def report_stage(cfg: DictConfig, out: Path, names: list[str]) -> None:
     """The report of a sweep profile: scale_report over its sweeps' folders, with each stage's record (the ETAs of
     the next run read them from docs/runs/<profile>/results.json) and the command that ran the pipeline."""
-    from lmcal.pipeline.scale_report import log_scale_wandb, scale_report
+    from lmcal.reporting.scale_report import log_scale_wandb, scale_report
 
     stages = {}
     for n in names:

@@ -17,8 +17,8 @@ from omegaconf import DictConfig
 from lmcal.errors import LmcalError
 from lmcal.pipeline.devices import device_env, free_slot, thread_env, visible_gpus
 from lmcal.pipeline.eta import plan_left, scaled, stage_line, step_eta
-from lmcal.pipeline.results import not_whole, stage_record
 from lmcal.pipeline.signals import end_groups, stage_process_options
+from lmcal.reporting.results import not_whole, stage_record
 from lmcal.utils.io import read_record, write_json_atomic
 from lmcal.utils.progress import clock
 
@@ -26,7 +26,7 @@ from lmcal.utils.progress import clock
 def reference_seconds(profile: str) -> tuple[dict[str, float], str]:
     """Each stage's wall time in the reproduction snapshotted into docs/runs/<profile>/ (a run that wrote it, on the
     machine its provenance names), for the ETAs; ({}, '') without one."""
-    from lmcal.pipeline.docs import DOCS
+    from lmcal.reporting.docs import DOCS
 
     path = DOCS / "runs" / profile / "results.json"
     try:
@@ -102,7 +102,7 @@ def check_finished(stage: dict, run: dict, rc: int) -> None:
 
 def finished_file(path: Path) -> bool:
     """A file that shows a stage finished: there, and, for JSON (results.json, metrics.json...), whole: it parses,
-    and holds every key its readers need with its type (lmcal.pipeline.results.not_whole). A file that is not whole
+    and holds every key its readers need with its type (lmcal.reporting.results.not_whole). A file that is not whole
     means "not done", with a warning naming it."""
     if not path.is_file():
         return False

@@ -19,8 +19,8 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from lmcal.errors import LmcalError
-from lmcal.pipeline.results import stage_record
 from lmcal.pipeline.schedule import check_finished, finished_file, progress_line, stage_command
+from lmcal.reporting.results import stage_record
 from lmcal.utils.io import write_json_atomic
 from lmcal.utils.settings import CONF_DIR
 

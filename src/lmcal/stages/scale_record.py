@@ -4,7 +4,7 @@ between them with standard errors, and the fitted temperature's and lookahead ca
 test cross-entropy of each. It is read off the results of the entropy_rate, calibration and decoders stages (run by
 the registry, lmcal.stages.run_stages), never recomputed: `python -m lmcal.train` (analysis.stages=[entropy_rate,
 ...]) and `python -m lmcal.evaluate stages=[entropy_rate,...]` write it whenever entropy_rate ran, and
-`python -m lmcal.report` fits the power law across the records it finds (lmcal.pipeline.scale_report).
+`python -m lmcal.report` fits the power law across the records it finds (lmcal.reporting.scale_report).
 """
 
 from __future__ import annotations

@@ -340,7 +340,7 @@ def sequence_table(result: dict) -> str:
                   "are Algorithm 1 or per-word samplers whose test CE is not higher than the model's, on the "
                   f"generations of seed {g['chosen_on_seed']}: {g['label']}. On {g['reported_on']} and seed "
                   f"{g['reported_on_seed']}: {g['tail_ppl']:.1f} ± {g['tail_ppl_stderr']:.1f} (REPORT.md tests it "
-                  "against the goal of 10% of the test perplexity at 2 standard errors: lmcal.pipeline.claims)."]
+                  "against the goal of 10% of the test perplexity at 2 standard errors: lmcal.reporting.claims)."]
     c = result.get("twisted_check")
     if c:
         lines += ["", f"The twisted row with the fewest particles ({c['label']}), on the same fresh prefixes and seed "

@@ -1,12 +1,12 @@
-"""The scale sweep's sentences (lmcal.pipeline.scale_report): the gap's fitted exponent against a scale axis and the
-trend of a method's effect with the models' strength, written from the numbers and their tests (lmcal.pipeline.claims
+"""The scale sweep's sentences (lmcal.reporting.scale_report): the gap's fitted exponent against a scale axis and the
+trend of a method's effect with the models' strength, written from the numbers and their tests (lmcal.reporting.claims
 states the rules)."""
 
 from __future__ import annotations
 
 import math
 
-from lmcal.pipeline.claims import Claim, Z
+from lmcal.reporting.claims import Claim, Z
 
 
 def _finite(x) -> bool:

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from lmcal.errors import LmcalError
-from lmcal.pipeline.claims import claims_markdown, results_claims
+from lmcal.reporting.claims import claims_markdown, results_claims
 from lmcal.utils.io import file_name, inside, temp_path, write_text_atomic
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -166,13 +166,13 @@ def _report_body(folder: Path, rel: str) -> str:
 
 
 def _claims_section(r: dict, report_text: str) -> list[str]:
-    """The effect sentences results.json supports (lmcal.pipeline.claims), where the snapshot's REPORT.md does not
+    """The effect sentences results.json supports (lmcal.reporting.claims), where the snapshot's REPORT.md does not
     hold them already (a report written before they were generated): its own effect sentences are then superseded."""
     claims = results_claims(r)
     if not claims or all(c.sentence in report_text for c in claims):
         return []
     return ["### What the numbers support", "",
-            "Generated from this snapshot's results.json by `lmcal.pipeline.claims` (each effect tested against "
+            "Generated from this snapshot's results.json by `lmcal.reporting.claims` (each effect tested against "
             "twice its standard error, and against the fitted temperature). The report below predates these "
             "sentences; where its text states an effect, these supersede it.", "", *claims_markdown(claims)]
 

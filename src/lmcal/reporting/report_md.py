@@ -13,7 +13,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from lmcal import paper
-from lmcal.pipeline.claims import (
+from lmcal.reporting.claims import (
     best_head_claims,
     calibration_claims,
     claims_markdown,
@@ -21,10 +21,10 @@ from lmcal.pipeline.claims import (
     memory_flags,
     sequence_goal_claims,
 )
-from lmcal.pipeline.docs import provenance
-from lmcal.pipeline.results import OPERATIONS, PAPER_STAGES, collect_results
-from lmcal.pipeline.samples_md import calibration_samples_markdown
-from lmcal.pipeline.setup_text import (
+from lmcal.reporting.docs import provenance
+from lmcal.reporting.results import OPERATIONS, PAPER_STAGES, collect_results
+from lmcal.reporting.samples_md import calibration_samples_markdown
+from lmcal.reporting.setup_text import (
     calibration_lines,
     decoders_lines,
     entropy_rate_lines,
@@ -95,7 +95,7 @@ def transformer_memory_markdown(r: dict) -> list[str]:
 
 def report(cfg: DictConfig, out: Path, names: list[str]) -> None:
     """results.json, REPORT.md and the figures; `names`: the pipeline's stages, in order."""
-    from lmcal.pipeline.tabulate import memory_report
+    from lmcal.reporting.tabulate import memory_report
     from lmcal.stages.plots import entropy_curve_figure
 
     results = collect_results(cfg, out, names)
@@ -146,7 +146,7 @@ def report(cfg: DictConfig, out: Path, names: list[str]) -> None:
     write_json_atomic(out / "results.json", results)
     write_text_atomic(out / "REPORT.md", report_markdown(cfg, results, out))
     if cfg.logger == "wandb":
-        from lmcal.pipeline.report_wandb import log_report  # (W&B is imported only when it logs)
+        from lmcal.reporting.report_wandb import log_report  # (W&B is imported only when it logs)
 
         log_report(cfg, results, out)
 
@@ -260,7 +260,7 @@ def _bound(rows: list[dict], tau: int, limited: str) -> str:
 
 def markov_memory_markdown(mk: dict) -> list[str]:
     """The Markov source's memory table, each bound beside its P̃'s cross-entropy (the exact order-τ conditional's in
-    the oracle column), and where the LSTM rows' slack comes from (lmcal.pipeline.setup_text.SLACK)."""
+    the oracle column), and where the LSTM rows' slack comes from (lmcal.reporting.setup_text.SLACK)."""
     def cell(rows: list[dict], tau: int, limited: str) -> str:
         m = next((m for m in rows if m["tau"] == tau and m.get("limited", "trained") == limited), None)
         ce = f" (CE {m['ce_limited_nats']:.3f})" if m and m.get("ce_limited_nats") is not None else ""

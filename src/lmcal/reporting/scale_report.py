@@ -1,7 +1,7 @@
 """The scale sweep's table and fit (the logic of `python -m lmcal.report` on folders holding scale.json records):
 one table of the runs, a log-log figure of the gap against parameters, training tokens and test cross-entropy, and
 the fitted exponents with bootstrap intervals beside Cao, Valiant & Liang's, with the sentences about them written
-by lmcal.pipeline.claims. Written into the output folder as scale.md, scale.png and scale_report.json, and as
+by lmcal.reporting.claims. Written into the output folder as scale.md, scale.png and scale_report.json, and as
 results.json and REPORT.md (profile `scale`), so that `make docs RUNS=<that folder>` snapshots it into
 docs/runs/scale; logged to W&B as one report run per group, with the table and the scatter as W&B plots.
 """
@@ -18,7 +18,7 @@ import numpy as np
 from lmcal import paper
 from lmcal.core.scaling import fit_power_law, weighted_trend
 from lmcal.errors import LmcalError
-from lmcal.pipeline.scale_text import AXES, METHODS, report_markdown, results_json, scale_table
+from lmcal.reporting.scale_text import AXES, METHODS, report_markdown, results_json, scale_table
 from lmcal.stages.scale_record import RECORD
 from lmcal.utils.io import inside, write_json_atomic, write_text_atomic
 

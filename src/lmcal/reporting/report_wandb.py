@@ -1,4 +1,4 @@
-"""The report's W&B run (lmcal.pipeline.report_md writes REPORT.md and calls it): every number of results.json in its
+"""The report's W&B run (lmcal.reporting.report_md writes REPORT.md and calls it): every number of results.json in its
 summary and a table, the memory and decoders tables, the figures, and the files as its artifact."""
 
 from __future__ import annotations

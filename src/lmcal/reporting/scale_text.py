@@ -1,5 +1,5 @@
-"""The scale sweep's results.json and REPORT.md (lmcal.pipeline.scale_report), written from the fits and the runs'
-records; every sentence that states an effect comes from lmcal.pipeline.claims."""
+"""The scale sweep's results.json and REPORT.md (lmcal.reporting.scale_report), written from the fits and the runs'
+records; every sentence that states an effect comes from lmcal.reporting.claims."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import math
 import time
 
 from lmcal import paper
-from lmcal.pipeline.docs import provenance, provenance_line
-from lmcal.pipeline.scale_claims import effect_trend, scale_exponent
+from lmcal.reporting.docs import provenance, provenance_line
+from lmcal.reporting.scale_claims import effect_trend, scale_exponent
 
 AXES = {"params": "parameters", "train_tokens": "training tokens", "data_tokens": "distinct training tokens",
         "test_ce_nats": "test CE"}
