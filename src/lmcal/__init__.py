@@ -5,8 +5,8 @@ What a user calls from Python is importable from here:
     from lmcal import LSTMStepLM, generation_entropy_curve, fit_lookahead_calibration, calibrated
 
 Each name is loaded on first use (PEP 562), so `python -m lmcal.<entry point>` imports only what that entry point
-needs. The layers underneath (lmcal.data, lmcal.models, lmcal.core, lmcal.stages, lmcal.reporting, lmcal.pipeline) are described in
-the README's layout section.
+needs. The layers underneath (lmcal.data, lmcal.models, lmcal.core, lmcal.stages, lmcal.reporting,
+lmcal.pipeline) are described in the README's layout section.
 """
 
 from __future__ import annotations
