@@ -1,15 +1,17 @@
 """What a pipeline stage costs before it does its own work, and what a warm worker would save: `make reproduce` runs
 every stage as its own process, each importing torch, the stages (matplotlib, SciPy) and Hydra again.
 
-    python bench/stage_startup.py [--ckpt BEST.ckpt] [--reps 5] [--out docs/bench/stage_startup.md]
+    python bench/stage_startup.py [--ckpt BEST.ckpt] [--reps 5] [--pipeline] [--out docs/bench/stage_startup.md]
 
 Three measurements, interleaved (A B C A B C ...) to spread machine noise, medians reported:
 - import: `python -c "import lmcal.evaluate"` (a process start and the imports every analysis stage makes);
 - fresh: `python -m lmcal.evaluate ckpt=... stages=[] logger=none` in a new process, as the pipeline starts a stage
   (imports, Hydra, reading the checkpoint and its corpus, the model's test cross-entropy);
-- warm: the same command run in a child forked from a process that has already imported lmcal.evaluate and run no
-  torch operation (a warm worker; a fork after a torch CPU operation deadlocks the child's OpenMP pool, so the worker
-  must never compute). The difference fresh - warm is what a warm worker saves a stage.
+- warm: the same command forked by the pipeline's warm worker (lmcal.pipeline.warm, which `make reproduce` uses
+  unless warm_worker=false), as the pipeline forks a stage. The difference fresh - warm is what it saves a stage.
+With --pipeline, then the whole smoke reproduction (`python -m lmcal.reproduce profile=smoke logger=csv`) twice,
+forked by the warm worker and with warm_worker=false, each into a new folder: their wall times, their stages' summed
+seconds and whether every number of results.json agrees (tests/test_reproduce.py checks every result file).
 Without --ckpt a smoke model is trained first (experiment=smoke, one epoch; real PTB through LMCAL_DATA_ROOT, else
 a synthetic corpus). The machine's float32 matmul rate, measured in the same run, is printed beside the figures.
 """
@@ -25,33 +27,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from lmcal.pipeline.warm import Worker
 from lmcal.reporting.docs import add_out_option, save_bench, tee
 from lmcal.utils.profiling import matmul_flops
-
-# The warm worker: imports what a stage imports, then forks one child per command line read from stdin, and answers
-# each with the child's exit status. It never runs a torch operation (see the module's docstring).
-WORKER = r"""
-import os, runpy, sys
-import lmcal.evaluate  # noqa: F401
-print("ready", flush=True)
-for line in sys.stdin:
-    argv = line.rstrip("\n").split("\t")
-    pid = os.fork()
-    if pid == 0:
-        os.setsid()
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, 1)
-        os.dup2(devnull, 2)
-        sys.argv = argv
-        code = 0
-        try:
-            runpy.run_module("lmcal.evaluate", run_name="__main__", alter_sys=True)
-        except SystemExit as e:
-            code = e.code if isinstance(e.code, int) else 1
-        os._exit(code)
-    _, status = os.waitpid(pid, 0)
-    print(os.waitstatus_to_exitcode(status), flush=True)
-"""
 
 
 def evaluate_args(ckpt: str, out: Path) -> list[str]:
@@ -67,17 +45,52 @@ def smoke_checkpoint(folder: Path) -> str:
     return str(folder / "checkpoints" / "best.ckpt")
 
 
+def _numbers(obj):
+    """results.json without what differs from run to run: times, dates, commands, folders."""
+    skip = ("seconds", "_at", "provenance", "ms_per", "per_s", "gflop", "dir", "path", "log")
+    if isinstance(obj, dict):
+        return {k: _numbers(v) for k, v in obj.items() if not any(x in k for x in skip)}
+    return [_numbers(v) for v in obj] if isinstance(obj, list) else obj
+
+
+def pipeline_rows(tmp: Path, env: dict, emit) -> None:
+    """The smoke reproduction forked by the warm worker, then with fresh processes: wall times and agreement."""
+    import json
+
+    env = {k: v for k, v in env.items() if k != "OMP_NUM_THREADS"}  # the pipeline gives each stage its share
+    runs = {}
+    for name, extra in (("warm", []), ("fresh", ["warm_worker=false"])):
+        out = tmp / f"reproduce-{name}"
+        t = time.perf_counter()
+        subprocess.run([sys.executable, "-m", "lmcal.reproduce", "profile=smoke", f"out={out}", "logger=csv", *extra],
+                       check=True, capture_output=True, env=env)
+        r = json.loads((out / "results.json").read_text())
+        stages = sum(json.loads(p.read_text()).get("seconds", 0.0) for p in (out / "stages").glob("*.json"))
+        runs[name] = (time.perf_counter() - t, stages, _numbers(r))
+        emit(f"- smoke reproduction, stages {'forked by the warm worker' if name == 'warm' else 'as fresh processes'}"
+             f": {runs[name][0]:.0f} s wall, {stages:.0f} s summed over its stages")
+    same = runs["warm"][2] == runs["fresh"][2]
+    emit(f"- every number of results.json (times, dates and paths aside) the same both ways: {'yes' if same else 'NO'}")
+    emit(f"- the warm worker saved {runs['fresh'][0] - runs['warm'][0]:.0f} s of the smoke reproduction's wall time "
+         f"({100 * (1 - runs['warm'][0] / runs['fresh'][0]):.0f}%)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ckpt", help="a checkpoint of python -m lmcal.train (default: train a smoke model first)")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--pipeline", action="store_true", help="also the smoke reproduction, warm against fresh")
     add_out_option(ap, "stage_startup")
     args = ap.parse_args()
     emit, lines = tee()
     tmp = Path(tempfile.mkdtemp(prefix="lmcal-startup-"))
     ckpt = args.ckpt or smoke_checkpoint(tmp / "smoke")
-    worker = subprocess.Popen([sys.executable, "-c", WORKER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    assert worker.stdout.readline().strip() == "ready"
+    env = {**os.environ, "HYDRA_FULL_ERROR": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    t = time.perf_counter()
+    worker = Worker.start(env)
+    first = worker.launch([sys.executable, "-m", "lmcal.evaluate", "--help"], env, tmp / "first.log")
+    first.wait()
+    start = time.perf_counter() - t  # the worker's own imports, paid once a pipeline
     times: dict[str, list[float]] = {"import": [], "fresh": [], "warm": []}
     try:
         for i in range(args.reps):
@@ -86,18 +99,16 @@ def main() -> None:
             times["import"].append(time.perf_counter() - t)
             t = time.perf_counter()
             subprocess.run([sys.executable, "-m", "lmcal.evaluate", *evaluate_args(ckpt, tmp / f"fresh{i}")],
-                           check=True, capture_output=True)
+                           check=True, capture_output=True, env=env)
             times["fresh"].append(time.perf_counter() - t)
             t = time.perf_counter()
-            worker.stdin.write("\t".join(["lmcal.evaluate", *evaluate_args(ckpt, tmp / f"warm{i}")]) + "\n")
-            worker.stdin.flush()
-            rc = int(worker.stdout.readline())
+            rc = worker.launch([sys.executable, "-m", "lmcal.evaluate", *evaluate_args(ckpt, tmp / f"warm{i}")],
+                               env, tmp / f"warm{i}.log").wait()
             times["warm"].append(time.perf_counter() - t)
             if rc:
-                raise SystemExit(f"the warm worker's child failed (exit status {rc})")
+                raise SystemExit(f"the warm worker's stage failed (exit status {rc}); see {tmp / f'warm{i}.log'}")
     finally:
-        worker.stdin.close()
-        worker.wait()
+        worker.close()
     rate = matmul_flops(seconds=2.0) / 1e9
     med = {k: statistics.median(v) for k, v in times.items()}
     emit(f"Stage start-up ({args.reps} interleaved repetitions, medians; this machine's float32 matmul rate "
@@ -111,8 +122,12 @@ def main() -> None:
         emit(f"| {what} | {med[k]:.2f} | {', '.join(f'{x:.2f}' for x in times[k])} |")
     emit("")
     saved = med["fresh"] - med["warm"]
-    emit(f"A warm worker would save {saved:.2f} s a stage ({100 * saved / med['fresh']:.0f}% of a stage's start-up); "
-         "the smoke profile runs 20 stage processes, two at a time.")
+    emit(f"The warm worker saves {saved:.2f} s a stage ({100 * saved / med['fresh']:.0f}% of a stage's start-up), "
+         f"after {start:.1f} s of its own imports once a pipeline (overlapping the first stage's); the smoke profile "
+         "runs 20 stage processes, two at a time.")
+    if args.pipeline:
+        emit("")
+        pipeline_rows(tmp, env, emit)
     save_bench(args.out, "Stage start-up: a fresh process against a warm worker", "\n".join(lines))
 
 

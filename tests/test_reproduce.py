@@ -183,11 +183,12 @@ def test_rerun_skips_finished_stages(uninterrupted, tmp_path):
 
 @pytest.fixture(scope="module")
 def killed_and_rerun(tmp_path_factory):
-    """The smoke reproduction one stage at a time (jobs=1; the uninterrupted run has two side by side), killed while
-    a tau-model is training (after its first epoch's checkpoint), then rerun: one run serves both tests below."""
+    """The smoke reproduction one stage at a time (jobs=1; the uninterrupted run has two side by side), each stage a
+    fresh process (warm_worker=false; the uninterrupted run forks them from a warm worker), killed while a tau-model
+    is training (after its first epoch's checkpoint), then rerun: one run serves both tests below."""
     out = tmp_path_factory.mktemp("killed") / "killed"
-    p = subprocess.Popen(_cmd(out, "jobs=1"), env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                         start_new_session=True)
+    p = subprocess.Popen(_cmd(out, "jobs=1", "warm_worker=false"), env=_env(), stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL, start_new_session=True)
     ckpt = out / "ptb" / "tau" / "tau_2" / "checkpoints" / "last.ckpt"
     deadline = time.time() + 600
     while not ckpt.is_file() and p.poll() is None and time.time() < deadline:
@@ -198,7 +199,8 @@ def killed_and_rerun(tmp_path_factory):
               "lock": (out / ".lmcal.lock").is_file(),  # left by the killed process: the rerun takes it over
               "status": {n: json.loads((out / "stages" / f"{n}.json").read_text())["status"]
                          for n in ("base", "tau_models") if (out / "stages" / f"{n}.json").is_file()}}
-    r = subprocess.run(_cmd(out, "jobs=1"), env=_env(), capture_output=True, text=True, timeout=1800)
+    r = subprocess.run(_cmd(out, "jobs=1", "warm_worker=false"), env=_env(), capture_output=True, text=True,
+                       timeout=1800)
     return out, killed, r
 
 
@@ -306,9 +308,9 @@ def _without_timing(obj, out: str):
 
 
 def test_stages_side_by_side_write_the_same_results_as_one_at_a_time(uninterrupted, killed_and_rerun):
-    """The smoke profile runs independent stages two at a time (jobs: 2); one at a time (jobs=1, the killed and
-    rerun reproduction) every result file of every stage is the same but for its wall times and the resumed
-    tau-model's record of its resume."""
+    """The smoke profile runs independent stages two at a time (jobs: 2), forked by a warm worker; one at a time
+    (jobs=1), each a fresh process (the killed and rerun reproduction), every result file of every stage is the same
+    but for its wall times and the resumed tau-model's record of its resume."""
     straight, _ = uninterrupted
     out, _, r = killed_and_rerun
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

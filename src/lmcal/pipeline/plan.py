@@ -59,9 +59,11 @@ def load_profile(argv: list[str]) -> DictConfig:
     if "extends" in profile:  # a profile that differs from another in a few keys lists only those (paper_full)
         parent = profile.pop("extends")
         profile = OmegaConf.merge(OmegaConf.load(CONF_DIR / "reproduce" / f"{parent}.yaml"), profile)
-    # every profile runs its stages here (launcher=local) or as Slurm jobs (launcher=slurm, slurm.<key>=...), and
-    # uploads its checkpoints to W&B only with wandb_log_model=true
-    profile = OmegaConf.merge({"launcher": "local", "slurm": slurm_defaults(), "wandb_log_model": False}, profile)
+    # every profile runs its stages here (launcher=local: forked by a warm worker, lmcal.pipeline.warm, unless
+    # warm_worker=false) or as Slurm jobs (launcher=slurm, slurm.<key>=...), and uploads its checkpoints to W&B only
+    # with wandb_log_model=true
+    profile = OmegaConf.merge({"launcher": "local", "slurm": slurm_defaults(), "wandb_log_model": False,
+                               "warm_worker": True}, profile)
     known = _keys(profile)
     unknown = [k for k in _keys(cli) if k not in known and k not in CLI_ONLY
                and not any(k.startswith(f"{p}.") for p in known)]

@@ -18,6 +18,7 @@ from lmcal.errors import LmcalError
 from lmcal.pipeline.devices import device_env, free_slot, thread_env, visible_gpus
 from lmcal.pipeline.eta import plan_left, scaled, stage_line, step_eta
 from lmcal.pipeline.signals import end_groups, stage_process_options
+from lmcal.pipeline.warm import Worker, takes
 from lmcal.reporting.results import not_whole, stage_record
 from lmcal.utils.io import read_record, write_json_atomic
 from lmcal.utils.progress import clock
@@ -71,9 +72,10 @@ def machine_gflops() -> float:
     return round(matmul_flops(seconds=0.5) / 1e9, 1)
 
 
-def launch(stage: dict, out: Path, env: dict | None = None) -> dict:
+def launch(stage: dict, out: Path, env: dict | None = None, worker: Worker | None = None) -> dict:
     """Starts a stage's process with its output appended to logs/<name>.log, `env` added to its environment (its
-    GPU): {"proc" (None: nothing to run), "cmd", "log", "log_path", "t0"}."""
+    GPU, its threads), forked by the warm `worker` where it takes the command (lmcal.pipeline.warm): {"proc" (None:
+    nothing to run), "cmd", "log", "log_path", "t0"}."""
     log_path = out / "logs" / f"{stage['name']}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     cmd, run = stage_command(stage), {"proc": None, "log": None, "log_path": log_path, "t0": time.perf_counter()}
@@ -82,9 +84,12 @@ def launch(stage: dict, out: Path, env: dict | None = None) -> dict:
         run["log"] = open(log_path, "a")
         run["log"].write(f"\n$ {shlex.join(cmd)}\n")
         run["log"].flush()
-        run["proc"] = subprocess.Popen(cmd, stdout=run["log"], stderr=subprocess.STDOUT,
-                                       env={**os.environ, "HYDRA_FULL_ERROR": "1", **(env or {})},
-                                       **stage_process_options())
+        full_env = {**os.environ, "HYDRA_FULL_ERROR": "1", **(env or {})}
+        if worker is not None and takes(cmd):
+            run["proc"] = worker.launch(cmd, full_env, log_path)
+        else:
+            run["proc"] = subprocess.Popen(cmd, stdout=run["log"], stderr=subprocess.STDOUT, env=full_env,
+                                           **stage_process_options())
     return run
 
 
@@ -136,6 +141,10 @@ def schedule(stages: list[dict], cfg: DictConfig, out: Path, current: dict, jobs
     (lmcal.pipeline.eta) from the reference run's stage times `ref`, else the plan check's `estimates`, scaled to
     this machine as stages finish."""
     gpus = visible_gpus() if jobs > 1 else []
+    # stages forked by a warm worker, started when first used; not where GPUs are handed out (a fork must not
+    # follow CUDA's start) nor with warm_worker=false
+    warm = {"on": cfg is not None and bool(cfg.get("warm_worker", False)) and not (gpus or visible_gpus()),
+            "worker": None}
     total, index, number = len(stages), {st["name"]: i for i, st in enumerate(stages, 1)}, {}
     todo, running, finished, ran, seconds = list(stages), {}, set(), set(), {}
     basis = dict(ref or estimates or {})
@@ -173,7 +182,9 @@ def schedule(stages: list[dict], cfg: DictConfig, out: Path, current: dict, jobs
                 else:
                     slot = free_slot(running)
                     env = {**thread_env(jobs), **device_env(slot, gpus, jobs)}
-                    run = launch(stage, out, env) | {"rec": rec, "slot": slot}
+                    if warm["on"] and warm["worker"] is None and takes(stage_command(stage)):
+                        warm["worker"] = Worker.start({**os.environ, "HYDRA_FULL_ERROR": "1", **thread_env(jobs)})
+                    run = launch(stage, out, env, warm["worker"]) | {"rec": rec, "slot": slot}
                 running[name] = run
             if todo and not running:  # nothing runs and nothing could start: a plan whose deps are not in it
                 raise LmcalError(f"Stages {', '.join(st['name'] for st in todo)} wait on stages that are not in the "
@@ -213,3 +224,6 @@ def schedule(stages: list[dict], cfg: DictConfig, out: Path, current: dict, jobs
     except BaseException:  # a failed stage, Ctrl-C or a kill: the others go down with the pipeline
         stop(running)
         raise
+    finally:
+        if warm["worker"] is not None:
+            warm["worker"].close()

@@ -32,6 +32,13 @@ def _die_with_parent() -> None:
     _PRCTL(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
+def die_with_parent() -> None:
+    """This process dies when its parent does (Linux; elsewhere nothing): a stage forked by the warm worker
+    (lmcal.pipeline.warm), as a stage started with `stage_process_options`."""
+    if _PRCTL is not None:
+        _die_with_parent()
+
+
 def stage_process_options() -> dict:
     """Popen keywords for a stage: its own session (a process group that `end_groups` ends whole, and that a
     terminal's Ctrl-C does not reach: the pipeline stops it), dying with the pipeline on Linux."""
