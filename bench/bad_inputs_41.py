@@ -172,13 +172,17 @@ def _signal_in_fit(tmp: Path, sig: signal.Signals) -> dict:
     err = tmp / f"fit_{sig.name}.err"
     env = {**os.environ, "WANDB_MODE": "disabled", "PYTHONWARNINGS": "ignore"}
     t0 = time.perf_counter()
-    with open(err, "w") as f:
-        p = subprocess.Popen([sys.executable, "-m", *TRAIN, "trainer.max_epochs=50",
+    out = tmp / f"fit_{sig.name}.out"
+    with open(err, "w") as f, open(out, "w") as o:
+        # Lightning's model summary goes to stdout (not train.log); SIGINT as a terminal's Ctrl-C sends it (a shell's
+        # background job passes it on ignored, and Python then never raises KeyboardInterrupt)
+        p = subprocess.Popen([sys.executable, "-m", *TRAIN, "trainer.max_epochs=500",
                               "trainer.enable_model_summary=true", "analysis.stages=[]", f"hydra.run.dir={run}"],
-                             cwd=tmp, env=env, stdout=subprocess.DEVNULL, stderr=f, stdin=subprocess.DEVNULL)
+                             cwd=tmp, env=env, stdout=o, stderr=f, stdin=subprocess.DEVNULL,
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         deadline = time.time() + 600
         while time.time() < deadline and p.poll() is None:
-            if "Trainable params" in (run / "train.log").read_text() if (run / "train.log").is_file() else False:
+            if "Trainable params" in out.read_text():
                 break
             time.sleep(0.5)
         time.sleep(3)  # in the training loop
