@@ -141,10 +141,11 @@ def schedule(stages: list[dict], cfg: DictConfig, out: Path, current: dict, jobs
     (lmcal.pipeline.eta) from the reference run's stage times `ref`, else the plan check's `estimates`, scaled to
     this machine as stages finish."""
     gpus = visible_gpus() if jobs > 1 else []
-    # stages forked by a warm worker, started when first used; not where GPUs are handed out (a fork must not
-    # follow CUDA's start) nor with warm_worker=false
-    warm = {"on": cfg is not None and bool(cfg.get("warm_worker", False)) and not (gpus or visible_gpus()),
-            "worker": None}
+    # stages forked by a warm worker, started when first used: on Linux (macOS's system libraries do not survive a
+    # fork of a process that loaded them), not where GPUs are handed out (a fork must not follow CUDA's start), not
+    # with warm_worker=false
+    warm = {"on": sys.platform == "linux" and cfg is not None and bool(cfg.get("warm_worker", False))
+            and not (gpus or visible_gpus()), "worker": None}
     total, index, number = len(stages), {st["name"]: i for i, st in enumerate(stages, 1)}, {}
     todo, running, finished, ran, seconds = list(stages), {}, set(), set(), {}
     basis = dict(ref or estimates or {})
