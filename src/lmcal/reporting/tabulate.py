@@ -19,7 +19,7 @@ from lmcal.utils.io import file_name, inside, write_json_atomic, write_text_atom
 MEMORY_KEYS = ("corpus", "tau", "model", "ce_limited_nats", "mi_upper_bound_nats", "mi_stderr_nats", "alpha",
                "alpha_stderr", "entropy_calibrated_nats", "test_tokens", "cluster_size")
 DECODER_KEYS = ("method", "params", "entrate_ppl", "test_ce_nats", "zero_prob_fraction", "test_ce_mixed_nats",
-                    "entropy_last_nats", "stderr_nats")
+                "test_ce_kept_nats", "entropy_t1_nats", "entropy_last_nats", "stderr_nats")
 
 
 def _missing(r, keys) -> list[str]:
@@ -36,6 +36,13 @@ def _file_name(corpus: str, rows: list[dict]) -> str:
     return name
 
 
+def results_under(d: Path, name: str) -> list[Path]:
+    """Every stage result called `name` under `d`, but not a reproduction's own record of a stage of that name
+    (<out>/stages/decoders.json beside <out>/profile.yaml: status, command and settings, not the stage's results)."""
+    return [p for p in sorted(Path(d).rglob(name))
+            if not (p.parent.name == "stages" and (p.parent.parent / "profile.yaml").is_file())]
+
+
 def collect_memory(dirs: list[str | Path]) -> dict[str, list[dict]]:
     """corpus -> memory.json results sorted by tau, then P~ (trained before window); of two results for one (corpus,
     tau, P~) the newest file wins."""
@@ -44,7 +51,7 @@ def collect_memory(dirs: list[str | Path]) -> dict[str, list[dict]]:
         d = Path(d)
         if not d.is_dir():
             raise LmcalError(f"{d} is not a folder; pass the sweep (or run) folders that hold memory.json files.")
-        for path in sorted(d.rglob("memory.json")):
+        for path in results_under(d, "memory.json"):
             try:
                 r = json.loads(path.read_text())
                 if missing := _missing(r, MEMORY_KEYS):
@@ -71,13 +78,15 @@ def collect_decoders(dirs: list[str | Path]) -> dict[str, list[dict]]:
     the fitted rows appear in many runs of a sweep, and are kept once (the newest)."""
     found: dict[tuple, tuple[float, dict]] = {}
     for d in dirs:
-        for path in sorted(Path(d).rglob("decoders.json")):
+        for path in results_under(d, "decoders.json"):
             try:
                 res = json.loads(path.read_text())
                 rows, corpus = res["rows"], str(res["corpus"])
                 bad = [f"row {i} lacks {', '.join(m)}" for i, r in enumerate(rows) if (m := _missing(r, DECODER_KEYS))]
                 if bad or not all(isinstance(r["params"], dict) for r in rows):
                     raise KeyError("; ".join(bad[:3]) or "a row's params is not a mapping")
+                if not all(isinstance(r["stderr_nats"], list) and r["stderr_nats"] for r in rows):
+                    raise TypeError("a row's stderr_nats is not a list (one standard error per generated position)")
             except (ValueError, KeyError, TypeError) as e:
                 raise LmcalError(f"{path} is not a decoders-stage result ({str(e).strip(chr(39))}); delete it or "
                                  "rerun that stage.") from None
