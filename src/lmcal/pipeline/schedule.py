@@ -72,6 +72,11 @@ def machine_gflops() -> float:
     return round(matmul_flops(seconds=0.5) / 1e9, 1)
 
 
+def stage_env(extra: dict | None = None) -> dict:
+    """The environment every stage process starts with (forked by the warm worker or not), `extra` added."""
+    return {**os.environ, "HYDRA_FULL_ERROR": "1", **(extra or {})}
+
+
 def launch(stage: dict, out: Path, env: dict | None = None, worker: Worker | None = None) -> dict:
     """Starts a stage's process with its output appended to logs/<name>.log, `env` added to its environment (its
     GPU, its threads), forked by the warm `worker` where it takes the command (lmcal.pipeline.warm): {"proc" (None:
@@ -84,7 +89,7 @@ def launch(stage: dict, out: Path, env: dict | None = None, worker: Worker | Non
         run["log"] = open(log_path, "a")
         run["log"].write(f"\n$ {shlex.join(cmd)}\n")
         run["log"].flush()
-        full_env = {**os.environ, "HYDRA_FULL_ERROR": "1", **(env or {})}
+        full_env = stage_env(env)
         if worker is not None and takes(cmd):
             run["proc"] = worker.launch(cmd, full_env, log_path)
         else:
@@ -184,7 +189,7 @@ def schedule(stages: list[dict], cfg: DictConfig, out: Path, current: dict, jobs
                     slot = free_slot(running)
                     env = {**thread_env(jobs), **device_env(slot, gpus, jobs)}
                     if warm["on"] and warm["worker"] is None and takes(stage_command(stage)):
-                        warm["worker"] = Worker.start({**os.environ, "HYDRA_FULL_ERROR": "1", **thread_env(jobs)})
+                        warm["worker"] = Worker.start(stage_env(thread_env(jobs)))
                     run = launch(stage, out, env, warm["worker"]) | {"rec": rec, "slot": slot}
                 running[name] = run
             if todo and not running:  # nothing runs and nothing could start: a plan whose deps are not in it
