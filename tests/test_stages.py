@@ -443,6 +443,42 @@ def test_a_line_drawn_over_an_equal_one_says_so_in_the_legend(tmp_path, monkeypa
     assert labels == ["trained", "window (the same points as trained, drawn over them)", "shifted"]
 
 
+def test_the_decoders_figure_labels_every_point_apart_and_inside_the_figure(tmp_path, monkeypatch):
+    """issue 42: on the cpu run's points the labels of the model and its two fitted rows lay over each other and
+    mirostat's, at the right edge, was cut. Every label is now drawn whole inside the figure, none overlaps another,
+    and each is in its point's colour."""
+    import matplotlib.text
+
+    from lmcal.stages import plots
+
+    figs = []
+    real_save = plots._save
+    monkeypatch.setattr(plots, "_save", lambda fig, path: (figs.append(fig), real_save(fig, path))[1])
+    points = [("model", {}, 4.752, 5.234), ("temperature", {"temperature": 0.8}, 4.905, 3.316),
+              ("top_k", {"k": 50}, 9.216, 2.634), ("top_p", {"p": 0.95}, 5.058, 4.815),
+              ("typical", {"mass": 0.95}, 5.042, 4.676), ("eta", {"eta_cutoff": 0.0003}, 5.573, 4.252),
+              ("min_p", {"min_p": 0.05}, 11.246, 1.591),
+              ("mirostat", {"target_surprise": 5.0, "learning_rate": 0.1}, 17.26, 3.03),
+              ("fitted_temperature", {"temperature": 0.9901, "temperature_stderr": 0.003}, 4.75, 5.174),
+              ("calibration", {"alpha": -0.0326, "alpha_stderr": 0.0129, "topk": 16}, 4.752, 5.132)]
+    rows = [{"method": m, "params": p, "test_ce_mixed_nats": x, "entropy_last_nats": y, "stderr_nats": [0.03]}
+            for m, p, x, y in points]
+    plots.decoders_tradeoff_figure(rows, tmp_path / "d.png", title="decoders")
+    fig = figs[-1]
+    fig.canvas.draw()
+    texts = [t for t in fig.axes[0].texts]
+    assert sorted(t.get_text().split(" ")[0] for t in texts) == sorted(m for m, *_ in points)
+    boxes = [matplotlib.text.Text.get_window_extent(t) for t in texts]  # the words, not the leader line
+    whole = fig.bbox
+    assert all(whole.x0 <= b.x0 and b.x1 <= whole.x1 and whole.y0 <= b.y0 and b.y1 <= whole.y1 for b in boxes)
+    overlaps = [(texts[i].get_text(), texts[j].get_text()) for i in range(len(boxes)) for j in range(i)
+                if boxes[i].overlaps(boxes[j])]
+    assert overlaps == []
+    lines = fig.axes[0].get_lines()
+    for t in texts:
+        assert t.get_color() in {ln.get_color() for ln in lines}
+
+
 def test_a_memory_run_draws_its_bound_and_the_parts_it_is_made_of(tmp_path, monkeypatch):
     """issue 30: memory runs log their figure too. Left the CEs and entropy (nats), right the bound by estimator,
     with the exact I_tau where the source is known."""

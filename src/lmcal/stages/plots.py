@@ -170,30 +170,63 @@ def memory_figure(series: dict[str, tuple[list, list, list | None]], path: str |
 def decoders_tradeoff_figure(rows: list[dict], path: str | Path, title: str = "") -> Path:
     """Each decoder setting as a point: entropy of the last generated word (nats, ±1.96 se) against its held-out
     cross-entropy after mixing in a little uniform mass (finite for truncating rules too). The plain model's entropy
-    is a dotted line; the fitted rows (temperature, calibration) are squares. Written atomically."""
+    is a dotted line; the fitted rows (temperature, calibration) are squares. Labels that would overlap are moved
+    apart and joined to their points by a thin line; those in the right part of the axes are set to the point's left,
+    so none is cut at the edge; each label is in its point's colour. Written atomically."""
     path = Path(path)
     fig, ax = plt.subplots(figsize=(7.2, 4.4), dpi=120)
+    points = []  # (x, y, label, colour) of the plotted rows
     for r in rows:
         fitted = r["method"] in ("fitted_temperature", "calibration")
         x, y, se = r["test_ce_mixed_nats"], r["entropy_last_nats"], r["stderr_nats"][-1]
         if x is None:
             continue
         params = format_params(r["params"], digits=3, drop=("stderr", "topk"), empty="")
-        ax.errorbar([x], [y], yerr=[1.96 * se], marker="s" if fitted else "o", capsize=2, ms=5, lw=1)
-        ax.annotate(f"{r['method']} {params}".strip(), (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
+        bar = ax.errorbar([x], [y], yerr=[1.96 * se], marker="s" if fitted else "o", capsize=2, ms=5, lw=1)
+        points.append((x, y, f"{r['method']} ({params})" if params else r["method"], bar[0].get_color()))
         if r["method"] == "model":
             ax.axhline(y, ls=":", color="k", lw=1, label="the model's own entropy at the horizon")
     ax.set_xscale("log")
+    ax.margins(x=0.08, y=0.08)
     ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
     ax.xaxis.set_minor_formatter(matplotlib.ticker.ScalarFormatter())
-    ax.tick_params(axis="x", which="minor", labelsize=7)
+    ax.tick_params(axis="x", which="both", labelsize=7)
     ax.set_xlabel("test cross-entropy, ε-mixed (nats, log scale)")
     ax.set_ylabel("entropy of the last generated word (nats)")
     ax.set_title(wrapped(title, 7.2), fontsize=10)
     ax.grid(alpha=0.3)
+    ax.autoscale_view()
+    ax.set_xlim(ax.get_xlim())  # freeze the limits, so axes fractions computed below stay true
+    ax.set_ylim(ax.get_ylim())
+    for (x, y, label, color), (lx, ly) in zip(points, _label_spots(ax, points), strict=True):
+        right = lx > 0.55
+        ax.annotate(label, (x, y), xytext=(lx + (-0.015 if right else 0.015), ly), textcoords="axes fraction",
+                    fontsize=6, va="center", ha="right" if right else "left", color=color,
+                    arrowprops=dict(arrowstyle="-", lw=0.5, color=color, shrinkA=0, shrinkB=3))
     if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=7, loc="best")
     return _save(fig, path)
+
+
+def _label_spots(ax, points: list[tuple], gap: float = 0.045) -> list[tuple[float, float]]:
+    """Axes-fraction spots for the points' labels: each at its point's height unless a label above it on the same
+    side, near in x, is closer than `gap`; then just below that one (greedy, from the top). A label starts beyond
+    every point near its height on its side, so that no label crosses a neighbouring point."""
+    to_axes = ax.transData + ax.transAxes.inverted()
+    spots = [tuple(to_axes.transform(p[:2])) for p in points]
+    side = [x > 0.55 for x, _ in spots]
+    placed: list[tuple[float, float, bool]] = []
+    out = [(0.0, 0.0)] * len(points)
+    for i in sorted(range(len(points)), key=lambda i: -spots[i][1]):
+        x, y = spots[i]
+        for px, py, ps in sorted(placed, key=lambda p: -p[1]):
+            if abs(px - x) < 0.3 and ps == side[i] and py - y < gap:
+                y = min(y, py - gap)
+        near = [sx for (sx, sy), s in zip(spots, side, strict=True)
+                if s == side[i] and abs(sx - x) < 0.3 and abs(sy - y) < gap]
+        placed.append((x, y, side[i]))
+        out[i] = (min(near) if side[i] else max(near), y) if near else (x, y)
+    return out
 
 
 def memory_bound_figure(result: dict, path: str | Path, title: str = "") -> Path:
