@@ -76,6 +76,32 @@ def test_a_run_without_a_positive_gap_is_left_out_and_too_few_runs_are_refused()
         fit_power_law({"params": [1e5, 1e6]}, tails[:1] + [np.full(5, 3.0)], [4.0, 4.0], [0.0, 0.0])
 
 
+def test_runs_too_alike_in_x_or_too_few_for_a_residual_are_not_fitted():
+    """The scale profile's power-law groups trained every amount on one budget: 640,000 and 639,980 tokens seen
+    fitted an 'exponent' of +2,814 on two runs. An x must span a factor of 1.1, and a fit needs a residual."""
+    tails, ce, _ = runs_on_a_law([1e5, 1e6, 1e7], [1] * 3, -0.3, 0.0)
+    with pytest.raises(ValueError, match="too alike"):
+        fit_power_law({"train_tokens": [640_000, 639_980, 640_010]}, tails, ce, [0.0] * 3)
+    with pytest.raises(ValueError, match="at least 3"):
+        fit_power_law({"params": [1e5, 1e6]}, tails[:2], ce[:2], [0.0] * 2)
+    with pytest.raises(ValueError, match="at least 4"):  # two exponents from three runs: no residual
+        fit_power_law({"params": [1e5, 1e6, 1e7], "train_tokens": [1e6, 1e7, 3e6]}, tails, ce, [0.0] * 3)
+
+
+def test_weighted_trend_widens_its_error_by_the_scatter_and_floors_a_zero_error():
+    """A run whose generations collapsed has se ~ 0; unfloored it carried the slope alone (± 0.000). Runs that
+    scatter about the line more than their errors allow widen the slope's error by sqrt(reduced chi-square)."""
+    x = np.array([0.0, 1.0, 2.0, 3.0])
+    y = np.array([0.0, 1.0, 0.0, 1.0])
+    se = np.array([0.1, 0.1, 0.1, 0.1])
+    slope, s = weighted_trend(x, y, se)
+    resid = y - (y.mean() + slope * (x - x.mean()))
+    chi2 = ((resid / 0.1) ** 2).sum() / 2
+    assert slope == pytest.approx(0.2) and s == pytest.approx(0.1 / math.sqrt(5.0) * math.sqrt(chi2))
+    slope0, s0 = weighted_trend(x, y, np.array([1e-9, 0.1, 0.1, 0.1]))  # floored at the median: as all at 0.1
+    assert slope0 == pytest.approx(slope) and s0 == pytest.approx(s)
+
+
 def test_gap_and_its_standard_error():
     g = gap(np.array([5.0, 5.2, 5.4, 5.6]), 4.8, 0.03)
     se_tail = np.std([5.0, 5.2, 5.4, 5.6], ddof=1) / 2

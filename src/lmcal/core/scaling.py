@@ -83,11 +83,19 @@ class PowerLawFit:
     failed_replicates: int = 0  # replicates whose runs of positive gap could not determine them (too few, collinear)
 
 
+MIN_SPREAD = 1.1  # the least ratio of largest to smallest x an exponent is read off (test CEs span ~1.3)
+
+
 def log_linear_fit(xs: np.ndarray, y: np.ndarray) -> np.ndarray | None:
-    """Least squares of log y on [1, log x_1, ..., log x_K]: (intercept, exponents) [K + 1], or None when the design
-    is rank-deficient (too few runs, or an x constant or collinear). xs [n, K] > 0, y [n] > 0."""
-    A = np.column_stack([np.ones(len(y)), np.log(xs)])  # [n, K + 1]
-    if len(y) <= A.shape[1] - 1 or np.linalg.matrix_rank(A) < A.shape[1]:
+    """Least squares of log y on [1, log x_1, ..., log x_K]: (intercept, exponents) [K + 1], or None when the runs
+    cannot determine them: fewer than K + 2 (a line through K + 1 points has no residual to judge it by), an x that
+    spans less than a factor of MIN_SPREAD (runs that saw 640,000 and 639,980 tokens gave an 'exponent' of +2,814),
+    or x's collinear. xs [n, K] > 0, y [n] > 0."""
+    logx = np.log(np.asarray(xs, dtype=np.float64))  # [n, K]
+    A = np.column_stack([np.ones(len(y)), logx])  # [n, K + 1]
+    if len(y) < A.shape[1] + 1 or (np.ptp(logx, axis=0) < math.log(MIN_SPREAD)).any():
+        return None
+    if np.linalg.matrix_rank(A) < A.shape[1]:
         return None
     return np.linalg.lstsq(A, np.log(y), rcond=None)[0]
 
@@ -117,7 +125,8 @@ def fit_power_law(x: dict[str, list[float]], tails: list[np.ndarray], test_ce: l
     coef = log_linear_fit(X[pos], g[pos])
     if coef is None:
         raise ValueError(f"{int(pos.sum())} of {R} runs have a positive gap (gaps {np.round(g, 4).tolist()} nats): "
-                         f"too few, or too alike in {', '.join(names)}, to fit {len(names)} exponent(s)")
+                         f"too few (at least {len(names) + 2}), or too alike in {', '.join(names)} (less than a "
+                         f"factor of {MIN_SPREAD:g} apart), to fit {len(names)} exponent(s)")
     rng = np.random.default_rng(seed)
     boot, failed = [], 0
     for _ in range(n_boot):
@@ -141,10 +150,17 @@ def fit_power_law(x: dict[str, list[float]], tails: list[np.ndarray], test_ce: l
 
 def weighted_trend(x: np.ndarray, y: np.ndarray, y_se: np.ndarray) -> tuple[float, float]:
     """(slope, its standard error) of weighted least squares of y on x, weights 1 / se^2 (each y's own standard
-    error; the slope's error is that of the weights, not rescaled by the residuals). Needs two distinct x."""
-    x, y, w = (np.asarray(v, dtype=np.float64) for v in (x, y, y_se))
-    w = 1.0 / np.maximum(w, 1e-12) ** 2
+    error, floored at the median of the positive ones, so that a run whose generations collapsed to one distribution,
+    se ~ 0, does not carry the fit alone). The slope's error is the weights' one, scaled up by the residuals where
+    they scatter more than the errors allow (reduced chi-square > 1, with three runs or more): runs that differ in
+    more than strength must not read as a precise trend. Needs two distinct x."""
+    x, y, se = (np.asarray(v, dtype=np.float64) for v in (x, y, y_se))
+    positive = se[np.isfinite(se) & (se > 0)]
+    floor = float(np.median(positive)) if positive.size else 1e-12
+    w = 1.0 / np.maximum(np.nan_to_num(se, nan=floor), floor) ** 2
     xm = (w * x).sum() / w.sum()
     sxx = (w * (x - xm) ** 2).sum()
-    slope = float((w * (x - xm) * (y - (w * y).sum() / w.sum())).sum() / sxx)
-    return slope, float(math.sqrt(1.0 / sxx))
+    ym = (w * y).sum() / w.sum()
+    slope = float((w * (x - xm) * (y - ym)).sum() / sxx)
+    chi2 = float((w * (y - ym - slope * (x - xm)) ** 2).sum() / (len(x) - 2)) if len(x) > 2 else 1.0
+    return slope, float(math.sqrt(max(1.0, chi2) / sxx))

@@ -58,12 +58,12 @@ def effect_trend(name: str, slope: float, se: float, runs: int, key: str = "effe
                      {"slope": slope, "se": se})
     v = "grows" if slope > z * se else "shrinks" if slope < -z * se else "no_trend"
     trend = (f"slope {slope:+.3f} ± {se:.3f} nats of change per unit of log test CE (weighted by each run's "
-             f"standard error), over {runs} runs")
+             f"standard error, its error widened by the runs' scatter where that is larger), over {runs} runs")
     sentence = {
-        "grows": f"As the models strengthen (lower test CE), {name}'s paired change of the last tenth becomes more "
-                 f"negative, a larger lowering: {trend}.",
-        "shrinks": f"As the models strengthen (lower test CE), {name}'s paired change of the last tenth becomes less "
-                   f"negative, a smaller lowering (or a rise): {trend}.",
+        "grows": f"{name}: as the models strengthen (lower test CE), its paired change of the last tenth becomes more "
+                 f"negative (a larger lowering, or a smaller rise): {trend}.",
+        "shrinks": f"{name}: as the models strengthen (lower test CE), its paired change of the last tenth becomes "
+                   f"less negative (a smaller lowering, or a larger rise): {trend}.",
         "no_trend": f"{name}'s paired change of the last tenth shows no trend with the models' strength: {trend}, "
                     f"within {z:g} standard errors of none.",
     }[v]
