@@ -38,6 +38,21 @@ def test_results_md_comes_from_snapshots_and_saved_benchmarks(tmp_path):
     assert (docs / "RESULTS.md").read_text() == text
 
 
+def test_a_reports_title_and_provenance_are_not_repeated_under_the_sections(tmp_path):
+    """RESULTS.md gave each reproduction two headings and its provenance line twice (the section's, then the
+    report's own): the report's title, and its provenance line where it is the section's, are left out."""
+    from lmcal.reporting.docs import provenance_line
+
+    docs = tmp_path / "docs"
+    _fake_run(tmp_path / "run")
+    r = json.loads((tmp_path / "run" / "results.json").read_text())
+    line = provenance_line(r["provenance"])
+    (tmp_path / "run" / "REPORT.md").write_text(f"# Entropy miscalibration against scale\n\n{line}\n\nbody\n")
+    snapshot(tmp_path / "run", docs)
+    text = render(docs)
+    assert text.count(line) == 1 and "miscalibration" not in text and "body" in text
+
+
 def test_provenance_names_command_date_machine():
     p = provenance("cmd")
     assert p["command"] == "cmd" and p["date"] and "cores" in p["machine"] and "torch" in p["machine"]

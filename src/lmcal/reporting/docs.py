@@ -156,10 +156,13 @@ def check_snapshot(run: Path) -> str:
     return profile
 
 
-def _report_body(folder: Path, rel: str) -> str:
-    """A snapshot's REPORT.md as a section of RESULTS.md: headings one level down, figures pointing into the snapshot,
-    links into the run's folders (not copied) turned into plain text."""
-    text = (folder / "REPORT.md").read_text()
+def _report_body(folder: Path, rel: str, provenance: str = "") -> str:
+    """A snapshot's REPORT.md as a section of RESULTS.md: without its title and its provenance line where that is the
+    section's own (the section's heading and line stand for them), headings one level down, figures pointing into the
+    snapshot, links into the run's folders (not copied) turned into plain text."""
+    text = re.sub(r"\A# [^\n]*\n+", "", (folder / "REPORT.md").read_text())
+    if provenance and text.startswith(provenance):
+        text = text[len(provenance):].lstrip("\n")
     text = re.sub(r"^(#+) ", lambda m: "#" + m.group(1) + " ", text, flags=re.M)
     text = re.sub(r"!\[([^\]]*)\]\(([^)/]+\.png)\)", rf"![\1]({rel}/\2)", text)
     return re.sub(r"(?<!!)\[([^\]]+)\]\((?!https?:|runs/)[^)]*\)", r"\1", text)
@@ -181,9 +184,9 @@ def run_section(folder: Path, rel: str) -> list[str]:
     """RESULTS.md's section of the snapshot (or finished reproduction) in `folder`; `rel`: its figures' folder."""
     r = json.loads((folder / "results.json").read_text())
     prov = r.get("provenance") or {}
-    return [f"## Reproduction, profile `{r.get('profile', folder.name)}`", "",
-            provenance_line(prov) if prov else "*Provenance not recorded by this run.*", "",
-            *_claims_section(r, (folder / "REPORT.md").read_text()), _report_body(folder, rel), ""]
+    line = provenance_line(prov) if prov else "*Provenance not recorded by this run.*"
+    return [f"## Reproduction, profile `{r.get('profile', folder.name)}`", "", line, "",
+            *_claims_section(r, (folder / "REPORT.md").read_text()), _report_body(folder, rel, line), ""]
 
 
 def render(docs: Path = DOCS) -> str:
