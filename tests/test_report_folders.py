@@ -58,3 +58,29 @@ def test_a_stages_folder_outside_a_reproduction_is_still_read(tmp_path):
     (tmp_path / "stages").mkdir()
     (tmp_path / "stages" / "decoders.json").write_text(json.dumps({"corpus": "ptb", "model": "m", "rows": [ROW]}))
     assert list(collect_decoders([tmp_path])) == ["ptb"]
+
+
+def test_two_runs_of_one_architecture_are_two_models_in_the_decoders_report(tmp_path, monkeypatch):
+    """issue 43's scale sweep trains each size on two budgets; their decoders.json share the model's label, and the
+    report kept one of each pair (half the models lost). A model is its label and its own test CE: both are kept,
+    named apart in the table, one colour each in the figure; a decoder sweep of one checkpoint still keeps its plain
+    row once."""
+    from lmcal.reporting.tabulate import decoders_report
+    from lmcal.stages import plots
+
+    for name, ce in (("small", 6.5), ("large", 5.4), ("large_again", 5.4)):
+        (tmp_path / name).mkdir()
+        rows = [{**ROW, "method": "model", "test_ce_nats": ce, "test_ce_mixed_nats": ce}]
+        (tmp_path / name / "decoders.json").write_text(json.dumps({"corpus": "ptb", "model": "AWD-LSTM 50/100/3",
+                                                                   "reference_test_ce_nats": ce, "rows": rows}))
+    rows = collect_decoders([tmp_path])["ptb"]
+    names = ["AWD-LSTM 50/100/3 (test CE 5.400)", "AWD-LSTM 50/100/3 (test CE 6.500)"]
+    assert sorted(r["model"] for r in rows) == names
+    figs = []
+    real_save = plots._save
+    monkeypatch.setattr(plots, "_save", lambda fig, path: (figs.append(fig), real_save(fig, path))[1])
+    decoders_report([tmp_path], tmp_path / "out")
+    table = (tmp_path / "out" / "decoders_ptb.md").read_text()
+    assert "| model | method |" in table and all(f"{n} | model |" in table for n in names)
+    legend = [t.get_text() for t in figs[-1].axes[0].get_legend().get_texts()]
+    assert legend == [*names, "model"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections import Counter
 from pathlib import Path
 
 from lmcal import paper
@@ -74,8 +75,11 @@ def collect_memory(dirs: list[str | Path]) -> dict[str, list[dict]]:
 
 
 def collect_decoders(dirs: list[str | Path]) -> dict[str, list[dict]]:
-    """corpus -> decoder rows of every decoders.json under `dirs`, one row per (method, settings): the plain model and
-    the fitted rows appear in many runs of a sweep, and are kept once (the newest)."""
+    """corpus -> decoder rows of every decoders.json under `dirs`, one row per (model, method, settings): the plain
+    model and the fitted rows appear in many runs of a decoder sweep of one checkpoint, and are kept once (the
+    newest). A model is its label and its own test CE (two runs of one architecture on other budgets share the label,
+    not the CE; a scale sweep lost half its models to the label alone); each row's "model" names it, with its test CE
+    where the label is shared."""
     found: dict[tuple, tuple[float, dict]] = {}
     for d in dirs:
         for path in results_under(d, "decoders.json"):
@@ -91,15 +95,23 @@ def collect_decoders(dirs: list[str | Path]) -> dict[str, list[dict]]:
                 raise LmcalError(f"{path} is not a decoders-stage result ({str(e).strip(chr(39))}); delete it or "
                                  "rerun that stage.") from None
             mtime = path.stat().st_mtime
+            ref = res.get("reference_test_ce_nats")
+            model = (str(res.get("model") or "model"), round(ref, 6) if isinstance(ref, (int, float)) else None)
             for r in rows:
                 params = {k: v for k, v in r["params"].items() if "stderr" not in k}
                 fitted = r["method"] in ("fitted_temperature", "calibration")  # one per model, whatever its value
-                key = (corpus, res.get("model"), r["method"], json.dumps({} if fitted else params, sort_keys=True))
+                key = (corpus, model, r["method"], json.dumps({} if fitted else params, sort_keys=True))
                 if key not in found or mtime >= found[key][0]:
-                    found[key] = (mtime, {**r, "path": str(path)})
+                    found[key] = (mtime, {**r, "path": str(path), "model": model})
     by_corpus: dict[str, list[dict]] = {}
     for (corpus, *_), (_, r) in sorted(found.items(), key=lambda kv: tuple(map(str, kv[0]))):
         by_corpus.setdefault(corpus, []).append(r)
+    for rows in by_corpus.values():
+        labels = Counter(label for label, _ in {r["model"] for r in rows})
+        shared = {label for label, n in labels.items() if n > 1}
+        for r in rows:
+            label, ce = r["model"]
+            r["model"] = f"{label} (test CE {ce:.3f})" if label in shared and ce is not None else label
     return by_corpus
 
 
@@ -117,7 +129,7 @@ def decoders_report(dirs: list[str | Path], out: str | Path) -> dict:
         write_text_atomic(inside(out, out / f"decoders_{name}.md"), f"# Decoders on {corpus}\n\n{table}\n"
                                                                     f"![entropy at the horizon against test CE]"
                                                                     f"(decoders_{name}.png)\n")
-        report[corpus] = {"rows": [{k: r[k] for k in ("method", "params", "entrate_ppl", "test_ce_nats",
+        report[corpus] = {"rows": [{k: r[k] for k in ("model", "method", "params", "entrate_ppl", "test_ce_nats",
                                                       "zero_prob_fraction", "test_ce_mixed_nats", "path")}
                                    for r in rows], "table_md": str(out / f"decoders_{name}.md"), "figure": str(png)}
         print(f"{corpus} decoders:\n{table}")

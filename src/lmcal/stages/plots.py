@@ -9,6 +9,7 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")
+import matplotlib.lines  # noqa: E402
 import matplotlib.pyplot as plt  # noqa: E402
 import matplotlib.ticker  # noqa: E402
 import numpy as np  # noqa: E402
@@ -174,6 +175,9 @@ def decoders_tradeoff_figure(rows: list[dict], path: str | Path, title: str = ""
     apart and joined to their points by a thin line; those in the right part of the axes are set to the point's left,
     so none is cut at the edge; each label is in its point's colour. Written atomically."""
     path = Path(path)
+    models = list(dict.fromkeys(r.get("model") for r in rows))
+    if len(models) > 1:
+        return _decoders_of_models(rows, models, path, title)
     fig, ax = plt.subplots(figsize=(7.2, 4.4), dpi=120)
     points = []  # (x, y, label, colour) of the plotted rows
     for r in rows:
@@ -205,6 +209,35 @@ def decoders_tradeoff_figure(rows: list[dict], path: str | Path, title: str = ""
                     arrowprops=dict(arrowstyle="-", lw=0.5, color=color, shrinkA=0, shrinkB=3))
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=7, loc="best")
+    return _save(fig, path)
+
+
+def _decoders_of_models(rows: list[dict], models: list, path: Path, title: str) -> Path:
+    """The decoders figure over several models (lmcal.report over a sweep): one colour per model, one marker per
+    method, no per-point labels (dozens would cover the points); the legend names both."""
+    fig, ax = plt.subplots(figsize=(8.6, 4.8), dpi=120)
+    colours = {m: plt.get_cmap("tab20" if len(models) > 10 else "tab10")(i % 20) for i, m in enumerate(models)}
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    fixed = {"model": "o", "fitted_temperature": "s", "calibration": "D"}
+    shapes = {**dict(zip([m for m in methods if m not in fixed], "^v<>pP*hX", strict=False)), **fixed}
+    for r in rows:
+        if r["test_ce_mixed_nats"] is None:
+            continue
+        ax.errorbar([r["test_ce_mixed_nats"]], [r["entropy_last_nats"]], yerr=[1.96 * r["stderr_nats"][-1]],
+                    marker=shapes.get(r["method"], "o"), color=colours[r.get("model")], capsize=2, ms=5, lw=1)
+    ax.set_xscale("log")
+    ax.margins(x=0.08, y=0.08)
+    ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.ScalarFormatter())
+    ax.tick_params(axis="x", which="both", labelsize=7)
+    ax.set_xlabel("test cross-entropy, ε-mixed (nats, log scale)")
+    ax.set_ylabel("entropy of the last generated word (nats)")
+    ax.set_title(wrapped(title, 8.6), fontsize=10)
+    ax.grid(alpha=0.3)
+    handles = [matplotlib.lines.Line2D([], [], color=colours[m], marker="o", ls="", label=str(m)) for m in models]
+    handles += [matplotlib.lines.Line2D([], [], color="0.3", marker=shapes.get(k, "o"), ls="", label=k)
+                for k in methods]
+    ax.legend(handles=handles, fontsize=6, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
     return _save(fig, path)
 
 

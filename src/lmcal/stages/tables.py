@@ -24,11 +24,14 @@ def _tail_diff(r: dict) -> str:
 def decoders_table(rows: list[dict]) -> str:
     """Markdown: one row per method, entropies of the t = 1 and last generated words, EntRate, the paired difference
     of the last tenth's mean entropy from the plain model (± se, clustered by prefix) and held-out costs."""
-    lines = ["| method | parameters | entropy t=1 (nats) | entropy t=horizon (nats) | EntRate | "
+    several = len({r.get("model") for r in rows}) > 1  # rows of several models (lmcal.report): a column names each
+    first = "| model " if several else ""
+    lines = [first + "| method | parameters | entropy t=1 (nats) | entropy t=horizon (nats) | EntRate | "
              "Δ entropy, last tenth, vs model (nats) | test CE (nats) | zero-prob. fraction | CE on kept words | "
-             "CE, ε-mixed |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "CE, ε-mixed |", ("|---" if several else "") + "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['method']} | {format_params(r['params'])} | {r['entropy_t1_nats']:.3f} | "
+        lines.append((f"| {r['model']} " if several else "") + f"| {r['method']} | {format_params(r['params'])} | "
+                     f"{r['entropy_t1_nats']:.3f} | "
                      f"{r['entropy_last_nats']:.3f} | {r['entrate_ppl']:.1f} | {_tail_diff(r)} | "
                      f"{format_ce(r['test_ce_nats'])} | {r['zero_prob_fraction']:.4f} | "
                      f"{format_ce(r['test_ce_kept_nats'])} | {format_ce(r['test_ce_mixed_nats'])} |")
