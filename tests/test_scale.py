@@ -102,6 +102,18 @@ def test_weighted_trend_widens_its_error_by_the_scatter_and_floors_a_zero_error(
     assert slope0 == pytest.approx(slope) and s0 == pytest.approx(s)
 
 
+def test_a_family_whose_every_gap_is_negative_has_its_deficit_fitted():
+    """The scale profile's power-law source at s = 1.1: every run's generations were less entropic than its test CE
+    (gaps -0.37 ... -0.005), so no gap could be fitted. sign = -1 fits -gap = A x^b as the gap is fitted."""
+    n = [1e5, 3e5, 1e6, 3e6, 1e7]
+    tails, ce, g = runs_on_a_law(n, [1] * 5, -0.5, 0.0)
+    low = [2 * c - t for t, c in zip(tails, ce, strict=True)]  # the same law below the test CE: gap = -A n^b
+    f = fit_power_law({"params": n}, low, ce, [0.0] * 5, n_boot=200, sign=-1.0)
+    assert f.exponents["params"] == pytest.approx(-0.5, abs=0.02) and f.ci["params"][0] < -0.5 < f.ci["params"][1]
+    with pytest.raises(ValueError, match="positive -gap"):
+        fit_power_law({"params": n}, tails, ce, [0.0] * 5, sign=-1.0)
+
+
 def test_gap_and_its_standard_error():
     g = gap(np.array([5.0, 5.2, 5.4, 5.6]), 4.8, 0.03)
     se_tail = np.std([5.0, 5.2, 5.4, 5.6], ddof=1) / 2

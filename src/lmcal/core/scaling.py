@@ -102,7 +102,7 @@ def log_linear_fit(xs: np.ndarray, y: np.ndarray) -> np.ndarray | None:
 
 def fit_power_law(x: dict[str, list[float]], tails: list[np.ndarray], test_ce: list[float],
                   test_ce_stderr: list[float | None], n_boot: int = 2000, level: float = 0.95,
-                  seed: int = 0) -> PowerLawFit:
+                  seed: int = 0, sign: float = 1.0) -> PowerLawFit:
     """The power law gap = A prod_k x_k^b_k over runs i: x {name: [R] values > 0} (one exponent each: parameters,
     training tokens, ...), tails[i] [N_i] run i's last-tenth entropy per prefix, test_ce [R] and its standard errors
     [R] (None or nan: none known).
@@ -111,7 +111,8 @@ def fit_power_law(x: dict[str, list[float]], tails: list[np.ndarray], test_ce: l
     Each bootstrap replicate draws R runs with replacement, within each its N_i prefixes with replacement, and its
     test cross-entropy from a normal of its standard error, then fits the replicate's runs of positive gap (a
     replicate whose runs cannot determine every exponent counts as failed). The intervals are the replicates'
-    percentile intervals at `level`."""
+    percentile intervals at `level`. sign = -1 fits the entropy deficit -gap instead (a family whose generations are
+    all less entropic than its test CE), in the same way."""
     names = list(x)
     X = np.column_stack([np.asarray(x[k], dtype=np.float64) for k in names])  # [R, K]
     R = X.shape[0]
@@ -120,11 +121,12 @@ def fit_power_law(x: dict[str, list[float]], tails: list[np.ndarray], test_ce: l
     tails = [np.asarray(t, dtype=np.float64) for t in tails]
     ce = np.asarray(test_ce, dtype=np.float64)
     ce_se = np.array([s if s is not None and math.isfinite(s) else 0.0 for s in test_ce_stderr], dtype=np.float64)
-    g = np.array([t.mean() for t in tails]) - ce
+    g = sign * (np.array([t.mean() for t in tails]) - ce)
     pos = g > 0
     coef = log_linear_fit(X[pos], g[pos])
     if coef is None:
-        raise ValueError(f"{int(pos.sum())} of {R} runs have a positive gap (gaps {np.round(g, 4).tolist()} nats): "
+        y = "gap" if sign > 0 else "-gap"
+        raise ValueError(f"{int(pos.sum())} of {R} runs have a positive {y} ({y}s {np.round(g, 4).tolist()} nats): "
                          f"too few (at least {len(names) + 2}), or too alike in {', '.join(names)} (less than a "
                          f"factor of {MIN_SPREAD:g} apart), to fit {len(names)} exponent(s)")
     rng = np.random.default_rng(seed)
@@ -132,7 +134,7 @@ def fit_power_law(x: dict[str, list[float]], tails: list[np.ndarray], test_ce: l
     for _ in range(n_boot):
         runs = rng.integers(0, R, R)  # [R]
         gb = np.array([tails[i][rng.integers(0, tails[i].size, tails[i].size)].mean() for i in runs])
-        gb -= ce[runs] + ce_se[runs] * rng.standard_normal(R)
+        gb = sign * (gb - ce[runs] - ce_se[runs] * rng.standard_normal(R))
         ok = gb > 0
         c = log_linear_fit(X[runs][ok], gb[ok])
         if c is None:

@@ -14,7 +14,8 @@ def _finite(x) -> bool:
 
 
 def scale_exponent(who: str, axis: str, b: float, ci: tuple[float, float], level: float, runs: int,
-                   ref: float | None = None, ref_text: str = "", key: str = "scale_exponent") -> Claim:
+                   ref: float | None = None, ref_text: str = "", key: str = "scale_exponent",
+                   quantity: str = "the gap") -> Claim:
     """The gap's fitted exponent against `axis` (gap ~ x^b), with its bootstrap interval: 'falls' (the interval lies
     below 0), 'rises' (above), 'flat_not_excluded' (it holds 0), or 'untested' (no interval); beside the reference
     exponent `ref` (ref_text names it): inside the interval, or the gap falls faster / more slowly than it."""
@@ -25,12 +26,13 @@ def scale_exponent(who: str, axis: str, b: float, ci: tuple[float, float], level
     else:
         v = "falls" if hi < 0 else "rises" if lo > 0 else "flat_not_excluded"
         how = f"{b:+.3f} ({pct} bootstrap interval {lo:+.3f} to {hi:+.3f}, {runs} runs)"
+    q = quantity
     sentence = {
-        "falls": f"{who}: the gap falls with {axis} as {axis}^b, b = {how}.",
-        "rises": f"{who}: the gap rises with {axis} as {axis}^b, b = {how}.",
-        "flat_not_excluded": f"{who}: the gap against {axis} has b = {how}; the interval holds 0: no trend with "
+        "falls": f"{who}: {q} falls with {axis} as {axis}^b, b = {how}.",
+        "rises": f"{who}: {q} rises with {axis} as {axis}^b, b = {how}.",
+        "flat_not_excluded": f"{who}: {q} against {axis} has b = {how}; the interval holds 0: no trend with "
                              f"{axis} is shown.",
-        "untested": f"{who}: the gap against {axis} has b = {how}: untested.",
+        "untested": f"{who}: {q} against {axis} has b = {how}: untested.",
     }[v]
     numbers = {"b": b, "lo": lo, "hi": hi, "runs": runs}
     if ref is not None and _finite(ref):
@@ -42,8 +44,8 @@ def scale_exponent(who: str, axis: str, b: float, ci: tuple[float, float], level
             numbers["against_ref"] = "consistent"
         else:
             faster = hi < ref
-            sentence += (f" {ref_text}, {ref:+.3f}, lies {'above' if faster else 'below'} it: the gap falls "
-                         f"{'faster' if faster else 'more slowly'} here.")
+            sentence += (f" {ref_text}, {ref:+.3f}, lies {'above' if faster else 'below'} it: {q.split(' (')[0]} "
+                         f"falls {'faster' if faster else 'more slowly'} here.")
             numbers["against_ref"] = "faster" if faster else "slower"
     return Claim(key, v, sentence, numbers)
 

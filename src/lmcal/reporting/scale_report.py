@@ -97,14 +97,17 @@ def fit_group(key: tuple, rows: list[dict], n_boot: int = 2000, seed: int = 0) -
     tokens = [k for k in varying if k != "params"][:1]  # the distinct tokens where the runs saw as many in all
     joint = ["params", *tokens] if "params" in varying and tokens else []
     fits = {}
+    # a family whose every gap is negative (generations less entropic than its test CE) has its deficit fitted
+    sign = -1.0 if all(t.mean() <= c for t, c in zip(tails, ce, strict=True)) else 1.0
     for axes in [[k] for k in varying + ["test_ce_nats"]] + ([joint] if joint else []):
         name = "+".join(axes)
         try:
-            f = fit_power_law({k: [r[k] for r in rows] for k in axes}, tails, ce, ce_se, n_boot=n_boot, seed=seed)
+            f = fit_power_law({k: [r[k] for r in rows] for k in axes}, tails, ce, ce_se, n_boot=n_boot, seed=seed,
+                              sign=sign)
         except ValueError as e:
-            fits[name] = {"axes": axes, "error": str(e)}
+            fits[name] = {"axes": axes, "error": str(e), "sign": sign}
             continue
-        fits[name] = {"axes": axes, "exponents": f.exponents, "ci": {k: list(v) for k, v in f.ci.items()},
+        fits[name] = {"axes": axes, "sign": sign, "exponents": f.exponents, "ci": {k: list(v) for k, v in f.ci.items()},
                       "stderr": f.stderr, "intercept": f.intercept, "level": f.level, "n_runs": f.n_runs,
                       "excluded": [rows[i]["model"] for i in f.excluded], "replicates": f.replicates,
                       "failed_replicates": f.failed_replicates}
@@ -135,14 +138,15 @@ def scale_figure(groups: list[tuple[dict, list[dict]]], path: Path) -> Path:
     for i, (g, rows) in enumerate(groups):
         color = f"C{i}"
         for ax, axis in zip(axes, ("params", g.get("token_axis", "train_tokens"), "test_ce_nats"), strict=True):
-            pts = [(r[axis], r["gap_nats"], r["gap_stderr_nats"]) for r in rows
-                   if isinstance(r.get(axis), (int, float)) and r[axis] > 0 and r["gap_nats"] > 0]
+            sign = next((f.get("sign", 1.0) for f in g["fits"].values()), 1.0)  # -1: the deficit, open markers
+            pts = [(r[axis], sign * r["gap_nats"], r["gap_stderr_nats"]) for r in rows
+                   if isinstance(r.get(axis), (int, float)) and r[axis] > 0 and sign * r["gap_nats"] > 0]
             if not pts:
                 continue
             x, y, se = (np.asarray(v, dtype=float) for v in zip(*pts, strict=True))
             se = np.nan_to_num(se)
             ax.errorbar(x, y, yerr=[np.minimum(se, 0.9 * y), se], fmt="o", color=color, ms=4, capsize=2,
-                        label=g["label"])
+                        mfc="none" if sign < 0 else color, label=g["label"] + (" (-gap)" if sign < 0 else ""))
             f = g["fits"].get(axis)
             if f and "exponents" in f and len(x) > 1:
                 xs = np.geomspace(x.min(), x.max(), 20)
@@ -167,7 +171,7 @@ def scale_figure(groups: list[tuple[dict, list[dict]]], path: Path) -> Path:
         ax.grid(alpha=0.3, which="both")
         if ax.has_data():
             ax.legend(fontsize=6)
-    axes[0].set_ylabel("gap = last tenth's entropy - test CE (nats)")
+    axes[0].set_ylabel("gap = last tenth's entropy - test CE (nats)\nopen: -gap, where every gap of a group is < 0")
     fig.suptitle("Entropy miscalibration against scale (bars ±1 se; lines: log-log least squares)", fontsize=10)
     fig.tight_layout()
     with atomic_path(path) as tmp:

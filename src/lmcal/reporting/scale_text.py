@@ -26,7 +26,7 @@ def group_claims(g: dict) -> list:
         axis = f["axes"][0]
         out.append(scale_exponent(g["label"], AXES[axis], f["exponents"][axis], tuple(f["ci"][axis]), f["level"],
                                   f["n_runs"], f.get("reference"), f.get("reference_text", ""),
-                                  key=f"scale_exponent_{axis}"))
+                                  key=f"scale_exponent_{axis}", quantity=_quantity(f)))
     for m, t in g["trends"].items():
         out.append(effect_trend(f"{METHODS[m][0].upper()}{METHODS[m][1:]} ({g['label']})", t["slope"], t["stderr"],
                                 t["runs"], key=f"trend_{m}"))
@@ -107,16 +107,22 @@ def setup_markdown(rows: list[dict]) -> list[str]:
         "standard error); runs whose gap is not positive have no logarithm and are left out, and named.", ""]
 
 
+def _quantity(f: dict) -> str:
+    """What a fit is of: the gap, or (every gap of the group negative) the entropy deficit -gap."""
+    return "the gap" if f.get("sign", 1.0) > 0 else "the entropy deficit (-gap; every run's gap is negative)"
+
+
 def _fit_line(name: str, f: dict) -> str:
     if "error" in f:
         return f"- against {name.replace('+', ' and ')}: not fitted ({f['error']})"
     one = len(f["axes"]) == 1
     parts = [f"b{'' if one else '_' + a} = {f['exponents'][a]:+.3f} [{f['ci'][a][0]:+.3f}, {f['ci'][a][1]:+.3f}]"
              for a in f["axes"]]
-    note = f"; left out (gap <= 0): {', '.join(f['excluded'])}" if f["excluded"] else ""
+    y = "gap" if f.get("sign", 1.0) > 0 else "-gap"
+    note = f"; left out ({y} <= 0): {', '.join(f['excluded'])}" if f["excluded"] else ""
     ref = f"; {f['reference_text']}: {f['reference']:+.3f}" if f.get("reference") is not None else ""
     law = " x ".join(f"{AXES[a]}^b{'' if one else '_' + a}" for a in f["axes"])
-    return (f"- gap ~ {law}: {', '.join(parts)} ({100 * f['level']:g}% intervals; {f['n_runs']} runs; "
+    return (f"- {y} ~ {law}: {', '.join(parts)} ({100 * f['level']:g}% intervals; {f['n_runs']} runs; "
             f"{f['replicates']} bootstrap replicates, {f['failed_replicates']} that could not fit{note}){ref}")
 
 
