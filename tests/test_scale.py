@@ -114,6 +114,21 @@ def test_a_family_whose_every_gap_is_negative_has_its_deficit_fitted():
         fit_power_law({"params": n}, tails, ce, [0.0] * 5, sign=-1.0)
 
 
+def test_runs_on_one_budget_are_read_against_their_distinct_tokens():
+    """Every amount of the power-law source trained on one budget: 640,000 tokens seen, give or take the windows'
+    few (639,980). That is no axis; the distinct tokens are, and the figure's token panel draws them."""
+    from lmcal.reporting.scale_report import fit_group
+
+    d = [20_000, 40_000, 80_000, 160_000, 320_000]
+    tails, ce, _ = runs_on_a_law(d, [1] * 5, -0.4, 0.0)
+    rows = [{"tail_nats_per_prefix": t, "test_ce_nats": c, "test_ce_stderr_nats": 0.0, "params": 411_904,
+             "train_tokens": 640_000 - 5 * i, "data_tokens": n, "effects": {}, "model": "m"}
+            for i, (t, c, n) in enumerate(zip(tails, ce, d, strict=True))]
+    g = fit_group(("powerlaw", 1.1, "AWD-LSTM", "word"), rows, n_boot=50)
+    assert g["token_axis"] == "data_tokens" and "train_tokens" not in g["fits"]
+    assert g["fits"]["data_tokens"]["exponents"]["data_tokens"] == pytest.approx(-0.4, abs=0.02)
+
+
 def test_gap_and_its_standard_error():
     g = gap(np.array([5.0, 5.2, 5.4, 5.6]), 4.8, 0.03)
     se_tail = np.std([5.0, 5.2, 5.4, 5.6], ddof=1) / 2

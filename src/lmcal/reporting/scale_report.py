@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from lmcal import paper
-from lmcal.core.scaling import fit_power_law, weighted_trend
+from lmcal.core.scaling import MIN_SPREAD, fit_power_law, weighted_trend
 from lmcal.errors import LmcalError
 from lmcal.reporting.scale_text import AXES, METHODS, report_markdown, results_json, scale_table
 from lmcal.stages.scale_record import RECORD
@@ -88,8 +88,9 @@ def fit_group(key: tuple, rows: list[dict], n_boot: int = 2000, seed: int = 0) -
     tails = [np.asarray(r["tail_nats_per_prefix"]) for r in rows]
     ce = [r["test_ce_nats"] for r in rows]
     ce_se = [r.get("test_ce_stderr_nats") for r in rows]
-    varying = [k for k in ("params", "train_tokens", "data_tokens")
-               if all(isinstance(r.get(k), (int, float)) and r[k] > 0 for r in rows) and len({r[k] for r in rows}) > 1]
+    varying = [k for k in ("params", "train_tokens", "data_tokens")  # spanning a factor of MIN_SPREAD: one budget
+               if all(isinstance(r.get(k), (int, float)) and r[k] > 0 for r in rows)  # seen (640,000 and 639,980
+               and max(r[k] for r in rows) >= MIN_SPREAD * min(r[k] for r in rows)]  # tokens) is not an axis
     ratio = [r["train_tokens"] / r["data_tokens"] for r in rows] if {"train_tokens", "data_tokens"} <= set(varying) \
         else []
     if ratio and max(ratio) < 1.05 * min(ratio):  # as many epochs each (windows drop a few tokens): the same axis
