@@ -190,15 +190,7 @@ def decoders_tradeoff_figure(rows: list[dict], path: str | Path, title: str = ""
         points.append((x, y, f"{r['method']} ({params})" if params else r["method"], bar[0].get_color()))
         if r["method"] == "model":
             ax.axhline(y, ls=":", color="k", lw=1, label="the model's own entropy at the horizon")
-    ax.set_xscale("log")
-    ax.margins(x=0.08, y=0.08)
-    ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
-    ax.xaxis.set_minor_formatter(matplotlib.ticker.ScalarFormatter())
-    ax.tick_params(axis="x", which="both", labelsize=7)
-    ax.set_xlabel("test cross-entropy, ε-mixed (nats, log scale)")
-    ax.set_ylabel("entropy of the last generated word (nats)")
-    ax.set_title(wrapped(title, 7.2), fontsize=10)
-    ax.grid(alpha=0.3)
+    _tradeoff_axes(ax, title, 7.2)
     ax.autoscale_view()
     ax.set_xlim(ax.get_xlim())  # freeze the limits, so axes fractions computed below stay true
     ax.set_ylim(ax.get_ylim())
@@ -210,6 +202,20 @@ def decoders_tradeoff_figure(rows: list[dict], path: str | Path, title: str = ""
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=7, loc="best")
     return _save(fig, path)
+
+
+def _tradeoff_axes(ax, title: str, width: float) -> None:
+    """The decoders figure's axes: test CE on a log scale with plain labels, entropy at the horizon, margins that
+    keep edge points' bars and labels inside."""
+    ax.set_xscale("log")
+    ax.margins(x=0.08, y=0.08)
+    ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.ScalarFormatter())
+    ax.tick_params(axis="x", which="both", labelsize=7)
+    ax.set_xlabel("test cross-entropy, ε-mixed (nats, log scale)")
+    ax.set_ylabel("entropy of the last generated word (nats)")
+    ax.set_title(wrapped(title, width), fontsize=10)
+    ax.grid(alpha=0.3)
 
 
 def _decoders_of_models(rows: list[dict], models: list, path: Path, title: str) -> Path:
@@ -225,15 +231,7 @@ def _decoders_of_models(rows: list[dict], models: list, path: Path, title: str) 
             continue
         ax.errorbar([r["test_ce_mixed_nats"]], [r["entropy_last_nats"]], yerr=[1.96 * r["stderr_nats"][-1]],
                     marker=shapes.get(r["method"], "o"), color=colours[r.get("model")], capsize=2, ms=5, lw=1)
-    ax.set_xscale("log")
-    ax.margins(x=0.08, y=0.08)
-    ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
-    ax.xaxis.set_minor_formatter(matplotlib.ticker.ScalarFormatter())
-    ax.tick_params(axis="x", which="both", labelsize=7)
-    ax.set_xlabel("test cross-entropy, ε-mixed (nats, log scale)")
-    ax.set_ylabel("entropy of the last generated word (nats)")
-    ax.set_title(wrapped(title, 8.6), fontsize=10)
-    ax.grid(alpha=0.3)
+    _tradeoff_axes(ax, title, 8.6)
     handles = [matplotlib.lines.Line2D([], [], color=colours[m], marker="o", ls="", label=str(m)) for m in models]
     handles += [matplotlib.lines.Line2D([], [], color="0.3", marker=shapes.get(k, "o"), ls="", label=k)
                 for k in methods]
