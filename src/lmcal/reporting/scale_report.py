@@ -138,8 +138,8 @@ def scale_figure(groups: list[tuple[dict, list[dict]]], path: Path) -> Path:
     fig, axes = plt.subplots(1, 3, figsize=(13.5, 4.2), dpi=120)
     for i, (g, rows) in enumerate(groups):
         color = f"C{i}"
+        sign = next((f.get("sign", 1.0) for f in g["fits"].values()), 1.0)  # -1: the deficit, open markers
         for ax, axis in zip(axes, ("params", g.get("token_axis", "train_tokens"), "test_ce_nats"), strict=True):
-            sign = next((f.get("sign", 1.0) for f in g["fits"].values()), 1.0)  # -1: the deficit, open markers
             pts = [(r[axis], sign * r["gap_nats"], r["gap_stderr_nats"]) for r in rows
                    if isinstance(r.get(axis), (int, float)) and r[axis] > 0 and sign * r["gap_nats"] > 0]
             if not pts:
