@@ -358,7 +358,7 @@ def test_every_amount_of_the_power_law_sweep_trains_on_one_budget():
 
     epochs = {t: composed("lmcal.train", ["experiment=scale_powerlaw", f"data.max_train_tokens={t}"]).trainer.max_epochs
               for t in (20000, 40000, 320000)}
-    assert epochs == {20000: 32, 40000: 16, 320000: 2}  # 640k training tokens each
+    assert epochs == {20000: 128, 40000: 64, 320000: 8}  # 2.56M training tokens each
     c = composed("lmcal.train", ["experiment=scale_powerlaw", "data.max_train_tokens=null"])
     with pytest.raises(Exception, match="lmcal_epochs needs the training tokens"):
         OmegaConf.to_container(c, resolve=True)
