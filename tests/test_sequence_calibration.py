@@ -419,7 +419,7 @@ def test_the_stage_writes_its_rows_on_an_oracle(tmp_path):
                                    sv_backup_steps=3, hidden=8, rank=4, epochs=1, fit_tokens=600, fit_streams=4,
                                    score_tokens=600, score_streams=4, timing_prefixes=2, timing_horizon=4,
                                    timing_repeats=1, num_prefixes=6, samples_per_prefix=2, prefix_len=4, horizon=20,
-                                   max_batch=64)
+                                   max_batch=64, goal_prefixes=9)
     assert [(x["method"], x.get("variant"), x["params"].get("particles")) for x in r["rows"]] == [
         ("model", None, None), ("soft_value", None, None), ("smc", "untwisted", 2), ("smc", "untwisted", 4),
         ("smc", "twisted", 2), ("smc", "twisted", 4), ("fitted_temperature", None, None)]
@@ -441,9 +441,10 @@ def test_the_stage_writes_its_rows_on_an_oracle(tmp_path):
     sv = r["soft_value_alpha"]
     assert r["rows"][1]["params"]["alpha"] == sv["alpha"] and sv["valid_ce_after_nats"] <= sv["valid_ce_before_nats"]
     assert r["rows"][1]["refits"][0]["trained_at_alpha"] == smc[1]["params"]["alpha"]  # the largest untwisted count
-    for check in (r["goal"], r["twisted_check"]):
+    for check in (r["goal"], r["twisted_check"]):  # on 9 fresh prefixes (goal_prefixes), more than the rows' own 6
         assert check is None or (check["chosen_on_seed"] != check["reported_on_seed"]
-                                 and check["reported_on"].startswith("fresh prefixes"))
+                                 and check["reported_on"].startswith("9 fresh prefixes")
+                                 and (check["prefixes"], check["generations"]) == (9, 18))
     assert r["twisted_check"]["params"]["particles"] == 2
     assert "did not converge" in r["convergence"] or "converged at" in r["convergence"]
     table = (tmp_path / "sequence_calibration.md").read_text()

@@ -113,6 +113,10 @@ def model_steps(name: str, a: dict, m: Model, memory_tau: int | None = None) -> 
         counts = list(a["particles"]) * (2 if a.get("twist") and a.get("soft_value") else 1)
         smc = sum(k * (6 * a["fit_prefixes"] + n) * window + (a.get("tail_particles") or k) * 2 * n * window
                   for k in counts)
+        # the goal rows measured again on fresh prefixes: the twisted row with the fewest particles (and the goal row,
+        # if an SMC row), each generating and reading its last tenth by two nested runs
+        goal = (a.get("goal_prefixes") or n // a["samples_per_prefix"]) * a["samples_per_prefix"]
+        smc += 2 * 3 * min(counts) * goal * window
         sv = (a["sv_iterations"] * (1 + a.get("sv_refits", 0) / 2) * a["sv_rollouts"] * (a["sv_prefix"] + a["sv_steps"])
               if a.get("soft_value") else 0)
         return smc + sv + score + gen

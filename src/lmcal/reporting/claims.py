@@ -359,8 +359,8 @@ def sequence_goal_claims(sc: dict | None) -> list[Claim]:
         out.append(within(who, g["tail_nats"], g["tail_stderr_nats"], g["test_ppl"], key="sequence_goal_within"))
     c = (sc or {}).get("twisted_check")
     if c and "tail_nats" in c:
-        who = (f"The twisted row with the fewest particles ({c['label']}), on the same fresh prefixes and seed "
-               f"{c['reported_on_seed']},")
+        who = (f"The twisted row with the fewest particles ({c['label']}), on {c.get('prefixes', 'the same')} fresh "
+               f"prefixes and seed {c['reported_on_seed']},")
         out.append(within(who, c["tail_nats"], c["tail_stderr_nats"], c["test_ppl"], key="sequence_twisted_within"))
     return out
 

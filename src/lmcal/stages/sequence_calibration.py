@@ -74,6 +74,7 @@ def _row(method: str, params: dict, curve: np.ndarray, stderr: np.ndarray, tail:
 def sequence_calibration_stage(lm, train_tokens: torch.Tensor, valid_tokens: torch.Tensor, test_tokens: torch.Tensor,
                                out_dir: str | Path, *, particles=(4, 8, 16), twist: bool = True,
                                law_horizon: int | None = None, smc_prefixes: int | None = None, fit_prefixes: int = 40,
+                               goal_prefixes: int | None = None,
                                bracket=(-0.5, 1.0), xtol: float = 2e-3, tail_particles: int | None = None,
                                soft_value: bool = True, sv_rollouts: int = 200, sv_prefix: int = 50,
                                sv_steps: int = 20, sv_iterations: int = 10, sv_backup_steps: int = 10,
@@ -88,7 +89,8 @@ def sequence_calibration_stage(lm, train_tokens: torch.Tensor, valid_tokens: tor
                                unit: str = "word") -> dict:
     """Algorithm 1 (module docstring): the plain model; SMC at each count of `particles` untwisted, each with α*
     fitted at that count on `fit_prefixes` validation continuations of law_horizon (null: 2 x horizon) words, from the
-    first `smc_prefixes` prefixes (all when null); the soft-value heads trained at the largest count's α* by
+    first `smc_prefixes` prefixes (all when null), the goal rows measured again on `goal_prefixes` fresh ones (null:
+    as many as the row's own); the soft-value heads trained at the largest count's α* by
     `sv_iterations` rounds of relative value iteration on `sv_rollouts` rollouts of `sv_steps` words from the training
     text, their α refitted on the first `fit_tokens` validation tokens and the head retrained `sv_refits` times; SMC
     twisted by that head at each count (`twist`); the rows of the earlier stages (`future_entropy`: its best head;
@@ -206,19 +208,24 @@ def sequence_calibration_stage(lm, train_tokens: torch.Tensor, valid_tokens: tor
     # the test perplexity over the last tenth on this seed's generations, measured again on fresh prefixes and the
     # next seed; the twisted row with the fewest particles is measured there too
     test_nats = rows[0]["test_ce_nats"]
-    fresh = random_prefixes(valid_tokens, num_prefixes, prefix_len, seed=seed + 11)
+    # [max(N, goal), P]: the first N as before, whatever goal_prefixes (randperm's order does not depend on the count)
+    fresh = random_prefixes(valid_tokens, max(num_prefixes, goal_prefixes or 0), prefix_len, seed=seed + 11)
+
+    def on(r: dict) -> int:  # the fresh prefixes a row is measured again on
+        return int(goal_prefixes or (n_smc if r["method"] == "smc" else num_prefixes))
 
     def again(r: dict) -> dict:
         if r["method"] == "smc":
             tw = soft_value_twist(lm, samplers["soft_value"].head) if r["variant"] == "twisted" else None
-            level, se = remeasure(setup, fresh[:n_smc], r["params"]["particles"], tw, r["params"]["alpha"], seed + 1)
+            level, se = remeasure(setup, fresh[:on(r)], r["params"]["particles"], tw, r["params"]["alpha"], seed + 1)
             return {"tail_nats": level, "tail_stderr_nats": se}
-        return per_word(r["method"], r["params"], samplers[r["method"]], s=seed + 1, on=fresh)
+        return per_word(r["method"], r["params"], samplers[r["method"]], s=seed + 1, on=fresh[:on(r)])
 
     def verdict(r: dict, measured: dict) -> dict:
         level, se = measured["tail_nats"], measured["tail_stderr_nats"]
         return {"method": r["method"], "label": _label(r), "params": r["params"], "chosen_on_seed": seed,
-                "reported_on_seed": seed + 1, "reported_on": "fresh prefixes (another draw of validation points)",
+                "reported_on_seed": seed + 1, "prefixes": on(r), "generations": on(r) * samples_per_prefix,
+                "reported_on": f"{on(r)} fresh prefixes (another draw of validation points)",
                 "tail_nats": level, "tail_stderr_nats": se, "tail_ppl": exp_or_inf(level),
                 "tail_ppl_stderr": exp_or_inf(level) * se, "test_ppl": exp_or_inf(test_nats),
                 "test_ce_diff_nats": r.get("test_ce_diff_nats"),
@@ -246,7 +253,7 @@ def sequence_calibration_stage(lm, train_tokens: torch.Tensor, valid_tokens: tor
               "convergence": converged_summary(study), "soft_value_alpha": None if sv is None else {
                   "alpha": sv.alpha, "alpha_stderr": sv.alpha_stderr, "valid_ce_before_nats": sv.ce_before,
                   "valid_ce_after_nats": sv.ce_after, "positions": sv.positions},
-              "smc_prefixes": n_smc, "fit_prefixes": fit_prefixes, "tail_steps": last,
+              "smc_prefixes": n_smc, "fit_prefixes": fit_prefixes, "goal_prefixes": goal_prefixes, "tail_steps": last,
               "tail_particles": tail_particles, "future_entropy_reused": bool(reuse_fe), "decoders_reused": bool(temp),
               **settings, "unit": unit, "seconds": time.perf_counter() - t0}
     shown = [r for r in rows if r["method"] != "smc"] + [r for r in study if r.get("converged") or
@@ -343,9 +350,9 @@ def sequence_table(result: dict) -> str:
                   "against the goal of 10% of the test perplexity at 2 standard errors: lmcal.reporting.claims)."]
     c = result.get("twisted_check")
     if c:
-        lines += ["", f"The twisted row with the fewest particles ({c['label']}), on the same fresh prefixes and seed "
-                  f"{c['reported_on_seed']}: {c['tail_ppl']:.1f} ± {c['tail_ppl_stderr']:.1f} against the test "
-                  f"perplexity {c['test_ppl']:.1f}."]
+        lines += ["", f"The twisted row with the fewest particles ({c['label']}), on {c.get('prefixes', 'the same')} "
+                  f"fresh prefixes and seed {c['reported_on_seed']}: {c['tail_ppl']:.1f} ± {c['tail_ppl_stderr']:.1f} "
+                  f"against the test perplexity {c['test_ppl']:.1f}."]
     return "\n".join(lines) + "\n"
 
 

@@ -198,6 +198,8 @@ RULES: dict[str, tuple[Range, str]] = {
                                             "uniform mass mixed in for a finite held-out cross-entropy"),
     "analysis.sequence_calibration.particles": (None, "SMC particles per generation, one row each"),
     "analysis.sequence_calibration.smc_prefixes": (OPT_COUNT, "prefixes the SMC rows generate from (null: all)"),
+    "analysis.sequence_calibration.goal_prefixes": (OPT_COUNT, "fresh prefixes the goal rows are measured again on "
+                                                               "(null: as many as each row's own)"),
     "analysis.sequence_calibration.fit_prefixes": (Range(lo=2, integer=True), "continuations alpha* is fitted on"),
     "analysis.sequence_calibration.tail_particles": (OPT_COUNT, "SMC particles of the last tenth's entropy (null: "
                                                                 "the row's own)"),
