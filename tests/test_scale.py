@@ -387,6 +387,23 @@ def test_the_cpu_sweep_profile_plans_every_job_with_one_wandb_group(tmp_path):
     assert cmd[2:5] == ["lmcal.train", "experiment=scale", "model=awd_lstm_xs"]
     assert "logger.group=reproduce-scale" in cmd
     assert f"hydra.run.dir={tmp_path / 'scale' / 'awd_lstm' / 'awd_lstm_xs-116199'}" in cmd
+    # W&B names told apart by the swept values (the model is in the name already): ...-ptb-116199
+    assert "logger.name_suffix=116199" in cmd and "logger.name_suffix=2.0-320000" in stages[-2]["cmd"]
+    csv = plan_sweeps(load_profile(["profile=scale", f"out={tmp_path / 'scale'}", "logger=csv"]))
+    assert not any(o.startswith("logger.name_") for st in csv[:-1] for o in st["cmd"])
+
+
+def test_a_sweep_members_run_name_ends_with_its_swept_values(tmp_path):
+    from lmcal.stages.wandb_run import init_args, sweep_suffix
+
+    assert sweep_suffix({"model": "awd_lstm_xs", "data.max_train_tokens": "116199"}) == "116199"
+    assert sweep_suffix({"data.corpus_kwargs.tail_exponent": "1.1", "data.max_train_tokens": "20000"}) == "1.1-20000"
+    assert sweep_suffix({"model.name_or_path": "/models/gpt2-small"}) is None  # its label is in the name
+    node = {"_target_": "pytorch_lightning.loggers.WandbLogger", "offline": True, "name_suffix": "1.1-20000"}
+    a = init_args(node, tmp_path, "train", model="AWD-LSTM 64/256/1", dataset="powerlaw", suffix="ignored")
+    assert a["name"] == "train-awd-lstm-64-256-1-powerlaw-1.1-20000" and "name_suffix" not in a
+    a = init_args({**node, "name_suffix": None}, tmp_path, "train", model="AWD-LSTM 64/256/1", dataset="powerlaw")
+    assert a["name"] == "train-awd-lstm-64-256-1-powerlaw"
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -26,7 +26,16 @@ from lmcal.stages.registry import result_rows, run_stages
 from lmcal.stages.scale_record import record_evaluation
 from lmcal.stages.tables import results_markdown
 from lmcal.stages.targets import checkpoint_target, hf_target, stage_settings
-from lmcal.stages.wandb_run import check_online, finish_run, log_files, slug, use_checkpoint, wandb_log, wandb_run
+from lmcal.stages.wandb_run import (
+    check_online,
+    finish_run,
+    log_files,
+    multirun_member,
+    slug,
+    use_checkpoint,
+    wandb_log,
+    wandb_run,
+)
 from lmcal.utils.boundary import boundary, run_hydra
 from lmcal.utils.device import apply_precision_policy, resolve_device
 from lmcal.utils.io import write_json_atomic
@@ -110,8 +119,9 @@ def evaluation_run(cfg: DictConfig, target: dict, settings: dict[str, dict], out
     tau = memory.get("tau") if window else target["net"].memory_tau if "net" in target else None
     model = target["name"] + (f", tau={tau}" if window and tau else "")
     config = {**OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False), "tau": tau}
+    group, suffix = multirun_member()  # a multirun's jobs (a Hugging Face family, say): one group, told apart
     logger = wandb_run(cfg.get("logger"), config, out, job_type=stages[0] if len(stages) == 1 else "evaluate",
-                       model=model, dataset=target.get("dataset", target["corpus"]),
+                       model=model, dataset=target.get("dataset", target["corpus"]), group=group, suffix=suffix,
                        tags=tuple(stages) + (("window",) if window else ()),
                        name="-".join([*stages, *(["window"] if window else [])]) or "evaluate")
     for key in ("ckpt", "base_ckpt"):  # the lineage: training run -> checkpoint artifact -> this run

@@ -29,7 +29,7 @@ from lmcal.pipeline.plan import logger_overrides, stage_settings
 from lmcal.pipeline.sizes import model_of, stream_sizes
 from lmcal.pipeline.timing import BATCHED_TFLOPS, MEASURED_ON, lstm_epoch_seconds
 from lmcal.stages.scale_record import RECORD
-from lmcal.stages.wandb_run import reproduction_group
+from lmcal.stages.wandb_run import reproduction_group, sweep_suffix
 from lmcal.utils.settings import CONF_DIR, composed
 from lmcal.utils.validate import check_config
 
@@ -86,11 +86,18 @@ def plan_sweeps(cfg: DictConfig) -> list[dict]:
             stages.append({"name": f"{name}_{job_folder(values)}", "dir": d, "done": [d / "metrics.json", d / RECORD],
                            "deps": [], "sweep": name,
                            "cmd": [sys.executable, "-m", "lmcal.train", *fixed,
-                                   *[f"{k}={v}" for k, v in values.items()], *lg, f"hydra.run.dir={d}"]})
+                                   *[f"{k}={v}" for k, v in values.items()], *lg, *suffix(cfg, values),
+                                   f"hydra.run.dir={d}"]})
     names = [st["name"] for st in stages]
     stages.append({"name": "report", "dir": out, "done": [out / "results.json", out / "REPORT.md"], "deps": names,
                    "fn": functools.partial(report_stage, names=names)})
     return stages
+
+
+def suffix(cfg: DictConfig, values: dict[str, str]) -> list[str]:
+    """A job's W&B name ends with its swept values (train-awd-lstm-64-256-1-powerlaw-1.1-20000), as a multirun's do."""
+    part = sweep_suffix(values) if cfg.logger == "wandb" else None
+    return [f"logger.name_suffix={part}"] if part else []
 
 
 def report_stage(cfg: DictConfig, out: Path, names: list[str]) -> None:

@@ -34,6 +34,39 @@ def run_name(job: str, model: str | None = None, dataset: str | None = None) -> 
     return "-".join([job, *(slug(x) for x in (model, dataset) if x)])
 
 
+def sweep_suffix(values: dict[str, str]) -> str | None:
+    """A sweep member's part of its run name: its values of the keys its sweep varies, in order ('1.1-20000'), so
+    members that differ only in budget or amount are told apart. The model and data presets (and a Hugging Face
+    model's path) are left out: the name has the model and the dataset already."""
+    named = ("model", "data", "model.name_or_path")
+    return "-".join(p for k, v in values.items() if k.lstrip("+~") not in named and (p := slug(v))) or None
+
+
+def multirun_member() -> tuple[str | None, str | None]:
+    """(W&B group, name suffix) of a Hydra multirun's job: the sweep's group, `multirun-<sweep folder>`, and the
+    job's values of the keys the sweep varies (the preset's hydra.sweeper.params and the command line's comma lists,
+    as the sweep's multirun.yaml records them; none where the name has them already, as a Hugging Face family's
+    paths), or its job number where no swept key is known. (None, None) outside a multirun."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.types import RunMode
+    from omegaconf import OmegaConf
+
+    if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
+        return None, None
+    hc = HydraConfig.get()
+    parser = OverridesParser.create()
+    swept = set((OmegaConf.to_container(hc.sweeper.params) or {}) if hc.sweeper.get("params") else {})
+    try:  # the command line as the sweep was launched: its comma lists (values only, never code or paths)
+        launched = OmegaConf.load(Path(hc.sweep.dir) / "multirun.yaml").hydra.overrides.task
+        swept |= {o.get_key_element() for o in parser.parse_overrides(list(launched)) if o.is_sweep_override()}
+    except Exception:  # no record (a launcher that writes none): the preset's keys, or the job number
+        pass
+    job = {o.get_key_element(): o.get_value_element_as_str() for o in parser.parse_overrides(list(hc.overrides.task))}
+    suffix = sweep_suffix({k: v for k, v in job.items() if k in swept}) if swept else str(hc.job.num)
+    return f"multirun-{Path(hc.sweep.dir).name}", suffix
+
+
 def model_group(model: str | None, dataset: str | None) -> str | None:
     """The W&B group of a run outside a reproduction or sweep: its model and dataset (`awd-lstm-400-1150-3-ptb`), so
     that a training and the analyses of its checkpoint are grouped together."""
@@ -73,11 +106,11 @@ def run_id(out_dir: str | Path) -> str:
 
 def init_args(logger_cfg, out_dir: str | Path | None, job_type: str, model: str | None = None,
               dataset: str | None = None, group: str | None = None, tags: tuple[str, ...] = (),
-              config: dict | None = None, name: str | None = None) -> dict | None:
+              config: dict | None = None, name: str | None = None, suffix: str | None = None) -> dict | None:
     """`wandb.init` keyword arguments from the logger node (conf/logger/wandb.yaml: project, group, name, offline,
     save_dir) for the run in `out_dir`; None for any other logger. `group` is the default group (a multirun's or a
-    reproduction's; else the run folder's name); the node's own group and name win. `out_dir` None: the node's
-    save_dir."""
+    reproduction's; else the run folder's name); the node's own group and name win. `suffix` ends the name (a sweep
+    member's values; the node's name_suffix wins). `out_dir` None: the node's save_dir."""
     node = dict(logger_cfg or {})
     if not str(node.pop("_target_", "")).endswith("WandbLogger"):
         return None
@@ -87,12 +120,14 @@ def init_args(logger_cfg, out_dir: str | Path | None, job_type: str, model: str 
     save_dir = node.pop("save_dir", None) or out_dir
     out_dir = out_dir or save_dir or "."
     node.pop("log_model", None)
+    suffix = node.pop("name_suffix", None) or suffix
     Path(save_dir).mkdir(parents=True, exist_ok=True)
     config = clean_config(dict(config or {}))
     config["data"] = config.get("data") or {"name": dataset}  # every run filterable by dataset and model
     config["model"] = config.get("model") or {"name": model}
     return {"project": node.pop("project", None) or "lmcal",
-            "name": node.pop("name", None) or run_name(name or job_type, model, dataset),
+            "name": node.pop("name", None) or "-".join([run_name(name or job_type, model, dataset),
+                                                        *([slug(suffix)] if suffix else [])]),
             "group": node.pop("group", None) or group or model_group(model, dataset) or Path(out_dir).resolve().name,
             "job_type": job_type,
             "tags": sorted({job_type, *(slug(t) for t in (model, dataset) if t), *(t for t in tags if t)}),

@@ -1,18 +1,16 @@
 """The W&B logger of `python -m lmcal.train`: Lightning's WandbLogger opened with the setup every lmcal run shares
-(lmcal.stages.wandb_run), the multirun's group, and the run closed whatever happened."""
+(lmcal.stages.wandb_run), a multirun job's group and name suffix, and the run closed whatever happened."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from hydra.core.hydra_config import HydraConfig
-from hydra.types import RunMode
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from pytorch_lightning.loggers import WandbLogger
 
 from lmcal.models.checkpoint import model_name
-from lmcal.stages.wandb_run import init_args, open_run
+from lmcal.stages.wandb_run import init_args, multirun_member, open_run
 
 
 def make_logger(cfg: DictConfig, out: Path, vocab_size: int | None = None):
@@ -27,9 +25,10 @@ def make_logger(cfg: DictConfig, out: Path, vocab_size: int | None = None):
     config = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
     if vocab_size is not None:
         config["model"]["vocab_size"] = vocab_size
+    group, suffix = multirun_member()
     args = init_args(OmegaConf.to_container(lg, resolve=True), out,
                      job_type="tau_model" if cfg.model.get("memory_tau") else "train", model=model_name(cfg.model),
-                     dataset=cfg.data.name, group=sweep_group(), config=config)
+                     dataset=cfg.data.name, group=group, config=config, suffix=suffix)
     if args is None:
         return instantiate(lg)
     class ConfigOnceWandbLogger(WandbLogger):
@@ -41,13 +40,6 @@ def make_logger(cfg: DictConfig, out: Path, vocab_size: int | None = None):
     run.define_metric("*", step_metric="trainer/global_step", step_sync=True)
     return ConfigOnceWandbLogger(experiment=run, project=args["project"], name=args["name"], id=args["id"],
                                  save_dir=args["dir"])
-
-
-def sweep_group() -> str | None:
-    """A multirun's jobs share one W&B group, named after the sweep folder (None outside a multirun)."""
-    if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
-        return None
-    return f"multirun-{Path(HydraConfig.get().sweep.dir).name}"
 
 
 def finish_logger(logger) -> None:
