@@ -447,6 +447,9 @@ def test_a_multirun_of_tiny_models_ends_with_the_table_and_the_fit(tmp_path):
         assert rec["test_ce_nats"] == m["test_ce_nats"] and rec["wandb_group"] == "multirun-sweep"
         assert len(rec["curve_nats"]) == 20 and len(rec["tail_nats_per_prefix"]) == 6
         assert {"fitted_temperature", "calibration", "model"} <= set(rec["effects"])
+    # one W&B group, each job named by the values its sweep varies (the preset's tail exponent, fixed here, is not)
+    names = sorted(w["name"] for w in runs_under(sweep) if w["job_type"] == "train")
+    assert names == sorted(f"train-awd-lstm-16-{h}-1-powerlaw-{n}-{h}" for h in (16, 48) for n in (3000, 12000))
     r = run(["lmcal.report", str(sweep), "--out", str(tmp_path / "report"), "--bootstrap", "100"], tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     rep = json.loads((tmp_path / "report" / "scale_report.json").read_text())

@@ -57,9 +57,11 @@ def multirun_member() -> tuple[str | None, str | None]:
     hc = HydraConfig.get()
     parser = OverridesParser.create()
     swept = set((OmegaConf.to_container(hc.sweeper.params) or {}) if hc.sweeper.get("params") else {})
-    try:  # the command line as the sweep was launched: its comma lists (values only, never code or paths)
-        launched = OmegaConf.load(Path(hc.sweep.dir) / "multirun.yaml").hydra.overrides.task
-        swept |= {o.get_key_element() for o in parser.parse_overrides(list(launched)) if o.is_sweep_override()}
+    try:  # the command line as the sweep was launched: its comma lists, and the preset's keys it fixed (values only)
+        record = OmegaConf.load(Path(hc.sweep.dir) / "multirun.yaml")
+        launched = parser.parse_overrides(list(record.hydra.overrides.task))
+        swept -= {o.get_key_element() for o in launched if not o.is_sweep_override()}
+        swept |= {o.get_key_element() for o in launched if o.is_sweep_override()}
     except Exception:  # no record (a launcher that writes none): the preset's keys, or the job number
         pass
     job = {o.get_key_element(): o.get_value_element_as_str() for o in parser.parse_overrides(list(hc.overrides.task))}
