@@ -454,3 +454,15 @@ def test_the_stage_writes_its_rows_on_an_oracle(tmp_path):
             "converged"} <= set(rows[0])
     assert {p.name for p in tmp_path.iterdir()} >= {"sequence_calibration.json", "sequence_calibration.md",
                                                     "sequence_calibration.png"}
+    # bench/sequence_goal.py reads a finished stage (runs nothing) and writes its table with REPORT.md's verdicts
+    import subprocess
+    import sys
+
+    out = tmp_path / "goal.md"
+    b = subprocess.run([sys.executable, "bench/sequence_goal.py", "--ckpt", str(tmp_path / "none.ckpt"), "--dir",
+                        str(tmp_path), "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert b.returncode == 0, b.stderr[-2000:]
+    text = out.read_text()
+    assert "running:" not in b.stdout and "*Command:* `python bench/sequence_goal.py --ckpt" in text
+    assert "measured again on 9 fresh ones" in text and "| twisted | 2 |" in text
+    assert text.count("of the test perplexity") >= 2  # the goal row's verdict and the twisted row's

@@ -1,0 +1,68 @@
+"""Algorithm 1's goal rows on a checkpoint, measured where their standard errors can decide: the sequence_calibration
+stage with the cpu profile's settings (analysis=cpu: the goal rows measured again on 200 fresh prefixes), its
+convergence table, and the verdicts REPORT.md writes (within 10% of the test perplexity at 2 standard errors, or not,
+or undecided: lmcal.reporting.claims.sequence_goal_claims).
+
+    python bench/sequence_goal.py --ckpt outputs/reproduce/cpu/ptb/base/checkpoints/best.ckpt \
+        [--future-entropy outputs/reproduce/cpu/ptb/future_entropy/future_entropy.json] \
+        [--dir outputs/bench/sequence_goal] [--out docs/bench/sequence_goal.md] [-- more overrides]
+
+The stage runs as `make reproduce PROFILE=cpu` runs it (python -m lmcal.evaluate, in its own process, about 40 minutes
+on 2 cores); where --dir holds its finished output already, that output is read and nothing is run again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+from lmcal.reporting.claims import sequence_goal_claims
+from lmcal.reporting.docs import add_out_option, save_bench, tee
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ckpt", type=Path, required=True, help="the model's checkpoint (a make reproduce base)")
+    ap.add_argument("--future-entropy", type=Path, help="the future_entropy stage's JSON, for its row among the goal's")
+    ap.add_argument("--dir", type=Path, default=Path("outputs/bench/sequence_goal"), help="the stage's output folder")
+    ap.add_argument("overrides", nargs="*", help="more overrides of python -m lmcal.evaluate (after --)")
+    add_out_option(ap, "sequence_goal")
+    args = ap.parse_args(argv)
+    emit, lines = tee()
+    result_file = args.dir / "sequence_calibration.json"
+    cmd = [sys.executable, "-m", "lmcal.evaluate", f"ckpt={args.ckpt}", "analysis=cpu",
+           "stages=[sequence_calibration]", "logger=none", f"hydra.run.dir={args.dir}", *args.overrides,
+           *([f"analysis.sequence_calibration.future_entropy_json={args.future_entropy}"] if args.future_entropy
+             else [])]
+    if not result_file.is_file():
+        print("running:", shlex.join(cmd), flush=True)
+        if subprocess.run(cmd).returncode:
+            sys.exit(f"the sequence_calibration stage failed; its log is in {args.dir}")
+    result = json.loads(result_file.read_text())
+    ev = args.dir / "evaluation.json"  # the stage's own provenance, where python -m lmcal.evaluate ran it
+    ran = json.loads(ev.read_text()).get("provenance") or {} if ev.is_file() else {}
+    if ran:
+        emit(f"The stage: `{ran.get('command')}` · {ran.get('date')} · commit {ran.get('commit')} "
+             f"({result['seconds'] / 60:.0f} minutes).")
+        emit("")
+    emit(f"Model: {result['model']} on {result['corpus']}, test perplexity {result['reference_test_ppl']:.1f}. "
+         f"Settings: particles {result['particles']}, SMC rows from {result['smc_prefixes']} prefixes, the goal "
+         f"rows measured again on {result.get('goal_prefixes') or result['smc_prefixes']} fresh ones, horizon "
+         f"{result['horizon']} (law over {result['law_horizon']} words).")
+    emit("")
+    emit((args.dir / "sequence_calibration.md").read_text().rstrip())
+    emit("")
+    emit("Verdicts (lmcal.reporting.claims, as REPORT.md writes them):")
+    emit("")
+    for c in sequence_goal_claims(result):
+        emit(f"- {c.sentence}")
+    save_bench(args.out, "Algorithm 1's goal rows on the cpu profile's PTB model", "\n".join(lines),
+               command="python bench/sequence_goal.py " + shlex.join(argv if argv is not None else sys.argv[1:]))
+
+
+if __name__ == "__main__":
+    main()
