@@ -8,8 +8,8 @@ undecided: lmcal.reporting.claims.sequence_goal_claims).
         [--future-entropy outputs/reproduce/cpu/ptb/future_entropy/future_entropy.json] \
         [--goal-prefixes 200] [--dir outputs/bench/sequence_goal] [--out docs/bench/sequence_goal.md] [-- overrides]
 
-The stage runs as `make reproduce PROFILE=cpu` runs it (python -m lmcal.evaluate, in its own process, about 40 minutes
-on 2 cores, 35 of them the goal rows on 200 prefixes); where --dir holds its finished output already, that output is
+The stage runs as `make reproduce PROFILE=cpu` runs it (python -m lmcal.evaluate, in its own process: 47 minutes
+on 2 cores, most of them the goal rows on 200 prefixes); where --dir holds its finished output already, that output is
 read and nothing is run again.
 """
 
