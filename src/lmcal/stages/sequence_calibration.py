@@ -214,7 +214,14 @@ def sequence_calibration_stage(lm, train_tokens: torch.Tensor, valid_tokens: tor
     def on(r: dict) -> int:  # the fresh prefixes a row is measured again on
         return int(goal_prefixes or (n_smc if r["method"] == "smc" else num_prefixes))
 
+    cache: dict[int, dict] = {}  # id(row) -> its measurement: a row that is both goal and twisted check, once
+
     def again(r: dict) -> dict:
+        if id(r) not in cache:
+            cache[id(r)] = measure(r)
+        return cache[id(r)]
+
+    def measure(r: dict) -> dict:
         log.info(f"{name}: {_label(r)} measured again on {on(r)} fresh prefixes ({on(r) * samples_per_prefix} "
                  f"generations, seed {seed + 1})")
         if r["method"] == "smc":
@@ -243,11 +250,7 @@ def sequence_calibration_stage(lm, train_tokens: torch.Tensor, valid_tokens: tor
         log.info(f"{name}: goal row {goal['label']}: last tenth {goal['tail_ppl']:.1f} +- {goal['tail_ppl_stderr']:.1f}"
                  f" on fresh prefixes against test perplexity {goal['test_ppl']:.1f}")
     twisted = [r for r in study if r["variant"] == "twisted"]
-    twisted_check = None
-    if twisted and goal and chosen is twisted[0]:  # the same row, prefixes and seed: the same measurement, not rerun
-        twisted_check = {k: v for k, v in goal.items() if k != "candidates"}
-    elif twisted:
-        twisted_check = verdict(twisted[0], again(twisted[0]))
+    twisted_check = verdict(twisted[0], again(twisted[0])) if twisted else None
 
     ref_ce = rows[0]["test_ce_nats"]
     best = next((r for r in sorted(study, key=lambda r: (r["variant"] != "twisted", -r["params"]["particles"]))

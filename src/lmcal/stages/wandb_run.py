@@ -56,7 +56,7 @@ def multirun_member() -> tuple[str | None, str | None]:
         return None, None
     hc = HydraConfig.get()
     parser = OverridesParser.create()
-    swept = set((OmegaConf.to_container(hc.sweeper.params) or {}) if hc.sweeper.get("params") else {})
+    swept = set(hc.sweeper.get("params") or {})  # the preset's keys
     try:  # the command line as the sweep was launched: its comma lists, and the preset's keys it fixed (values only)
         record = OmegaConf.load(Path(hc.sweep.dir) / "multirun.yaml")
         launched = parser.parse_overrides(list(record.hydra.overrides.task))
