@@ -50,8 +50,8 @@ def main(argv: list[str] | None = None) -> None:
     ev = args.dir / "evaluation.json"  # the stage's own provenance, where python -m lmcal.evaluate ran it
     ran = json.loads(ev.read_text()).get("provenance") or {} if ev.is_file() else {}
     if ran:
-        emit(f"The stage: `{ran.get('command')}` · {ran.get('date')} · commit {ran.get('commit')} "
-             f"({result['seconds'] / 60:.0f} minutes).")
+        emit(f"The stage: `{ran.get('command')}` · {ran.get('date')} · {ran.get('machine')} · commit "
+             f"{ran.get('commit')} ({result['seconds'] / 60:.0f} minutes).")
         emit("")
     emit(f"Model: {result['model']} on {result['corpus']}, test perplexity {result['reference_test_ppl']:.1f}. "
          f"Settings: particles {result['particles']}, SMC rows from {result['smc_prefixes']} prefixes, the goal "
