@@ -20,7 +20,7 @@ written (reported beside, not used: the rows use the stage's alphas).
 
 --report alone (no --ckpt) runs nothing: it writes the stage's approximation table and dose-response with every
 dose_rows_*.json beside calibration.json as further rows, and the verdict REPORT.md would write from them
-(lmcal.reporting.claims.calibration_limit), for a stage whose reproduction is not at hand.
+(lmcal.reporting.calibration_limit), for a stage whose reproduction is not at hand.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from lmcal.core.sampling import random_prefixes
 from lmcal.data.batching import batchify
 from lmcal.errors import LmcalError
 from lmcal.models.step_lm import as_step_lm
-from lmcal.reporting.claims import calibration_limit
+from lmcal.reporting.calibration_limit import calibration_limit
 from lmcal.reporting.docs import provenance, save_bench
 from lmcal.reporting.report_md import calibration_limit_markdown
 from lmcal.reporting.results import calibration_dose
@@ -154,7 +154,11 @@ def report(calibration: str, md: str, argv: list[str] | None) -> None:
     setup = (f"The calibration stage (α* = {cal['alpha']:.4f} ± {cal['alpha_stderr']:.4f}; test perplexity "
              f"{math.exp(cal['test_ce_before_nats']):.1f}), with {len(extra)} rows from another run beside its own "
              f"({', '.join(sorted({r['device'] for r in extra}))}).")
-    body = "\n".join([setup, "", *calibration_limit_markdown(cal)[:-2], f"Verdict ({claim.verdict}): {claim.sentence}"])
+    runs = [f"- `{p.name}`: `{f['provenance'].get('command')}` · {f['provenance'].get('date')} · "
+            f"{f['provenance'].get('machine')} · commit {f['provenance'].get('commit')} ({f['seconds']:.0f} s)"
+            for p in sorted(path.parent.glob("dose_rows_*.json")) for f in [read_json(p)] if f.get("provenance")]
+    body = "\n".join([setup, "", "The other runs:", "", *runs, "", *calibration_limit_markdown(cal)[:-2],
+                      f"Verdict ({claim.verdict}): {claim.sentence}"])
     save_bench(md, "Lookahead calibration's dose-response with rows from another run", body,
                command="python bench/calibration_dose_row.py " + shlex.join(argv if argv is not None else sys.argv[1:]))
     print(body)

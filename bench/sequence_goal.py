@@ -32,6 +32,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--future-entropy", type=Path, help="the future_entropy stage's JSON, for its row among the goal's")
     ap.add_argument("--dir", type=Path, default=Path("outputs/bench/sequence_goal"), help="the stage's output folder")
     ap.add_argument("--goal-prefixes", type=int, default=200, help="fresh prefixes the goal rows are measured on")
+    ap.add_argument("--title", default="Algorithm 1's goal rows on the cpu profile's PTB model", help="the page's")
     ap.add_argument("overrides", nargs="*", help="more overrides of python -m lmcal.evaluate (after --)")
     add_out_option(ap, "sequence_goal")
     args = ap.parse_args(argv)
@@ -64,7 +65,7 @@ def main(argv: list[str] | None = None) -> None:
     emit("")
     for c in sequence_goal_claims(result):
         emit(f"- {c.sentence}")
-    save_bench(args.out, "Algorithm 1's goal rows on the cpu profile's PTB model", "\n".join(lines),
+    save_bench(args.out, args.title, "\n".join(lines),
                command="python bench/sequence_goal.py " + shlex.join(argv if argv is not None else sys.argv[1:]))
 
 

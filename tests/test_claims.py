@@ -198,6 +198,22 @@ def test_which_limit_lookahead_calibration_meets():
                                                                   " exact lookahead shifts the expected entropy")
     assert "top-16 keeps 20% (-0.0060; it loses +0.0240 ± 0.0010)" in c.sentence
     assert "cover 0.95 at 3α* changes it by -0.200 ± 0.040 nats beyond top-16 (paired)" in c.sentence
+    assert c.numbers["goal_rows"] == 0 and c.sentence.endswith(
+        "No rule beyond top-16 moves the last tenth beyond 2 standard errors with a test CE not above the model's; "
+        "those that move it: cover 0.95 at 3α*, -0.200 ± 0.050 nats, no test CE.")
+    # the goal: a rule beyond the cheapest that moves the last tenth with a test CE not shown above the model's; a
+    # move that costs test CE (beyond 2 se) does not meet it, and is named with its test CE
+    ce = lambda r, d: r | {"test_ce_diff_nats": d, "test_ce_diff_stderr_nats": 0.001}
+    gpu = {"rule": "exact", "multiple": 1.4, "tail_diff_nats": -0.3, "tail_diff_stderr_nats": 0.1, "device": "H200"}
+    dr["rows"][3] = ce(dr["rows"][3] | {"tail_diff_nats": -0.2, "tail_diff_stderr_nats": 0.05}, 0.05)
+    c = C.calibration_limit(ap, dr, [ce(gpu, 0.0015)])
+    assert c.numbers["goal_rows"] == 1 and c.sentence.endswith(
+        "Beyond top-16, exact (H200) at 1.4α*, -0.300 ± 0.100 nats, test CE +0.0015 ± 0.0010 moves the last tenth "
+        "beyond 2 standard errors with a test CE not above the model's.")
+    c = C.calibration_limit(ap, dr, [ce(gpu, 0.0025)])
+    assert c.numbers["goal_rows"] == 0 and c.sentence.endswith(
+        "those that move it: cover 0.95 at 3α*, -0.200 ± 0.050 nats, test CE +0.0500 ± 0.0010; "
+        "exact (H200) at 1.4α*, -0.300 ± 0.100 nats, test CE +0.0025 ± 0.0010.")
     # the rules keep the exact shift and nothing moves at alpha*: the model
     ap, dr = _limit_inputs(-0.028, 0.001, vs=(0.0, -0.03), vs_se=0.04, tail_at_star=(0.01, -0.02))
     c = C.calibration_limit(ap, dr)

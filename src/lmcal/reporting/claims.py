@@ -11,9 +11,10 @@ The tests, all at Z = 2 standard errors:
 - a level is within 10% of a reference perplexity when the whole level ± Z se lies within 10% of it, not within when
   none of it does, and undecided otherwise;
 - a change of the last tenth rules out the paper's (-0.24 nats) when the two are more than Z se apart;
-- lookahead calibration is limited by its approximation or by the model as calibration_limit says, from the
-  noise-free approximation table and the dose-response (never from one step's EntRate, whose standard error is
-  several times the effects here).
+- lookahead calibration is limited by its approximation or by the model as lmcal.reporting.calibration_limit says,
+  from the noise-free approximation table and the dose-response (never from one step's EntRate, whose standard error
+  is several times the effects here), and a rule beyond the cheapest meets the goal when it moves the last tenth
+  beyond Z se with a test CE not shown above the model's.
 Sizes are stated in nats and in perplexity points (exp of the level after minus before), beside the paper's figure
 (lmcal.paper). Every function is pure: numbers in, a Claim out.
 """
@@ -21,26 +22,11 @@ Sizes are stated in nats and in perplexity points (exp of the level after minus 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 
 from lmcal import paper
-
-Z = 2.0  # standard errors an effect must exceed to be stated as one
-
-
-@dataclass(frozen=True)
-class Claim:
-    """One effect sentence: `verdict` is the test's outcome (a word the checking tests compare), `sentence` the text
-    the report prints, `numbers` what it rests on."""
-
-    key: str
-    verdict: str
-    sentence: str
-    numbers: dict = field(default_factory=dict)
-
-
-def _finite(x) -> bool:
-    return x is not None and isinstance(x, (int, float)) and math.isfinite(x)
+from lmcal.reporting.calibration_limit import calibration_limit
+from lmcal.reporting.claim import Claim, Z
+from lmcal.reporting.claim import finite as _finite
 
 
 def effect_verdict(d: float, se: float | None, z: float = Z) -> str:
@@ -220,69 +206,6 @@ def against_paper(name: str, d: float, se: float, key: str = "calibration_vs_pap
                 "consistent": f"{name}'s change of the last tenth, {d:+.3f} ± {se:.3f} nats, does not rule out the "
                               f"paper's {p:+.2f} nats ({gap:.1f} standard errors from it)."}[v]
     return Claim(key, v, sentence, {"d": d, "se": se, "paper": p})
-
-
-def _at_star(rows: list[dict]) -> list[dict]:
-    return [r for r in rows if r.get("multiple") == 1]
-
-
-def calibration_limit(ap: dict, dr: dict, extra: list[dict] | None = None, z: float = Z) -> Claim:
-    """Whether the candidate rule or the model limits lookahead calibration (issue 40), from the approximation table
-    `ap` and the dose-response `dr` (extra: its rows from other runs, e.g. exact lookahead on a GPU):
-
-    - 'approximation': exact lookahead's shift of E[H_next] at a* is measured (beyond z se), the cheapest rule (the
-      dose-response's first) loses a significant part of it and keeps less than half, and the last tenth moves
-      further with more candidates (a rule's paired difference from the cheapest's, at some multiple of a*, beyond
-      z se in the direction of a);
-    - 'model': the exact shift is measured, the cheapest rule keeps it (its loss within z se, or at least half
-      kept), and no rule changes the last tenth at a* beyond z se;
-    - 'undecided' otherwise, saying what is missing."""
-    j = ap["multiples"].index(1) if 1 in ap["multiples"] else 0
-    rows = {r["rule"]: r for r in ap["rows"]}
-    ex, cheap = rows["exact"], rows.get(dr["rules"][0])
-    alpha = ap["alpha"]
-    e, e_se = ex["shift_nats"][j], ex["shift_stderr_nats"][j]
-    measured = _finite(e_se) and abs(e) > z * e_se
-    s, lost, lost_se, kept = (cheap[k][j] for k in ("shift_nats", "lost_nats", "lost_stderr_nats", "kept"))
-    loses = measured and abs(s) < abs(e) and abs(lost) > z * lost_se and kept < 0.5
-    keeps = measured and (abs(lost) <= z * lost_se or kept >= 0.5)
-    sign = math.copysign(1.0, alpha) if alpha else 0.0
-    first = dr["rules"][0]  # a row's vs_first is paired with that rule's generations in its own run
-    grows = [r for r in [*dr["rows"], *(extra or [])] if r["rule"] != first and r.get("vs_rule", first) == first
-             and _finite(r.get("vs_first_nats")) and _finite(r.get("vs_first_stderr_nats"))
-             and sign * r["vs_first_nats"] > z * r["vs_first_stderr_nats"]]
-    star = _at_star([*dr["rows"], *(extra or [])])
-    effects = [r for r in star if abs(r["tail_diff_nats"]) > z * r["tail_diff_stderr_nats"]]
-    shift = (f"at α* = {alpha:.4g}, exact lookahead shifts the expected entropy of the next word by {e:+.4f} ± "
-             f"{e_se:.4f} nats at the model's own generations, of which {cheap['rule']} keeps {kept:.0%} "
-             f"({s:+.4f}; it loses {lost:+.4f} ± {lost_se:.4f})")
-    from lmcal.stages.dose_response import row_label  # (torch, for the tables: only where there is a dose-response)
-
-    each = "; ".join(f"{row_label(r, dr)} {r['tail_diff_nats']:+.3f} ± {r['tail_diff_stderr_nats']:.3f}"
-                     for r in star)
-    if loses and grows:
-        g = max(grows, key=lambda r: abs(r["vs_first_nats"]) / r["vs_first_stderr_nats"])
-        v = "approximation"
-        sentence = (f"The approximation is the limit here: {shift}; and the last tenth moves further with more "
-                    f"candidates: {row_label(g, dr)} at {g['multiple']:g}α* changes it by "
-                    f"{g['vs_first_nats']:+.3f} ± "
-                    f"{g['vs_first_stderr_nats']:.3f} nats beyond {cheap['rule']} (paired). At α*, each rule's change "
-                    f"of the last tenth: {each} nats.")
-    elif keeps and not effects:
-        v = "model"
-        sentence = (f"The model is the limit here: {shift}, so more candidates add little; and no rule changes the "
-                    f"last tenth at α* beyond {z:g} standard errors ({each} nats).")
-    else:
-        v = "undecided"
-        why = [f"the exact shift is {'not ' if not measured else ''}measured ({e:+.4f} ± {e_se:.4f} nats)",
-               f"{cheap['rule']} keeps {kept:.0%} of it (loses {lost:+.4f} ± {lost_se:.4f})",
-               (f"{len(grows)} dose-response row(s) move the last tenth beyond {cheap['rule']}'s" if grows else
-                f"no more covering rule moves the last tenth beyond {cheap['rule']}'s at {z:g} standard errors"),
-               f"at α* the rules change the last tenth by {each} nats"]
-        sentence = ("Whether the approximation or the model limits lookahead calibration here is undecided: "
-                    + "; ".join(why) + ".")
-    return Claim("calibration_limit", v, sentence, {"exact_shift": e, "exact_shift_se": e_se, "kept": kept,
-                                                     "grows": len(grows), "effects_at_star": len(effects)})
 
 
 def _head_label(d: dict) -> str:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 
-from lmcal.reporting.claims import Claim, Z
+from lmcal.reporting.claim import Claim, Z
 
 
 def _finite(x) -> bool:

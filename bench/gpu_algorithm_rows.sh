@@ -1,0 +1,48 @@
+#!/bin/bash
+# The GPU rows of lookahead calibration and Algorithm 1 for a finished calibration stage's model, in one call of
+# about 4 minutes on an H200 (docs/bench/calibration_dose_exact.md, docs/bench/sequence_goal_gpu_*.md):
+#   B: exact lookahead (every word) beside top-16 at the stage's multiples of its alpha*, on the same prefixes and
+#      seeds, with exact lookahead's own alpha* fitted after the rows are written (bench/calibration_dose_row.py);
+#   A: the sequence_calibration stage (analysis=cpu) at 64, 128 and 256 particles, twisted and untwisted.
+#
+#   CKPT=.../best.ckpt CAL=.../calibration/calibration.json [DATA=<folder holding ptb/>] [OUT=outputs/gpu-rows] \
+#       [PY=python3] [TB=220] [TA=340] [RULES='top-16 exact'] [B_ARGS='--fit exact'] [PARTICLES='[64,128,256]'] \
+#       [A_ARGS='analysis.sequence_calibration.goal_prefixes=150 ...'] bash bench/gpu_algorithm_rows.sh
+#
+# On a bare GPU machine whose Python lacks Hydra and OmegaConf, bring .whl/ (`make gpu-wheels`) and set WHEELS=1.
+# Each part has its own timeout (TB, TA seconds); what they write lands flat in OUT (the rows' JSON, the stage's
+# JSON, Markdown, figure and evaluation.json, log.txt). Then, here: copy OUT/dose_rows_exact.json beside CAL and run
+# `python bench/calibration_dose_row.py --calibration CAL --report <page>`, and
+# `python bench/sequence_goal.py --ckpt CKPT --dir OUT --out <page>`.
+set -u
+cd "$(dirname "$0")/.."
+: "${CKPT:?set CKPT to the model's checkpoint}" "${CAL:?set CAL to the calibration stage's calibration.json}"
+OUT=${OUT:-outputs/gpu-rows}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
+DEV=${DEV:-cuda}; TB=${TB:-220}; TA=${TA:-340}; PY=${PY:-python3}
+exec > >(tee -a "$OUT/log.txt") 2>&1
+if [ "${WHEELS:-0}" = 1 ]; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/lmcal-site .whl/*.whl \
+    || exit 1
+  export PYTHONPATH=/tmp/lmcal-site:$PWD/src
+fi
+export PYTHONUNBUFFERED=1
+$PY -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda,
+torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU')"
+DATA_ARGS=(); [ -n "${DATA:-}" ] && DATA_ARGS=(--data-root "$DATA")
+date -u +"start %H:%M:%S"
+
+echo "=== B: exact lookahead beside top-16"
+# shellcheck disable=SC2086  # RULES and B_ARGS are word lists
+timeout "$TB" $PY bench/calibration_dose_row.py --ckpt "$CKPT" "${DATA_ARGS[@]}" --calibration "$CAL" \
+  --device "$DEV" --rules ${RULES:-top-16 exact} ${B_ARGS:---fit exact} --out "$OUT/dose_rows_exact.json"
+echo "B rc=$? at $(date -u +%H:%M:%S)"
+
+echo "=== A: sequence_calibration at ${PARTICLES:-[64,128,256]} particles"
+RUN=$(mktemp -d)
+# shellcheck disable=SC2086  # A_ARGS is a list of overrides
+timeout "$TA" $PY -m lmcal.evaluate ckpt="$CKPT" ${DATA:+data_root="$DATA"} 'stages=[sequence_calibration]' \
+  analysis=cpu logger=none device="$DEV" "analysis.sequence_calibration.particles=${PARTICLES:-[64,128,256]}" \
+  analysis.sequence_calibration.max_batch=4096 ${A_ARGS:-} hydra.run.dir="$RUN"
+echo "A rc=$? at $(date -u +%H:%M:%S)"
+find "$RUN" \( -name 'sequence_calibration.*' -o -name evaluation.json \) -exec cp {} "$OUT/" \;
+date -u +"end %H:%M:%S"

@@ -1,0 +1,25 @@
+"""One effect sentence (a Claim) and the standard errors an effect must exceed; lmcal.reporting.claims states the
+tests and writes the sentences."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+Z = 2.0  # standard errors an effect must exceed to be stated as one
+
+
+@dataclass(frozen=True)
+class Claim:
+    """One effect sentence: `verdict` is the test's outcome (a word the checking tests compare), `sentence` the text
+    the report prints, `numbers` what it rests on."""
+
+    key: str
+    verdict: str
+    sentence: str
+    numbers: dict = field(default_factory=dict)
+
+
+def finite(x) -> bool:
+    """A number that is neither None, infinite nor NaN."""
+    return x is not None and isinstance(x, (int, float)) and math.isfinite(x)
