@@ -63,7 +63,8 @@ def _smallest_set(key: torch.Tensor, dist: torch.Tensor, p: torch.Tensor, mass: 
 
     Without a sort of [B, V], which would cost more than the rest of a generation step: the words are binned by
     dist, the mass per bin locates the bin where `mass` is reached, and only that bin's words are ordered (words
-    beyond the last bin, at most e^-32 of the best one's probability for top-p, share it)."""
+    beyond the last bin, at most e^-32 of the best one's probability for top-p, share it). The size of that order
+    (n_in) is read on the host: on CUDA, top-p and typical sampling wait for the device once a generated word."""
     b = (dist * (1 / BIN_NATS)).clamp_(max=BINS - 1).long()  # [B, V]; equal keys, equal bins
     per_bin = torch.zeros(b.size(0), BINS, dtype=p.dtype, device=p.device).scatter_add_(1, b, p)  # [B, BINS]
     cum = per_bin.cumsum(-1)
@@ -133,9 +134,9 @@ def min_p(logp: torch.Tensor, min_p: float) -> torch.Tensor:
 
 
 def mirostat_cut(logp: torch.Tensor, mu: torch.Tensor) -> torch.Tensor:
-    """Mirostat v2's truncation: the words whose surprisal in bits is at most mu [B] (at least the most likely)."""
-    if bool(torch.isinf(mu).all()) and bool((mu > 0).all()):
-        return logp
+    """Mirostat v2's truncation: the words whose surprisal in bits is at most mu [B] (at least the most likely). mu
+    is not read on the host (on CUDA that would wait for the device every word): the decoder skips the cut itself
+    where its target, hence every mu, is +inf."""
     lq, _ = _normalised(logp)
     return _keep(logp, (lq >= -LOG2 * mu.double()[:, None]) | (lq == lq.amax(-1, keepdim=True)))  # surprisal <= mu
 
@@ -213,14 +214,18 @@ class MirostatLM:
             if math.isfinite(self.tau):
                 mu = mu.to(surprise.device) - self.eta * (surprise - self.tau)
         logp, inner = self.lm.step(tokens, inner)  # [B, V]
-        return by_rows(mirostat_cut, logp, mu.to(logp.device)), (inner, mu, logp, surprise)
+        return self._cut(logp, mu), (inner, mu, logp, surprise)
+
+    def _cut(self, logp: torch.Tensor, mu: torch.Tensor) -> torch.Tensor:
+        # a target of +inf keeps mu at +inf (it is updated only for a finite target): the model itself, exactly
+        return logp if self.tau == math.inf else by_rows(mirostat_cut, logp, mu.to(logp.device))
 
     def start_generation(self, logp: torch.Tensor, state):
         """After a prompt: mu back to 2 tau, and the next distribution cut with it. logp [B, V] is what the last
         step returned (unused: the base log-probs are in the state)."""
         inner, mu, last, surprise = state
         mu = torch.full_like(mu, 2 * self.tau)
-        return by_rows(mirostat_cut, last, mu.to(last.device)), (inner, mu, last, surprise)
+        return self._cut(last, mu), (inner, mu, last, surprise)
 
     def select(self, state, index: torch.Tensor):
         inner, mu, last, surprise = state
