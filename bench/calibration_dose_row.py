@@ -26,7 +26,6 @@ dose_rows_*.json beside calibration.json as further rows, and the verdict REPORT
 from __future__ import annotations
 
 import argparse
-import math
 import shlex
 import sys
 import time
@@ -152,7 +151,7 @@ def report(calibration: str, md: str, argv: list[str] | None) -> None:
         raise LmcalError(f"{path.parent} holds no dose_rows_*.json beside calibration.json: measure rows first.")
     claim = calibration_limit(cal["approximation"], cal["dose_response"], extra)
     setup = (f"The calibration stage (α* = {cal['alpha']:.4f} ± {cal['alpha_stderr']:.4f}; test perplexity "
-             f"{math.exp(cal['test_ce_before_nats']):.1f}), with {len(extra)} rows from another run beside its own "
+             f"{cal['test_ppl_before']:.1f}), with {len(extra)} rows from another run beside its own "
              f"({', '.join(sorted({r['device'] for r in extra}))}).")
     runs = [f"- `{p.name}`: `{f['provenance'].get('command')}` · {f['provenance'].get('date')} · "
             f"{f['provenance'].get('machine')} · commit {f['provenance'].get('commit')} ({f['seconds']:.0f} s)"

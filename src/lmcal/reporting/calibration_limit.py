@@ -38,10 +38,11 @@ def calibration_limit(ap: dict, dr: dict, extra: list[dict] | None = None, z: fl
     keeps = measured and (abs(lost) <= z * lost_se or kept >= 0.5)
     sign = math.copysign(1.0, alpha) if alpha else 0.0
     first = dr["rules"][0]  # a row's vs_first is paired with that rule's generations in its own run
-    grows = [r for r in [*dr["rows"], *(extra or [])] if r["rule"] != first and r.get("vs_rule", first) == first
+    every = [*dr["rows"], *(extra or [])]
+    grows = [r for r in every if r["rule"] != first and r.get("vs_rule", first) == first
              and finite(r.get("vs_first_nats")) and finite(r.get("vs_first_stderr_nats"))
              and sign * r["vs_first_nats"] > z * r["vs_first_stderr_nats"]]
-    star = _at_star([*dr["rows"], *(extra or [])])
+    star = _at_star(every)
     effects = [r for r in star if abs(r["tail_diff_nats"]) > z * r["tail_diff_stderr_nats"]]
     shift = (f"at α* = {alpha:.4g}, exact lookahead shifts the expected entropy of the next word by {e:+.4f} ± "
              f"{e_se:.4f} nats at the model's own generations, of which {cheap['rule']} keeps {kept:.0%} "
@@ -51,7 +52,7 @@ def calibration_limit(ap: dict, dr: dict, extra: list[dict] | None = None, z: fl
     each = "; ".join(f"{row_label(r, dr)} {r['tail_diff_nats']:+.3f} ± {r['tail_diff_stderr_nats']:.3f}"
                      for r in star)
     # the goal: a rule beyond the cheapest that moves the last tenth beyond z se with a test CE not shown above
-    moved = [r for r in [*dr["rows"], *(extra or [])] if r["rule"] != first
+    moved = [r for r in every if r["rule"] != first
              and sign * r["tail_diff_nats"] > z * r["tail_diff_stderr_nats"]]
     ok = [r for r in moved if finite(d := r.get("test_ce_diff_nats")) and d <= z * r["test_ce_diff_stderr_nats"]]
     one = lambda r: (f"{row_label(r, dr)} at {r['multiple']:g}α*, {r['tail_diff_nats']:+.3f} ± "

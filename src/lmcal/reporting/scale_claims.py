@@ -4,13 +4,8 @@ states the rules)."""
 
 from __future__ import annotations
 
-import math
-
 from lmcal.reporting.claim import Claim, Z
-
-
-def _finite(x) -> bool:
-    return x is not None and isinstance(x, (int, float)) and math.isfinite(x)
+from lmcal.reporting.claim import finite as _finite
 
 
 def scale_exponent(who: str, axis: str, b: float, ci: tuple[float, float], level: float, runs: int,
