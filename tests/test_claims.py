@@ -209,7 +209,13 @@ def test_which_limit_lookahead_calibration_meets():
     c = C.calibration_limit(ap, dr, [ce(gpu, 0.0015)])
     assert c.numbers["goal_rows"] == 1 and c.sentence.endswith(
         "Beyond top-16, exact (H200) at 1.4α*, -0.300 ± 0.100 nats, test CE +0.0015 ± 0.0010 moves the last tenth "
-        "beyond 2 standard errors with a test CE not above the model's.")
+        "beyond 2 standard errors with a test CE not above the model's (0.6 standard errors from the paper's -0.24).")
+    # two rows meet it: the verb agrees, and each row's distance from the paper's effect is given
+    two = [ce(gpu, 0.0015), ce(gpu | {"rule": "cover 0.99", "tail_diff_nats": -0.1, "tail_diff_stderr_nats": 0.02}, 0)]
+    c = C.calibration_limit(ap, dr, two)
+    assert c.numbers["goal_rows"] == 2 and c.sentence.endswith(
+        "-0.100 ± 0.020 nats, test CE +0.0000 ± 0.0010 move the last tenth beyond 2 standard errors with a test CE not "
+        "above the model's (0.6, 7.1 standard errors from the paper's -0.24).")
     c = C.calibration_limit(ap, dr, [ce(gpu, 0.0025)])
     assert c.numbers["goal_rows"] == 0 and c.sentence.endswith(
         "those that move it: cover 0.95 at 3α*, -0.200 ± 0.050 nats, test CE +0.0500 ± 0.0010; "

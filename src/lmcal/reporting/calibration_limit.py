@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from lmcal.reporting.claim import Claim, Z, finite
+from lmcal.reporting.claim import Claim, Z, finite, paper_calibration_nats
 
 
 def _at_star(rows: list[dict]) -> list[dict]:
@@ -59,10 +59,14 @@ def calibration_limit(ap: dict, dr: dict, extra: list[dict] | None = None, z: fl
                      f"{r['tail_diff_stderr_nats']:.3f} nats, " + (
                          f"test CE {r['test_ce_diff_nats']:+.4f} ± {r['test_ce_diff_stderr_nats']:.4f}"
                          if finite(r.get("test_ce_diff_nats")) else "no test CE"))
-    goal = (f" Beyond {first}, {'; '.join(map(one, ok))} moves the last tenth beyond {z:g} standard errors with a "
-            "test CE not above the model's." if ok else f" No rule beyond {first} moves the last tenth beyond {z:g} "
-            "standard errors with a test CE not above the model's"
-            + (f"; those that move it: {'; '.join(map(one, moved))}." if moved else "."))
+    p = paper_calibration_nats()
+    # how far each goal row lies from the paper's effect, in its own standard errors
+    gaps = ", ".join(f"{abs(r['tail_diff_nats'] - p) / r['tail_diff_stderr_nats']:.1f}" for r in ok)
+    goal = (f" Beyond {first}, {'; '.join(map(one, ok))} {'moves' if len(ok) == 1 else 'move'} the last tenth beyond "
+            f"{z:g} standard errors with a test CE not above the model's ({gaps} standard errors from the paper's "
+            f"{p:+.2f})." if ok else
+            f" No rule beyond {first} moves the last tenth beyond {z:g} standard errors with a test CE not above the "
+            "model's" + (f"; those that move it: {'; '.join(map(one, moved))}." if moved else "."))
     if loses and grows:
         g = max(grows, key=lambda r: abs(r["vs_first_nats"]) / r["vs_first_stderr_nats"])
         v = "approximation"

@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from lmcal import paper
+
 Z = 2.0  # standard errors an effect must exceed to be stated as one
 
 
@@ -23,3 +25,9 @@ class Claim:
 def finite(x) -> bool:
     """A number that is neither None, infinite nor NaN."""
     return x is not None and isinstance(x, (int, float)) and math.isfinite(x)
+
+
+def paper_calibration_nats() -> float:
+    """The paper's calibration effect in nats: log((93.1 - 20) / 93.1) = -0.24."""
+    base = paper.AWD_LSTM_PTB["entrate_ppl"]
+    return math.log((base - paper.CALIBRATION_PPL_DROP) / base)

@@ -25,7 +25,7 @@ import math
 
 from lmcal import paper
 from lmcal.reporting.calibration_limit import calibration_limit
-from lmcal.reporting.claim import Claim, Z
+from lmcal.reporting.claim import Claim, Z, paper_calibration_nats
 from lmcal.reporting.claim import finite as _finite
 
 
@@ -45,12 +45,6 @@ def paper_calibration() -> str:
     """The paper's calibration effect in nats and points: almost 20 points from its EntRate of about 93."""
     base, points = paper.AWD_LSTM_PTB["entrate_ppl"], -paper.CALIBRATION_PPL_DROP
     return f"the paper: {points:+.0f} points from {base:.1f} ({paper_calibration_nats():+.2f} nats)"
-
-
-def paper_calibration_nats() -> float:
-    """The paper's calibration effect in nats: log((93.1 - 20) / 93.1) = -0.24."""
-    base = paper.AWD_LSTM_PTB["entrate_ppl"]
-    return math.log((base - paper.CALIBRATION_PPL_DROP) / base)
 
 
 def tail_effect(name: str, d: float, se: float, base_nats: float, paper_text: str | None = None,
