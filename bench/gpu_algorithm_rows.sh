@@ -9,6 +9,11 @@
 #       [PY=python3] [TB=220] [TA=340] [RULES='top-16 exact'] [B_ARGS='--fit exact'] [PARTICLES='[64,128,256]'] \
 #       [A_ARGS='analysis.sequence_calibration.goal_prefixes=150 ...'] bash bench/gpu_algorithm_rows.sh
 #
+# Algorithm 1's rows are called converged only where K and 2K are shown to agree within converge_tol (0.1 nats) at 2
+# standard errors, which 20 or 60 prefixes cannot show (paired standard errors 0.14-0.26 nats; bench/convergence_rule.py):
+# PARTICLES='[64,128]' A_ARGS='analysis.sequence_calibration.num_prefixes=300' sizes A for that (about 7 minutes on
+# an H200, estimated from the 500-prefix goal rows of docs/bench/sequence_goal_gpu_500.md).
+#
 # On a bare GPU machine whose Python lacks Hydra and OmegaConf, bring .whl/ (`make gpu-wheels`) and set WHEELS=1.
 # Each part has its own timeout (TB, TA seconds); what they write lands flat in OUT (the rows' JSON, the stage's
 # JSON, Markdown, figure and evaluation.json, log.txt). Then, here: copy OUT/dose_rows_exact.json beside CAL and run

@@ -4,7 +4,7 @@ measures them on as many as their own, 20 for the SMC rows, whose 117.3 +- 15.7 
 table, and the verdicts REPORT.md writes (within 10% of the test perplexity at 2 standard errors, or not, or
 undecided: lmcal.reporting.claims.sequence_goal_claims).
 
-    python bench/sequence_goal.py --ckpt outputs/reproduce/cpu/ptb/base/checkpoints/best.ckpt \
+    python bench/sequence_goal.py [--ckpt outputs/reproduce/cpu/ptb/base/checkpoints/best.ckpt] \
         [--future-entropy outputs/reproduce/cpu/ptb/future_entropy/future_entropy.json] \
         [--goal-prefixes 200] [--dir outputs/bench/sequence_goal] [--out docs/bench/sequence_goal.md] [-- overrides]
 
@@ -28,7 +28,8 @@ from lmcal.reporting.docs import add_out_option, save_bench, tee
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--ckpt", type=Path, required=True, help="the model's checkpoint (a make reproduce base)")
+    ap.add_argument("--ckpt", type=Path, help="the model's checkpoint (a make reproduce base; needed unless --dir "
+                                              "holds the finished stage)")
     ap.add_argument("--future-entropy", type=Path, help="the future_entropy stage's JSON, for its row among the goal's")
     ap.add_argument("--dir", type=Path, default=Path("outputs/bench/sequence_goal"), help="the stage's output folder")
     ap.add_argument("--goal-prefixes", type=int, default=200, help="fresh prefixes the goal rows are measured on")
@@ -44,6 +45,8 @@ def main(argv: list[str] | None = None) -> None:
            *([f"analysis.sequence_calibration.future_entropy_json={args.future_entropy}"] if args.future_entropy
              else [])]
     if not result_file.is_file():
+        if args.ckpt is None:
+            sys.exit(f"{result_file} is not there, so the stage must run: give --ckpt, the model's checkpoint.")
         print("running:", shlex.join(cmd), flush=True)
         if subprocess.run(cmd).returncode:
             sys.exit(f"the sequence_calibration stage failed; its log is in {args.dir}")

@@ -459,10 +459,65 @@ def test_the_stage_writes_its_rows_on_an_oracle(tmp_path):
     import sys
 
     out = tmp_path / "goal.md"
-    b = subprocess.run([sys.executable, "bench/sequence_goal.py", "--ckpt", str(tmp_path / "none.ckpt"), "--dir",
-                        str(tmp_path), "--out", str(out)], capture_output=True, text=True, timeout=300)
+    b = subprocess.run([sys.executable, "bench/sequence_goal.py", "--dir", str(tmp_path), "--out", str(out)],
+                       capture_output=True, text=True, timeout=300)
     assert b.returncode == 0, b.stderr[-2000:]
     text = out.read_text()
-    assert "running:" not in b.stdout and "*Command:* `python bench/sequence_goal.py --ckpt" in text
+    assert "running:" not in b.stdout and "*Command:* `python bench/sequence_goal.py --dir" in text
+    b = subprocess.run([sys.executable, "bench/sequence_goal.py", "--dir", str(tmp_path / "nowhere")],
+                       capture_output=True, text=True, timeout=300)  # nothing there to read: the stage needs --ckpt
+    assert b.returncode == 1 and "give --ckpt" in b.stderr and "Traceback" not in b.stderr
     assert "measured again on 9 fresh ones" in text and "| twisted | 2 |" in text
     assert text.count("of the test perplexity") >= 2  # the goal row's verdict and the twisted row's
+    # bench/convergence_rule.py applies the rule to it again, with and without converge_tol; a folder without a
+    # stage is one clear line
+    out = tmp_path / "rule.md"
+    b = subprocess.run([sys.executable, "bench/convergence_rule.py", str(tmp_path), "--tol", "1e-9", "--out", str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert b.returncode == 0, b.stderr[-2000:]
+    rows = [line for line in out.read_text().splitlines() if line.startswith(f"| {tmp_path.name} |")]
+    assert len(rows) == 4 and all(line.endswith(("| **no** |", "| not shown |")) for line in rows)
+    ordered = sorted(smc, key=lambda x: (x["variant"] != "twisted", x["params"]["particles"]))
+    assert all(line.split(" | ")[9] == "yes" for line, x in zip(rows, ordered, strict=True) if x["converged"])
+    b = subprocess.run([sys.executable, "bench/convergence_rule.py", str(tmp_path / "nowhere")], capture_output=True,
+                       text=True, timeout=300)
+    assert b.returncode == 1 and "no sequence_calibration.json there" in b.stderr and "Traceback" not in b.stderr
+
+
+def test_convergence_must_be_shown_not_merely_not_refuted():
+    # K and 2K particles agree only where their paired last tenths' 2-se interval lies within +-tol nats: twenty
+    # prefixes whose differences scatter by 0.5 nats refute nothing, and that is "not shown", not "converged"
+    from lmcal.stages.smc_study import converged_summary, label, mark_convergence, study_table
+
+    rng = np.random.default_rng(0)
+
+    def rows(spread: float, shift: float = 0.0) -> list[dict]:
+        base = rng.normal(4.6, 0.3, 20)
+        noise = rng.normal(0.0, 1.0, 20)
+        noise = (noise - noise.mean()) / noise.std(ddof=1)  # exactly mean 0, sd 1: the paired se is spread / sqrt(20)
+        return [{"variant": "twisted", "params": {"particles": k, "alpha": 0.01, "alpha_stderr": 0.002},
+                 "fit": {"settled": True, "ce_minus_entropy_rate_nats": 0.0, "ce_minus_entropy_rate_stderr_nats": 0.1},
+                 "tail_nats_per_generation": [[x] for x in base + (spread * noise + shift if k == 8 else 0.0)],
+                 "tail_ppl": 100.0, "tail_ppl_stderr": 5.0, "ess_per_particle": 0.8, "log_z_mean": -20.0,
+                 "test_ce_nats": 4.78, "test_ce_bias_nats": -0.001, "ms_per_token": 0.1, "cost_ratio": 2.0}
+                for k in (4, 8)]
+
+    quiet, noisy, apart = rows(0.05), rows(0.5), rows(0.05, shift=0.2)
+    for rs, tol in ((quiet, 0.1), (noisy, 0.1), (apart, 0.1), (noisy, None)):
+        mark_convergence(rs, tol)
+    se = 0.5 / math.sqrt(20)
+    assert [r["convergence"] for r in quiet] == ["agrees"] * 2 and all(r["converged"] for r in quiet)
+    assert abs(noisy[0]["tail_against_stderr_nats"] - se) < 1e-9 and abs(noisy[0]["tail_against_nats"]) < 1e-9
+    assert noisy[0]["converged"] and noisy[0]["convergence"] == "agrees"  # tol None: not refuted is enough
+    mark_convergence(noisy, 0.1)  # 2 x 0.112 > 0.1: shown neither way
+    assert [r["convergence"] for r in noisy] == ["not shown"] * 2 and not any(r["converged"] for r in noisy)
+    assert label(noisy[0]) == "twisted SMC, 4 particles, convergence not shown"
+    assert [r["convergence"] for r in apart] == ["disagrees"] * 2 and label(apart[1]) == "twisted SMC, 8 particles, " \
+                                                                                        "not converged"
+    assert label(quiet[0]) == "Algorithm 1 (twisted SMC, 4 particles)"
+    assert "| not shown |" in study_table(noisy) and "| yes |" in study_table(quiet)
+    assert converged_summary(quiet).startswith("Twisted SMC converged at 4 particles (agreeing with 8 within ±0.1 nats")
+    assert converged_summary(noisy) == (
+        "Twisted SMC did not converge at any count run (4, 8): no K agrees with 2K within ±0.1 nats at 2 standard "
+        "errors (2 of them show no disagreement, but their paired standard errors, 0.11 nats, are too wide to "
+        "show agreement: more prefixes would), so none of its rows is reported as Algorithm 1.")

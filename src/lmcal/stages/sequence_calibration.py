@@ -74,7 +74,7 @@ def _row(method: str, params: dict, curve: np.ndarray, stderr: np.ndarray, tail:
 def sequence_calibration_stage(lm, train_tokens: torch.Tensor, valid_tokens: torch.Tensor, test_tokens: torch.Tensor,
                                out_dir: str | Path, *, particles=(4, 8, 16), twist: bool = True,
                                law_horizon: int | None = None, smc_prefixes: int | None = None, fit_prefixes: int = 40,
-                               goal_prefixes: int | None = None,
+                               goal_prefixes: int | None = None, converge_tol: float | None = 0.1,
                                bracket=(-0.5, 1.0), xtol: float = 2e-3, tail_particles: int | None = None,
                                soft_value: bool = True, sv_rollouts: int = 200, sv_prefix: int = 50,
                                sv_steps: int = 20, sv_iterations: int = 10, sv_backup_steps: int = 10,
@@ -179,7 +179,7 @@ def sequence_calibration_stage(lm, train_tokens: torch.Tensor, valid_tokens: tor
         if twist:
             tw = soft_value_twist(lm, head)
             study += [study_row(setup, k, tw, start_alpha=sv.alpha) for k in ks]
-    mark_convergence(study)
+    mark_convergence(study, converge_tol)
     for r in study:
         r["label"] = label(r)
     rows += study
@@ -262,7 +262,8 @@ def sequence_calibration_stage(lm, train_tokens: torch.Tensor, valid_tokens: tor
               "convergence": converged_summary(study), "soft_value_alpha": None if sv is None else {
                   "alpha": sv.alpha, "alpha_stderr": sv.alpha_stderr, "valid_ce_before_nats": sv.ce_before,
                   "valid_ce_after_nats": sv.ce_after, "positions": sv.positions},
-              "smc_prefixes": n_smc, "fit_prefixes": fit_prefixes, "goal_prefixes": goal_prefixes, "tail_steps": last,
+              "smc_prefixes": n_smc, "fit_prefixes": fit_prefixes, "goal_prefixes": goal_prefixes,
+              "converge_tol": converge_tol, "tail_steps": last,
               "tail_particles": tail_particles, "future_entropy_reused": bool(reuse_fe), "decoders_reused": bool(temp),
               **settings, "unit": unit, "seconds": time.perf_counter() - t0}
     shown = [r for r in rows if r["method"] != "smc"] + [r for r in study if r.get("converged") or
@@ -338,7 +339,9 @@ def sequence_table(result: dict) -> str:
     study = [r for r in result["rows"] if r["method"] == "smc"]
     lines += ["", "The convergence study (each count twisted and untwisted, on the same prefixes and seeds; "
               "converged: its last tenth, paired by prefix, and α* within 2 standard errors of the row with twice "
-              "its particles, or half for the largest; fit: CE(α*) − EntRate(α*) on the fit's own particles, zero at "
+              "its particles, or half for the largest, and the last tenth's 2-standard-error interval within "
+              f"±{study[0].get('convergence_tol_nats') if study else None} nats (not shown: no disagreement, but "
+              "the interval reaches beyond); fit: CE(α*) − EntRate(α*) on the fit's own particles, zero at "
               "the root up to its tolerance; test CE at the row's own count, with log Ẑ's estimated downward bias in "
               "brackets, per word):", "", study_table(study).rstrip("\n"), "", result["convergence"]]
     sv = result.get("soft_value_alpha")

@@ -207,6 +207,9 @@ RULES: dict[str, tuple[Range, str]] = {
     "analysis.sequence_calibration.twist": (Range(choices=(True, False)), "SMC twisted by the soft-value heads too"),
     "analysis.sequence_calibration.sv_refits": (NONNEG_INT, "times the heads' alpha is refitted and they retrain"),
     "analysis.sequence_calibration.xtol": (POSITIVE, "alpha*'s tolerance"),
+    "analysis.sequence_calibration.converge_tol": (Range(lo=0, lo_open=True, optional=True),
+                                                   "nats within which K and 2K particles' last tenths must be shown "
+                                                   "to agree (null: not refuted is enough)"),
     "analysis.sequence_calibration.sv_rollouts": (COUNT, "rollouts of each soft-value round"),
     "analysis.sequence_calibration.sv_prefix": (COUNT, "true tokens each soft-value rollout reads first"),
     "analysis.sequence_calibration.sv_steps": (COUNT, "words each soft-value rollout samples"),
