@@ -15,10 +15,10 @@
 # is about 1.5 x sqrt(2 / generations), and 0.05 needs ~1,800 generations a row: PARTICLES='[64,128]'
 # A_ARGS='analysis.sequence_calibration.num_prefixes=600' (3 each; about 9 minutes on an H200, estimated from the
 # 1,500-generation goal rows of docs/bench/sequence_goal_gpu_500.md; with analysis.sequence_calibration.twist=false,
-# untwisted only, about 5), TA=540 and B skipped (TB=1).
+# untwisted only, about 5), TA=540 and B skipped (TB=0).
 #
 # On a bare GPU machine whose Python lacks Hydra and OmegaConf, bring .whl/ (`make gpu-wheels`) and set WHEELS=1.
-# Each part has its own timeout (TB, TA seconds); what they write lands flat in OUT (the rows' JSON, the stage's
+# Each part has its own timeout (TB, TA seconds; 0 skips it); what they write lands flat in OUT (the rows' JSON, the stage's
 # JSON, Markdown, figure and evaluation.json, log.txt). Then, here: copy OUT/dose_rows_exact.json beside CAL and run
 # `python bench/calibration_dose_row.py --calibration CAL --report <page>`, and
 # `python bench/sequence_goal.py --ckpt CKPT --dir OUT --out <page>`.
@@ -39,18 +39,22 @@ torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU')"
 DATA_ARGS=(); [ -n "${DATA:-}" ] && DATA_ARGS=(--data-root "$DATA")
 date -u +"start %H:%M:%S"
 
-echo "=== B: exact lookahead beside top-16"
-# shellcheck disable=SC2086  # RULES and B_ARGS are word lists
-timeout "$TB" $PY bench/calibration_dose_row.py --ckpt "$CKPT" "${DATA_ARGS[@]}" --calibration "$CAL" \
-  --device "$DEV" --rules ${RULES:-top-16 exact} ${B_ARGS:---fit exact} --out "$OUT/dose_rows_exact.json"
-echo "B rc=$? at $(date -u +%H:%M:%S)"
+if [ "$TB" != 0 ]; then  # TB=0 (TA=0) skips a part
+  echo "=== B: exact lookahead beside top-16"
+  # shellcheck disable=SC2086  # RULES and B_ARGS are word lists
+  timeout "$TB" $PY bench/calibration_dose_row.py --ckpt "$CKPT" "${DATA_ARGS[@]}" --calibration "$CAL" \
+    --device "$DEV" --rules ${RULES:-top-16 exact} ${B_ARGS:---fit exact} --out "$OUT/dose_rows_exact.json"
+  echo "B rc=$? at $(date -u +%H:%M:%S)"
+fi
 
-echo "=== A: sequence_calibration at ${PARTICLES:-[64,128,256]} particles"
-RUN=$(mktemp -d)
-# shellcheck disable=SC2086  # A_ARGS is a list of overrides
-timeout "$TA" $PY -m lmcal.evaluate ckpt="$CKPT" ${DATA:+data_root="$DATA"} 'stages=[sequence_calibration]' \
-  analysis=cpu logger=none device="$DEV" "analysis.sequence_calibration.particles=${PARTICLES:-[64,128,256]}" \
-  analysis.sequence_calibration.max_batch=4096 ${A_ARGS:-} hydra.run.dir="$RUN"
-echo "A rc=$? at $(date -u +%H:%M:%S)"
-find "$RUN" \( -name 'sequence_calibration.*' -o -name evaluation.json \) -exec cp {} "$OUT/" \;
+if [ "$TA" != 0 ]; then
+  echo "=== A: sequence_calibration at ${PARTICLES:-[64,128,256]} particles"
+  RUN=$(mktemp -d)
+  # shellcheck disable=SC2086  # A_ARGS is a list of overrides
+  timeout "$TA" $PY -m lmcal.evaluate ckpt="$CKPT" ${DATA:+data_root="$DATA"} 'stages=[sequence_calibration]' \
+    analysis=cpu logger=none device="$DEV" "analysis.sequence_calibration.particles=${PARTICLES:-[64,128,256]}" \
+    analysis.sequence_calibration.max_batch=4096 ${A_ARGS:-} hydra.run.dir="$RUN"
+  echo "A rc=$? at $(date -u +%H:%M:%S)"
+  find "$RUN" \( -name 'sequence_calibration.*' -o -name evaluation.json \) -exec cp {} "$OUT/" \;
+fi
 date -u +"end %H:%M:%S"
