@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from lmcal.reporting.docs import add_out_option, save_bench, tee
-from lmcal.stages.smc_study import mark_convergence
+from lmcal.stages.smc_study import converged_summary, mark_convergence
 
 
 def _run(folder: Path) -> tuple[str, str]:
@@ -38,6 +38,7 @@ def main(argv: list[str] | None = None) -> None:
     add_out_option(ap, "convergence_rule")
     args = ap.parse_args(argv)
     emit, lines = tee()
+    summaries = []
     emit(f"| run | date | device | prefixes | twist: heads trained at α | sampler | particles | vs | "
          f"last tenth − other's (nats) | not refuted at 2 se | shown within ±{args.tol:g} nats |")
     emit("|---|---|---|---|---|---|---|---|---|---|---|")
@@ -53,6 +54,7 @@ def main(argv: list[str] | None = None) -> None:
         mark_convergence(study, None)
         loose = {(r["variant"], r["params"]["particles"]): r["converged"] for r in study}
         mark_convergence(study, args.tol)
+        summaries.append(f"- {folder.name}: {converged_summary(study)}")
         for r in sorted(study, key=lambda r: (r["variant"] != "twisted", r["params"]["particles"])):
             if r["converged_against"] is None:
                 continue
@@ -70,6 +72,11 @@ def main(argv: list[str] | None = None) -> None:
     emit(f"Not refuted: the paired difference and α*'s within 2 standard errors, both fits settled (the rule before "
          f"`converge_tol`); shown: also |d| + 2 se ≤ {args.tol:g} nats (the rule with `converge_tol: {args.tol:g}`, "
          "the default). A row is called Algorithm 1 only where it is shown.")
+    emit("")
+    emit(f"Each run with `converge_tol: {args.tol:g}`, as its stage's Markdown would say it:")
+    emit("")
+    for line in summaries:
+        emit(line)
     save_bench(args.out, "Algorithm 1's convergence rule, on finished stages", "\n".join(lines),
                "python bench/convergence_rule.py " + shlex.join(sys.argv[1:] if argv is None else argv))
 

@@ -486,7 +486,7 @@ def test_the_stage_writes_its_rows_on_an_oracle(tmp_path):
 
 def test_convergence_must_be_shown_not_merely_not_refuted():
     # K and 2K particles agree only where their paired last tenths' 2-se interval lies within +-tol nats: twenty
-    # prefixes whose differences scatter by 0.5 nats refute nothing, and that is "not shown", not "converged"
+    # prefixes whose differences scatter by 0.6 nats refute nothing, and that is "not shown", not "converged"
     from lmcal.stages.smc_study import converged_summary, label, mark_convergence, study_table
 
     rng = np.random.default_rng(0)
@@ -502,14 +502,14 @@ def test_convergence_must_be_shown_not_merely_not_refuted():
                  "test_ce_nats": 4.78, "test_ce_bias_nats": -0.001, "ms_per_token": 0.1, "cost_ratio": 2.0}
                 for k in (4, 8)]
 
-    quiet, noisy, apart = rows(0.05), rows(0.5), rows(0.05, shift=0.2)
+    quiet, noisy, apart = rows(0.05), rows(0.6), rows(0.05, shift=0.2)
     for rs, tol in ((quiet, 0.1), (noisy, 0.1), (apart, 0.1), (noisy, None)):
         mark_convergence(rs, tol)
-    se = 0.5 / math.sqrt(20)
+    se = 0.6 / math.sqrt(20)
     assert [r["convergence"] for r in quiet] == ["agrees"] * 2 and all(r["converged"] for r in quiet)
     assert abs(noisy[0]["tail_against_stderr_nats"] - se) < 1e-9 and abs(noisy[0]["tail_against_nats"]) < 1e-9
     assert noisy[0]["converged"] and noisy[0]["convergence"] == "agrees"  # tol None: not refuted is enough
-    mark_convergence(noisy, 0.1)  # 2 x 0.112 > 0.1: shown neither way
+    mark_convergence(noisy, 0.1)  # 2 x 0.134 > 0.1: shown neither way
     assert [r["convergence"] for r in noisy] == ["not shown"] * 2 and not any(r["converged"] for r in noisy)
     assert label(noisy[0]) == "twisted SMC, 4 particles, convergence not shown"
     assert [r["convergence"] for r in apart] == ["disagrees"] * 2 and label(apart[1]) == "twisted SMC, 8 particles, " \
@@ -519,5 +519,6 @@ def test_convergence_must_be_shown_not_merely_not_refuted():
     assert converged_summary(quiet).startswith("Twisted SMC converged at 4 particles (agreeing with 8 within ±0.1 nats")
     assert converged_summary(noisy) == (
         "Twisted SMC did not converge at any count run (4, 8): no K agrees with 2K within ±0.1 nats at 2 standard "
-        "errors (2 of them show no disagreement, but their paired standard errors, 0.11 nats, are too wide to "
-        "show agreement: more prefixes would), so none of its rows is reported as Algorithm 1.")
+        "errors (2 of them show no disagreement, but their paired standard errors, 0.13 nats, are too wide to "
+        "show agreement: about 200 generations a row would, against 20 here), so none of its rows is reported as "
+        "Algorithm 1.")

@@ -185,6 +185,15 @@ def study_table(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _generations_needed(noisy: list[dict], tol: float) -> str:
+    """How many generations a row would show agreement within ±tol with, were the difference 0: the standard error
+    falls as 1 / sqrt(generations), and tol / Z is what it must reach (the widest row's, rounded up to 100)."""
+    n = len(np.asarray(noisy[0]["tail_nats_per_generation"]).ravel())
+    se = max(r["tail_against_stderr_nats"] for r in noisy)
+    need = math.ceil(n * (se * Z / tol) ** 2 / 100) * 100
+    return f"about {need:,} generations a row would, against {n:,} here"
+
+
 def converged_summary(rows: list[dict]) -> str:
     """Which count converged, per sampler, and what it cost: one sentence."""
     parts = []
@@ -205,8 +214,8 @@ def converged_summary(rows: list[dict]) -> str:
             noisy = [r for r in vs if r.get("convergence") == "not shown"]
             ses = sorted({f"{r['tail_against_stderr_nats']:.2f}" for r in noisy}, key=float)
             why = (f" ({len(noisy)} of them show no disagreement, but their paired standard errors, "
-                   f"{'–'.join(dict.fromkeys([ses[0], ses[-1]]))} nats, are too wide to show agreement: more "
-                   "prefixes would)" if noisy else "")
+                   f"{'–'.join(dict.fromkeys([ses[0], ses[-1]]))} nats, are too wide to show agreement: "
+                   f"{_generations_needed(noisy, tol)})" if noisy else "")
             parts.append(f"{name} did not converge at any count run ({counts}): no K agrees with 2K{within} at "
                          f"{Z:g} standard errors{why}, so none of its rows is reported as Algorithm 1.")
     return " ".join(parts)
