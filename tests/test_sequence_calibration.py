@@ -446,7 +446,7 @@ def test_the_stage_writes_its_rows_on_an_oracle(tmp_path):
                                  and check["reported_on"].startswith("9 fresh prefixes")
                                  and (check["prefixes"], check["generations"]) == (9, 18))
     assert r["twisted_check"]["params"]["particles"] == 2
-    assert "did not converge" in r["convergence"] or "converged at" in r["convergence"]
+    assert "not shown to converge" in r["convergence"] or "converged at" in r["convergence"]
     table = (tmp_path / "sequence_calibration.md").read_text()
     assert "over L = 40 words" in table and "| twisted | 2 |" in table and "| untwisted | 4 |" in table
     rows = STAGE.summary(r)["sequence_calibration"]
@@ -518,7 +518,7 @@ def test_convergence_must_be_shown_not_merely_not_refuted():
     assert "| not shown |" in study_table(noisy) and "| yes |" in study_table(quiet)
     assert converged_summary(quiet).startswith("Twisted SMC converged at 4 particles (agreeing with 8 within ±0.1 nats")
     assert converged_summary(noisy) == (
-        "Twisted SMC did not converge at any count run (4, 8): no K agrees with 2K within ±0.1 nats at 2 standard "
-        "errors (2 of them show no disagreement, but their paired standard errors, 0.13 nats, are too wide to "
-        "show agreement: about 200 generations a row would, against 20 here), so none of its rows is reported as "
+        "Twisted SMC is not shown to converge at any count run (4, 8): no K agrees with 2K within ±0.1 nats at 2 "
+        "standard errors (2 of them show no disagreement, but their paired standard errors, 0.13 nats, are too wide "
+        "to show agreement: about 200 generations a row would, against 20 here), so none of its rows is reported as "
         "Algorithm 1.")

@@ -216,6 +216,6 @@ def converged_summary(rows: list[dict]) -> str:
             why = (f" ({len(noisy)} of them show no disagreement, but their paired standard errors, "
                    f"{'–'.join(dict.fromkeys([ses[0], ses[-1]]))} nats, are too wide to show agreement: "
                    f"{_generations_needed(noisy, tol)})" if noisy else "")
-            parts.append(f"{name} did not converge at any count run ({counts}): no K agrees with 2K{within} at "
+            parts.append(f"{name} is not shown to converge at any count run ({counts}): no K agrees with 2K{within} at "
                          f"{Z:g} standard errors{why}, so none of its rows is reported as Algorithm 1.")
     return " ".join(parts)
