@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from lmcal.reporting.docs import add_out_option, save_bench, tee
-from lmcal.stages.smc_study import converged_summary, mark_convergence
+from lmcal.stages.smc_study import converged_summary, convergence_word, mark_convergence
 
 
 def _run(folder: Path) -> tuple[str, str]:
@@ -52,18 +52,17 @@ def main(argv: list[str] | None = None) -> None:
         sv = next((r for r in result["rows"] if r["method"] == "soft_value"), {})
         heads = (sv.get("refits") or [{}])[0].get("trained_at_alpha")  # the twisted rows' twist depends on it
         mark_convergence(study, None)
-        loose = {(r["variant"], r["params"]["particles"]): r["converged"] for r in study}
+        loose = {(r["variant"], r["params"]["particles"]): convergence_word(r) for r in study}
         mark_convergence(study, args.tol)
         summaries.append(f"- {folder.name}: {converged_summary(study)}")
         for r in sorted(study, key=lambda r: (r["variant"] != "twisted", r["params"]["particles"])):
             if r["converged_against"] is None:
                 continue
-            yes = {True: "yes", False: "**no**"}
             emit(f"| {folder.name} | {date} | {device} | {result['smc_prefixes']} | "
                  f"{'–' if heads is None else f'{heads:.4f}'} | {r['variant']} | "
                  f"{r['params']['particles']} | {r['converged_against']} | {r['tail_against_nats']:+.3f} ± "
-                 f"{r['tail_against_stderr_nats']:.3f} | {yes[loose[(r['variant'], r['params']['particles'])]]} | "
-                 f"{ {'agrees': 'yes', 'disagrees': '**no**', 'not shown': 'not shown'}[r['convergence']]} |")
+                 f"{r['tail_against_stderr_nats']:.3f} | {loose[(r['variant'], r['params']['particles'])]} | "
+                 f"{convergence_word(r)} |")
     emit("")
     emit("Each run's SMC rows target Algorithm 1's law at their own α*; the twisted rows' twist is the soft-value "
          "heads, trained at the largest untwisted count's α*, so runs with other counts twist differently (SMC is "

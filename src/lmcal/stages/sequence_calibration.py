@@ -337,13 +337,14 @@ def sequence_table(result: dict) -> str:
                      f"{r['tail_ppl']:.1f}" + (f" ± {se:.1f}" if se is not None else "") + f" | {tail_d} | "
                      f"{format_ce(r.get('test_ce_nats'))} | {ce_d} | {ms} | {ratio} |")
     study = [r for r in result["rows"] if r["method"] == "smc"]
+    tol = result.get("converge_tol")
+    shown = ("" if tol is None else f", and the last tenth's 2-standard-error interval within ±{tol:g} nats (not "
+             "shown: no disagreement, but the interval reaches beyond)")
     lines += ["", "The convergence study (each count twisted and untwisted, on the same prefixes and seeds; "
               "converged: its last tenth, paired by prefix, and α* within 2 standard errors of the row with twice "
-              "its particles, or half for the largest, and the last tenth's 2-standard-error interval within "
-              f"±{study[0].get('convergence_tol_nats') if study else None} nats (not shown: no disagreement, but "
-              "the interval reaches beyond); fit: CE(α*) − EntRate(α*) on the fit's own particles, zero at "
-              "the root up to its tolerance; test CE at the row's own count, with log Ẑ's estimated downward bias in "
-              "brackets, per word):", "", study_table(study).rstrip("\n"), "", result["convergence"]]
+              f"its particles, or half for the largest{shown}; fit: CE(α*) − EntRate(α*) on the fit's own particles, "
+              "zero at the root up to its tolerance; test CE at the row's own count, with log Ẑ's estimated "
+              "downward bias in brackets, per word):", "", study_table(study).rstrip("\n"), "", result["convergence"]]
     sv = result.get("soft_value_alpha")
     if sv:
         lines += ["", f"Soft-value heads: α = {sv['alpha']:.4f} ± {sv['alpha_stderr']:.4f}, fitted on their own exact "

@@ -165,6 +165,14 @@ def label(r: dict) -> str:
     return f"{tw}, {k} particles, convergence not tested"
 
 
+def convergence_word(r: dict) -> str:
+    """A row's verdict in a table's cell: yes, **no**, not shown (no disagreement, too wide to show agreement), or
+    not tested (no row of twice or half its particles)."""
+    if r.get("convergence") == "not shown":
+        return "not shown"
+    return {True: "yes", False: "**no**", None: "not tested"}[r.get("converged")]
+
+
 def study_table(rows: list[dict]) -> str:
     """The convergence table: particles x twisted/untwisted."""
     lines = ["| sampler | particles | α* | exp H, last tenth | vs 2K (or K/2), nats | ESS / K | mean log Ẑ | fit: CE − "
@@ -173,15 +181,13 @@ def study_table(rows: list[dict]) -> str:
         p, f = r["params"], r["fit"]
         against = ("–" if r.get("converged_against") is None else
                    f"{r['tail_against_nats']:+.3f} ± {r['tail_against_stderr_nats']:.3f} ({r['converged_against']})")
-        conv = ("not shown" if r.get("convergence") == "not shown" else
-                {True: "yes", False: "**no**", None: "not tested"}[r.get("converged")])
         lines.append(
             f"| {'twisted' if r.get('variant') == 'twisted' else 'untwisted'} | {p['particles']} | {p['alpha']:.4f} ± "
             f"{p['alpha_stderr']:.4f} | {r['tail_ppl']:.1f} ± {r['tail_ppl_stderr']:.1f} | {against} | "
             f"{r['ess_per_particle']:.2f} | {r['log_z_mean']:.2f} | {f['ce_minus_entropy_rate_nats']:+.2e} ± "
             f"{f['ce_minus_entropy_rate_stderr_nats']:.1e}{'' if f['settled'] else ' (no root: not settled)'} | "
             f"{r['test_ce_nats']:.4f} ({r['test_ce_bias_nats']:+.4f}) | "
-            f"{r['ms_per_token']:.3f} | {r['cost_ratio']:.2f} | {conv} |")
+            f"{r['ms_per_token']:.3f} | {r['cost_ratio']:.2f} | {convergence_word(r)} |")
     return "\n".join(lines) + "\n"
 
 
