@@ -10,18 +10,18 @@
 #       [A_ARGS='analysis.sequence_calibration.goal_prefixes=150 ...'] bash bench/gpu_algorithm_rows.sh
 #
 # Algorithm 1's rows are called converged only where K and 2K are shown to agree within converge_tol (0.1 nats) at 2
-# standard errors, which 20 or 60 prefixes cannot show (paired standard errors 0.14-0.26 nats; bench/convergence_rule.py):
-# a generation's last tenth scatters by 1.5 nats (5% of them fall into loops below 1.5), so the paired standard error
+# standard errors, which 20 or 60 prefixes cannot show (paired standard errors 0.14-0.26 nats;
+# bench/convergence_rule.py): a generation's last tenth scatters by 1.5 nats (5% of them fall into loops below 1.5), so the paired standard error
 # is about 1.5 x sqrt(2 / generations), and 0.05 needs ~1,800 generations a row: PARTICLES='[64,128]'
 # A_ARGS='analysis.sequence_calibration.num_prefixes=600' (3 each; about 9 minutes on an H200, estimated from the
 # 1,500-generation goal rows of docs/bench/sequence_goal_gpu_500.md; with analysis.sequence_calibration.twist=false,
 # untwisted only, about 5), TA=540 and B skipped (TB=0).
 #
 # On a bare GPU machine whose Python lacks Hydra and OmegaConf, bring .whl/ (`make gpu-wheels`) and set WHEELS=1.
-# Each part has its own timeout (TB, TA seconds; 0 skips it); what they write lands flat in OUT (the rows' JSON, the stage's
-# JSON, Markdown, figure and evaluation.json, log.txt). Then, here: copy OUT/dose_rows_exact.json beside CAL and run
-# `python bench/calibration_dose_row.py --calibration CAL --report <page>`, and
-# `python bench/sequence_goal.py --ckpt CKPT --dir OUT --out <page>`.
+# Each part has its own timeout (TB, TA seconds; 0 skips it); what they write lands flat in OUT (the rows' JSON, the
+# stage's JSON, Markdown, figure and evaluation.json, log.txt). Then, here: copy OUT/dose_rows_exact.json beside CAL
+# and run `python bench/calibration_dose_row.py --calibration CAL --report <page>`, and
+# `python bench/sequence_goal.py --dir OUT --out <page>` (it reads the finished stage; no checkpoint needed).
 set -u
 cd "$(dirname "$0")/.."
 : "${CKPT:?set CKPT to the model's checkpoint}" "${CAL:?set CAL to the calibration stage's calibration.json}"
