@@ -116,8 +116,9 @@ def run():
     valid = dm.tokens("valid")
     tokens = batchify(valid[: (t0 + per_stream) * args.streams], args.streams)  # [t0 + per_stream, streams]
     n = (tokens.size(0) - t0) * tokens.size(1)
-    lines = [f"`{args.ckpt}`, V = {lm.vocab_size}: {n} validation positions ({args.streams} streams, each after "
-             f"{args.min_context} tokens of context), {torch.get_num_threads()} threads on {args.device}, torch "
+    fitted = "" if args.skip_fits else (f": {n} validation positions ({args.streams} streams, each after "
+                                        f"{args.min_context} tokens of context)")
+    lines = [f"`{args.ckpt}`, V = {lm.vocab_size}{fitted}, {torch.get_num_threads()} threads on {args.device}, torch "
              f"{torch.__version__}.", ""]
 
     def emit(line=""):
@@ -150,7 +151,10 @@ def run():
     if args.timing and alpha is not None:
         emit("")
         emit(timing_table(lm, valid_prefixes[:args.timing_prefixes], rules, alpha, seed, args))
-    save_bench(args.out, "Lookahead calibration: candidate rules against exact lookahead", "\n".join(lines),
+    only_cost = args.skip_fits and not (g and steps)  # a page of its own beside the comparison's
+    title = ("Lookahead calibration: cost per generated word of each candidate rule" if only_cost
+             else "Lookahead calibration: candidate rules against exact lookahead")
+    save_bench(args.out, title, "\n".join(lines),
                command="python " + shlex.join(sys.argv))
 
 
