@@ -42,7 +42,7 @@ from lmcal.models.step_lm import as_step_lm
 from lmcal.reporting.calibration_limit import calibration_limit
 from lmcal.reporting.docs import provenance, save_bench
 from lmcal.reporting.report_md import calibration_limit_markdown
-from lmcal.reporting.results import calibration_dose
+from lmcal.reporting.results import calibration_dose, dose_row_files
 from lmcal.stages.dose_response import dose_response, rule_from_text
 from lmcal.stages.targets import load_checkpoint_and_data
 from lmcal.utils.boundary import boundary
@@ -145,7 +145,8 @@ def report(calibration: str, md: str, argv: list[str] | None) -> None:
     if not (cal.get("approximation") and cal.get("dose_response")):
         raise LmcalError(f"{path} has no approximation table or dose-response: run the calibration stage with "
                          "analysis.calibration.approximation and dose_response set first.")
-    cal |= calibration_dose(cal, path.parent)
+    found = dose_row_files(path.parent)
+    cal |= calibration_dose(cal, path.parent, found)
     extra = cal["dose_response"]["extra_rows"]
     if not extra:
         raise LmcalError(f"{path.parent} holds no dose_rows_*.json beside calibration.json: measure rows first.")
@@ -155,7 +156,7 @@ def report(calibration: str, md: str, argv: list[str] | None) -> None:
              f"({', '.join(sorted({r['device'] for r in extra}))}).")
     runs = [f"- `{p.name}`: `{f['provenance'].get('command')}` · {f['provenance'].get('date')} · "
             f"{f['provenance'].get('machine')} · commit {f['provenance'].get('commit')} ({f['seconds']:.0f} s)"
-            for p in sorted(path.parent.glob("dose_rows_*.json")) for f in [read_json(p)] if f.get("provenance")]
+            for p, f in found if f.get("provenance")]
     body = "\n".join([setup, "", "The other runs:", "", *runs, "", *calibration_limit_markdown(cal)[:-2],
                       f"Verdict ({claim.verdict}): {claim.sentence}"])
     save_bench(md, "Lookahead calibration's dose-response with rows from another run", body,

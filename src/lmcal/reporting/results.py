@@ -155,15 +155,20 @@ def collect_results(cfg: DictConfig, out: Path, names: list[str]) -> dict:
 SETTINGS = ("num_prefixes", "samples_per_prefix", "prefix_len", "horizon", "seed")  # a generation stage's setup
 
 
-def calibration_dose(cal: dict, folder: Path) -> dict:
+def dose_row_files(folder: Path) -> list[tuple[Path, dict]]:
+    """The rows other runs added beside a calibration stage's JSON: each dose_rows_*.json in its folder, by name."""
+    return [(p, read_json(p)) for p in sorted(folder.glob("dose_rows_*.json"))]
+
+
+def calibration_dose(cal: dict, folder: Path, found: list[tuple[Path, dict]] | None = None) -> dict:
     """The calibration stage's dose-response without its per-generation numbers, with the rows other runs added
-    beside it (each dose_rows_*.json in its folder, e.g. exact lookahead on a GPU: bench/calibration_dose_row.py) as
-    extra_rows, each marked with its device."""
+    beside it (dose_row_files(folder), or `found` where the caller has read them; e.g. exact lookahead on a GPU:
+    bench/calibration_dose_row.py) as extra_rows, each marked with its device."""
     dr = cal.get("dose_response")
     if not dr:
         return {}
     drop = ("tail_nats_per_generation", "plain_tail_nats_per_generation")
-    files = [read_json(p) for p in sorted(folder.glob("dose_rows_*.json"))]
+    files = [f for _, f in (dose_row_files(folder) if found is None else found)]
     extra = [{k: v for k, v in row.items() if k not in drop} | {"device": f.get("device", "another run")}
              for f in files for row in f["rows"]]
     fits = [{"rule": f["rules"][0], "device": f.get("device", "another run"), **f["own_fit"]} for f in files
