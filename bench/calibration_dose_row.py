@@ -146,7 +146,7 @@ def report(calibration: str, md: str, argv: list[str] | None) -> None:
         raise LmcalError(f"{path} has no approximation table or dose-response: run the calibration stage with "
                          "analysis.calibration.approximation and dose_response set first.")
     found = dose_row_files(path.parent)
-    cal |= calibration_dose(cal, path.parent, found)
+    cal |= calibration_dose(cal, found)
     extra = cal["dose_response"]["extra_rows"]
     if not extra:
         raise LmcalError(f"{path.parent} holds no dose_rows_*.json beside calibration.json: measure rows first.")

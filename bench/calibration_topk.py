@@ -138,7 +138,8 @@ def run():
                                      seed=settings.get("seed", 0))
     horizon, seed = settings.get("horizon", args.horizon), settings.get("seed", 0)
     g, steps = args.approximation
-    if g and steps and alpha is not None:
+    approximated = bool(g and steps and alpha is not None)
+    if approximated:
         ap = approximation_table(lm, valid_prefixes[:g], horizon, steps, rules, alpha, args.multiples, seed,
                                  progress=args.progress)
         emit("")
@@ -151,7 +152,7 @@ def run():
     if args.timing and alpha is not None:
         emit("")
         emit(timing_table(lm, valid_prefixes[:args.timing_prefixes], rules, alpha, seed, args))
-    only_cost = args.skip_fits and not (g and steps)  # a page of its own beside the comparison's
+    only_cost = args.skip_fits and not approximated  # a page of its own beside the comparison's
     title = ("Lookahead calibration: cost per generated word of each candidate rule" if only_cost
              else "Lookahead calibration: candidate rules against exact lookahead")
     save_bench(args.out, title, "\n".join(lines),

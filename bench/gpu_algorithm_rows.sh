@@ -11,8 +11,9 @@
 #
 # Algorithm 1's rows are called converged only where K and 2K are shown to agree within converge_tol (0.1 nats) at 2
 # standard errors, which 20 or 60 prefixes cannot show (paired standard errors 0.14-0.26 nats;
-# bench/convergence_rule.py): a generation's last tenth scatters by 1.5 nats (5% of them fall into loops below 1.5), so the paired standard error
-# is about 1.5 x sqrt(2 / generations), and 0.05 needs ~1,800 generations a row: PARTICLES='[64,128]'
+# bench/convergence_rule.py): a generation's last tenth scatters by 1.5 nats (5% of them fall into loops below 1.5),
+# so the paired standard error is about 1.5 x sqrt(2 / generations), and 0.05 needs ~1,800 generations a row:
+# PARTICLES='[64,128]'
 # A_ARGS='analysis.sequence_calibration.num_prefixes=600' (3 each; about 9 minutes on an H200, estimated from the
 # 1,500-generation goal rows of docs/bench/sequence_goal_gpu_500.md; with analysis.sequence_calibration.twist=false,
 # untwisted only, about 5), TA=540 and B skipped (TB=0).

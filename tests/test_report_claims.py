@@ -156,16 +156,16 @@ def test_results_take_the_dose_rows_other_runs_added(tmp_path):
     """results.json's dose-response: the stage's rows without their per-generation numbers, and every
     dose_rows_*.json beside calibration.json (bench/calibration_dose_row.py) as extra rows marked with their device,
     with the first rule's own alpha* where that run fitted it."""
-    from lmcal.reporting.results import calibration_dose
+    from lmcal.reporting.results import calibration_dose, dose_row_files
 
     row = {"rule": "top-16", "multiple": 1, "tail_diff_nats": 0.0, "tail_nats_per_generation": [[1.0]]}
     cal = {"dose_response": {"rules": ["top-16"], "rows": [row], "plain_tail_nats_per_generation": [[1.0]]}}
     (tmp_path / "dose_rows_gpu.json").write_text(json.dumps(
         {"device": "NVIDIA H200", "rules": ["exact"], "rows": [{**row, "rule": "exact"}],
          "own_fit": {"alpha": -0.04, "alpha_stderr": 0.01}}))
-    dr = calibration_dose(cal, tmp_path)["dose_response"]
+    dr = calibration_dose(cal, dose_row_files(tmp_path))["dose_response"]
     assert dr["rows"] == [{"rule": "top-16", "multiple": 1, "tail_diff_nats": 0.0}]
     assert "plain_tail_nats_per_generation" not in dr
     assert dr["extra_rows"] == [{"rule": "exact", "multiple": 1, "tail_diff_nats": 0.0, "device": "NVIDIA H200"}]
     assert dr["extra_fits"] == [{"rule": "exact", "device": "NVIDIA H200", "alpha": -0.04, "alpha_stderr": 0.01}]
-    assert calibration_dose({}, tmp_path) == {}
+    assert calibration_dose({}, dose_row_files(tmp_path)) == {}

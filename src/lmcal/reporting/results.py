@@ -118,7 +118,7 @@ def collect_results(cfg: DictConfig, out: Path, names: list[str]) -> dict:
         | _present(cal, *SETTINGS, "epsilon", "tail_nats_before", "tail_stderr_nats_before", "tail_nats",
                    "tail_stderr_nats", "mass_outside_topk", "true_word_outside_topk", "coverage_positions", "cover",
                    "cover_max", "rule", "candidates_mean", "approximation")
-        | calibration_dose(cal, ptb / "calibration"),
+        | calibration_dose(cal, dose_row_files(ptb / "calibration")),
         "decoders": [{k: r[k] for k in ("method", "params", "entrate_ppl", "test_ce_nats", "zero_prob_fraction",
                                         "test_ce_kept_nats", "test_ce_mixed_nats", "entropy_t1_nats",
                                         "entropy_last_nats", "tail_diff_nats", "tail_diff_stderr_nats")}
@@ -160,15 +160,15 @@ def dose_row_files(folder: Path) -> list[tuple[Path, dict]]:
     return [(p, read_json(p)) for p in sorted(folder.glob("dose_rows_*.json"))]
 
 
-def calibration_dose(cal: dict, folder: Path, found: list[tuple[Path, dict]] | None = None) -> dict:
+def calibration_dose(cal: dict, found: list[tuple[Path, dict]]) -> dict:
     """The calibration stage's dose-response without its per-generation numbers, with the rows other runs added
-    beside it (dose_row_files(folder), or `found` where the caller has read them; e.g. exact lookahead on a GPU:
-    bench/calibration_dose_row.py) as extra_rows, each marked with its device."""
+    beside it (`found`: dose_row_files of its folder, e.g. exact lookahead on a GPU: bench/calibration_dose_row.py) as
+    extra_rows, each marked with its device."""
     dr = cal.get("dose_response")
     if not dr:
         return {}
     drop = ("tail_nats_per_generation", "plain_tail_nats_per_generation")
-    files = [f for _, f in (dose_row_files(folder) if found is None else found)]
+    files = [f for _, f in found]
     extra = [{k: v for k, v in row.items() if k not in drop} | {"device": f.get("device", "another run")}
              for f in files for row in f["rows"]]
     fits = [{"rule": f["rules"][0], "device": f.get("device", "another run"), **f["own_fit"]} for f in files
