@@ -484,6 +484,33 @@ def test_the_stage_writes_its_rows_on_an_oracle(tmp_path):
     assert b.returncode == 1 and "no sequence_calibration.json there" in b.stderr and "Traceback" not in b.stderr
 
 
+def test_the_stage_can_run_the_twisted_rows_only(tmp_path):
+    """untwisted=false: the twisted rows alone (a long study's time goes to the twisted law), the heads first trained at
+    sv_alpha, whose absence is one clear error before anything runs."""
+    from lmcal.errors import LmcalError
+    from lmcal.stages.sequence_calibration import sequence_calibration_stage
+
+    orc = _delayed()
+    text = _windows(1, 6000, 9)[0]
+    tiny = dict(particles=[2, 4], fit_prefixes=8, sv_rollouts=16, sv_prefix=4, sv_steps=6, sv_iterations=2,
+                sv_backup_steps=3, hidden=8, rank=4, epochs=1, fit_tokens=600, fit_streams=4, score_tokens=600,
+                score_streams=4, timing_prefixes=2, timing_horizon=4, timing_repeats=1, num_prefixes=6,
+                samples_per_prefix=2, prefix_len=4, horizon=20, max_batch=64, untwisted=False)
+    for bad, why in (({}, "give analysis.sequence_calibration.sv_alpha"), ({"sv_alpha": 0.04, "twist": False},
+                                                                           "need analysis.sequence_calibration.twist")):
+        with pytest.raises(LmcalError, match=why):
+            sequence_calibration_stage(orc, text[:3000], text[3000:4500], text[4500:], tmp_path / "bad", **tiny, **bad)
+    assert not (tmp_path / "bad").exists()  # refused before anything was written
+    r = sequence_calibration_stage(orc, text[:3000], text[3000:4500], text[4500:], tmp_path, sv_alpha=0.04, **tiny)
+    assert [(x["method"], x.get("variant"), x["params"].get("particles")) for x in r["rows"]] == [
+        ("model", None, None), ("soft_value", None, None), ("smc", "twisted", 2), ("smc", "twisted", 4),
+        ("fitted_temperature", None, None)]
+    assert r["rows"][1]["refits"][0]["trained_at_alpha"] == 0.04 and not r["untwisted"] and r["sv_alpha"] == 0.04
+    assert r["twisted_check"]["params"]["particles"] == 2 and "twisted SMC" in r["alpha_from"]
+    assert "each count twisted only, the heads first trained at α = 0.04" in (
+        tmp_path / "sequence_calibration.md").read_text()
+
+
 def test_convergence_must_be_shown_not_merely_not_refuted():
     # K and 2K particles agree only where their paired last tenths' 2-se interval lies within +-tol nats: twenty
     # prefixes whose differences scatter by 0.6 nats refute nothing, and that is "not shown", not "converged"

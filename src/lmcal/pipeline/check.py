@@ -110,7 +110,7 @@ def model_steps(name: str, a: dict, m: Model, memory_tau: int | None = None) -> 
         # path and running to the law's end), all of prefix_len + law_horizon words
         window = a["prefix_len"] + (a.get("law_horizon") or 2 * a["horizon"])
         n = min(a.get("smc_prefixes") or a["num_prefixes"], a["num_prefixes"]) * a["samples_per_prefix"]
-        counts = list(a["particles"]) * (2 if a.get("twist") and a.get("soft_value") else 1)
+        counts = list(a["particles"]) * (bool(a.get("untwisted", True)) + bool(a.get("twist") and a.get("soft_value")))
         smc = sum(k * (6 * a["fit_prefixes"] + n) * window + (a.get("tail_particles") or k) * 2 * n * window
                   for k in counts)
         # the goal rows measured again on fresh prefixes: the twisted row with the fewest particles (and the goal row,

@@ -73,6 +73,7 @@ def _row(method: str, params: dict, curve: np.ndarray, stderr: np.ndarray, tail:
 
 def sequence_calibration_stage(lm, train_tokens: torch.Tensor, valid_tokens: torch.Tensor, test_tokens: torch.Tensor,
                                out_dir: str | Path, *, particles=(4, 8, 16), twist: bool = True,
+                               untwisted: bool = True, sv_alpha: float | None = None,
                                law_horizon: int | None = None, smc_prefixes: int | None = None, fit_prefixes: int = 40,
                                goal_prefixes: int | None = None, converge_tol: float | None = 0.1,
                                bracket=(-0.5, 1.0), xtol: float = 2e-3, tail_particles: int | None = None,
@@ -90,14 +91,14 @@ def sequence_calibration_stage(lm, train_tokens: torch.Tensor, valid_tokens: tor
     """Algorithm 1 (module docstring): the plain model; SMC at each count of `particles` untwisted, each with α*
     fitted at that count on `fit_prefixes` validation continuations of law_horizon (null: 2 x horizon) words, from the
     first `smc_prefixes` prefixes (all when null), the goal rows measured again on `goal_prefixes` fresh ones (null:
-    as many as the row's own); the soft-value heads trained at the largest count's α* by
+    as many as the row's own); the soft-value heads trained at the largest count's α* (or `sv_alpha`) by
     `sv_iterations` rounds of relative value iteration on `sv_rollouts` rollouts of `sv_steps` words from the training
     text, their α refitted on the first `fit_tokens` validation tokens and the head retrained `sv_refits` times; SMC
-    twisted by that head at each count (`twist`); the rows of the earlier stages (`future_entropy`: its best head;
-    `decoders`: the fitted temperature, else fitted here) when their generation and scoring settings are these.
-    Writes `<name>.json`, `.md` and `.png`."""
+    twisted by that head at each count (`twist`; untwisted=False: the twisted rows only, the heads first trained at
+    `sv_alpha`, so that a study spends its time on the twisted law); the rows of the earlier stages (`future_entropy`:
+    its best head; `decoders`: the fitted temperature, else fitted here) when their generation and scoring settings
+    are these. Writes `<name>.json`, `.md` and `.png`."""
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     ks = sorted({int(k) for k in (particles if isinstance(particles, (list, tuple)) else [particles])})
     if not ks or ks[0] < 1:
@@ -110,6 +111,14 @@ def sequence_calibration_stage(lm, train_tokens: torch.Tensor, valid_tokens: tor
     if twist and not soft_value:
         raise LmcalError(f"analysis.{name}.twist=true twists SMC with the soft-value heads: it needs "
                          f"analysis.{name}.soft_value=true (or set twist=false).")
+    if not untwisted and not (twist and soft_value):
+        raise LmcalError(f"analysis.{name}.untwisted=false leaves the twisted SMC rows only, and they need "
+                         f"analysis.{name}.twist=true and soft_value=true: set those, or untwisted=true.")
+    if not untwisted and sv_alpha is None:
+        raise LmcalError(f"analysis.{name}.untwisted=false: the soft-value heads are first trained at the untwisted "
+                         f"rows' alpha*, which this run does not fit; give analysis.{name}.sv_alpha (for example the "
+                         "alpha* an earlier run of this stage fitted, its JSON's rows' params.alpha).")
+    out.mkdir(parents=True, exist_ok=True)  # after the checks: a refused run leaves nothing behind
     prefixes = random_prefixes(valid_tokens, num_prefixes, prefix_len, seed=seed)  # [N, P]: as every other stage
     n_smc = min(prefixes.size(0), smc_prefixes or prefixes.size(0))
     test = batchify(test_tokens[:score_tokens] if score_tokens else test_tokens, score_streams)
@@ -151,12 +160,12 @@ def sequence_calibration_stage(lm, train_tokens: torch.Tensor, valid_tokens: tor
                        windows(valid_tokens, fit_prefixes, seed + 1), windows(test_tokens, fit_prefixes, seed + 2),
                        horizon, L, last, plain_tail[0][:n_smc], rows[0]["ms_per_token"], prefixes[:timing_prefixes],
                        timing_horizon, timing_repeats, seed, tuple(bracket), xtol, tail_particles, max_batch * 4)
-    study = [study_row(setup, k) for k in ks]  # untwisted, each count fitted for itself
+    study = [study_row(setup, k) for k in ks] if untwisted else []  # untwisted, each count fitted for itself
     samplers, sv = {}, None  # method -> the per-word sampler behind its row, for the goal's second measurement
     if soft_value:  # the amortised sampler, α refitted on its own per-word CE; then the twist of SMC
         t_sv = time.perf_counter()
         starts = random_prefixes(train_tokens, sv_rollouts, sv_prefix, seed=seed + 3)
-        alpha, head, history, refits = study[-1]["params"]["alpha"], None, [], []
+        alpha, head, history, refits = study[-1]["params"]["alpha"] if sv_alpha is None else sv_alpha, None, [], []
         for r in range(sv_refits + 1):
             head, hist = train_soft_value(lm, alpha, starts, iterations=sv_iterations if r == 0 else
                                           max(1, sv_iterations // 2), steps=sv_steps, explore=sv_explore,
@@ -254,11 +263,12 @@ def sequence_calibration_stage(lm, train_tokens: torch.Tensor, valid_tokens: tor
 
     ref_ce = rows[0]["test_ce_nats"]
     best = next((r for r in sorted(study, key=lambda r: (r["variant"] != "twisted", -r["params"]["particles"]))
-                 if r.get("converged")), study[-1 if not twisted else len(ks) - 1])
+                 if r.get("converged")), ([r for r in study if r["variant"] == "untwisted"] or study)[-1])
     result = {"model": model_name, "corpus": corpus, "rows": rows, "goal": goal, "twisted_check": twisted_check,
               "reference_test_ce_nats": ref_ce, "reference_test_ppl": exp_or_inf(ref_ce),
               "alpha": best["params"]["alpha"], "alpha_stderr": best["params"]["alpha_stderr"],
               "alpha_from": best["label"], "law_horizon": L, "particles": ks, "twist": bool(twist and soft_value),
+              "untwisted": bool(untwisted), "sv_alpha": sv_alpha,
               "convergence": converged_summary(study), "soft_value_alpha": None if sv is None else {
                   "alpha": sv.alpha, "alpha_stderr": sv.alpha_stderr, "valid_ce_before_nats": sv.ce_before,
                   "valid_ce_after_nats": sv.ce_after, "positions": sv.positions},
@@ -340,7 +350,9 @@ def sequence_table(result: dict) -> str:
     tol = result.get("converge_tol")
     shown = ("" if tol is None else f", and the last tenth's 2-standard-error interval within ±{tol:g} nats (not "
              "shown: no disagreement, but the interval reaches beyond)")
-    lines += ["", "The convergence study (each count twisted and untwisted, on the same prefixes and seeds; "
+    each = ("each count twisted and untwisted" if result.get("untwisted", True) else
+            f"each count twisted only, the heads first trained at α = {result.get('sv_alpha')}")
+    lines += ["", f"The convergence study ({each}, on the same prefixes and seeds; "
               "converged: its last tenth, paired by prefix, and α* within 2 standard errors of the row with twice "
               f"its particles, or half for the largest{shown}; fit: CE(α*) − EntRate(α*) on the fit's own particles, "
               "zero at the root up to its tolerance; test CE at the row's own count, with log Ẑ's estimated "

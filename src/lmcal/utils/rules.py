@@ -205,6 +205,11 @@ RULES: dict[str, tuple[Range, str]] = {
                                                                 "the row's own)"),
     "analysis.sequence_calibration.law_horizon": (OPT_COUNT, "words Algorithm 1's law runs over (null: 2 x horizon)"),
     "analysis.sequence_calibration.twist": (Range(choices=(True, False)), "SMC twisted by the soft-value heads too"),
+    "analysis.sequence_calibration.untwisted": (Range(choices=(True, False)), "SMC untwisted too (false: needs "
+                                                "sv_alpha)"),
+    "analysis.sequence_calibration.sv_alpha": (Range(lo=-1, lo_open=True, optional=True),
+                                               "alpha the soft-value heads are first trained at (null: the untwisted "
+                                               "rows' largest count's)"),
     "analysis.sequence_calibration.sv_refits": (NONNEG_INT, "times the heads' alpha is refitted and they retrain"),
     "analysis.sequence_calibration.xtol": (POSITIVE, "alpha*'s tolerance"),
     "analysis.sequence_calibration.converge_tol": (Range(lo=0, lo_open=True, optional=True),
