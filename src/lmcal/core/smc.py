@@ -45,6 +45,7 @@ import torch
 
 from lmcal.core.lookahead import entropy
 from lmcal.core.sampling import draw, uniforms
+from lmcal.utils.progress import progress_bar
 
 
 @dataclass
@@ -107,13 +108,14 @@ def _feed(lm, prefixes: torch.Tensor):
 
 @torch.no_grad()
 def smc_generate(lm, prefixes: torch.Tensor, alpha: float, horizon: int, *, particles: int = 64, seed: int = 0,
-                 twist: Twist | None = None, ess_threshold: float = 0.5, max_batch: int = 4096) -> SMCResult:
+                 twist: Twist | None = None, ess_threshold: float = 0.5, max_batch: int = 4096,
+                 progress: bool | str = False) -> SMCResult:
     """One continuation of `horizon` words per prefix [B, P] (P >= 1), drawn from P̂_α(. | prefix) ∝ P̂^(1+α) by
     sequential Monte Carlo with `particles` particles per prefix (module docstring). alpha > -1; alpha = 0 without a
     twist is plain sampling (every weight 1, never resampled). twist: None, or twist(state, t) -> ψ_t [n, V] (float),
     the log-twist of each word w drawn at step t = 0..horizon-2 by the n rows whose state (lm's, after their history)
     is `state`; finite wherever P̂ > 0 (full support); not called at the last step, where ψ = 0. Prefixes are run in
-    chunks of at most max_batch particles."""
+    chunks of at most max_batch particles; `progress` (True, or the bar's name) reports them as they finish."""
     B, P = prefixes.shape
     K = int(particles)
     if P < 1 or horizon < 1 or B < 1 or K < 1:
@@ -124,11 +126,15 @@ def smc_generate(lm, prefixes: torch.Tensor, alpha: float, horizon: int, *, part
     a1 = 1.0 + float(alpha)
     per_chunk = max(1, max_batch // K)
     parts, seconds = [], 0.0
+    bar = progress_bar(total=B * horizon, desc=progress if isinstance(progress, str) else f"SMC, {K} particles",
+                       unit="word", disable=not progress)
     for lo in range(0, B, per_chunk):
         logp, state = _feed(lm, prefixes[lo:lo + per_chunk])  # [n, V]
         t0 = time.perf_counter()
         parts.append(_smc_chunk(lm, logp, state, lo, a1, horizon, K, seed, ess_threshold, twist))
         seconds += time.perf_counter() - t0
+        bar.update(parts[-1]["tokens"].numel())
+    bar.close()
     out = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
     return SMCResult(**out, particles=K, alpha=float(alpha), seconds=seconds)
 
@@ -197,8 +203,8 @@ def _smc_chunk(lm, logp: torch.Tensor, state, lo: int, a1: float, horizon: int, 
 
 @torch.no_grad()
 def smc_tail_entropy(lm, prefixes: torch.Tensor, result: SMCResult, alpha: float, start: int, stop: int, *,
-                     particles: int = 16, seed: int = 0, max_batch: int = 4096, twist: Twist | None = None
-                     ) -> torch.Tensor:
+                     particles: int = 16, seed: int = 0, max_batch: int = 4096, twist: Twist | None = None,
+                     progress: bool = False) -> torch.Tensor:
     """The calibrated law's entropy per word over words start..stop-1 of each returned path [B] (nats), for paths of
     `result` (smc_generate on prefixes [B, P], whose horizon T >= stop).
 
@@ -216,9 +222,10 @@ def smc_tail_entropy(lm, prefixes: torch.Tensor, result: SMCResult, alpha: float
     text = torch.cat([prefixes.cpu(), result.tokens], 1)  # [B, P + T]
     P = prefixes.size(1)
     kw = dict(particles=particles, max_batch=max_batch)
+    bar = f"nested SMC from word {{}}, {particles} particles" if progress else False
     log_z_ab = smc_generate(lm, text[:, :P + start], alpha, T - start, seed=seed, twist=shifted(twist, start),
-                            **kw).log_z
+                            progress=bar and bar.format(start), **kw).log_z
     log_z_b = (smc_generate(lm, text[:, :P + stop], alpha, T - stop, seed=seed + 1, twist=shifted(twist, stop),
-                            **kw).log_z if stop < T else torch.zeros_like(log_z_ab))
+                            progress=bar and bar.format(stop), **kw).log_z if stop < T else torch.zeros_like(log_z_ab))
     log_pa = result.base_logp[:, start:stop].sum(1)  # [B]
     return (-a1 * log_pa + log_z_ab - log_z_b) / (stop - start)

@@ -301,10 +301,12 @@ def remeasure(s: StudySetup, prefixes: torch.Tensor, k: int, twist, alpha: float
     """An SMC row's last tenth (level, standard error) on other prefixes [n, P] and seed, at its fitted α."""
     lm = twist.lm if twist is not None else s.lm
     p = prefixes.repeat_interleave(s.samples_per_prefix, 0)
-    r = smc_generate(lm, p, alpha, s.law_horizon, particles=k, seed=seed, twist=twist, max_batch=s.max_batch)
+    r = smc_generate(lm, p, alpha, s.law_horizon, particles=k, seed=seed, twist=twist, max_batch=s.max_batch,
+                     progress=f"SMC, {k} particles, fresh prefixes")
     T = s.horizon
     tail = smc_tail_entropy(lm, p, r, alpha, T - s.last, T, particles=s.tail_particles or k, seed=seed + 7,
-                            max_batch=s.max_batch, twist=twist).numpy().reshape(prefixes.size(0), s.samples_per_prefix)
+                            max_batch=s.max_batch, twist=twist, progress=True).numpy()
+    tail = tail.reshape(prefixes.size(0), s.samples_per_prefix)  # [n, S]
     level, se = clustered_mean(tail)
     return float(level), float(se)
 

@@ -76,11 +76,12 @@ def study_row(s: StudySetup, k: int, twist=None, start_alpha: float = 0.0) -> di
                              max_batch=s.max_batch, twist=twist, start=start_alpha)
     a = fit.alpha
     fit_s = time.perf_counter() - t0
-    r = smc_generate(lm, s.prefixes, a, s.law_horizon, particles=k, seed=s.seed, twist=twist, max_batch=s.max_batch)
+    r = smc_generate(lm, s.prefixes, a, s.law_horizon, particles=k, seed=s.seed, twist=twist, max_batch=s.max_batch,
+                     progress=f"{variant} SMC, {k} particles")
     n, S, T = s.prefixes.size(0) // s.samples_per_prefix, s.samples_per_prefix, s.horizon
     t1 = time.perf_counter()
     tail = smc_tail_entropy(lm, s.prefixes, r, a, T - s.last, T, particles=s.tail_particles or k, seed=s.seed + 7,
-                            max_batch=s.max_batch, twist=twist).numpy().reshape(n, S)
+                            max_batch=s.max_batch, twist=twist, progress=True).numpy().reshape(n, S)
     tail_s = time.perf_counter() - t1
     curve, curve_se = clustered_mean(-r.base_logp[:, :T].numpy().reshape(n, S, T))  # the words' surprisal
     # test CE at this count: log Ẑ on test continuations (biased low by about half its variance, estimated from two
