@@ -11,12 +11,15 @@
 #
 # Algorithm 1's rows are called converged only where K and 2K are shown to agree within converge_tol (0.1 nats) at 2
 # standard errors, which 20 or 60 prefixes cannot show (paired standard errors 0.14-0.26 nats;
-# bench/convergence_rule.py): a generation's last tenth scatters by 1.5 nats (5% of them fall into loops below 1.5),
-# so the paired standard error is about 1.5 x sqrt(2 / generations), and 0.05 needs ~1,800 generations a row:
-# PARTICLES='[64,128]'
-# A_ARGS='analysis.sequence_calibration.num_prefixes=600' (3 each; about 9 minutes on an H200, estimated from the
-# 1,500-generation goal rows of docs/bench/sequence_goal_gpu_500.md; with analysis.sequence_calibration.twist=false,
-# untwisted only, about 5), TA=540 and B skipped (TB=0).
+# bench/convergence_rule.py). On 1,800 generations a row (paired standard errors 0.04 nats) the CPU ran twisted SMC at
+# 4, 8 and 16 particles in 75 minutes (docs/bench/sequence_goal_cpu_1800.md): the last tenth still falls as K grows
+# (120.0, 112.9, 99.6; 8 and 16 disagree by 0.125 +- 0.041 nats). Where it stops falling is the GPU's question, twisted
+# only (the heads as that run's: sv_alpha) on the same 600 prefixes:
+# PARTICLES='[64,128]' A_ARGS='analysis.sequence_calibration.num_prefixes=600
+# analysis.sequence_calibration.untwisted=false analysis.sequence_calibration.sv_alpha=0.01122512358938793
+# analysis.sequence_calibration.fit_prefixes=40 analysis.sequence_calibration.goal_prefixes=200' TA=540 TB=0
+# (about 9 minutes on an H200, estimated from docs/bench/sequence_goal_gpu_500.md's run: the heads took 3.5 minutes
+# there, and 1,500 twisted generations at 64 particles, with their nested runs, 64 s).
 #
 # On a bare GPU machine whose Python lacks Hydra and OmegaConf, bring .whl/ (`make gpu-wheels`) and set WHEELS=1.
 # Each part has its own timeout (TB, TA seconds; 0 skips it); what they write lands flat in OUT (the rows' JSON, the

@@ -24,6 +24,8 @@ from pathlib import Path
 
 from lmcal.reporting.claims import sequence_goal_claims
 from lmcal.reporting.docs import add_out_option, save_bench, tee
+from lmcal.stages.sequence_calibration import sequence_table
+from lmcal.stages.smc_study import converged_summary
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -62,7 +64,9 @@ def main(argv: list[str] | None = None) -> None:
          f"rows measured again on {result.get('goal_prefixes') or result['smc_prefixes']} fresh ones, horizon "
          f"{result['horizon']} (law over {result['law_horizon']} words).")
     emit("")
-    emit((args.dir / "sequence_calibration.md").read_text().rstrip())
+    # the stage's tables and sentences, as this commit writes them from the rows it wrote
+    result["convergence"] = converged_summary([r for r in result["rows"] if r["method"] == "smc"])
+    emit(sequence_table(result).rstrip())
     emit("")
     emit("Verdicts (lmcal.reporting.claims, as REPORT.md writes them):")
     emit("")

@@ -546,6 +546,14 @@ def test_convergence_must_be_shown_not_merely_not_refuted():
     assert converged_summary(quiet).startswith("Twisted SMC converged at 4 particles (agreeing with 8 within ±0.1 nats")
     assert converged_summary(noisy) == (
         "Twisted SMC is not shown to converge at any count run (4, 8): no K agrees with 2K within ±0.1 nats at 2 "
-        "standard errors (2 of them show no disagreement, but their paired standard errors, 0.13 nats, are too wide "
-        "to show agreement: about 200 generations a row would, against 20 here), so none of its rows is reported as "
-        "Algorithm 1.")
+        "standard errors (2 of them show no disagreement, but their paired differences, up to 0.000 ± 0.134 nats, "
+        "reach beyond ±0.1 nats at 2 standard errors: about 200 generations a row would, were the difference to stay "
+        "where it is, against 20 here), so none of its rows is reported as Algorithm 1.")
+    # a difference that is there but small: the count needed grows as (Z se / (tol - |d|))^2; none where |d| >= tol
+    near, far = rows(0.6, shift=0.05), rows(0.6, shift=0.12)
+    for rs in (near, far):
+        mark_convergence(rs, 0.1)
+    assert [r["convergence"] for r in near + far] == ["not shown"] * 4
+    assert "about 600 generations a row would" in converged_summary(near)  # 20 x (2 x 0.134 / 0.05)^2 = 575
+    assert "no number of generations would while the difference stays at 0.120 nats" in converged_summary(far)
+    assert "; 4 and 8 particles disagree (-0.200 ± 0.011 nats), so none" in converged_summary(apart)

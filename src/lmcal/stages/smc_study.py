@@ -192,13 +192,19 @@ def study_table(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _generations_needed(noisy: list[dict], tol: float) -> str:
-    """How many generations a row would show agreement within ±tol with, were the difference 0: the standard error
-    falls as 1 / sqrt(generations), and tol / Z is what it must reach (the widest row's, rounded up to 100)."""
+def _generations_needed(noisy: list[dict], tol: float) -> tuple[str, str]:
+    """The widest of the rows' paired differences d ± se, and how many generations a row would show agreement within
+    ±tol with, were d to stay where it is: the standard error falls as 1 / sqrt(generations), and |d| + Z se must
+    reach tol, which no count does where |d| >= tol (the most any row needs, rounded up to 100)."""
     n = len(np.asarray(noisy[0]["tail_nats_per_generation"]).ravel())
-    se = max(r["tail_against_stderr_nats"] for r in noisy)
-    need = math.ceil(n * (se * Z / tol) ** 2 / 100) * 100
-    return f"about {need:,} generations a row would, against {n:,} here"
+    r = max(noisy, key=lambda r: abs(r["tail_against_nats"]) + Z * r["tail_against_stderr_nats"])
+    d, se = abs(r["tail_against_nats"]), r["tail_against_stderr_nats"]
+    widest = f"{d:.3f} ± {se:.3f} nats"
+    if d >= tol:
+        return widest, f"no number of generations would while the difference stays at {d:.3f} nats"
+    need = max(n * (Z * x["tail_against_stderr_nats"] / (tol - abs(x["tail_against_nats"]))) ** 2 for x in noisy)
+    return widest, (f"about {math.ceil(need / 100) * 100:,} generations a row would, were the difference to stay where "
+                    f"it is, against {n:,} here")
 
 
 def converged_summary(rows: list[dict]) -> str:
@@ -219,10 +225,18 @@ def converged_summary(rows: list[dict]) -> str:
                          f"a word, {r['cost_ratio']:.2f} × plain sampling.")
         else:
             noisy = [r for r in vs if r.get("convergence") == "not shown"]
-            ses = sorted({f"{r['tail_against_stderr_nats']:.2f}" for r in noisy}, key=float)
-            why = (f" ({len(noisy)} of them show no disagreement, but their paired standard errors, "
-                   f"{'–'.join(dict.fromkeys([ses[0], ses[-1]]))} nats, are too wide to show agreement: "
-                   f"{_generations_needed(noisy, tol)})" if noisy else "")
+            why = ""
+            if noisy:
+                one = len(noisy) == 1
+                widest, need = _generations_needed(noisy, tol)
+                why = (f" ({len(noisy)} of them {'shows' if one else 'show'} no disagreement, but "
+                       f"{'its paired difference,' if one else 'their paired differences, up to'} {widest}, "
+                       f"{'reaches' if one else 'reach'} beyond ±{tol:g} nats at {Z:g} standard errors: {need})")
+            apart = "; ".join(f"{r['params']['particles']} and {r['converged_against']} particles disagree "
+                              f"({r['tail_against_nats']:+.3f} ± {r['tail_against_stderr_nats']:.3f} nats)"
+                              for r in vs if r.get("convergence") == "disagrees"
+                              and r["converged_against"] > r["params"]["particles"])
             parts.append(f"{name} is not shown to converge at any count run ({counts}): no K agrees with 2K{within} at "
-                         f"{Z:g} standard errors{why}, so none of its rows is reported as Algorithm 1.")
+                         f"{Z:g} standard errors{why}{'; ' + apart if apart else ''}, so none of its rows is reported "
+                         "as Algorithm 1.")
     return " ".join(parts)
