@@ -557,3 +557,10 @@ def test_convergence_must_be_shown_not_merely_not_refuted():
     assert "about 600 generations a row would" in converged_summary(near)  # 20 x (2 x 0.134 / 0.05)^2 = 575
     assert "no number of generations would while the difference stays at 0.120 nats" in converged_summary(far)
     assert "; 4 and 8 particles disagree (-0.200 ± 0.011 nats), so none" in converged_summary(apart)
+    # the widest interval need not be the farthest difference: any row with |d| >= tol is beyond every count
+    wide, off = dict(quiet[0]), dict(quiet[1])
+    for r, d, se in ((wide, 0.02, 0.3), (off, 0.11, 0.1)):
+        r.update(convergence="not shown", converged=False, converged_against=8, convergence_tol_nats=0.1,
+                 tail_against_nats=d, tail_against_stderr_nats=se)
+    assert "up to 0.020 ± 0.300 nats" in converged_summary([wide, off])
+    assert "no number of generations would while the difference stays at 0.110 nats" in converged_summary([wide, off])

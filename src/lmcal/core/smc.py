@@ -222,10 +222,10 @@ def smc_tail_entropy(lm, prefixes: torch.Tensor, result: SMCResult, alpha: float
     text = torch.cat([prefixes.cpu(), result.tokens], 1)  # [B, P + T]
     P = prefixes.size(1)
     kw = dict(particles=particles, max_batch=max_batch)
-    bar = f"nested SMC from word {{}}, {particles} particles" if progress else False
+    desc = (lambda w: f"nested SMC from word {w}, {particles} particles") if progress else (lambda w: False)
     log_z_ab = smc_generate(lm, text[:, :P + start], alpha, T - start, seed=seed, twist=shifted(twist, start),
-                            progress=bar and bar.format(start), **kw).log_z
+                            progress=desc(start), **kw).log_z
     log_z_b = (smc_generate(lm, text[:, :P + stop], alpha, T - stop, seed=seed + 1, twist=shifted(twist, stop),
-                            progress=bar and bar.format(stop), **kw).log_z if stop < T else torch.zeros_like(log_z_ab))
+                            progress=desc(stop), **kw).log_z if stop < T else torch.zeros_like(log_z_ab))
     log_pa = result.base_logp[:, start:stop].sum(1)  # [B]
     return (-a1 * log_pa + log_z_ab - log_z_b) / (stop - start)

@@ -37,7 +37,7 @@ from lmcal.core.calibration import fit_temperature, target_log_probs
 from lmcal.core.decoders import make_decoder
 from lmcal.core.entropy_rate import clustered_mean, generation_entropy_curve, tail_steps
 from lmcal.core.sampling import random_prefixes
-from lmcal.core.smc import smc_generate, smc_tail_entropy
+from lmcal.core.smc import smc_generate
 from lmcal.core.soft_value import fit_soft_value_alpha, soft_value_lm, soft_value_twist, train_soft_value
 from lmcal.data.batching import batchify
 from lmcal.errors import LmcalError
@@ -47,6 +47,7 @@ from lmcal.stages.smc_study import (
     StudySetup,
     converged_summary,
     label,
+    law_tail,
     mark_convergence,
     study_row,
     study_table,
@@ -303,11 +304,7 @@ def remeasure(s: StudySetup, prefixes: torch.Tensor, k: int, twist, alpha: float
     p = prefixes.repeat_interleave(s.samples_per_prefix, 0)
     r = smc_generate(lm, p, alpha, s.law_horizon, particles=k, seed=seed, twist=twist, max_batch=s.max_batch,
                      progress=f"SMC, {k} particles, fresh prefixes")
-    T = s.horizon
-    tail = smc_tail_entropy(lm, p, r, alpha, T - s.last, T, particles=s.tail_particles or k, seed=seed + 7,
-                            max_batch=s.max_batch, twist=twist, progress=True).numpy()
-    tail = tail.reshape(prefixes.size(0), s.samples_per_prefix)  # [n, S]
-    level, se = clustered_mean(tail)
+    level, se = clustered_mean(law_tail(s, lm, p, r, k, alpha, twist, seed))  # of [n, S]
     return float(level), float(se)
 
 
