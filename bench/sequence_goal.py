@@ -6,11 +6,15 @@ undecided: lmcal.reporting.claims.sequence_goal_claims).
 
     python bench/sequence_goal.py [--ckpt outputs/reproduce/cpu/ptb/base/checkpoints/best.ckpt] \
         [--future-entropy outputs/reproduce/cpu/ptb/future_entropy/future_entropy.json] \
-        [--goal-prefixes 200] [--dir outputs/bench/sequence_goal] [--out docs/bench/sequence_goal.md] [-- overrides]
+        [--goal-prefixes 200] [--dir outputs/bench/sequence_goal] [--add DIR ...] [--out docs/bench/sequence_goal.md] \
+        [-- overrides]
 
 The stage runs as `make reproduce PROFILE=cpu` runs it (python -m lmcal.evaluate, in its own process: 47 minutes
 on 2 cores, most of them the goal rows on 200 prefixes); where --dir holds its finished output already, that output is
-read and nothing is run again.
+read and nothing is run again. --add joins the study rows of finished runs of the same study at other particle counts
+(a study grown one count at a time, e.g. particles=[32] after [4,8,16]: lmcal.stages.smc_study.join_study), and the
+convergence is decided again on all of them; the goal rows stay those of --dir's run, and a row that converges only in
+the joined study is tested against the goal on the study's own prefixes.
 """
 
 from __future__ import annotations
@@ -22,10 +26,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from lmcal.reporting.claims import sequence_goal_claims
+from lmcal.reporting.claims import sequence_goal_claims, within
 from lmcal.reporting.docs import add_out_option, save_bench, tee
 from lmcal.stages.sequence_calibration import sequence_table
-from lmcal.stages.smc_study import converged_summary
+from lmcal.stages.smc_study import converged_summary, join_study
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -34,6 +38,8 @@ def main(argv: list[str] | None = None) -> None:
                                               "holds the finished stage)")
     ap.add_argument("--future-entropy", type=Path, help="the future_entropy stage's JSON, for its row among the goal's")
     ap.add_argument("--dir", type=Path, default=Path("outputs/bench/sequence_goal"), help="the stage's output folder")
+    ap.add_argument("--add", type=Path, action="append", default=[], help="a finished run of the same study at other "
+                                                                         "particle counts, whose rows join --dir's")
     ap.add_argument("--goal-prefixes", type=int, default=200, help="fresh prefixes the goal rows are measured on")
     ap.add_argument("--title", default="Algorithm 1's goal rows on the cpu profile's PTB model", help="the page's")
     ap.add_argument("overrides", nargs="*", help="more overrides of python -m lmcal.evaluate (after --)")
@@ -53,12 +59,25 @@ def main(argv: list[str] | None = None) -> None:
         if subprocess.run(cmd).returncode:
             sys.exit(f"the sequence_calibration stage failed; its log is in {args.dir}")
     result = json.loads(result_file.read_text())
-    ev = args.dir / "evaluation.json"  # the stage's own provenance, where python -m lmcal.evaluate ran it
-    ran = json.loads(ev.read_text()).get("provenance") or {} if ev.is_file() else {}
-    if ran:
-        emit(f"The stage: `{ran.get('command')}` · {ran.get('date')} · {ran.get('machine')} · commit "
-             f"{ran.get('commit')} ({result['seconds'] / 60:.0f} minutes).")
-        emit("")
+    before = {(r["variant"], r["params"]["particles"]) for r in result["rows"] if r["method"] == "smc"
+              and r.get("converged")}
+    for d in args.add:
+        other = d / "sequence_calibration.json"
+        if not other.is_file():
+            sys.exit(f"{other} is not there: --add takes the folder of a finished run of the same study.")
+        try:
+            join_study(result, json.loads(other.read_text()), str(d))
+        except ValueError as e:
+            sys.exit(str(e))
+    for d in [args.dir, *args.add]:
+        ev = d / "evaluation.json"  # the stage's own provenance, where python -m lmcal.evaluate ran it
+        ran = json.loads(ev.read_text()).get("provenance") or {} if ev.is_file() else {}
+        seconds = json.loads((d / "sequence_calibration.json").read_text())["seconds"]
+        if ran:
+            which = " (joined: --add)" if d != args.dir else ""
+            emit(f"The stage{which}: `{ran.get('command')}` · {ran.get('date')} · "
+                 f"{ran.get('machine')} · commit {ran.get('commit')} ({seconds / 60:.0f} minutes).")
+            emit("")
     emit(f"Model: {result['model']} on {result['corpus']}, test perplexity {result['reference_test_ppl']:.1f}. "
          f"Settings: particles {result['particles']}, SMC rows from {result['smc_prefixes']} prefixes, the goal "
          f"rows measured again on {result.get('goal_prefixes') or result['smc_prefixes']} fresh ones, horizon "
@@ -66,12 +85,19 @@ def main(argv: list[str] | None = None) -> None:
     emit("")
     # the stage's tables and sentences, as this commit writes them from the rows it wrote
     result["convergence"] = converged_summary([r for r in result["rows"] if r["method"] == "smc"])
+    joined = [r for r in result["rows"] if r["method"] == "smc" and r.get("converged")
+              and (r["variant"], r["params"]["particles"]) not in before]
     emit(sequence_table(result).rstrip())
     emit("")
     emit("Verdicts (lmcal.reporting.claims, as REPORT.md writes them):")
     emit("")
     for c in sequence_goal_claims(result):
         emit(f"- {c.sentence}")
+    for r in joined:  # converged in the joined study only: not among the goal's candidates when --dir's stage chose
+        emit("- " + within(f"{r['label']}, converged in the joined study, on the study's own "
+                           f"{result['smc_prefixes']} prefixes and seed {result['seed']} (not fresh ones; its test CE "
+                           f"{r['test_ce_diff_nats']:+.4f} ± {r['test_ce_diff_stderr_nats']:.4f} nats against the "
+                           "model's),", r["tail_nats"], r["tail_stderr_nats"], result["reference_test_ppl"]).sentence)
     save_bench(args.out, args.title, "\n".join(lines),
                command="python bench/sequence_goal.py " + shlex.join(argv if argv is not None else sys.argv[1:]))
 

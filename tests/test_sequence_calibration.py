@@ -509,6 +509,40 @@ def test_the_stage_can_run_the_twisted_rows_only(tmp_path):
     assert r["twisted_check"]["params"]["particles"] == 2 and "twisted SMC" in r["alpha_from"]
     assert "each count twisted only, the heads first trained at α = 0.04" in (
         tmp_path / "sequence_calibration.md").read_text()
+    # a study grown one count at a time: runs at 2 and at 4 particles join into the run at both, row for row
+    from lmcal.stages.smc_study import join_study
+
+    parts = [sequence_calibration_stage(orc, text[:3000], text[3000:4500], text[4500:], tmp_path / f"k{k}",
+                                        sv_alpha=0.04, **{**tiny, "particles": [k], "max_batch": 8 * k})
+             for k in (2, 4)]
+    assert parts[0]["rows"][2]["converged"] is None  # alone: nothing to agree with
+    added = join_study(parts[0], parts[1], "the 4-particle run")
+    assert [x["params"]["particles"] for x in added] == [4] and parts[0]["particles"] == [2, 4]
+    smc = lambda res: [x for x in res["rows"] if x["method"] == "smc"]  # noqa: E731
+    for a, b in zip(smc(parts[0]), smc(r), strict=True):
+        assert a["tail_nats_per_generation"] == b["tail_nats_per_generation"] and a["params"] == b["params"]
+        assert (a["convergence"], a["label"], a["tail_against_nats"]) == (b["convergence"], b["label"],
+                                                                          b["tail_against_nats"])
+    assert parts[0]["convergence"] == r["convergence"]
+    assert parts[0]["twisted_check"]["label"] == r["twisted_check"]["label"] == smc(r)[0]["label"]
+    with pytest.raises(ValueError, match="particle counts this study has already \\(\\[4\\]\\)"):
+        join_study(parts[0], parts[1])
+    other = {**parts[1], "seed": 5}
+    with pytest.raises(ValueError, match="the other run is not the same study.*seed 0 against 5"):
+        join_study(r, other)
+    # the same join from the runs' folders, as a user grows a study: bench/sequence_goal.py --add
+    import subprocess
+    import sys
+
+    page = tmp_path / "page.md"
+    run = lambda *a: subprocess.run([sys.executable, "bench/sequence_goal.py", "--dir", str(tmp_path / "k2"), *a],  # noqa: E731
+                                    capture_output=True, text=True)
+    done = run("--add", str(tmp_path / "k4"), "--out", str(page))
+    assert done.returncode == 0, done.stderr
+    assert r["convergence"] in page.read_text() and "particles [2, 4]" in page.read_text()
+    bad = run("--add", str(tmp_path / "bad"), "--out", str(tmp_path / "no.md"))
+    assert bad.returncode == 1 and "is not there: --add takes the folder of a finished run" in bad.stderr
+    assert not (tmp_path / "no.md").exists()
 
 
 def test_convergence_must_be_shown_not_merely_not_refuted():

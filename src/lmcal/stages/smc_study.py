@@ -162,6 +162,46 @@ def mark_convergence(rows: list[dict], tol: float | None = 0.1) -> None:
             r["tail_against_nats"], r["tail_against_stderr_nats"] = float(d), float(d_se)
 
 
+# what two runs of the study must share for their rows to be one study: the prefixes, seeds and test words, the law,
+# its fit, the last tenth's nested runs, the convergence rule, and (for twisted rows) the heads that twist them
+SAME_STUDY = ("model", "corpus", "num_prefixes", "samples_per_prefix", "prefix_len", "horizon", "seed", "test_tokens",
+              "score_streams", "smc_prefixes", "law_horizon", "fit_prefixes", "tail_steps", "tail_particles",
+              "converge_tol", "reference_test_ce_nats")
+
+
+def join_study(result: dict, other: dict, where: str = "the other run") -> list[dict]:
+    """Adds to `result` (a sequence_calibration stage's result) the study rows of `other`, a run of the same study at
+    other particle counts (a long study grown one count at a time: rows are pure functions of their prefixes and
+    seeds, whatever the batching), and marks every row's convergence again. Returns the rows added; raises ValueError,
+    one paragraph, where the two runs are not one study."""
+    new = [r for r in other["rows"] if r["method"] == "smc"]
+    keys = SAME_STUDY + (("sv_alpha", "soft_value_alpha") if any(r["variant"] == "twisted" for r in new) else ())
+    differ = [f"{k} {result.get(k)!r} against {other.get(k)!r}" for k in keys if result.get(k) != other.get(k)]
+    if result["rows"][0]["tail_nats"] != other["rows"][0]["tail_nats"]:  # the plain model's, on the same draws
+        differ.append("the plain model's last tenth")
+    if differ:
+        raise ValueError(f"{where} is not the same study, so its rows cannot join this one's: {', '.join(differ)} "
+                         "(run it with the same settings, sv_alpha given, and other particle counts).")
+    have = {(r["variant"], r["params"]["particles"]) for r in result["rows"] if r["method"] == "smc"}
+    twice = sorted(r["params"]["particles"] for r in new if (r["variant"], r["params"]["particles"]) in have)
+    if twice:
+        raise ValueError(f"{where} ran particle counts this study has already ({twice}): join runs of other counts.")
+    at = next(i for i, r in enumerate(result["rows"]) if r["method"] == "smc")
+    study = sorted([r for r in result["rows"] if r["method"] == "smc"] + new,
+                   key=lambda r: (r["variant"] != "untwisted", r["params"]["particles"]))
+    result["rows"] = result["rows"][:at] + study + [r for r in result["rows"][at:] if r["method"] != "smc"]
+    result["particles"] = sorted(set(result["particles"]) | set(other["particles"]))
+    result["untwisted"] = any(r["variant"] == "untwisted" for r in study)
+    mark_convergence(study, result.get("converge_tol"))
+    for r in study:
+        r["label"] = label(r)
+    for g in (result.get("goal"), result.get("twisted_check")):  # the goal rows' names follow their rows'
+        if g and g.get("method") == "smc":
+            g["label"] = next((r["label"] for r in study if r["params"] == g["params"]), g["label"])
+    result["convergence"] = converged_summary(study)
+    return new
+
+
 def label(r: dict) -> str:
     """A study row's name: Algorithm 1 only where it converged."""
     k, tw = r["params"]["particles"], "twisted SMC" if r.get("variant") == "twisted" else "SMC"
