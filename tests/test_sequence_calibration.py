@@ -580,21 +580,28 @@ def test_convergence_must_be_shown_not_merely_not_refuted():
     assert converged_summary(quiet).startswith("Twisted SMC converged at 4 particles (agreeing with 8 within ±0.1 nats")
     assert converged_summary(noisy) == (
         "Twisted SMC is not shown to converge at any count run (4, 8): no K agrees with 2K within ±0.1 nats at 2 "
-        "standard errors (2 of them show no disagreement, but their paired differences, up to 0.000 ± 0.134 nats, "
-        "reach beyond ±0.1 nats at 2 standard errors: about 200 generations a row would, were the difference to stay "
-        "where it is, against 20 here), so none of its rows is reported as Algorithm 1.")
+        "standard errors (one pair shows no disagreement, but its paired difference's interval reaches beyond ±0.1 "
+        "nats at 2 standard errors with 20 generations a row: 4 and 8 particles differ by -0.000 ± 0.134 nats, and "
+        "about 200 generations a row would show agreement, were the difference to stay where it is), so none of its "
+        "rows is reported as Algorithm 1.")
     # a difference that is there but small: the count needed grows as (Z se / (tol - |d|))^2; none where |d| >= tol
     near, far = rows(0.6, shift=0.05), rows(0.6, shift=0.12)
     for rs in (near, far):
         mark_convergence(rs, 0.1)
     assert [r["convergence"] for r in near + far] == ["not shown"] * 4
-    assert "about 600 generations a row would" in converged_summary(near)  # 20 x (2 x 0.134 / 0.05)^2 = 575
-    assert "no number of generations would while the difference stays at 0.120 nats" in converged_summary(far)
+    # 20 x (2 x 0.134 / 0.05)^2 = 575
+    assert "about 600 generations a row would show agreement" in converged_summary(near)
+    assert "no number of generations would show agreement while the difference stays at 0.120 nats" in (
+        converged_summary(far))
     assert "; 4 and 8 particles disagree (-0.200 ± 0.011 nats), so none" in converged_summary(apart)
-    # the widest interval need not be the farthest difference: any row with |d| >= tol is beyond every count
+    # each pair its own count: a wide but near pair, and a pair already beyond tol, which no count can show
     wide, off = dict(quiet[0]), dict(quiet[1])
-    for r, d, se in ((wide, 0.02, 0.3), (off, 0.11, 0.1)):
-        r.update(convergence="not shown", converged=False, converged_against=8, convergence_tol_nats=0.1,
+    for r, d, se, against in ((wide, 0.02, 0.3, 8), (off, 0.11, 0.1, 16)):
+        r.update(convergence="not shown", converged=False, converged_against=against, convergence_tol_nats=0.1,
                  tail_against_nats=d, tail_against_stderr_nats=se)
-    assert "up to 0.020 ± 0.300 nats" in converged_summary([wide, off])
-    assert "no number of generations would while the difference stays at 0.110 nats" in converged_summary([wide, off])
+    both = converged_summary([wide, off])
+    assert "(2 pairs show no disagreement, but each paired difference's interval" in both
+    # 20 x (2 x 0.3 / 0.08)^2 = 1,125
+    assert "4 and 8 particles differ by +0.020 ± 0.300 nats, and about 1,200 generations a row would" in both
+    assert "8 and 16 particles differ by +0.110 ± 0.100 nats, and no number of generations would show agreement " \
+           "while the difference stays at 0.110 nats" in both

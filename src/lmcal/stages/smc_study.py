@@ -240,25 +240,28 @@ def study_table(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _generations_needed(noisy: list[dict], tol: float) -> tuple[str, str]:
-    """The widest of the rows' paired differences d ± se, and how many generations a row would show agreement within
-    ±tol with, were d to stay where it is: the standard error falls as 1 / sqrt(generations), and |d| + Z se must
-    reach tol, which no count does where |d| >= tol (the most any row needs, rounded up to 100)."""
+def _pairs_not_shown(noisy: list[dict], tol: float) -> str:
+    """Each pair K, 2K that shows no disagreement but whose paired difference d ± se reaches beyond ±tol, with the
+    generations a row would show agreement with, were d to stay where it is: the standard error falls as
+    1 / sqrt(generations), and |d| + Z se must reach tol, which no count does where |d| >= tol (rounded up to 100)."""
     n = len(np.asarray(noisy[0]["tail_nats_per_generation"]).ravel())
-    r = max(noisy, key=lambda r: abs(r["tail_against_nats"]) + Z * r["tail_against_stderr_nats"])
-    widest = f"{abs(r['tail_against_nats']):.3f} ± {r['tail_against_stderr_nats']:.3f} nats"
-
-    def need(x: dict) -> float:  # generations for |d| + Z se(n') = tol; none once |d| >= tol
-        d = abs(x["tail_against_nats"])
-        return math.inf if d >= tol else n * (Z * x["tail_against_stderr_nats"] / (tol - d)) ** 2
-
-    worst = max(noisy, key=need)
-    if math.isinf(need(worst)):
-        return widest, (f"no number of generations would while the difference stays at "
-                        f"{abs(worst['tail_against_nats']):.3f} nats")
-    count = math.ceil(need(worst) / 100) * 100
-    return widest, (f"about {count:,} generations a row would, were the difference to stay where it is, against "
-                    f"{n:,} here")
+    pairs = {}
+    for r in noisy:  # one entry a pair, its difference as the smaller count's minus the larger's
+        k, other = r["params"]["particles"], r["converged_against"]
+        sign = 1.0 if k < other else -1.0
+        pairs[(min(k, other), max(k, other))] = (sign * r["tail_against_nats"], r["tail_against_stderr_nats"])
+    parts = []
+    for (k, other), (d, se) in sorted(pairs.items()):
+        if abs(d) >= tol:
+            need = f"no number of generations would show agreement while the difference stays at {abs(d):.3f} nats"
+        else:
+            count = math.ceil(n * (Z * se / (tol - abs(d))) ** 2 / 100) * 100
+            need = f"about {count:,} generations a row would show agreement, were the difference to stay where it is"
+        parts.append(f"{k} and {other} particles differ by {d:+.3f} ± {se:.3f} nats, and {need}")
+    one = len(pairs) == 1
+    return (f"{'one pair shows' if one else f'{len(pairs)} pairs show'} no disagreement, but "
+            f"{'its' if one else 'each'} paired difference's interval reaches beyond ±{tol:g} nats at {Z:g} standard "
+            f"errors with {n:,} generations a row: {'; '.join(parts)}")
 
 
 def converged_summary(rows: list[dict]) -> str:
@@ -279,13 +282,7 @@ def converged_summary(rows: list[dict]) -> str:
                          f"a word, {r['cost_ratio']:.2f} × plain sampling.")
         else:
             noisy = [r for r in vs if r.get("convergence") == "not shown"]
-            why = ""
-            if noisy:
-                one = len(noisy) == 1
-                widest, need = _generations_needed(noisy, tol)
-                why = (f" ({len(noisy)} of them {'shows' if one else 'show'} no disagreement, but "
-                       f"{'its paired difference,' if one else 'their paired differences, up to'} {widest}, "
-                       f"{'reaches' if one else 'reach'} beyond ±{tol:g} nats at {Z:g} standard errors: {need})")
+            why = f" ({_pairs_not_shown(noisy, tol)})" if noisy else ""
             apart = "; ".join(f"{r['params']['particles']} and {r['converged_against']} particles disagree "
                               f"({r['tail_against_nats']:+.3f} ± {r['tail_against_stderr_nats']:.3f} nats)"
                               for r in vs if r.get("convergence") == "disagrees"
