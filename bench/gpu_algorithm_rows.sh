@@ -12,14 +12,17 @@
 # Algorithm 1's rows are called converged only where K and 2K are shown to agree within converge_tol (0.1 nats) at 2
 # standard errors, which 20 or 60 prefixes cannot show (paired standard errors 0.14-0.26 nats;
 # bench/convergence_rule.py). On 1,800 generations a row (paired standard errors 0.04 nats) the CPU ran twisted SMC at
-# 4, 8 and 16 particles in 75 minutes (docs/bench/sequence_goal_cpu_1800.md): the last tenth still falls as K grows
-# (120.0, 112.9, 99.6; 8 and 16 disagree by 0.125 +- 0.041 nats). Where it stops falling is the GPU's question, twisted
-# only (the heads as that run's: sv_alpha) on the same 600 prefixes:
-# PARTICLES='[64,128]' A_ARGS='analysis.sequence_calibration.num_prefixes=600
+# 4, 8, 16 and 32 particles (docs/bench/sequence_goal_cpu_1800.md; 32 alone in 79 minutes, joined by
+# bench/sequence_goal.py --add): the last tenth falls from 4 to 16 (120.0, 112.9, 99.6; 8 and 16 disagree by
+# 0.125 +- 0.041 nats) and then stays (32: 97.0; 16 and 32 differ by +0.027 +- 0.042 nats, no disagreement, but
+# 2,500 generations a row would be needed to show agreement within 0.1 nats). The GPU's question: 16, 32 and 64 on
+# 2,700 generations, twisted only (the heads as that run's: sv_alpha), GPU rows among themselves (a GPU's rows do
+# not join a CPU run's: its heads differ in the last bits):
+# PARTICLES='[16,32,64]' A_ARGS='analysis.sequence_calibration.num_prefixes=900
 # analysis.sequence_calibration.untwisted=false analysis.sequence_calibration.sv_alpha=0.01122512358938793
 # analysis.sequence_calibration.fit_prefixes=40 analysis.sequence_calibration.goal_prefixes=200' TA=540 TB=0
-# (about 9 minutes on an H200, estimated from docs/bench/sequence_goal_gpu_500.md's run: the heads took 3.5 minutes
-# there, and 1,500 twisted generations at 64 particles, with their nested runs, 64 s).
+# (about 8 minutes on an H200, estimated, not measured, from docs/bench/sequence_goal_gpu_500.md's run: the heads took
+# 3.5 minutes there, and 1,500 twisted generations at 64 particles, with their nested runs, 64 s).
 #
 # On a bare GPU machine whose Python lacks Hydra and OmegaConf, bring .whl/ (`make gpu-wheels`) and set WHEELS=1.
 # Each part has its own timeout (TB, TA seconds; 0 skips it); what they write lands flat in OUT (the rows' JSON, the
