@@ -507,6 +507,7 @@ def test_the_stage_can_run_the_twisted_rows_only(tmp_path):
         ("fitted_temperature", None, None)]
     assert r["rows"][1]["refits"][0]["trained_at_alpha"] == 0.04 and not r["untwisted"] and r["sv_alpha"] == 0.04
     assert r["twisted_check"]["params"]["particles"] == 2 and "twisted SMC" in r["alpha_from"]
+    assert all(len(x["law_curve_nats"]) == r["law_horizon"] for x in r["rows"] if x["method"] == "smc")
     assert "each count twisted only, the heads first trained at α = 0.04" in (
         tmp_path / "sequence_calibration.md").read_text()
     # a study grown one count at a time: runs at 2 and at 4 particles join into the run at both, row for row

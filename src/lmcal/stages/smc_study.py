@@ -102,6 +102,7 @@ def study_row(s: StudySetup, k: int, twist=None, start_alpha: float = 0.0) -> di
            "tail_diff_stderr_nats": float(diff_se), "tail_nats_per_generation": tail.tolist(),
            "curve_kind": "surprisal", "curve_nats": [float(x) for x in curve],
            "stderr_nats": [float(x) for x in curve_se],
+           "law_curve_nats": (-r.base_logp).mean(0).tolist(),  # [L]: the surprisal over the whole law, to its end
            "test_ce_nats": float(ce.mean()), "test_ce_diff_nats": ce_diff[0], "test_ce_diff_stderr_nats": ce_diff[1],
            "test_ce_bias_nats": bias, "test_ce_prefixes": int(y.numel()),
            "fit": {"ce_nats": fit.ce, "entropy_rate_nats": fit.entropy_rate,
