@@ -31,7 +31,8 @@ from lmcal.models.oracles import DelayedDriftOracle, MarkovOracle
 from lmcal.reporting.docs import add_out_option, save_bench, tee
 
 
-def models() -> dict:
+def models() -> tuple:
+    """The true chain, and the models of it by name."""
     chain = make_markov_chain(vocab_size=8, order=1, support=3, smoothing=0.05, seed=1)
     flat = chain.probs ** 0.7
     return chain, {"flattened chain (P^0.7)": MarkovOracle(flat / flat.sum(1, keepdims=True), 8, 1),

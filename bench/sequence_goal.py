@@ -61,22 +61,23 @@ def main(argv: list[str] | None = None) -> None:
     result = json.loads(result_file.read_text())
     before = {(r["variant"], r["params"]["particles"]) for r in result["rows"] if r["method"] == "smc"
               and r.get("converged")}
+    runs = {args.dir: result}  # each run's result, read once
     for d in args.add:
         other = d / "sequence_calibration.json"
         if not other.is_file():
             sys.exit(f"{other} is not there: --add takes the folder of a finished run of the same study.")
+        runs[d] = json.loads(other.read_text())
         try:
-            join_study(result, json.loads(other.read_text()), str(d))
+            join_study(result, runs[d], str(d))
         except ValueError as e:
             sys.exit(str(e))
-    for d in [args.dir, *args.add]:
+    for d, run in runs.items():
         ev = d / "evaluation.json"  # the stage's own provenance, where python -m lmcal.evaluate ran it
         ran = json.loads(ev.read_text()).get("provenance") or {} if ev.is_file() else {}
-        seconds = json.loads((d / "sequence_calibration.json").read_text())["seconds"]
         if ran:
             which = " (joined: --add)" if d != args.dir else ""
             emit(f"The stage{which}: `{ran.get('command')}` · {ran.get('date')} · "
-                 f"{ran.get('machine')} · commit {ran.get('commit')} ({seconds / 60:.0f} minutes).")
+                 f"{ran.get('machine')} · commit {ran.get('commit')} ({run['seconds'] / 60:.0f} minutes).")
             emit("")
     emit(f"Model: {result['model']} on {result['corpus']}, test perplexity {result['reference_test_ppl']:.1f}. "
          f"Settings: particles {result['particles']}, SMC rows from {result['smc_prefixes']} prefixes, the goal "

@@ -12,14 +12,17 @@ import torch
 from lmcal.core.entropy_rate import clustered_mean, generation_entropy_curve
 from lmcal.utils.numbers import exp_or_inf, format_params
 
+# the keys a result records generation_settings under
+GENERATION_KEYS = ("num_prefixes", "samples_per_prefix", "prefix_len", "horizon", "seed", "test_tokens",
+                   "score_streams")
+
 
 def generation_settings(prefixes: torch.Tensor, samples_per_prefix: int, prefix_len: int, horizon: int, seed: int,
                         test: torch.Tensor, score_streams: int) -> dict:
     """What makes two stages' generations and test scores the same (prefixes, seeds, test words), so that one may
-    take the other's rows: the keys its result records them under."""
-    return {"num_prefixes": prefixes.size(0), "samples_per_prefix": samples_per_prefix, "prefix_len": prefix_len,
-            "horizon": horizon, "seed": seed, "test_tokens": (test.size(0) - 1) * test.size(1),
-            "score_streams": score_streams}
+    take the other's rows: the keys its result records them under (GENERATION_KEYS)."""
+    return dict(zip(GENERATION_KEYS, (prefixes.size(0), samples_per_prefix, prefix_len, horizon, seed,
+                                      (test.size(0) - 1) * test.size(1), score_streams), strict=True))
 
 
 def same_settings(result: dict | None, settings: dict) -> bool:

@@ -32,6 +32,7 @@ import torch
 from lmcal.core.entropy_rate import clustered_mean
 from lmcal.core.sequence_fit import fit_sequence_alpha, sequence_log_probs
 from lmcal.core.smc import smc_generate, smc_tail_entropy
+from lmcal.stages.rows import GENERATION_KEYS
 from lmcal.utils.numbers import exp_or_inf
 
 log = logging.getLogger("lmcal")
@@ -163,11 +164,11 @@ def mark_convergence(rows: list[dict], tol: float | None = 0.1) -> None:
             r["tail_against_nats"], r["tail_against_stderr_nats"] = float(d), float(d_se)
 
 
-# what two runs of the study must share for their rows to be one study: the prefixes, seeds and test words, the law,
-# its fit, the last tenth's nested runs, the convergence rule, and (for twisted rows) the heads that twist them
-SAME_STUDY = ("model", "corpus", "num_prefixes", "samples_per_prefix", "prefix_len", "horizon", "seed", "test_tokens",
-              "score_streams", "smc_prefixes", "law_horizon", "fit_prefixes", "tail_steps", "tail_particles",
-              "converge_tol", "reference_test_ce_nats")
+# what two runs of the study must share for their rows to be one study: the prefixes, seeds and test words (as every
+# comparison stage's), the law, its fit, the last tenth's nested runs, the convergence rule, and (for twisted rows) the
+# heads that twist them
+SAME_STUDY = ("model", "corpus", *GENERATION_KEYS, "smc_prefixes", "law_horizon", "fit_prefixes", "tail_steps",
+              "tail_particles", "converge_tol", "reference_test_ce_nats")
 
 
 def join_study(result: dict, other: dict, where: str = "the other run") -> list[dict]:
