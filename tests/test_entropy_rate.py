@@ -15,7 +15,7 @@ from lmcal.core.entropy_rate import (
     paired_tail_difference,
     tail_steps,
 )
-from lmcal.core.sampling import draw, random_prefixes, uniforms
+from lmcal.core.sampling import draw, random_prefixes, spread_windows, uniforms
 from lmcal.data import markov as MK
 from lmcal.models.awd_lstm import AWDLSTM
 from lmcal.models.oracles import DriftingOracle, MarkovOracle
@@ -45,6 +45,20 @@ def test_random_prefixes_are_seeded_distinct_windows():
     assert torch.equal(p, random_prefixes(stream, 30, 8, seed=3))
     assert not torch.equal(p, random_prefixes(stream, 30, 8, seed=4))
     assert random_prefixes(stream, 500, 8).shape == (500, 8)  # more than there are: with replacement
+
+
+def test_spread_windows_tile_the_stream_with_disjoint_continuations_while_it_holds_them():
+    stream = torch.arange(1000)
+    p, c, disjoint = spread_windows(stream, 9, 100, 100)  # (1000 - 100) // 100 = 9 disjoint continuations
+    assert disjoint and p.shape == (9, 100) and c.shape == (9, 100)
+    assert torch.equal(torch.cat([p, c], 1), p[:, :1] + torch.arange(200))  # contiguous windows
+    assert p[0, 0] == 0 and c[-1, -1] == 999  # from the stream's first token to its last
+    assert (c[1:, 0] > c[:-1, -1]).all()  # no word in two continuations
+    p, c, disjoint = spread_windows(stream, 10, 100, 100)  # one more than the stream holds
+    assert not disjoint and (c[1:, 0] <= c[:-1, -1]).any() and c[-1, -1] == 999
+    assert spread_windows(stream, 1, 100, 100)[2] and spread_windows(stream, 1, 100, 100)[0][0, 0] == 0
+    with pytest.raises(ValueError, match="cannot cut"):
+        spread_windows(stream, 3, 500, 501)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

@@ -606,3 +606,23 @@ def test_convergence_must_be_shown_not_merely_not_refuted():
     assert "4 and 8 particles differ by +0.020 ± 0.300 nats, and about 1,200 generations a row would" in both
     assert "8 and 16 particles differ by +0.110 ± 0.100 nats, and no number of generations would show agreement " \
            "while the difference stays at 0.110 nats" in both
+
+
+def test_alpha_slope_is_the_exact_derivative_of_the_laws_level():
+    # i.i.d. words: P̂_α(W) ∝ P̂(W)^(1+α) draws each word from q_α ∝ p^(1+α), so the mean surprisal s = -log p of
+    # any block of words has d/dα E_α = -Var_qα(s) exactly; alpha_slope estimates it from generations alone, by the
+    # covariance of the block with log P̂(W) within each prefix
+    from lmcal.stages.smc_study import alpha_slope
+
+    p = np.array([0.5, 0.3, 0.15, 0.05])
+    s, alpha, L = -np.log(p), 0.3, 6
+    q = p ** (1 + alpha) / (p ** (1 + alpha)).sum()
+    exact = -((q * s * s).sum() - (q * s).sum() ** 2)
+    rng = np.random.default_rng(0)
+    n, S = 3000, 3
+    words = rng.choice(len(p), size=(n, S, L), p=q)
+    tail = s[words[..., 1:3]].mean(-1)  # [n, S]: a two-word block
+    law_logp = -s[words].sum(-1)  # [n, S]
+    slope, se = alpha_slope(tail, law_logp)
+    assert abs(slope - exact) < 3 * se and 0.02 < se / abs(exact) < 0.1
+    assert alpha_slope(tail[:, :1], law_logp[:, :1]) == (None, None)  # one generation a prefix: no covariance

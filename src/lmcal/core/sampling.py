@@ -21,6 +21,22 @@ def random_prefixes(tokens: torch.Tensor, num_prefixes: int, prefix_len: int, se
     return tokens.cpu()[starts[:, None] + torch.arange(prefix_len)]  # [N, L]
 
 
+def spread_windows(tokens: torch.Tensor, num: int, prefix_len: int, length: int
+                   ) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """(prefixes [num, prefix_len], continuations [num, length], disjoint) cut from a 1-D token stream [S] at evenly
+    spaced starts, first and last window at the stream's ends. The continuations are disjoint wherever the stream
+    holds `num` of them (a prefix may run into the continuation before it: it is context only), so that each window
+    is an independent unit of a standard error, as random starts at that density are not; otherwise they overlap as
+    little as the stream allows, and `disjoint` is False."""
+    span = prefix_len + length
+    if prefix_len < 1 or length < 1 or num < 1 or tokens.numel() < span:
+        raise ValueError(f"cannot cut {num} windows of {prefix_len} + {length} tokens from {tokens.numel()} tokens")
+    room = tokens.numel() - span  # the last start
+    starts = torch.zeros(1, dtype=torch.long) if num == 1 else torch.arange(num) * room // (num - 1)  # [num]
+    w = tokens.cpu()[starts[:, None] + torch.arange(span)]  # [num, P + L]
+    return w[:, :prefix_len], w[:, prefix_len:], bool(num == 1 or room // (num - 1) >= length)
+
+
 _M32 = 0xFFFFFFFF
 
 

@@ -36,7 +36,7 @@ import torch
 from lmcal.core.calibration import fit_temperature, target_log_probs
 from lmcal.core.decoders import make_decoder
 from lmcal.core.entropy_rate import clustered_mean, generation_entropy_curve, tail_steps
-from lmcal.core.sampling import random_prefixes
+from lmcal.core.sampling import random_prefixes, spread_windows
 from lmcal.core.smc import smc_generate
 from lmcal.core.soft_value import fit_soft_value_alpha, soft_value_lm, soft_value_twist, train_soft_value
 from lmcal.data.batching import batchify
@@ -89,16 +89,17 @@ def sequence_calibration_stage(lm, train_tokens: torch.Tensor, valid_tokens: tor
                                horizon: int = 700, seed: int = 0, max_batch: int = 1024, model_name: str = "model",
                                corpus: str = "ptb", logger=None, name: str = "sequence_calibration",
                                unit: str = "word") -> dict:
-    """Algorithm 1 (module docstring): the plain model; SMC at each count of `particles` untwisted, each with α*
-    fitted at that count on `fit_prefixes` validation continuations of law_horizon (null: 2 x horizon) words, from the
-    first `smc_prefixes` prefixes (all when null), the goal rows measured again on `goal_prefixes` fresh ones (null:
-    as many as the row's own); the soft-value heads trained at the largest count's α* (or `sv_alpha`) by
-    `sv_iterations` rounds of relative value iteration on `sv_rollouts` rollouts of `sv_steps` words from the training
-    text, their α refitted on the first `fit_tokens` validation tokens and the head retrained `sv_refits` times; SMC
-    twisted by that head at each count (`twist`; untwisted=False: the twisted rows only, the heads first trained at
-    `sv_alpha`, so that a study spends its time on the twisted law); the rows of the earlier stages (`future_entropy`:
-    its best head; `decoders`: the fitted temperature, else fitted here) when their generation and scoring settings
-    are these. Writes `<name>.json`, `.md` and `.png`."""
+    """Algorithm 1 (module docstring): the plain model; SMC at each count of `particles` untwisted, each with α* fitted
+    at that count on `fit_prefixes` validation continuations of law_horizon (null: 2 x horizon) words (evenly spaced
+    over the validation text, disjoint where it holds that many: lmcal.core.sampling.spread_windows; the test CE's
+    test continuations alike), from the first `smc_prefixes` prefixes (all when null), the goal rows measured again
+    on `goal_prefixes` fresh ones (null: as many as the row's own); the soft-value heads trained at the largest
+    count's α* (or `sv_alpha`) by `sv_iterations` rounds of relative value iteration on `sv_rollouts` rollouts of
+    `sv_steps` words from the training text, their α refitted on the first `fit_tokens` validation tokens and the
+    head retrained `sv_refits` times; SMC twisted by that head at each count (`twist`; untwisted=False: the twisted
+    rows only, the heads first trained at `sv_alpha`, so that a study spends its time on the twisted law); the rows
+    of the earlier stages (`future_entropy`: its best head; `decoders`: the fitted temperature, else fitted here)
+    when their generation and scoring settings are these. Writes `<name>.json`, `.md` and `.png`."""
     out = Path(out_dir)
     t0 = time.perf_counter()
     ks = sorted({int(k) for k in (particles if isinstance(particles, (list, tuple)) else [particles])})
@@ -126,9 +127,16 @@ def sequence_calibration_stage(lm, train_tokens: torch.Tensor, valid_tokens: tor
     settings = generation_settings(prefixes, samples_per_prefix, prefix_len, horizon, seed, test, score_streams)
     last = tail_steps(horizon)
 
-    def windows(tokens: torch.Tensor, n: int, s: int) -> tuple[torch.Tensor, torch.Tensor]:
-        w = random_prefixes(tokens, n, prefix_len + L, seed=s)  # [n, P + L]
-        return w[:, :prefix_len], w[:, prefix_len:]
+    overlapping: dict[str, bool] = {}  # split -> whether its windows' continuations overlap
+
+    def windows(tokens: torch.Tensor, split: str) -> tuple[torch.Tensor, torch.Tensor]:
+        p, c, disjoint = spread_windows(tokens, fit_prefixes, prefix_len, L)  # [B, P], [B, L]
+        overlapping[split] = not disjoint
+        if not disjoint:
+            log.warning(f"{name}: {fit_prefixes} {split} continuations of {L} words overlap (the {split} text holds "
+                        f"{(tokens.numel() - prefix_len) // L} disjoint ones): their standard errors, which take each "
+                        "as an independent unit, are too small")
+        return p, c
 
     def timing(model) -> tuple[float, float]:  # (ms per generated word, its ratio to the plain model's)
         return timed_generation(model, lm, prefixes[:timing_prefixes], timing_horizon, samples_per_prefix, seed,
@@ -158,7 +166,7 @@ def sequence_calibration_stage(lm, train_tokens: torch.Tensor, valid_tokens: tor
 
     rows = [per_word("model", {}, lm)]
     setup = StudySetup(lm, prefixes[:n_smc].repeat_interleave(samples_per_prefix, 0), samples_per_prefix,
-                       windows(valid_tokens, fit_prefixes, seed + 1), windows(test_tokens, fit_prefixes, seed + 2),
+                       windows(valid_tokens, "validation"), windows(test_tokens, "test"),
                        horizon, L, last, plain_tail[0][:n_smc], rows[0]["ms_per_token"], prefixes[:timing_prefixes],
                        timing_horizon, timing_repeats, seed, tuple(bracket), xtol, tail_particles, max_batch * 4)
     study = [study_row(setup, k) for k in ks] if untwisted else []  # untwisted, each count fitted for itself
@@ -274,6 +282,7 @@ def sequence_calibration_stage(lm, train_tokens: torch.Tensor, valid_tokens: tor
                   "alpha": sv.alpha, "alpha_stderr": sv.alpha_stderr, "valid_ce_before_nats": sv.ce_before,
                   "valid_ce_after_nats": sv.ce_after, "positions": sv.positions},
               "smc_prefixes": n_smc, "fit_prefixes": fit_prefixes, "goal_prefixes": goal_prefixes,
+              "fit_windows_overlap": overlapping,
               "converge_tol": converge_tol, "tail_steps": last,
               "tail_particles": tail_particles, "future_entropy_reused": bool(reuse_fe), "decoders_reused": bool(temp),
               **settings, "unit": unit, "seconds": time.perf_counter() - t0}
@@ -318,12 +327,20 @@ def _label(r: dict) -> str:
         r["method"], r["method"])
 
 
+def _spread(result: dict) -> str:
+    overlap = result.get("fit_windows_overlap")  # absent: a run from before the windows were spread
+    if overlap is None:
+        return "at random starts"
+    return "evenly spaced, overlapping" if overlap.get("validation") else "evenly spaced, disjoint"
+
+
 def laws_sentence(result: dict) -> str:
     """Which law each row estimates, and over which words: the setup sentence of the stage's table."""
     return (f"Rows and the laws they estimate: the SMC rows, Algorithm 1's law P̂_α(w_1..L) ∝ P̂^(1+α) over L = "
             f"{result['law_horizon']} words, each with α* fitted at its own particle count and twist on "
-            f"{result['fit_prefixes']} validation continuations of {result['law_horizon']} words, generated over "
-            f"{result['law_horizon']} words from the first {result['smc_prefixes']} prefixes and read over the first "
+            f"{result['fit_prefixes']} validation continuations of {result['law_horizon']} words "
+            f"({_spread(result)}), generated over {result['law_horizon']} words from the first "
+            f"{result['smc_prefixes']} prefixes and read over the first "
             f"{result['horizon']} (last tenth: the sequence law's own entropy there, by nested SMC at the row's count"
             "; curve: the surprisal -log P̂ of its words); the soft-value heads, that law's infinite-horizon limit per "
             "word, P ∝ P̂^(1+α) e^Q, with α fitted on their own exact per-word validation CE; the other rows, their "
@@ -353,9 +370,12 @@ def sequence_table(result: dict) -> str:
             f"each count twisted only, the heads first trained at α = {result.get('sv_alpha')}")
     lines += ["", f"The convergence study ({each}, on the same prefixes and seeds; "
               "converged: its last tenth, paired by prefix, and α* within 2 standard errors of the row with twice "
-              f"its particles, or half for the largest{shown}; fit: CE(α*) − EntRate(α*) on the fit's own particles, "
-              "zero at the root up to its tolerance; test CE at the row's own count, with log Ẑ's estimated "
-              "downward bias in brackets, per word):", "", study_table(study).rstrip("\n"), "", result["convergence"]]
+              f"its particles, or half for the largest{shown}; ± from α*: what α*'s standard error moves the last "
+              "tenth by, |d/dα| × se(α*), the slope from the covariance of each generation's last tenth with its "
+              "log P̂ within each prefix (the last tenth's own ± is conditional on α*); fit: CE(α*) − EntRate(α*) "
+              "on the fit's own particles, zero at the root up to its tolerance; test CE at the row's own count, with "
+              "log Ẑ's estimated downward bias in brackets, per word):", "", study_table(study).rstrip("\n"), "",
+              result["convergence"]]
     sv = result.get("soft_value_alpha")
     if sv:
         lines += ["", f"Soft-value heads: α = {sv['alpha']:.4f} ± {sv['alpha_stderr']:.4f}, fitted on their own exact "

@@ -77,6 +77,10 @@ def study_row(s: StudySetup, k: int, twist=None, start_alpha: float = 0.0) -> di
                              max_batch=s.max_batch, twist=twist, start=start_alpha)
     a = fit.alpha
     fit_s = time.perf_counter() - t0
+    log.info(f"{variant} SMC, {k} particles: alpha* {a:.5f} +- {fit.alpha_stderr:.5f} on {fit.num_prefixes} validation "
+             f"continuations ({fit.evaluations} runs{'' if fit.settled else ', not settled'}, {fit_s:.0f} s); CE "
+             f"{fit.ce:.4f}, EntRate {fit.entropy_rate:.4f}, the plain model's CE {fit.ce_base:.4f} +- "
+             f"{fit.ce_base_stderr:.4f} nats a word")
     r = smc_generate(lm, s.prefixes, a, s.law_horizon, particles=k, seed=s.seed, twist=twist, max_batch=s.max_batch,
                      progress=f"{variant} SMC, {k} particles")
     n, S, T = s.prefixes.size(0) // s.samples_per_prefix, s.samples_per_prefix, s.horizon
@@ -96,6 +100,8 @@ def study_row(s: StudySetup, k: int, twist=None, start_alpha: float = 0.0) -> di
     ms = min(_ms(lm, s, a, k, twist) for _ in range(s.timing_repeats))
     level, level_se = clustered_mean(tail)
     diff, diff_se = clustered_mean(tail - s.plain_tail)
+    law_logp = r.base_logp.sum(1).numpy().reshape(n, S)  # [n, S]: log P̂ of each generation's L words
+    slope, slope_se = alpha_slope(tail, law_logp)
     row = {"method": "smc", "variant": variant,
            "params": {"particles": k, "alpha": a, "alpha_stderr": fit.alpha_stderr},
            "tail_nats": float(level), "tail_stderr_nats": float(level_se), "tail_ppl": exp_or_inf(float(level)),
@@ -104,6 +110,9 @@ def study_row(s: StudySetup, k: int, twist=None, start_alpha: float = 0.0) -> di
            "curve_kind": "surprisal", "curve_nats": [float(x) for x in curve],
            "stderr_nats": [float(x) for x in curve_se],
            "law_curve_nats": (-r.base_logp).mean(0).tolist(),  # [L]: the surprisal over the whole law, to its end
+           "law_logp_per_generation": law_logp.tolist(),
+           "tail_alpha_slope_nats": slope, "tail_alpha_slope_stderr_nats": slope_se,
+           "tail_alpha_stderr_nats": None if slope is None else abs(slope) * fit.alpha_stderr,  # α*'s own noise
            "test_ce_nats": float(ce.mean()), "test_ce_diff_nats": ce_diff[0], "test_ce_diff_stderr_nats": ce_diff[1],
            "test_ce_bias_nats": bias, "test_ce_prefixes": int(y.numel()),
            "fit": {"ce_nats": fit.ce, "entropy_rate_nats": fit.entropy_rate,
@@ -120,6 +129,20 @@ def study_row(s: StudySetup, k: int, twist=None, start_alpha: float = 0.0) -> di
              f"tenth {row['tail_ppl']:.1f} +- {row['tail_ppl_stderr']:.1f}, ESS {row['ess_per_particle']:.2f} x K, "
              f"{ms:.3f} ms a word, {row['seconds']:.0f} s")
     return row
+
+
+def alpha_slope(tail: np.ndarray, law_logp: np.ndarray) -> tuple[float | None, float | None]:
+    """d/dα of the law's last tenth (nats a word per unit α) and its standard error, from generations [n, S] of one
+    law: d/dα E_α[f(W) | prefix] = Cov_α(f(W), log P̂(W) | prefix) for P̂_α ∝ P̂^(1+α), estimated within each prefix
+    (its S generations, unbiased) and averaged over prefixes, the independent units. Times α*'s standard error, it is
+    how far the level would move had α* been fitted on other continuations: the part of its uncertainty that the
+    last tenth's own standard error, conditional on α*, leaves out. (None, None) with one generation a prefix."""
+    n, S = tail.shape
+    if S < 2:
+        return None, None
+    f, g = tail - tail.mean(1, keepdims=True), law_logp - law_logp.mean(1, keepdims=True)
+    cov = (f * g).sum(1) / (S - 1)  # [n]
+    return float(cov.mean()), float(cov.std(ddof=1) / math.sqrt(n)) if n > 1 else None
 
 
 def law_tail(s: StudySetup, lm, prefixes: torch.Tensor, r, k: int, alpha: float, twist, seed: int) -> np.ndarray:
@@ -167,7 +190,8 @@ def mark_convergence(rows: list[dict], tol: float | None = 0.1) -> None:
 # what two runs of the study must share for their rows to be one study: the prefixes, seeds and test words (as every
 # comparison stage's), the law, its fit, the last tenth's nested runs, the convergence rule, and (for twisted rows) the
 # heads that twist them
-SAME_STUDY = ("model", "corpus", *GENERATION_KEYS, "smc_prefixes", "law_horizon", "fit_prefixes", "tail_steps",
+SAME_STUDY = ("model", "corpus", *GENERATION_KEYS, "smc_prefixes", "law_horizon", "fit_prefixes",
+              "fit_windows_overlap", "tail_steps",
               "tail_particles", "converge_tol", "reference_test_ce_nats")
 
 
@@ -226,20 +250,32 @@ def convergence_word(r: dict) -> str:
 
 def study_table(rows: list[dict]) -> str:
     """The convergence table: particles x twisted/untwisted."""
-    lines = ["| sampler | particles | α* | exp H, last tenth | vs 2K (or K/2), nats | ESS / K | mean log Ẑ | fit: CE − "
-             "EntRate | test CE (log Ẑ bias) | ms / word | × model | converged |", "|" + "---|" * 12]
+    lines = ["| sampler | particles | α* | exp H, last tenth | ± from α*, nats | vs 2K (or K/2), nats | ESS / K | "
+             "mean log Ẑ | fit: CE − EntRate | test CE (log Ẑ bias) | ms / word | × model | converged |",
+             "|" + "---|" * 13]
     for r in sorted(rows, key=lambda r: (r.get("variant") != "twisted", r["params"]["particles"])):
         p, f = r["params"], r["fit"]
         against = ("–" if r.get("converged_against") is None else
                    f"{r['tail_against_nats']:+.3f} ± {r['tail_against_stderr_nats']:.3f} ({r['converged_against']})")
         lines.append(
             f"| {'twisted' if r.get('variant') == 'twisted' else 'untwisted'} | {p['particles']} | {p['alpha']:.4f} ± "
-            f"{p['alpha_stderr']:.4f} | {r['tail_ppl']:.1f} ± {r['tail_ppl_stderr']:.1f} | {against} | "
+            f"{p['alpha_stderr']:.4f} | {r['tail_ppl']:.1f} ± {r['tail_ppl_stderr']:.1f} | {_from_alpha(r)} | "
+            f"{against} | "
             f"{r['ess_per_particle']:.2f} | {r['log_z_mean']:.2f} | {f['ce_minus_entropy_rate_nats']:+.2e} ± "
             f"{f['ce_minus_entropy_rate_stderr_nats']:.1e}{'' if f['settled'] else ' (no root: not settled)'} | "
             f"{r['test_ce_nats']:.4f} ({r['test_ce_bias_nats']:+.4f}) | "
             f"{r['ms_per_token']:.3f} | {r['cost_ratio']:.2f} | {convergence_word(r)} |")
     return "\n".join(lines) + "\n"
+
+
+def _from_alpha(r: dict) -> str:
+    """The study table's cell for what α*'s standard error moves the last tenth by: ± slope x se(α*), with the
+    slope (d last tenth / dα) and its standard error."""
+    if r.get("tail_alpha_stderr_nats") is None:
+        return "–"
+    se = r.get("tail_alpha_slope_stderr_nats")
+    return f"±{r['tail_alpha_stderr_nats']:.3f} (slope {r['tail_alpha_slope_nats']:.0f}" + (
+        "" if se is None else f" ± {se:.0f}") + ")"
 
 
 def _pairs_not_shown(noisy: list[dict], tol: float) -> str:
