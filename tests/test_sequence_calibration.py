@@ -28,7 +28,7 @@ from lmcal.core.sequence_exact import (
     true_text,
 )
 from lmcal.core.sequence_fit import fit_sequence_alpha
-from lmcal.core.smc import reweighted, smc_generate, smc_tail_entropy
+from lmcal.core.smc import entropy_rate, reweighted, smc_generate, smc_tail_entropy
 from lmcal.core.soft_value import (
     FeatureStateLM,
     fit_soft_value,
@@ -235,6 +235,8 @@ def test_the_exact_twist_makes_every_weight_one_so_one_particle_is_an_exact_draw
         assert torch.allclose(r.ess, torch.full_like(r.ess, float(k))) and r.resamplings.sum() == 0
         assert torch.allclose(r.log_z, log_z, rtol=0, atol=1e-9)  # Ẑ is Z exactly, not only in expectation
         assert abs(_last_tenth_z(r, g)) < 4.5
+        rate = entropy_rate(r)  # [B]: unbiased for the law's entropy rate over the horizon, where Ẑ = Z
+        assert abs(rate.mean().item() - g.entropy.mean().item()) < 4 * rate.std().item() / math.sqrt(len(rate))
     # without a twist the same 4 particles are visibly biased (resampling after the triggers came too late), and
     # the bias shrinks as particles grow
     err = {}
@@ -437,6 +439,8 @@ def test_the_stage_writes_its_rows_on_an_oracle(tmp_path):
         assert x["converged"] in (True, False) and x["converged_against"] in (2, 4)
         assert x["label"].startswith("Algorithm 1") == x["converged"] and x["test_ce_bias_nats"] <= 0
         assert 0 < x["ess_per_particle"] <= 1 and len(x["ess_by_step"]) == 40
+        assert math.isfinite(x["law_entropy_rate_nats"]) and x["law_entropy_rate_stderr_nats"] > 0  # over all L
+        assert math.isfinite(x["tail_alpha_slope_nats"]) and x["tail_alpha_stderr_nats"] >= 0  # 2 generations a prefix
     assert len({x["params"]["alpha"] for x in smc}) > 1  # each count fits its own α
     sv = r["soft_value_alpha"]
     assert r["rows"][1]["params"]["alpha"] == sv["alpha"] and sv["valid_ce_after_nats"] <= sv["valid_ce_before_nats"]

@@ -112,7 +112,7 @@ def reach(r: SMCResult, min_ess: float = 0.5, cap: float = 4.0) -> tuple[float, 
 def fit_sequence_alpha(lm, prefixes: torch.Tensor, continuations: torch.Tensor, *, particles: int = 64,
                        seed: int = 0, bracket=(-0.5, 1.0), xtol: float = 1e-3, max_batch: int = 4096,
                        twist: Twist | None = None, twist_at: Callable[[float], Twist | None] | None = None,
-                       start: float = 0.0, max_runs: int = 12) -> SequenceFit:
+                       start: float = 0.0, max_runs: int = 12, progress: bool = False) -> SequenceFit:
     """α* on held-out prefixes [B, P] and their true continuations [B, T] (module docstring): smc_generate(lm,
     prefixes, α0, T, particles=particles, seed=seed, twist=...) from α0 = `start`; the root of its reweighted moment
     within the run's reach (`reach`: where its particles keep half their ESS), or the edge of that reach towards the
@@ -120,7 +120,7 @@ def fit_sequence_alpha(lm, prefixes: torch.Tensor, continuations: torch.Tensor, 
     each run move the root by about a standard error), at most `max_runs` runs (the runs' own moments bracket the
     root, and a step outside that bracket bisects it instead). twist: one twist for every α; twist_at(α): the twist
     for the run at α (e.g. the exact time-to-go values at that α). `bracket`: where the search starts widening from
-    when a run's particles cannot be reweighted (one particle)."""
+    when a run's particles cannot be reweighted (one particle). `progress`: a bar for each run."""
     B, T = continuations.shape
     if B < 2 or prefixes.size(0) != B:
         raise ValueError(f"need at least 2 prefixes, one per continuation; got {prefixes.size(0)} and {B}")
@@ -131,7 +131,8 @@ def fit_sequence_alpha(lm, prefixes: torch.Tensor, continuations: torch.Tensor, 
     below, above = -1.0, math.inf  # the root lies between: runs whose own moment fell short of y, or passed it
     while runs < max_runs:
         r = smc_generate(lm, prefixes, a0, T, particles=particles, seed=seed, max_batch=max_batch,
-                         twist=twist_at(a0) if twist_at is not None else twist)
+                         twist=twist_at(a0) if twist_at is not None else twist,
+                         progress=progress and f"fit of alpha*, run {runs + 1} at {a0:.5f}, {particles} particles")
         runs += 1
         gap = lambda a: float((reweighted(r, a)[0] - y).mean())  # noqa: B023, E731  (increasing in a)
         below, above = (max(below, a0), above) if gap(a0) < 0 else (below, min(above, a0))

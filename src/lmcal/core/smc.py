@@ -80,6 +80,14 @@ def reweighted(result: SMCResult, alpha: float) -> tuple[torch.Tensor, torch.Ten
     return mean, result.log_z + lw.logsumexp(-1), (w * (path - mean[:, None]).pow(2)).sum(-1)
 
 
+def entropy_rate(result: SMCResult) -> torch.Tensor:
+    """The calibrated law's entropy per word over the whole horizon T, one estimate per prefix [B] (nats): log P̂_α(W)
+    = (1+α) log P̂(W) - log Z_α, so a draw W gives -log P̂_α(W) / T, whose mean over draws is H(P̂_α(. | prefix)) / T:
+    the paper's EntRate, which α* makes equal to the cross-entropy. With log Ẑ for log Z, biased low by about half
+    log Ẑ's variance, over T."""
+    return (-(1.0 + result.alpha) * result.base_logp.sum(1) + result.log_z) / result.tokens.size(1)
+
+
 def shifted(twist: Twist | None, offset: int) -> Twist | None:
     """The twist of a run that starts `offset` words into the law's horizon (the nested runs of smc_tail_entropy)."""
     return None if twist is None or offset == 0 else (lambda state, t: twist(state, t + offset))

@@ -372,7 +372,10 @@ def sequence_table(result: dict) -> str:
               "converged: its last tenth, paired by prefix, and α* within 2 standard errors of the row with twice "
               f"its particles, or half for the largest{shown}; ± from α*: what α*'s standard error moves the last "
               "tenth by, |d/dα| × se(α*), the slope from the covariance of each generation's last tenth with its "
-              "log P̂ within each prefix (the last tenth's own ± is conditional on α*); fit: CE(α*) − EntRate(α*) "
+              "log P̂ within each prefix (the last tenth's own ± is conditional on α*); exp EntRate, all L words: "
+              "the law's entropy rate over all its words from the same prefixes, the quantity its fit matches to the "
+              "validation CE (the paper's EntRate = CE), where the last tenth reads inside the law; fit: CE(α*) − "
+              "EntRate(α*) "
               "on the fit's own particles, zero at the root up to its tolerance; test CE at the row's own count, with "
               "log Ẑ's estimated downward bias in brackets, per word):", "", study_table(study).rstrip("\n"), "",
               result["convergence"]]

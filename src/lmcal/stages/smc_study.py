@@ -31,7 +31,7 @@ import torch
 
 from lmcal.core.entropy_rate import clustered_mean
 from lmcal.core.sequence_fit import fit_sequence_alpha, sequence_log_probs
-from lmcal.core.smc import smc_generate, smc_tail_entropy
+from lmcal.core.smc import entropy_rate, smc_generate, smc_tail_entropy
 from lmcal.stages.rows import GENERATION_KEYS
 from lmcal.utils.numbers import exp_or_inf
 
@@ -74,7 +74,7 @@ def study_row(s: StudySetup, k: int, twist=None, start_alpha: float = 0.0) -> di
     variant = "twisted" if twist is not None else "untwisted"
     t0 = time.perf_counter()
     fit = fit_sequence_alpha(lm, *s.fit, particles=k, seed=s.seed, bracket=s.bracket, xtol=s.xtol,
-                             max_batch=s.max_batch, twist=twist, start=start_alpha)
+                             max_batch=s.max_batch, twist=twist, start=start_alpha, progress=True)
     a = fit.alpha
     fit_s = time.perf_counter() - t0
     log.info(f"{variant} SMC, {k} particles: alpha* {a:.5f} +- {fit.alpha_stderr:.5f} on {fit.num_prefixes} validation "
@@ -92,7 +92,8 @@ def study_row(s: StudySetup, k: int, twist=None, start_alpha: float = 0.0) -> di
     # independent runs: E[(log Ẑ1 - log Ẑ2)^2] / 2 = Var log Ẑ)
     y = sequence_log_probs(s.lm, *s.test, s.max_batch)  # [B]
     runs = [smc_generate(lm, s.test[0], a, s.law_horizon, particles=k, seed=s.seed + j, twist=twist,
-                         max_batch=s.max_batch).log_z for j in (2, 3)]
+                         max_batch=s.max_batch, progress=f"test CE, run {j - 1} of 2, {k} particles").log_z
+            for j in (2, 3)]
     L = s.law_horizon
     ce = (-(1 + a) * y + runs[0]) / L  # [B]: per word
     ce_diff = _paired(ce, -y / L)
@@ -102,6 +103,8 @@ def study_row(s: StudySetup, k: int, twist=None, start_alpha: float = 0.0) -> di
     diff, diff_se = clustered_mean(tail - s.plain_tail)
     law_logp = r.base_logp.sum(1).numpy().reshape(n, S)  # [n, S]: log P̂ of each generation's L words
     slope, slope_se = alpha_slope(tail, law_logp)
+    # the law's entropy rate over all its L words from these prefixes: what its fit matched to the CE
+    rate, rate_se = clustered_mean(entropy_rate(r).numpy().reshape(n, S))
     row = {"method": "smc", "variant": variant,
            "params": {"particles": k, "alpha": a, "alpha_stderr": fit.alpha_stderr},
            "tail_nats": float(level), "tail_stderr_nats": float(level_se), "tail_ppl": exp_or_inf(float(level)),
@@ -111,6 +114,7 @@ def study_row(s: StudySetup, k: int, twist=None, start_alpha: float = 0.0) -> di
            "stderr_nats": [float(x) for x in curve_se],
            "law_curve_nats": (-r.base_logp).mean(0).tolist(),  # [L]: the surprisal over the whole law, to its end
            "law_logp_per_generation": law_logp.tolist(),
+           "law_entropy_rate_nats": float(rate), "law_entropy_rate_stderr_nats": float(rate_se),
            "tail_alpha_slope_nats": slope, "tail_alpha_slope_stderr_nats": slope_se,
            "tail_alpha_stderr_nats": None if slope is None else abs(slope) * fit.alpha_stderr,  # α*'s own noise
            "test_ce_nats": float(ce.mean()), "test_ce_diff_nats": ce_diff[0], "test_ce_diff_stderr_nats": ce_diff[1],
@@ -250,9 +254,9 @@ def convergence_word(r: dict) -> str:
 
 def study_table(rows: list[dict]) -> str:
     """The convergence table: particles x twisted/untwisted."""
-    lines = ["| sampler | particles | α* | exp H, last tenth | ± from α*, nats | vs 2K (or K/2), nats | ESS / K | "
-             "mean log Ẑ | fit: CE − EntRate | test CE (log Ẑ bias) | ms / word | × model | converged |",
-             "|" + "---|" * 13]
+    lines = ["| sampler | particles | α* | exp H, last tenth | ± from α*, nats | exp EntRate, all L words | vs 2K (or "
+             "K/2), nats | ESS / K | mean log Ẑ | fit: CE − EntRate | test CE (log Ẑ bias) | ms / word | × model | "
+             "converged |", "|" + "---|" * 14]
     for r in sorted(rows, key=lambda r: (r.get("variant") != "twisted", r["params"]["particles"])):
         p, f = r["params"], r["fit"]
         against = ("–" if r.get("converged_against") is None else
@@ -260,12 +264,31 @@ def study_table(rows: list[dict]) -> str:
         lines.append(
             f"| {'twisted' if r.get('variant') == 'twisted' else 'untwisted'} | {p['particles']} | {p['alpha']:.4f} ± "
             f"{p['alpha_stderr']:.4f} | {r['tail_ppl']:.1f} ± {r['tail_ppl_stderr']:.1f} | {_from_alpha(r)} | "
-            f"{against} | "
+            f"{_rate_cell(r)} | {against} | "
             f"{r['ess_per_particle']:.2f} | {r['log_z_mean']:.2f} | {f['ce_minus_entropy_rate_nats']:+.2e} ± "
             f"{f['ce_minus_entropy_rate_stderr_nats']:.1e}{'' if f['settled'] else ' (no root: not settled)'} | "
             f"{r['test_ce_nats']:.4f} ({r['test_ce_bias_nats']:+.4f}) | "
             f"{r['ms_per_token']:.3f} | {r['cost_ratio']:.2f} | {convergence_word(r)} |")
     return "\n".join(lines) + "\n"
+
+
+def law_rate(r: dict) -> tuple[float | None, float | None]:
+    """A row's law entropy rate over all its L words from the study's prefixes (nats a word) and its standard error;
+    for a row written before it was recorded, from its surprisal curve and mean log Ẑ, without one."""
+    if r.get("law_entropy_rate_nats") is not None:
+        return r["law_entropy_rate_nats"], r.get("law_entropy_rate_stderr_nats")
+    curve = r.get("law_curve_nats")
+    if not curve or r.get("log_z_mean") is None:
+        return None, None
+    return (1 + r["params"]["alpha"]) * float(np.mean(curve)) + r["log_z_mean"] / len(curve), None
+
+
+def _rate_cell(r: dict) -> str:
+    rate, se = law_rate(r)
+    if rate is None:
+        return "–"
+    ppl = exp_or_inf(rate)
+    return f"{ppl:.1f}" + ("" if se is None else f" ± {ppl * se:.1f}")
 
 
 def _from_alpha(r: dict) -> str:
