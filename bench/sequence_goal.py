@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shlex
 import subprocess
 import sys
@@ -29,7 +30,7 @@ from pathlib import Path
 from lmcal.reporting.claims import sequence_goal_claims, within
 from lmcal.reporting.docs import add_out_option, save_bench, tee
 from lmcal.stages.sequence_calibration import sequence_table
-from lmcal.stages.smc_study import converged_summary, join_study
+from lmcal.stages.smc_study import converged_summary, join_study, law_rate
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -99,8 +100,41 @@ def main(argv: list[str] | None = None) -> None:
                            f"{result['smc_prefixes']} prefixes and seed {result['seed']} (not fresh ones; its test CE "
                            f"{r['test_ce_diff_nats']:+.4f} ± {r['test_ce_diff_stderr_nats']:.4f} nats against the "
                            "model's),", r["tail_nats"], r["tail_stderr_nats"], result["reference_test_ppl"]).sentence)
+    emit("")
+    for line in level_section(result):
+        emit(line)
     save_bench(args.out, args.title, "\n".join(lines),
                command="python bench/sequence_goal.py " + shlex.join(argv if argv is not None else sys.argv[1:]))
+
+
+def level_section(result: dict) -> list[str]:
+    """Where each SMC row's last tenth sits against the cross-entropies, in perplexity: the validation CE its fit
+    matched on its own windows, and the law's entropy rate over all its L words there (equal at the root); that rate
+    from the study's prefixes; the last tenth, read inside the law; the test perplexity the goal compares with. And
+    the three differences that take the last tenth from the test perplexity, with their standard errors (unpaired
+    where the rows keep no per-generation pairs)."""
+    rows = [r for r in result["rows"] if r["method"] == "smc" and law_rate(r)[0] is not None]
+    if not rows:
+        return []
+    test = result["reference_test_ce_nats"]
+    out = ["Where each SMC row's level sits, in perplexity (exp of nats a word): the validation CE its fit matched on "
+           f"{result['fit_prefixes']} validation continuations and its law's entropy rate over all L = "
+           f"{result['law_horizon']} words there (equal at the root); that rate from the study's "
+           f"{result['smc_prefixes']} prefixes; the last tenth, read inside the law; the test perplexity. Then the "
+           "steps from the test CE to the last tenth, in nats, ± one standard error:", "",
+           "| row | α* | fit: validation CE | fit: EntRate | EntRate, study prefixes | last tenth | test | "
+           "validation − test CE | study − fit EntRate | last tenth − study EntRate |", "|" + "---|" * 10]
+    for r in rows:
+        f, (rate, rate_se) = r["fit"], law_rate(r)
+        tail, tail_se = r["tail_nats"], r["tail_stderr_nats"]
+        inside_se = "" if rate_se is None else f" ± {math.hypot(tail_se, rate_se):.3f}"
+        out.append(f"| {r['label']} | {r['params']['alpha']:.5f} ± {r['params']['alpha_stderr']:.5f} | "
+                   f"{math.exp(f['ce_nats']):.1f} | {math.exp(f['entropy_rate_nats']):.1f} | "
+                   f"{math.exp(rate):.1f}{'' if rate_se is None else f' ± {math.exp(rate) * rate_se:.1f}'} | "
+                   f"{math.exp(tail):.1f} ± {math.exp(tail) * tail_se:.1f} | {math.exp(test):.1f} | "
+                   f"{f['ce_nats'] - test:+.3f} | {rate - f['entropy_rate_nats']:+.3f} | {tail - rate:+.3f}"
+                   f"{inside_se} |")
+    return out
 
 
 if __name__ == "__main__":

@@ -237,3 +237,15 @@ def test_which_limit_lookahead_calibration_meets():
     ap, dr = _limit_inputs(-0.001, 0.001, vs=(0.0, 0.0), vs_se=0.04, tail_at_star=(0.0, 0.0), exact=(-0.002, 0.002))
     c = C.calibration_limit(ap, dr)
     assert c.verdict == "undecided" and "the exact shift is not measured (-0.0020 ± 0.0020 nats)" in c.sentence
+
+
+def test_an_smc_goal_rows_verdict_says_what_its_alpha_s_noise_would_move_it_by():
+    # the verdict is on the law at the fitted α* (the model built); α*'s own standard error, times the level's slope,
+    # is said beside it, and changes no verdict
+    check = {"label": "twisted SMC, 16 particles", "reported_on_seed": 1, "prefixes": 600, "tail_nats": math.log(110),
+             "tail_stderr_nats": 0.03, "test_ppl": 115.8, "tail_alpha_stderr_nats": 0.034}
+    (c,) = C.sequence_goal_claims({"twisted_check": check})
+    (bare,) = C.sequence_goal_claims({"twisted_check": {**check, "tail_alpha_stderr_nats": None}})
+    assert c.verdict == bare.verdict == "undecided" and c.numbers["alpha_spread_nats"] == 0.034
+    assert c.sentence == bare.sentence[:-1] + ("; that is the law at its fitted α*, and α*'s standard error would move "
+                                               "its level by ±0.034 nats (±3%) more.")

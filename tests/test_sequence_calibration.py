@@ -473,6 +473,8 @@ def test_the_stage_writes_its_rows_on_an_oracle(tmp_path):
     assert b.returncode == 1 and "give --ckpt" in b.stderr and "Traceback" not in b.stderr
     assert "measured again on 9 fresh ones" in text and "| twisted | 2 |" in text
     assert text.count("of the test perplexity") >= 2  # the goal row's verdict and the twisted row's
+    assert "Where each SMC row's level sits" in text and text.count("| SMC, ") + text.count("| twisted SMC, ") + \
+        text.count("| Algorithm 1 (") >= 2 * len(smc)  # each row in the study table and in the levels' table
     # bench/convergence_rule.py applies the rule to it again, with and without converge_tol; a folder without a
     # stage is one clear line
     out = tmp_path / "rule.md"

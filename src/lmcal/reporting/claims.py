@@ -273,13 +273,26 @@ def sequence_goal_claims(sc: dict | None) -> list[Claim]:
                f"{g['chosen_on_seed']} ({g.get('label', g['method'])}, among {len(g['candidates'])} rows that are "
                f"Algorithm 1 or per-word samplers with a test CE not above the model's), measured again on {where}"
                f"seed {g['reported_on_seed']},")
-        out.append(within(who, g["tail_nats"], g["tail_stderr_nats"], g["test_ppl"], key="sequence_goal_within"))
+        out.append(_alpha_spread(within(who, g["tail_nats"], g["tail_stderr_nats"], g["test_ppl"],
+                                        key="sequence_goal_within"), g))
     c = (sc or {}).get("twisted_check")
     if c and "tail_nats" in c:
         who = (f"The twisted row with the fewest particles ({c['label']}), on {c.get('prefixes', 'the same')} fresh "
                f"prefixes and seed {c['reported_on_seed']},")
-        out.append(within(who, c["tail_nats"], c["tail_stderr_nats"], c["test_ppl"], key="sequence_twisted_within"))
+        out.append(_alpha_spread(within(who, c["tail_nats"], c["tail_stderr_nats"], c["test_ppl"],
+                                        key="sequence_twisted_within"), c))
     return out
+
+
+def _alpha_spread(claim: Claim, row: dict) -> Claim:
+    """An SMC goal row's verdict is on the law at its fitted α*, the calibrated model that was built; what α*'s own
+    standard error would move the level by, had it been fitted on other continuations, is said beside it."""
+    spread = row.get("tail_alpha_stderr_nats")
+    if not _finite(spread):
+        return claim
+    sentence = (f"{claim.sentence[:-1]}; that is the law at its fitted α*, and α*'s standard error would move its "
+                f"level by ±{spread:.3f} nats (±{100 * math.expm1(spread):.0f}%) more.")
+    return Claim(claim.key, claim.verdict, sentence, {**claim.numbers, "alpha_spread_nats": spread})
 
 
 def memory_flags(rows: list[dict], beta_far: float = 0.2, z: float = Z) -> list[Claim]:

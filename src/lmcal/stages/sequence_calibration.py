@@ -37,7 +37,6 @@ from lmcal.core.calibration import fit_temperature, target_log_probs
 from lmcal.core.decoders import make_decoder
 from lmcal.core.entropy_rate import clustered_mean, generation_entropy_curve, tail_steps
 from lmcal.core.sampling import random_prefixes, spread_windows
-from lmcal.core.smc import smc_generate
 from lmcal.core.soft_value import fit_soft_value_alpha, soft_value_lm, soft_value_twist, train_soft_value
 from lmcal.data.batching import batchify
 from lmcal.errors import LmcalError
@@ -47,8 +46,8 @@ from lmcal.stages.smc_study import (
     StudySetup,
     converged_summary,
     label,
-    law_tail,
     mark_convergence,
+    remeasure,
     study_row,
     study_table,
 )
@@ -257,6 +256,7 @@ def sequence_calibration_stage(lm, train_tokens: torch.Tensor, valid_tokens: tor
                 "tail_ppl_stderr": exp_or_inf(level) * se, "test_ppl": exp_or_inf(test_nats),
                 "test_ce_diff_nats": r.get("test_ce_diff_nats"),
                 "test_ce_diff_stderr_nats": r.get("test_ce_diff_stderr_nats"),
+                "tail_alpha_stderr_nats": r.get("tail_alpha_stderr_nats"),  # SMC rows: what α*'s noise moves it by
                 "within_10_percent": abs(exp_or_inf(level) / exp_or_inf(test_nats) - 1) <= 0.10}
 
     fair = [r for r in rows[1:] if (r.get("converged") or r["method"] in samplers)
@@ -305,16 +305,6 @@ def sequence_calibration_stage(lm, train_tokens: torch.Tensor, valid_tokens: tor
     log.info(f"{name}: {len(rows)} rows in {result['seconds']:.0f} s; {out / (name + '.json')}\n"
              f"{sequence_table(result)}")
     return result
-
-
-def remeasure(s: StudySetup, prefixes: torch.Tensor, k: int, twist, alpha: float, seed: int) -> tuple[float, float]:
-    """An SMC row's last tenth (level, standard error) on other prefixes [n, P] and seed, at its fitted α."""
-    lm = twist.lm if twist is not None else s.lm
-    p = prefixes.repeat_interleave(s.samples_per_prefix, 0)
-    r = smc_generate(lm, p, alpha, s.law_horizon, particles=k, seed=seed, twist=twist, max_batch=s.max_batch,
-                     progress=f"SMC, {k} particles, fresh prefixes")
-    level, se = clustered_mean(law_tail(s, lm, p, r, k, alpha, twist, seed))  # of [n, S]
-    return float(level), float(se)
 
 
 def _label(r: dict) -> str:

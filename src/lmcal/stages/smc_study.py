@@ -158,6 +158,16 @@ def law_tail(s: StudySetup, lm, prefixes: torch.Tensor, r, k: int, alpha: float,
     return tail.numpy().reshape(-1, s.samples_per_prefix)
 
 
+def remeasure(s: StudySetup, prefixes: torch.Tensor, k: int, twist, alpha: float, seed: int) -> tuple[float, float]:
+    """An SMC row's last tenth (level, standard error) on other prefixes [n, P] and seed, at its fitted α."""
+    lm = twist.lm if twist is not None else s.lm
+    p = prefixes.repeat_interleave(s.samples_per_prefix, 0)
+    r = smc_generate(lm, p, alpha, s.law_horizon, particles=k, seed=seed, twist=twist, max_batch=s.max_batch,
+                     progress=f"SMC, {k} particles, fresh prefixes")
+    level, se = clustered_mean(law_tail(s, lm, p, r, k, alpha, twist, seed))  # of [n, S]
+    return float(level), float(se)
+
+
 def _ms(lm, s: StudySetup, alpha: float, k: int, twist) -> float:
     """ms per returned word on the timing protocol (the plain model's timing runs the same generations)."""
     p = s.timing_prefixes.repeat_interleave(s.samples_per_prefix, 0)
