@@ -632,3 +632,23 @@ def test_alpha_slope_is_the_exact_derivative_of_the_laws_level():
     slope, se = alpha_slope(tail, law_logp)
     assert abs(slope - exact) < 3 * se and 0.02 < se / abs(exact) < 0.1
     assert alpha_slope(tail[:, :1], law_logp[:, :1]) == (None, None)  # one generation a prefix: no covariance
+
+
+def test_alpha_slope_of_the_nested_smc_last_tenth_is_the_exact_derivative():
+    # as the stage takes it: each generation's nested-SMC entropy of a block against its log P̂(W). The estimate's
+    # noise is -log P̂_α(A | h) of the drawn block, whose covariance with log P̂(W) is the block entropy's own change
+    # with α (the score has mean zero), so the covariance is the whole d/dα of the law's mean block entropy: exact
+    from lmcal.stages.smc_study import alpha_slope
+
+    model, T, alpha, n, S = _tempered(), 20, 1.0, 1500, 2
+    fs = finite_state_lm(model)
+    prefixes = _windows(n, 1, 9)
+    start = _start(fs, prefixes[:, 0])
+    p = prefixes.repeat_interleave(S, 0)
+    r = smc_generate(model, p, alpha, T, particles=64, seed=9)
+    for a, b in ((10, 14), (18, 20)):  # inside the law, and at its end
+        exact = (generation(fs, alpha + 1e-3, T, start).entropy[a:b].mean()
+                 - generation(fs, alpha - 1e-3, T, start).entropy[a:b].mean()).item() / 2e-3
+        tail = smc_tail_entropy(model, p, r, alpha, a, b, particles=64, seed=10)
+        slope, se = alpha_slope(tail.numpy().reshape(n, S), r.base_logp.sum(1).numpy().reshape(n, S))
+        assert abs(slope - exact) < 4 * se and se < 0.1 * abs(exact), (a, slope, se, exact)
