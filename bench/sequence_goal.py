@@ -60,6 +60,12 @@ def main(argv: list[str] | None = None) -> None:
         if subprocess.run(cmd).returncode:
             sys.exit(f"the sequence_calibration stage failed; its log is in {args.dir}")
     result = json.loads(result_file.read_text())
+    for key in ("goal", "twisted_check"):  # a run older than 67d6b6e: its goal rows' α* spread is its study row's
+        g = result.get(key) or {}
+        if g.get("method") == "smc" and g.get("tail_alpha_stderr_nats") is None:
+            same = [r for r in result["rows"] if r["method"] == "smc" and r["params"] == g["params"]
+                    and (r["variant"] == "twisted") == ("twisted" in g["label"])]
+            g["tail_alpha_stderr_nats"] = same[0].get("tail_alpha_stderr_nats") if same else None
     before = {(r["variant"], r["params"]["particles"]) for r in result["rows"] if r["method"] == "smc"
               and r.get("converged")}
     runs = {args.dir: result}  # each run's result, read once

@@ -475,6 +475,17 @@ def test_the_stage_writes_its_rows_on_an_oracle(tmp_path):
     assert text.count("of the test perplexity") >= 2  # the goal row's verdict and the twisted row's
     assert "Where each SMC row's level sits" in text and text.count("| SMC, ") + text.count("| twisted SMC, ") + \
         text.count("| Algorithm 1 (") >= 2 * len(smc)  # each row in the study table and in the levels' table
+    # a run written before the goal rows carried α*'s spread: the page takes it from the same study row
+    import json
+
+    old = json.loads((tmp_path / "sequence_calibration.json").read_text())
+    spread = old["twisted_check"].pop("tail_alpha_stderr_nats")
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "sequence_calibration.json").write_text(json.dumps(old))
+    b = subprocess.run([sys.executable, "bench/sequence_goal.py", "--dir", str(tmp_path / "old"), "--out",
+                        str(tmp_path / "old.md")], capture_output=True, text=True, timeout=300)
+    assert b.returncode == 0, b.stderr[-2000:]
+    assert f"would move its level by ±{spread:.3f} nats" in (tmp_path / "old.md").read_text()
     # bench/convergence_rule.py applies the rule to it again, with and without converge_tol; a folder without a
     # stage is one clear line
     out = tmp_path / "rule.md"
