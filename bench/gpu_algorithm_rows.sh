@@ -23,7 +23,9 @@
 # analysis.sequence_calibration.fit_prefixes=184 analysis.sequence_calibration.goal_prefixes=200' TA=540 TB=0
 # (fit_prefixes=184: every disjoint 400-word continuation of PTB's validation text. There, at 16 particles, α* =
 # 0.00995 +- 0.00067 (0.0111 +- 0.0021 on 40), and its standard error alone moves the last tenth by +-0.098 nats
-# (slope -147 +- 11 nats per unit α), as wide as the goal's 10%: docs/bench/sequence_goal_cpu_precise.md)
+# (slope -147 +- 11 nats per unit α), as wide as the goal's 10%: docs/bench/sequence_goal_cpu_precise.md; at 32
+# particles α* = 0.00923 +- 0.00052, and 16 and 32 differ by +0.034 +- 0.040 nats on 1,800 generations a row, again
+# no disagreement and not shown: about 2,700 a row would show it, which this call runs)
 # (about 8 minutes on an H200, estimated, not measured, from docs/bench/sequence_goal_gpu_500.md's run: the heads took
 # 3.5 minutes there, and 1,500 twisted generations at 64 particles, with their nested runs, 64 s).
 #

@@ -534,6 +534,9 @@ def test_the_stage_can_run_the_twisted_rows_only(tmp_path):
                                         sv_alpha=0.04, **{**tiny, "particles": [k], "max_batch": 8 * k})
              for k in (2, 4)]
     assert parts[0]["rows"][2]["converged"] is None  # alone: nothing to agree with
+    import copy
+
+    first = copy.deepcopy(parts[0])
     added = join_study(parts[0], parts[1], "the 4-particle run")
     assert [x["params"]["particles"] for x in added] == [4] and parts[0]["particles"] == [2, 4]
     smc = lambda res: [x for x in res["rows"] if x["method"] == "smc"]  # noqa: E731
@@ -548,6 +551,18 @@ def test_the_stage_can_run_the_twisted_rows_only(tmp_path):
     other = {**parts[1], "seed": 5}
     with pytest.raises(ValueError, match="the other run is not the same study.*seed 0 against 5"):
         join_study(r, other)
+    # a run on other threads sums in another order: its floats differ in the ninth digit and it is the same study;
+    # a float that differs in the third is not
+    ce = parts[1]["reference_test_ce_nats"]
+    for nudge, joins in ((1 + 1e-12, True), (1 + 1e-3, False)):
+        other = copy.deepcopy(parts[1])
+        other["reference_test_ce_nats"] = ce * nudge
+        other["rows"][0]["tail_nats"] *= nudge
+        if joins:
+            assert len(join_study(copy.deepcopy(first), other)) == 1
+        else:
+            with pytest.raises(ValueError, match="reference_test_ce_nats.*the plain model's last tenth"):
+                join_study(copy.deepcopy(first), other)
     # the same join from the runs' folders, as a user grows a study: bench/sequence_goal.py --add
     import subprocess
     import sys
@@ -663,3 +678,13 @@ def test_alpha_slope_of_the_nested_smc_last_tenth_is_the_exact_derivative():
         tail = smc_tail_entropy(model, p, r, alpha, a, b, particles=64, seed=10)
         slope, se = alpha_slope(tail.numpy().reshape(n, S), r.base_logp.sum(1).numpy().reshape(n, S))
         assert abs(slope - exact) < 4 * se and se < 0.1 * abs(exact), (a, slope, se, exact)
+
+
+def test_two_runs_settings_are_the_same_up_to_the_ninth_digit_of_a_float():
+    from lmcal.stages.smc_study import same_value
+
+    assert same_value(4.752113065132741, 4.752113070188918)  # one thread against two, as measured
+    assert not same_value(4.75, 4.76) and not same_value(1.0, True) and not same_value(0.0, "0")
+    assert same_value(3, 3.0) and not same_value(3, 4) and same_value(None, None) and not same_value(None, 0.0)
+    assert same_value({"a": [1.0, 2]}, {"a": [1.0 + 1e-12, 2]}) and not same_value({"a": [1.0]}, {"a": [1.0, 2]})
+    assert not same_value({"a": 1}, {"b": 1}) and not same_value([0.0], [1e-9])  # near zero: an absolute 1e-12

@@ -209,6 +209,19 @@ SAME_STUDY = ("model", "corpus", *GENERATION_KEYS, "smc_prefixes", "law_horizon"
               "tail_particles", "converge_tol", "reference_test_ce_nats")
 
 
+def same_value(a, b, rel: float = 1e-7) -> bool:
+    """Whether two settings or results read from two runs are the same: floats at a relative tolerance (a run on
+    one thread and one on two sum in other orders, so a reference CE differs in its ninth digit), all else exactly."""
+    if isinstance(a, float) or isinstance(b, float):
+        return (isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool)
+                and not isinstance(b, bool) and math.isclose(a, b, rel_tol=rel, abs_tol=1e-12))
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(same_value(x, y, rel) for x, y in zip(a, b, strict=True))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same_value(a[k], b[k], rel) for k in a)
+    return a == b
+
+
 def join_study(result: dict, other: dict, where: str = "the other run") -> list[dict]:
     """Adds to `result` (a sequence_calibration stage's result) the study rows of `other`, a run of the same study at
     other particle counts (a long study grown one count at a time: rows are pure functions of their prefixes and
@@ -216,8 +229,9 @@ def join_study(result: dict, other: dict, where: str = "the other run") -> list[
     one paragraph, where the two runs are not one study."""
     new = [r for r in other["rows"] if r["method"] == "smc"]
     keys = SAME_STUDY + (("sv_alpha", "soft_value_alpha") if any(r["variant"] == "twisted" for r in new) else ())
-    differ = [f"{k} {result.get(k)!r} against {other.get(k)!r}" for k in keys if result.get(k) != other.get(k)]
-    if result["rows"][0]["tail_nats"] != other["rows"][0]["tail_nats"]:  # the plain model's, on the same draws
+    differ = [f"{k} {result.get(k)!r} against {other.get(k)!r}" for k in keys
+              if not same_value(result.get(k), other.get(k))]
+    if not same_value(result["rows"][0]["tail_nats"], other["rows"][0]["tail_nats"]):  # the plain model's, same draws
         differ.append("the plain model's last tenth")
     if differ:
         raise ValueError(f"{where} is not the same study, so its rows cannot join this one's: {', '.join(differ)} "
