@@ -30,7 +30,7 @@ from pathlib import Path
 from lmcal.reporting.claims import sequence_goal_claims, within
 from lmcal.reporting.docs import add_out_option, save_bench, tee
 from lmcal.stages.sequence_calibration import sequence_table
-from lmcal.stages.smc_study import converged_summary, join_study, law_rate
+from lmcal.stages.smc_study import converged_summary, join_study, law_rate, study_row_of
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -63,9 +63,8 @@ def main(argv: list[str] | None = None) -> None:
     for key in ("goal", "twisted_check"):  # a run older than 67d6b6e: its goal rows' α* spread is its study row's
         g = result.get(key) or {}
         if g.get("method") == "smc" and g.get("tail_alpha_stderr_nats") is None:
-            same = [r for r in result["rows"] if r["method"] == "smc" and r["params"] == g["params"]
-                    and (r["variant"] == "twisted") == ("twisted" in g["label"])]
-            g["tail_alpha_stderr_nats"] = same[0].get("tail_alpha_stderr_nats") if same else None
+            row = study_row_of(g, result["rows"])
+            g["tail_alpha_stderr_nats"] = row.get("tail_alpha_stderr_nats") if row else None
     before = {(r["variant"], r["params"]["particles"]) for r in result["rows"] if r["method"] == "smc"
               and r.get("converged")}
     runs = {args.dir: result}  # each run's result, read once

@@ -250,10 +250,17 @@ def join_study(result: dict, other: dict, where: str = "the other run") -> list[
     for r in study:
         r["label"] = label(r)
     for g in (result.get("goal"), result.get("twisted_check")):  # the goal rows' names follow their rows'
-        if g and g.get("method") == "smc":
-            g["label"] = next((r["label"] for r in study if r["params"] == g["params"]), g["label"])
+        if g and g.get("method") == "smc" and (row := study_row_of(g, study)):
+            g["label"] = row["label"]
     result["convergence"] = converged_summary(study)
     return new
+
+
+def study_row_of(g: dict, rows: list[dict]) -> dict | None:
+    """The SMC study row that a goal row (a result's "goal" or "twisted_check") measured again: the same params and
+    variant (a goal row names its variant only in its label)."""
+    return next((r for r in rows if r["method"] == "smc" and r["params"] == g["params"]
+                 and (r["variant"] == "twisted") == ("twisted" in g["label"])), None)
 
 
 def label(r: dict) -> str:
