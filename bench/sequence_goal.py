@@ -29,7 +29,7 @@ from pathlib import Path
 
 from lmcal.reporting.claims import sequence_goal_claims, within
 from lmcal.reporting.docs import add_out_option, save_bench, tee
-from lmcal.stages.sequence_calibration import sequence_table
+from lmcal.stages.sequence_report import sequence_table
 from lmcal.stages.smc_study import converged_summary, join_study, law_rate, study_row_of
 
 
@@ -139,6 +139,9 @@ def level_section(result: dict) -> list[str]:
                    f"{math.exp(tail):.1f} ± {math.exp(tail) * tail_se:.1f} | {math.exp(test):.1f} | "
                    f"{f['ce_nats'] - test:+.3f} | {rate - f['entropy_rate_nats']:+.3f} | {tail - rate:+.3f}"
                    f"{inside_se} |")
+    if any(law_rate(r)[1] is None for r in rows):
+        out += ["", "A row grown from a run that kept no per-generation entropy rates shows its rate over all L words "
+                "as the generation-weighted mean of its runs', without a standard error."]
     return out
 
 

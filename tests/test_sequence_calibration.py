@@ -644,7 +644,7 @@ def test_alpha_slope_is_the_exact_derivative_of_the_laws_level():
     # i.i.d. words: P̂_α(W) ∝ P̂(W)^(1+α) draws each word from q_α ∝ p^(1+α), so the mean surprisal s = -log p of
     # any block of words has d/dα E_α = -Var_qα(s) exactly; alpha_slope estimates it from generations alone, by the
     # covariance of the block with log P̂(W) within each prefix
-    from lmcal.stages.smc_study import alpha_slope
+    from lmcal.stages.smc_generations import alpha_slope
 
     p = np.array([0.5, 0.3, 0.15, 0.05])
     s, alpha, L = -np.log(p), 0.3, 6
@@ -664,7 +664,7 @@ def test_alpha_slope_of_the_nested_smc_last_tenth_is_the_exact_derivative():
     # as the stage takes it: each generation's nested-SMC entropy of a block against its log P̂(W). The estimate's
     # noise is -log P̂_α(A | h) of the drawn block, whose covariance with log P̂(W) is the block entropy's own change
     # with α (the score has mean zero), so the covariance is the whole d/dα of the law's mean block entropy: exact
-    from lmcal.stages.smc_study import alpha_slope
+    from lmcal.stages.smc_generations import alpha_slope
 
     model, T, alpha, n, S = _tempered(), 20, 1.0, 1500, 2
     fs = finite_state_lm(model)
@@ -688,3 +688,96 @@ def test_two_runs_settings_are_the_same_up_to_the_ninth_digit_of_a_float():
     assert same_value(3, 3.0) and not same_value(3, 4) and same_value(None, None) and not same_value(None, 0.0)
     assert same_value({"a": [1.0, 2]}, {"a": [1.0 + 1e-12, 2]}) and not same_value({"a": [1.0]}, {"a": [1.0, 2]})
     assert not same_value({"a": 1}, {"b": 1}) and not same_value([0.0], [1e-9])  # near zero: an absolute 1e-12
+
+
+def test_a_finished_study_gets_more_generations_at_other_seeds_as_if_drawn_at_once(tmp_path):
+    """extend: a run at seeds [0] grown by seeds [50, 80] is the run at [0, 50, 80], column for column (its rows'
+    generations side by side along S, every statistic recomputed from the per-generation arrays), without fitting α*
+    again; a row written before its per-generation arrays were kept still joins, its means weighted; refusals are one
+    clear error before anything is written."""
+    import copy
+
+    from lmcal.errors import LmcalError
+    from lmcal.stages.sequence_calibration import sequence_calibration_stage
+    from lmcal.stages.smc_generations import BY_GENERATION, join_generations
+
+    orc = _delayed()
+    text = _windows(1, 6000, 9)[0]
+    tiny = dict(particles=[2, 4], fit_prefixes=8, sv_rollouts=16, sv_prefix=4, sv_steps=6, sv_iterations=2,
+                sv_backup_steps=3, hidden=8, rank=4, epochs=1, fit_tokens=600, fit_streams=4, score_tokens=600,
+                score_streams=4, timing_prefixes=2, timing_horizon=4, timing_repeats=1, num_prefixes=6,
+                samples_per_prefix=2, prefix_len=4, horizon=20, max_batch=64, untwisted=False, sv_alpha=0.04)
+    run = lambda d, **kw: sequence_calibration_stage(orc, text[:3000], text[3000:4500], text[4500:],  # noqa: E731
+                                                     tmp_path / d, **{**tiny, **kw})
+    whole = run("whole", smc_seeds=[0, 50, 80])
+    first = run("first")
+    assert first["smc_seeds"] == [0] and whole["smc_seeds"] == [0, 50, 80]
+    grown = run("grown", smc_seeds=[50, 80], extend=copy.deepcopy(first))
+    smc = lambda res: [x for x in res["rows"] if x["method"] == "smc"]  # noqa: E731
+    for a, b, f in zip(smc(grown), smc(whole), smc(first), strict=True):
+        assert np.shape(a["tail_nats_per_generation"]) == (6, 6) and a["generations"] == 36
+        assert a["params"] == f["params"] and a["fit"] == f["fit"] and a["test_ce_nats"] == f["test_ce_nats"]
+        for k in [*BY_GENERATION, "curve_by_prefix_nats", "curve_nats", "stderr_nats", "law_curve_nats",
+                  "ess_by_step", "tail_nats", "tail_stderr_nats", "tail_diff_nats", "tail_diff_stderr_nats",
+                  "tail_alpha_slope_nats", "tail_alpha_slope_stderr_nats", "law_entropy_rate_nats",
+                  "law_entropy_rate_stderr_nats", "ess_per_particle", "log_z_mean", "resamplings_per_generation"]:
+            assert np.allclose(a[k], b[k], rtol=1e-12, atol=1e-12), k
+        # what α*'s noise moves the level by: the joined slope times the earlier fit's se(α*)
+        se_alpha = f["params"]["alpha_stderr"]
+        assert a["tail_alpha_stderr_nats"] == pytest.approx(abs(a["tail_alpha_slope_nats"]) * se_alpha)
+        assert (a["convergence"], a["tail_against_nats"]) == (b["convergence"], pytest.approx(b["tail_against_nats"]))
+    assert grown["twisted_check"]["tail_nats"] == first["twisted_check"]["tail_nats"]  # kept, not measured again
+    assert grown["convergence"] == whole["convergence"] and grown["extended"] and not whole["extended"]
+    md = (tmp_path / "grown" / "sequence_calibration.md").read_text()
+    assert "2 a prefix at each of the seeds [0, 50, 80] (36 generations a row, grown from an earlier run at its" in md
+    # seeds past the last: 0, 50, 80 and then 90, from the grown run's JSON as a user passes it
+    import json
+
+    grown_json = json.loads((tmp_path / "grown" / "sequence_calibration.json").read_text())
+    again = run("again", smc_seeds=[90], extend=grown_json)
+    assert again["smc_seeds"] == [0, 50, 80, 90] and smc(again)[0]["generations"] == 48
+    # a row from before the arrays were kept: its plain pairs come from the run, its rate and curve are weighted means
+    old = copy.deepcopy(first)
+    for r in smc(old):
+        for k in ("plain_tail_by_generation", "entropy_rate_by_generation", "ess_by_generation", "log_z_by_generation",
+                  "resamplings_by_generation", "curve_by_prefix_nats", "smc_seeds"):
+            r.pop(k)
+    old.pop("smc_seeds")
+    aged = run("aged", smc_seeds=[50, 80], extend=old)
+    for a, b in zip(smc(aged), smc(grown), strict=True):
+        for k in ("tail_nats", "tail_stderr_nats", "tail_diff_nats", "tail_alpha_slope_nats", "curve_nats",
+                  "law_entropy_rate_nats", "ess_per_particle", "log_z_mean"):
+            assert np.allclose(a[k], b[k], rtol=1e-12), k
+        assert a["law_entropy_rate_stderr_nats"] is None and np.isnan(a["stderr_nats"]).all()
+        assert a["entropy_rate_by_generation"] is None and a["smc_seeds"] == [0, 50, 80]
+    with pytest.raises(ValueError, match="different numbers of prefixes"):
+        join_generations(smc(first)[0], {**smc(first)[0], "tail_nats_per_generation": [[1.0]]})
+    for bad, why in (({"smc_seeds": [0, 7]}, r"drew at \[0\] already"),
+                     ({}, "name them with analysis.sequence_calibration.smc_seeds"),
+                     ({"smc_seeds": [7], "particles": [2]}, "the earlier run's rows are particles=\\[2, 4\\]"),
+                     ({"smc_seeds": [7], "horizon": 24}, "not this study.*horizon 24 against 20"),
+                     ({"smc_seeds": [7], "goal_prefixes": 3}, "goal_prefixes 3 against None"),
+                     ({"smc_seeds": [7], "extend": {"rows": []}}, "names no result of this stage")):
+        with pytest.raises(LmcalError, match=why):
+            run("bad", **{"extend": copy.deepcopy(first), **bad})
+    assert not (tmp_path / "bad").exists()
+
+
+def test_extend_json_is_read_as_data_with_one_clear_error_for_a_bad_file(tmp_path):
+    """analysis.sequence_calibration.extend_json: a finished run's JSON, read as data; a missing file, a file that is
+    not JSON and JSON that is not an object are each one clear error."""
+    from lmcal.errors import LmcalError
+    from lmcal.stages.stage import read_result
+
+    assert read_result(None, "sequence_calibration", "extend_json") is None
+    good = tmp_path / "sequence_calibration.json"
+    good.write_text('{"rows": [], "law_horizon": 40}')
+    assert read_result(str(good), "sequence_calibration", "extend_json") == {"rows": [], "law_horizon": 40}
+    (tmp_path / "bad.json").write_text("{not json")
+    (tmp_path / "list.json").write_text("[1, 2]")
+    (tmp_path / "bytes.json").write_bytes(b"\xff\xfe\x00")
+    for path, why in ((tmp_path / "missing.json", "does not exist: name the JSON a finished run"),
+                      (tmp_path / "bad.json", "is not a JSON file"), (tmp_path / "bytes.json", "is not a JSON file"),
+                      (tmp_path / "list.json", "holds a JSON list, not a stage's result")):
+        with pytest.raises(LmcalError, match=f"analysis.sequence_calibration.extend_json=.*{why}"):
+            read_result(str(path), "sequence_calibration", "extend_json")

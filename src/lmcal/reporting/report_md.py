@@ -234,7 +234,7 @@ def sequence_calibration_markdown(cfg: DictConfig, out: Path) -> list[str]:
     the fit's CE beside the entropy rate, and the goal row, as the stage wrote them."""
     if "sequence_calibration" not in cfg.stages:
         return []
-    from lmcal.stages.sequence_calibration import sequence_table
+    from lmcal.stages.sequence_report import sequence_table
 
     sc = read_json(out / cfg.dataset / "sequence_calibration" / "sequence_calibration.json")
     return [

@@ -42,19 +42,23 @@ from lmcal.data.batching import batchify
 from lmcal.errors import LmcalError
 from lmcal.stages.plots import entropy_curve_figure
 from lmcal.stages.rows import generation_settings, same_settings, timed_generation
+from lmcal.stages.sequence_report import row_label, sequence_table
+from lmcal.stages.smc_generations import StudySetup, extend_row
 from lmcal.stages.smc_study import (
-    StudySetup,
+    SAME_STUDY,
     converged_summary,
     label,
     mark_convergence,
     remeasure,
+    same_value,
+    study_differences,
     study_row,
-    study_table,
+    study_row_of,
 )
-from lmcal.stages.stage import Stage, earlier_result, stage_context
+from lmcal.stages.stage import Stage, earlier_result, read_result, stage_context
 from lmcal.stages.wandb_run import log_config, log_curves, wandb_log
 from lmcal.utils.io import write_json_atomic, write_text_atomic
-from lmcal.utils.numbers import exp_or_inf, format_ce, format_params
+from lmcal.utils.numbers import exp_or_inf
 
 log = logging.getLogger("lmcal")
 
@@ -76,6 +80,7 @@ def sequence_calibration_stage(lm, train_tokens: torch.Tensor, valid_tokens: tor
                                untwisted: bool = True, sv_alpha: float | None = None,
                                law_horizon: int | None = None, smc_prefixes: int | None = None, fit_prefixes: int = 40,
                                goal_prefixes: int | None = None, converge_tol: float | None = 0.1,
+                               smc_seeds: list[int] | None = None, extend: dict | None = None,
                                bracket=(-0.5, 1.0), xtol: float = 2e-3, tail_particles: int | None = None,
                                soft_value: bool = True, sv_rollouts: int = 200, sv_prefix: int = 50,
                                sv_steps: int = 20, sv_iterations: int = 10, sv_backup_steps: int = 10,
@@ -98,7 +103,10 @@ def sequence_calibration_stage(lm, train_tokens: torch.Tensor, valid_tokens: tor
     head retrained `sv_refits` times; SMC twisted by that head at each count (`twist`; untwisted=False: the twisted
     rows only, the heads first trained at `sv_alpha`, so that a study spends its time on the twisted law); the rows
     of the earlier stages (`future_entropy`: its best head; `decoders`: the fitted temperature, else fitted here)
-    when their generation and scoring settings are these. Writes `<name>.json`, `.md` and `.png`."""
+    when their generation and scoring settings are these. The SMC rows generate S a prefix at each of `smc_seeds`
+    (null: `seed`), joined along S. `extend`: an earlier result of this stage whose study rows get more generations,
+    at their own α* (not fitted again), at `smc_seeds` (none of its own), their fit, test CE, cost and goal rows kept
+    (smc_study.extend_row; its settings must be this run's). Writes `<name>.json`, `.md` and `.png`."""
     out = Path(out_dir)
     t0 = time.perf_counter()
     ks = sorted({int(k) for k in (particles if isinstance(particles, (list, tuple)) else [particles])})
@@ -119,12 +127,29 @@ def sequence_calibration_stage(lm, train_tokens: torch.Tensor, valid_tokens: tor
         raise LmcalError(f"analysis.{name}.untwisted=false: the soft-value heads are first trained at the untwisted "
                          f"rows' alpha*, which this run does not fit; give analysis.{name}.sv_alpha (for example the "
                          "alpha* an earlier run of this stage fitted, its JSON's rows' params.alpha).")
-    out.mkdir(parents=True, exist_ok=True)  # after the checks: a refused run leaves nothing behind
+    seeds = [int(x) for x in (smc_seeds if isinstance(smc_seeds, (list, tuple)) else [seed] if smc_seeds is None
+                              else [smc_seeds])]
+    if len(set(seeds)) != len(seeds) or not seeds:
+        raise LmcalError(f"analysis.{name}.smc_seeds={smc_seeds!r}: give one or more different seeds (null: the "
+                         f"stage's seed, {seed}).")
+    before = _extendable(extend, name, seeds, smc_seeds, ks, untwisted, twist and soft_value) if extend else []
     prefixes = random_prefixes(valid_tokens, num_prefixes, prefix_len, seed=seed)  # [N, P]: as every other stage
     n_smc = min(prefixes.size(0), smc_prefixes or prefixes.size(0))
     test = batchify(test_tokens[:score_tokens] if score_tokens else test_tokens, score_streams)
     settings = generation_settings(prefixes, samples_per_prefix, prefix_len, horizon, seed, test, score_streams)
     last = tail_steps(horizon)
+    mine = {"model": model_name, "corpus": corpus, **settings, "smc_prefixes": n_smc, "law_horizon": L,
+            "fit_prefixes": fit_prefixes, "tail_steps": last, "tail_particles": tail_particles,
+            "converge_tol": converge_tol, "goal_prefixes": goal_prefixes, "sv_alpha": sv_alpha}
+
+    def same_study(keys) -> None:  # an extended run's settings must be its earlier run's
+        if extend and (differ := study_differences(mine, extend, keys)):
+            raise LmcalError(f"analysis.{name}.extend_json: the earlier run is not this study, so its rows cannot get "
+                             f"more generations here: {', '.join(differ)} (run with the earlier run's settings and "
+                             "other smc_seeds).")
+
+    same_study([k for k in mine if k in SAME_STUDY or k in ("goal_prefixes", "sv_alpha")])
+    out.mkdir(parents=True, exist_ok=True)  # after the checks: a refused run leaves nothing behind
 
     overlapping: dict[str, bool] = {}  # split -> whether its windows' continuations overlap
 
@@ -164,11 +189,30 @@ def sequence_calibration_stage(lm, train_tokens: torch.Tensor, valid_tokens: tor
                 "test_ce_diff_stderr_nats": float(d.std() / math.sqrt(score_streams))}
 
     rows = [per_word("model", {}, lm)]
+    fit_windows, test_windows = windows(valid_tokens, "validation"), windows(test_tokens, "test")
+    mine |= {"fit_windows_overlap": overlapping, "reference_test_ce_nats": rows[0]["test_ce_nats"]}
+    same_study(["fit_windows_overlap", "reference_test_ce_nats"])
+    if extend and not same_value(rows[0]["tail_nats"], extend["rows"][0]["tail_nats"]):
+        raise LmcalError(f"analysis.{name}.extend_json: the plain model's last tenth here ({rows[0]['tail_nats']:.6f} "
+                         f"nats) is not the earlier run's ({extend['rows'][0]['tail_nats']:.6f}): another model or "
+                         "other draws, so its rows cannot get more generations here.")
+    plain_tails = {x: plain_tail[0][:n_smc] if x == seed else  # [n, S]: the model's, at each seed the study draws at
+                   generation_entropy_curve(lm, prefixes[:n_smc], horizon, samples_per_prefix, seed=x,
+                                            max_batch=max_batch, progress=True).tail
+                   for x in dict.fromkeys(seeds + before)}
     setup = StudySetup(lm, prefixes[:n_smc].repeat_interleave(samples_per_prefix, 0), samples_per_prefix,
-                       windows(valid_tokens, "validation"), windows(test_tokens, "test"),
-                       horizon, L, last, plain_tail[0][:n_smc], rows[0]["ms_per_token"], prefixes[:timing_prefixes],
-                       timing_horizon, timing_repeats, seed, tuple(bracket), xtol, tail_particles, max_batch * 4)
-    study = [study_row(setup, k) for k in ks] if untwisted else []  # untwisted, each count fitted for itself
+                       fit_windows, test_windows, horizon, L, last, plain_tail[0][:n_smc], rows[0]["ms_per_token"],
+                       prefixes[:timing_prefixes], timing_horizon, timing_repeats, seed, tuple(bracket), xtol,
+                       tail_particles, max_batch * 4, tuple(seeds), plain_tails)
+    earlier_rows = [r for r in extend["rows"] if r["method"] == "smc"] if extend else []
+
+    def grown(variant: str, tw) -> list[dict]:  # the earlier run's rows of this variant, with more generations
+        return [extend_row(setup, r, tw, before) for r in earlier_rows if r["variant"] == variant]
+
+    if extend:
+        study = grown("untwisted", None)
+    else:
+        study = [study_row(setup, k) for k in ks] if untwisted else []  # untwisted, each count fitted for itself
     samplers, sv = {}, None  # method -> the per-word sampler behind its row, for the goal's second measurement
     if soft_value:  # the amortised sampler, α refitted on its own per-word CE; then the twist of SMC
         t_sv = time.perf_counter()
@@ -195,7 +239,14 @@ def sequence_calibration_stage(lm, train_tokens: torch.Tensor, valid_tokens: tor
                              extra={"history": history, "refits": refits, "train_seconds": time.perf_counter() - t_sv}))
         if twist:
             tw = soft_value_twist(lm, head)
-            study += [study_row(setup, k, tw, start_alpha=sv.alpha) for k in ks]
+            if extend:  # the same heads twist the new generations as the earlier ones
+                mine["soft_value_alpha"] = {"alpha": sv.alpha, "alpha_stderr": sv.alpha_stderr,
+                                            "valid_ce_before_nats": sv.ce_before, "valid_ce_after_nats": sv.ce_after,
+                                            "positions": sv.positions}
+                same_study(["soft_value_alpha"])
+                study += grown("twisted", tw)
+            else:
+                study += [study_row(setup, k, tw, start_alpha=sv.alpha) for k in ks]
     mark_convergence(study, converge_tol)
     for r in study:
         r["label"] = label(r)
@@ -232,6 +283,11 @@ def sequence_calibration_stage(lm, train_tokens: torch.Tensor, valid_tokens: tor
         return int(goal_prefixes or (n_smc if r["method"] == "smc" else num_prefixes))
 
     cache: dict[int, dict] = {}  # id(row) -> its measurement: a row that is both goal and twisted check, once
+    for g in (extend or {}).get("goal"), (extend or {}).get("twisted_check"):  # an extended run's, as measured there
+        match = g and (study_row_of(g, study) if g["method"] == "smc" else next(
+            (r for r in rows if r["method"] == g["method"] and same_value(r["params"], g["params"])), None))
+        if match:
+            cache[id(match)] = {"tail_nats": g["tail_nats"], "tail_stderr_nats": g["tail_stderr_nats"]}
 
     def again(r: dict) -> dict:
         if id(r) not in cache:
@@ -239,7 +295,7 @@ def sequence_calibration_stage(lm, train_tokens: torch.Tensor, valid_tokens: tor
         return cache[id(r)]
 
     def measure(r: dict) -> dict:
-        log.info(f"{name}: {_label(r)} measured again on {on(r)} fresh prefixes ({on(r) * samples_per_prefix} "
+        log.info(f"{name}: {row_label(r)} measured again on {on(r)} fresh prefixes ({on(r) * samples_per_prefix} "
                  f"generations, seed {seed + 1})")
         if r["method"] == "smc":
             tw = soft_value_twist(lm, samplers["soft_value"].head) if r["variant"] == "twisted" else None
@@ -249,7 +305,7 @@ def sequence_calibration_stage(lm, train_tokens: torch.Tensor, valid_tokens: tor
 
     def verdict(r: dict, measured: dict) -> dict:
         level, se = measured["tail_nats"], measured["tail_stderr_nats"]
-        return {"method": r["method"], "label": _label(r), "params": r["params"], "chosen_on_seed": seed,
+        return {"method": r["method"], "label": row_label(r), "params": r["params"], "chosen_on_seed": seed,
                 "reported_on_seed": seed + 1, "prefixes": on(r), "generations": on(r) * samples_per_prefix,
                 "reported_on": f"{on(r)} fresh prefixes (another draw of validation points)",
                 "tail_nats": level, "tail_stderr_nats": se, "tail_ppl": exp_or_inf(level),
@@ -264,7 +320,7 @@ def sequence_calibration_stage(lm, train_tokens: torch.Tensor, valid_tokens: tor
     goal = None
     if fair:
         chosen = min(fair, key=lambda r: abs(r["tail_nats"] - test_nats))
-        goal = {**verdict(chosen, again(chosen)), "candidates": [_label(r) for r in fair]}
+        goal = {**verdict(chosen, again(chosen)), "candidates": [row_label(r) for r in fair]}
         log.info(f"{name}: goal row {goal['label']}: last tenth {goal['tail_ppl']:.1f} +- {goal['tail_ppl_stderr']:.1f}"
                  f" on fresh prefixes against test perplexity {goal['test_ppl']:.1f}")
     twisted = [r for r in study if r["variant"] == "twisted"]
@@ -282,6 +338,7 @@ def sequence_calibration_stage(lm, train_tokens: torch.Tensor, valid_tokens: tor
                   "alpha": sv.alpha, "alpha_stderr": sv.alpha_stderr, "valid_ce_before_nats": sv.ce_before,
                   "valid_ce_after_nats": sv.ce_after, "positions": sv.positions},
               "smc_prefixes": n_smc, "fit_prefixes": fit_prefixes, "goal_prefixes": goal_prefixes,
+              "smc_seeds": before + seeds, "extended": bool(extend),
               "fit_windows_overlap": overlapping,
               "converge_tol": converge_tol, "tail_steps": last,
               "tail_particles": tail_particles, "future_entropy_reused": bool(reuse_fe), "decoders_reused": bool(temp),
@@ -289,111 +346,49 @@ def sequence_calibration_stage(lm, train_tokens: torch.Tensor, valid_tokens: tor
     shown = [r for r in rows if r["method"] != "smc"] + [r for r in study if r.get("converged") or
                                                         r["params"]["particles"] == ks[-1]]
     png = entropy_curve_figure(
-        {_label(r) + (" (surprisal -log P̂ of its words)" if r.get("curve_kind") == "surprisal" else ""):
+        {row_label(r) + (" (surprisal -log P̂ of its words)" if r.get("curve_kind") == "surprisal" else ""):
          (np.asarray(r["curve_nats"]), np.asarray(r["stderr_nats"])) for r in shown},
         out / f"{name}.png", reference_nats={"test cross-entropy (the test stream)": ref_ce},
         title=f"{model_name} on {corpus}: Algorithm 1 (SMC over {L} words, soft values) and per-word calibration",
-        legend_outside=True, tail_differences={_label(r): (r["tail_diff_nats"], r["tail_diff_stderr_nats"])
+        legend_outside=True, tail_differences={row_label(r): (r["tail_diff_nats"], r["tail_diff_stderr_nats"])
                                                for r in shown[1:]})
     write_text_atomic(out / f"{name}.md", sequence_table(result) + "\n")
     write_json_atomic(out / f"{name}.json", result)
-    wandb_log(logger, scalars={f"{name}/{_label(r)}/{k}": r[k] for r in rows for k in ("tail_ppl", "test_ce_nats")
+    wandb_log(logger, scalars={f"{name}/{row_label(r)}/{k}": r[k] for r in rows for k in ("tail_ppl", "test_ce_nats")
                                if r.get(k) is not None}, images={f"{name}/figure": png})
     log_curves(logger, f"{name}/curves", "t", range(1, len(rows[0]["curve_nats"]) + 1),
-               {_label(r): r["curve_nats"] for r in rows if r.get("curve_nats")})  # keys: methods, not fitted values
+               {row_label(r): r["curve_nats"] for r in rows if r.get("curve_nats")})  # keys: methods, not fitted values
     log_config(logger, {f"{name}/alpha": result.get("alpha"), f"{name}/alpha_stderr": result.get("alpha_stderr")})
     log.info(f"{name}: {len(rows)} rows in {result['seconds']:.0f} s; {out / (name + '.json')}\n"
              f"{sequence_table(result)}")
     return result
 
 
-def _label(r: dict) -> str:
-    p = r["params"]
-    if r["method"] == "smc":
-        return r.get("label") or label(r)
-    if "horizon_k" in p:
-        return f"future-entropy head K={p['horizon_k']}, γ={p['discount']:g}" + (", with β" if "beta" in p else "")
-    return {"model": "model", "soft_value": "soft-value heads", "fitted_temperature": "fitted temperature"}.get(
-        r["method"], r["method"])
+def _extendable(extend: dict, name: str, seeds: list[int], given, ks: list[int], untwisted: bool,
+                twist: bool) -> list[int]:
+    """Checks that `extend` (an earlier result of this stage) can get more generations at `seeds` with these rows;
+    returns the seeds its rows drew at (a run from before smc_seeds was kept: its stage seed)."""
+    rows = extend.get("rows") if isinstance(extend, dict) else None
+    if not isinstance(rows, list) or not rows or not all(isinstance(r, dict) for r in rows) or "law_horizon" not in (
+            extend) or not any(r.get("method") == "smc" for r in rows):
+        raise LmcalError(f"analysis.{name}.extend_json names no result of this stage with SMC rows (a "
+                         f"{name}.json that a finished run wrote).")
+    if given is None:
+        raise LmcalError(f"analysis.{name}.extend_json gives its rows more generations at other seeds: name them "
+                         f"with analysis.{name}.smc_seeds (for example [1000, 2000]).")
+    before = [int(x) for x in (extend.get("smc_seeds") or [extend.get("seed")])]
+    if twice := sorted(set(before) & set(seeds)):
+        raise LmcalError(f"analysis.{name}.smc_seeds={list(seeds)}: the earlier run drew at {twice} already; give "
+                         f"seeds it has not drawn at (its smc_seeds are {before}).")
+    have = (sorted(extend.get("particles") or []), bool(extend.get("untwisted", True)), bool(extend.get("twist")))
+    if have != (ks, bool(untwisted), bool(twist)):
+        raise LmcalError(f"analysis.{name}.extend_json: the earlier run's rows are particles={have[0]}, untwisted="
+                         f"{str(have[1]).lower()}, twist={str(have[2]).lower()}; run with the same (here: particles="
+                         f"{ks}, untwisted={str(bool(untwisted)).lower()}, twist={str(bool(twist)).lower()}).")
+    return before
 
 
-def _spread(result: dict) -> str:
-    overlap = result.get("fit_windows_overlap")  # absent: a run from before the windows were spread
-    if overlap is None:
-        return "at random starts"
-    return "evenly spaced, overlapping" if overlap.get("validation") else "evenly spaced, disjoint"
-
-
-def laws_sentence(result: dict) -> str:
-    """Which law each row estimates, and over which words: the setup sentence of the stage's table."""
-    return (f"Rows and the laws they estimate: the SMC rows, Algorithm 1's law P̂_α(w_1..L) ∝ P̂^(1+α) over L = "
-            f"{result['law_horizon']} words, each with α* fitted at its own particle count and twist on "
-            f"{result['fit_prefixes']} validation continuations of {result['law_horizon']} words "
-            f"({_spread(result)}), generated over {result['law_horizon']} words from the first "
-            f"{result['smc_prefixes']} prefixes and read over the first "
-            f"{result['horizon']} (last tenth: the sequence law's own entropy there, by nested SMC at the row's count"
-            "; curve: the surprisal -log P̂ of its words); the soft-value heads, that law's infinite-horizon limit per "
-            "word, P ∝ P̂^(1+α) e^Q, with α fitted on their own exact per-word validation CE; the other rows, their "
-            "own per-word laws. Each law generates what is fitted and scored for it.")
-
-
-def sequence_table(result: dict) -> str:
-    """The stage's Markdown: every row's table, the SMC convergence table, the heads' α, and the goal rows."""
-    lines = [laws_sentence(result), "",
-             "| method | params | exp H, last tenth | Δ last tenth vs model (nats) | test CE | Δ test CE vs model "
-             "| ms / word | × model |", "|" + "---|" * 8]
-    for r in result["rows"]:
-        tail_d = "–" if r["method"] == "model" else f"{r['tail_diff_nats']:+.3f} ± {r['tail_diff_stderr_nats']:.3f}"
-        ce_d = ("–" if r["method"] == "model" or r.get("test_ce_diff_nats") is None else
-                f"{r['test_ce_diff_nats']:+.4f} ± {r['test_ce_diff_stderr_nats']:.4f}")
-        ms = "–" if r.get("ms_per_token") is None else f"{r['ms_per_token']:.3f}"
-        ratio = "–" if r.get("cost_ratio") is None else f"{r['cost_ratio']:.2f}"
-        se = r.get("tail_ppl_stderr")
-        lines.append(f"| {_label(r)} | {format_params(r['params'], drop=('stderr', 'horizon_k', 'discount'))} | "
-                     f"{r['tail_ppl']:.1f}" + (f" ± {se:.1f}" if se is not None else "") + f" | {tail_d} | "
-                     f"{format_ce(r.get('test_ce_nats'))} | {ce_d} | {ms} | {ratio} |")
-    study = [r for r in result["rows"] if r["method"] == "smc"]
-    tol = result.get("converge_tol")
-    shown = ("" if tol is None else f", and the last tenth's 2-standard-error interval within ±{tol:g} nats (not "
-             "shown: no disagreement, but the interval reaches beyond)")
-    each = ("each count twisted and untwisted" if result.get("untwisted", True) else
-            f"each count twisted only, the heads first trained at α = {result.get('sv_alpha')}")
-    lines += ["", f"The convergence study ({each}, on the same prefixes and seeds; "
-              "converged: its last tenth, paired by prefix, and α* within 2 standard errors of the row with twice "
-              f"its particles, or half for the largest{shown}; ± from α*: what α*'s standard error moves the last "
-              "tenth by, |d/dα| × se(α*), the slope from the covariance of each generation's last tenth with its "
-              "log P̂ within each prefix (the last tenth's own ± is conditional on α*); exp EntRate, all L words: "
-              "the law's entropy rate over all its words from the same prefixes, the quantity its fit matches to the "
-              "validation CE (the paper's EntRate = CE), where the last tenth reads inside the law; fit: CE(α*) − "
-              "EntRate(α*) "
-              "on the fit's own particles, zero at the root up to its tolerance; test CE at the row's own count, with "
-              "log Ẑ's estimated downward bias in brackets, per word):", "", study_table(study).rstrip("\n"), "",
-              result["convergence"]]
-    sv = result.get("soft_value_alpha")
-    if sv:
-        lines += ["", f"Soft-value heads: α = {sv['alpha']:.4f} ± {sv['alpha_stderr']:.4f}, fitted on their own exact "
-                  f"per-word CE on {sv['positions']:,} validation positions ({sv['valid_ce_before_nats']:.4f} → "
-                  f"{sv['valid_ce_after_nats']:.4f} nats)."]
-    g = result.get("goal")
-    if not g:
-        lines += ["", "No row that is Algorithm 1 or a per-word sampler has a paired test CE at or below the model's, "
-                  "so none is chosen for the goal (the last tenth closest to the test perplexity without a higher "
-                  "test CE)."]
-    else:
-        lines += ["", f"Closest to the test perplexity ({g['test_ppl']:.1f}) over the last tenth, among the rows that "
-                  "are Algorithm 1 or per-word samplers whose test CE is not higher than the model's, on the "
-                  f"generations of seed {g['chosen_on_seed']}: {g['label']}. On {g['reported_on']} and seed "
-                  f"{g['reported_on_seed']}: {g['tail_ppl']:.1f} ± {g['tail_ppl_stderr']:.1f} (REPORT.md tests it "
-                  "against the goal of 10% of the test perplexity at 2 standard errors: lmcal.reporting.claims)."]
-    c = result.get("twisted_check")
-    if c:
-        lines += ["", f"The twisted row with the fewest particles ({c['label']}), on {c.get('prefixes', 'the same')} "
-                  f"fresh prefixes and seed {c['reported_on_seed']}: {c['tail_ppl']:.1f} ± {c['tail_ppl_stderr']:.1f} "
-                  f"against the test perplexity {c['test_ppl']:.1f}."]
-    return "\n".join(lines) + "\n"
-
-
-def _call(t, out, logger, earlier, future_entropy_json=None, decoders_json=None, **s):
+def _call(t, out, logger, earlier, future_entropy_json=None, decoders_json=None, extend_json=None, **s):
     fe = earlier_result(earlier, "sequence_calibration", "future_entropy", future_entropy_json,
                         "leave the future-entropy row out")
     dec = earlier_result(earlier, "sequence_calibration", "decoders", decoders_json, "fit the temperature here")
@@ -401,7 +396,9 @@ def _call(t, out, logger, earlier, future_entropy_json=None, decoders_json=None,
         raise LmcalError("The sequence_calibration stage trains its soft-value heads on rollouts from the training "
                          "text, which this model's target does not carry.")
     return sequence_calibration_stage(t["lm"], t["train"], t["valid"], t["test"], out, future_entropy=fe,
-                                      decoders=dec, unit=t["unit"], **stage_context(t, logger), **s)
+                                      decoders=dec, extend=read_result(extend_json, "sequence_calibration",
+                                                                       "extend_json"),
+                                      unit=t["unit"], **stage_context(t, logger), **s)
 
 
 STAGE = Stage("sequence_calibration", sequence_calibration_stage, _call, frozenset({"full", "hf"}),
@@ -411,4 +408,5 @@ STAGE = Stage("sequence_calibration", sequence_calibration_stage, _call, frozens
                                            "tail_diff_nats", "tail_diff_stderr_nats", "cost_ratio", "source", "label",
                                            "variant", "converged", "ess_per_particle", "test_ce_bias_nats")}
                   for row in r["rows"]]},
-              entry_settings=("future_entropy_json", "decoders_json"), uses=("decoders", "future_entropy"))
+              entry_settings=("future_entropy_json", "decoders_json", "extend_json"),
+              uses=("decoders", "future_entropy"))

@@ -24,43 +24,19 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from lmcal.core.entropy_rate import clustered_mean
 from lmcal.core.sequence_fit import fit_sequence_alpha, sequence_log_probs
-from lmcal.core.smc import entropy_rate, smc_generate, smc_tail_entropy
+from lmcal.core.smc import smc_generate
 from lmcal.stages.rows import GENERATION_KEYS
+from lmcal.stages.smc_generations import StudySetup, generate, generation_columns, join_generations, law_tail
 from lmcal.utils.numbers import exp_or_inf
 
 log = logging.getLogger("lmcal")
 Z = 2.0  # standard errors within which K and 2K particles agree
-
-
-@dataclass
-class StudySetup:
-    """What every row of the study shares."""
-
-    lm: object
-    prefixes: torch.Tensor  # [n * S, P]: the generations' prefixes, prefix-major (as the per-word rows')
-    samples_per_prefix: int
-    fit: tuple[torch.Tensor, torch.Tensor]  # validation (prefixes [B, P], continuations [B, L])
-    test: tuple[torch.Tensor, torch.Tensor]  # test (prefixes [B, P], continuations [B, L])
-    horizon: int  # the words read (curve, last tenth)
-    law_horizon: int  # L
-    last: int  # the last tenth's words
-    plain_tail: np.ndarray  # [n, S]: the plain model's last-tenth entropies on the same prefixes and seeds
-    plain_ms: float  # the plain model's ms per word on the timing protocol
-    timing_prefixes: torch.Tensor  # [m, P] (repeated per sample)
-    timing_horizon: int
-    timing_repeats: int
-    seed: int
-    bracket: tuple[float, float]
-    xtol: float
-    tail_particles: int | None  # the nested runs' particles (None: the row's own count)
-    max_batch: int
 
 
 def _paired(x: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
@@ -81,13 +57,7 @@ def study_row(s: StudySetup, k: int, twist=None, start_alpha: float = 0.0) -> di
              f"continuations ({fit.evaluations} runs{'' if fit.settled else ', not settled'}, {fit_s:.0f} s); CE "
              f"{fit.ce:.4f}, EntRate {fit.entropy_rate:.4f}, the plain model's CE {fit.ce_base:.4f} +- "
              f"{fit.ce_base_stderr:.4f} nats a word")
-    r = smc_generate(lm, s.prefixes, a, s.law_horizon, particles=k, seed=s.seed, twist=twist, max_batch=s.max_batch,
-                     progress=f"{variant} SMC, {k} particles")
-    n, S, T = s.prefixes.size(0) // s.samples_per_prefix, s.samples_per_prefix, s.horizon
-    t1 = time.perf_counter()
-    tail = law_tail(s, lm, s.prefixes, r, k, a, twist, s.seed)  # [n, S]
-    tail_s = time.perf_counter() - t1
-    curve, curve_se = clustered_mean(-r.base_logp[:, :T].numpy().reshape(n, S, T))  # the words' surprisal
+    gen = join_generations(*(generate(s, lm, k, a, twist, seed) for seed in s.seeds))
     # test CE at this count: log Ẑ on test continuations (biased low by about half its variance, estimated from two
     # independent runs: E[(log Ẑ1 - log Ẑ2)^2] / 2 = Var log Ẑ)
     y = sequence_log_probs(s.lm, *s.test, s.max_batch)  # [B]
@@ -99,24 +69,8 @@ def study_row(s: StudySetup, k: int, twist=None, start_alpha: float = 0.0) -> di
     ce_diff = _paired(ce, -y / L)
     bias = -float((runs[0] - runs[1]).pow(2).mean()) / 4 / L  # -Var(log Ẑ) / 2, per word
     ms = min(_ms(lm, s, a, k, twist) for _ in range(s.timing_repeats))
-    level, level_se = clustered_mean(tail)
-    diff, diff_se = clustered_mean(tail - s.plain_tail)
-    law_logp = r.base_logp.sum(1).numpy().reshape(n, S)  # [n, S]: log P̂ of each generation's L words
-    slope, slope_se = alpha_slope(tail, law_logp)
-    # the law's entropy rate over all its L words from these prefixes: what its fit matched to the CE
-    rate, rate_se = clustered_mean(entropy_rate(r).numpy().reshape(n, S))
     row = {"method": "smc", "variant": variant,
            "params": {"particles": k, "alpha": a, "alpha_stderr": fit.alpha_stderr},
-           "tail_nats": float(level), "tail_stderr_nats": float(level_se), "tail_ppl": exp_or_inf(float(level)),
-           "tail_ppl_stderr": exp_or_inf(float(level)) * float(level_se), "tail_diff_nats": float(diff),
-           "tail_diff_stderr_nats": float(diff_se), "tail_nats_per_generation": tail.tolist(),
-           "curve_kind": "surprisal", "curve_nats": [float(x) for x in curve],
-           "stderr_nats": [float(x) for x in curve_se],
-           "law_curve_nats": (-r.base_logp).mean(0).tolist(),  # [L]: the surprisal over the whole law, to its end
-           "law_logp_per_generation": law_logp.tolist(),
-           "law_entropy_rate_nats": float(rate), "law_entropy_rate_stderr_nats": float(rate_se),
-           "tail_alpha_slope_nats": slope, "tail_alpha_slope_stderr_nats": slope_se,
-           "tail_alpha_stderr_nats": None if slope is None else abs(slope) * fit.alpha_stderr,  # α*'s own noise
            "test_ce_nats": float(ce.mean()), "test_ce_diff_nats": ce_diff[0], "test_ce_diff_stderr_nats": ce_diff[1],
            "test_ce_bias_nats": bias, "test_ce_prefixes": int(y.numel()),
            "fit": {"ce_nats": fit.ce, "entropy_rate_nats": fit.entropy_rate,
@@ -125,37 +79,13 @@ def study_row(s: StudySetup, k: int, twist=None, start_alpha: float = 0.0) -> di
                    "ce_base_nats": fit.ce_base, "moment_gap": fit.moment_gap, "slope": fit.slope,
                    "runs": fit.evaluations, "settled": fit.settled,
                    "ess_per_particle": fit.mean_ess, "seconds": fit_s},
-           "ess_per_particle": float((r.ess / k).mean()), "ess_by_step": (r.ess / k).mean(0).tolist(),
-           "log_z_mean": float(r.log_z.mean()), "resamplings_per_generation": float(r.resamplings.double().mean()),
-           "ms_per_token": ms, "cost_ratio": ms / s.plain_ms, "generations": int(s.prefixes.size(0)),
-           "seconds": time.perf_counter() - t0, "tail_seconds": tail_s}
+           "ms_per_token": ms, "cost_ratio": ms / s.plain_ms, **gen}
+    row.update(generation_columns(row))  # α*'s own noise needs α*'s standard error
+    row["seconds"] = time.perf_counter() - t0
     log.info(f"{variant} SMC, {k} particles: alpha* {a:.4f} +- {fit.alpha_stderr:.4f} ({fit.evaluations} runs), last "
              f"tenth {row['tail_ppl']:.1f} +- {row['tail_ppl_stderr']:.1f}, ESS {row['ess_per_particle']:.2f} x K, "
              f"{ms:.3f} ms a word, {row['seconds']:.0f} s")
     return row
-
-
-def alpha_slope(tail: np.ndarray, law_logp: np.ndarray) -> tuple[float | None, float | None]:
-    """d/dα of the law's last tenth (nats a word per unit α) and its standard error, from generations [n, S] of one
-    law: d/dα E_α[f(W) | prefix] = Cov_α(f(W), log P̂(W) | prefix) for P̂_α ∝ P̂^(1+α), estimated within each prefix
-    (its S generations, unbiased) and averaged over prefixes, the independent units. Times α*'s standard error, it is
-    how far the level would move had α* been fitted on other continuations: the part of its uncertainty that the
-    last tenth's own standard error, conditional on α*, leaves out. (None, None) with one generation a prefix."""
-    n, S = tail.shape
-    if S < 2:
-        return None, None
-    f, g = tail - tail.mean(1, keepdims=True), law_logp - law_logp.mean(1, keepdims=True)
-    cov = (f * g).sum(1) / (S - 1)  # [n]
-    return float(cov.mean()), float(cov.std(ddof=1) / math.sqrt(n)) if n > 1 else None
-
-
-def law_tail(s: StudySetup, lm, prefixes: torch.Tensor, r, k: int, alpha: float, twist, seed: int) -> np.ndarray:
-    """The law's last-tenth entropy [n, S] of the paths r generated from prefixes [n * S, P] at seed: nested SMC runs
-    at the study's tail count (the row's own, k, by default)."""
-    T = s.horizon
-    tail = smc_tail_entropy(lm, prefixes, r, alpha, T - s.last, T, particles=s.tail_particles or k, seed=seed + 7,
-                            max_batch=s.max_batch, twist=twist, progress=True)
-    return tail.numpy().reshape(-1, s.samples_per_prefix)
 
 
 def remeasure(s: StudySetup, prefixes: torch.Tensor, k: int, twist, alpha: float, seed: int) -> tuple[float, float]:
@@ -205,7 +135,7 @@ def mark_convergence(rows: list[dict], tol: float | None = 0.1) -> None:
 # comparison stage's), the law, its fit, the last tenth's nested runs, the convergence rule, and (for twisted rows) the
 # heads that twist them
 SAME_STUDY = ("model", "corpus", *GENERATION_KEYS, "smc_prefixes", "law_horizon", "fit_prefixes",
-              "fit_windows_overlap", "tail_steps",
+              "fit_windows_overlap", "tail_steps", "smc_seeds",
               "tail_particles", "converge_tol", "reference_test_ce_nats")
 
 
@@ -222,6 +152,15 @@ def same_value(a, b, rel: float = 1e-7) -> bool:
     return a == b
 
 
+def study_differences(a: dict, b: dict, keys) -> list[str]:
+    """The settings (of `keys`) in which two runs of the study differ, each as 'key A against B' (the SMC seeds of a
+    run from before they were kept: its stage seed)."""
+    def get(r: dict, k: str):
+        return (r.get(k) or [r.get("seed")]) if k == "smc_seeds" else r.get(k)
+
+    return [f"{k} {get(a, k)!r} against {get(b, k)!r}" for k in keys if not same_value(get(a, k), get(b, k))]
+
+
 def join_study(result: dict, other: dict, where: str = "the other run") -> list[dict]:
     """Adds to `result` (a sequence_calibration stage's result) the study rows of `other`, a run of the same study at
     other particle counts (a long study grown one count at a time: rows are pure functions of their prefixes and
@@ -229,8 +168,7 @@ def join_study(result: dict, other: dict, where: str = "the other run") -> list[
     one paragraph, where the two runs are not one study."""
     new = [r for r in other["rows"] if r["method"] == "smc"]
     keys = SAME_STUDY + (("sv_alpha", "soft_value_alpha") if any(r["variant"] == "twisted" for r in new) else ())
-    differ = [f"{k} {result.get(k)!r} against {other.get(k)!r}" for k in keys
-              if not same_value(result.get(k), other.get(k))]
+    differ = study_differences(result, other, keys)
     if not same_value(result["rows"][0]["tail_nats"], other["rows"][0]["tail_nats"]):  # the plain model's, same draws
         differ.append("the plain model's last tenth")
     if differ:

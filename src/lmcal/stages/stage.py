@@ -53,6 +53,25 @@ def earlier_result(earlier: dict, stage: str, use: str, path: str | None, otherw
     return r
 
 
+def read_result(path: str | None, stage: str, key: str) -> dict | None:
+    """A results file that analysis.<stage>.<key> names, read as data (JSON), or None without one; one clear error
+    where it is missing or is not a JSON object."""
+    if not path:
+        return None
+    p = Path(path)
+    if not p.is_file():
+        raise LmcalError(f"analysis.{stage}.{key}={path} does not exist: name the JSON a finished run of the stage "
+                         "wrote, or drop the setting.")
+    try:
+        r = json.loads(p.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise LmcalError(f"analysis.{stage}.{key}={path} is not a JSON file ({e}): name the JSON a finished run of "
+                         "the stage wrote.") from None
+    if not isinstance(r, dict):
+        raise LmcalError(f"analysis.{stage}.{key}={path} holds a JSON {type(r).__name__}, not a stage's result.")
+    return r
+
+
 def pick(*keys):
     """A stage's summary: these keys of its result."""
     return lambda r: {k: r[k] for k in keys}
