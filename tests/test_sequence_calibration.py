@@ -729,6 +729,10 @@ def test_a_finished_study_gets_more_generations_at_other_seeds_as_if_drawn_at_on
     assert grown["twisted_check"]["tail_nats"] == first["twisted_check"]["tail_nats"]  # kept, not measured again
     assert grown["convergence"] == whole["convergence"] and grown["extended"] and not whole["extended"]
     md = (tmp_path / "grown" / "sequence_calibration.md").read_text()
+    from lmcal.stages.smc_study import join_study
+
+    with pytest.raises(ValueError, match=r"not the same study.*smc_seeds \[0, 50, 80\] against \[0\]"):
+        join_study(copy.deepcopy(grown), first)  # counts join only where they drew at the same seeds
     assert "2 a prefix at each of the seeds [0, 50, 80] (36 generations a row, grown from an earlier run at its" in md
     # seeds past the last: 0, 50, 80 and then 90, from the grown run's JSON as a user passes it
     import json
