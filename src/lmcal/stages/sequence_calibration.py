@@ -201,9 +201,9 @@ def sequence_calibration_stage(lm, train_tokens: torch.Tensor, valid_tokens: tor
                                             max_batch=max_batch, progress=True).tail
                    for x in dict.fromkeys(seeds + before)}
     setup = StudySetup(lm, prefixes[:n_smc].repeat_interleave(samples_per_prefix, 0), samples_per_prefix,
-                       fit_windows, test_windows, horizon, L, last, plain_tail[0][:n_smc], rows[0]["ms_per_token"],
+                       fit_windows, test_windows, horizon, L, last, plain_tails, rows[0]["ms_per_token"],
                        prefixes[:timing_prefixes], timing_horizon, timing_repeats, seed, tuple(bracket), xtol,
-                       tail_particles, max_batch * 4, tuple(seeds), plain_tails)
+                       tail_particles, max_batch * 4, tuple(seeds))
     earlier_rows = [r for r in extend["rows"] if r["method"] == "smc"] if extend else []
 
     def grown(variant: str, tw) -> list[dict]:  # the earlier run's rows of this variant, with more generations

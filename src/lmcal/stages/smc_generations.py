@@ -33,7 +33,8 @@ class StudySetup:
     horizon: int  # the words read (curve, last tenth)
     law_horizon: int  # L
     last: int  # the last tenth's words
-    plain_tail: np.ndarray  # [n, S]: the plain model's last-tenth entropies on the same prefixes and seeds
+    plain_tails: dict[int, np.ndarray]  # seed -> [n, S]: the plain model's last-tenth entropies on the same prefixes,
+    # at each seed the study's generations drew at (the pairs of every SMC row's)
     plain_ms: float  # the plain model's ms per word on the timing protocol
     timing_prefixes: torch.Tensor  # [m, P] (repeated per sample)
     timing_horizon: int
@@ -43,16 +44,7 @@ class StudySetup:
     xtol: float
     tail_particles: int | None  # the nested runs' particles (None: the row's own count)
     max_batch: int
-    smc_seeds: tuple[int, ...] = ()  # the seeds of the SMC rows' generations, S of each a prefix (empty: (seed,))
-    plain_tails: dict | None = None  # seed -> [n, S]: the plain model's last tenths at each of smc_seeds
-
-    @property
-    def seeds(self) -> tuple[int, ...]:
-        return tuple(self.smc_seeds) or (self.seed,)
-
-    def plain_at(self, seed: int) -> np.ndarray:
-        """[n, S]: the plain model's last tenths on the study's prefixes at this seed."""
-        return self.plain_tail if seed == self.seed or self.plain_tails is None else self.plain_tails[seed]
+    smc_seeds: tuple[int, ...]  # the seeds of the SMC rows' generations, S a prefix at each
 
 
 def generate(s: StudySetup, lm, k: int, alpha: float, twist, seed: int) -> dict:
@@ -60,7 +52,7 @@ def generate(s: StudySetup, lm, k: int, alpha: float, twist, seed: int) -> dict:
     per-prefix curves [n, T] its columns are computed from (generation_columns), kept in the row so that more seeds
     can join it later (join_generations, extend_row)."""
     variant = "twisted" if twist is not None else "untwisted"
-    name = f"{variant} SMC, {k} particles" + ("" if s.seeds == (s.seed,) else f", seed {seed}")
+    name = f"{variant} SMC, {k} particles" + ("" if s.smc_seeds == (s.seed,) else f", seed {seed}")
     r = smc_generate(lm, s.prefixes, alpha, s.law_horizon, particles=k, seed=seed, twist=twist, max_batch=s.max_batch,
                      progress=name)
     n, S, T = s.prefixes.size(0) // s.samples_per_prefix, s.samples_per_prefix, s.horizon
@@ -71,7 +63,7 @@ def generate(s: StudySetup, lm, k: int, alpha: float, twist, seed: int) -> dict:
         return x.double().numpy().reshape(n, S).tolist()
 
     return {"smc_seeds": [seed], "tail_nats_per_generation": tail.tolist(),
-            "plain_tail_by_generation": s.plain_at(seed).tolist(),  # the plain model's, same prefixes and seed
+            "plain_tail_by_generation": s.plain_tails[seed].tolist(),  # the plain model's, same prefixes and seed
             "law_logp_per_generation": per_generation(r.base_logp.sum(1)),  # log P̂ of each generation's L words
             "entropy_rate_by_generation": per_generation(entropy_rate(r)),  # the law's, over all L words
             "ess_by_generation": per_generation((r.ess / k).mean(1)), "log_z_by_generation": per_generation(r.log_z),
@@ -154,14 +146,14 @@ def generation_columns(g: dict) -> dict:
 
 def extend_row(s: StudySetup, row: dict, twist, seeds: list[int]) -> dict:
     """An earlier run's study row (its generations at `seeds`, the earlier run's) with more generations: at its α (not
-    fitted again), from the same prefixes at each of s.seeds, joined after its own (join_generations). Its fit, test CE
-    and cost stay the earlier run's; a row written before its plain-model pairs were kept gets them from s."""
+    fitted again), from the same prefixes at each of s.smc_seeds, joined after its own (join_generations). Its fit,
+    test CE and cost stay the earlier run's; a row written before its plain-model pairs were kept gets them from s."""
     lm = twist.lm if twist is not None else s.lm
     t0 = time.perf_counter()
     old = {**row, "smc_seeds": list(seeds)}
     if old.get("plain_tail_by_generation") is None:
-        old["plain_tail_by_generation"] = np.concatenate([s.plain_at(x) for x in seeds], 1).tolist()
-    more = [generate(s, lm, row["params"]["particles"], row["params"]["alpha"], twist, x) for x in s.seeds]
+        old["plain_tail_by_generation"] = np.concatenate([s.plain_tails[x] for x in seeds], 1).tolist()
+    more = [generate(s, lm, row["params"]["particles"], row["params"]["alpha"], twist, x) for x in s.smc_seeds]
     out = join_generations(old, *more)
     out["seconds"] = (row.get("seconds") or 0.0) + time.perf_counter() - t0
     k, n_before = row["params"]["particles"], row["generations"]

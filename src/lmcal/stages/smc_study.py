@@ -57,7 +57,7 @@ def study_row(s: StudySetup, k: int, twist=None, start_alpha: float = 0.0) -> di
              f"continuations ({fit.evaluations} runs{'' if fit.settled else ', not settled'}, {fit_s:.0f} s); CE "
              f"{fit.ce:.4f}, EntRate {fit.entropy_rate:.4f}, the plain model's CE {fit.ce_base:.4f} +- "
              f"{fit.ce_base_stderr:.4f} nats a word")
-    gen = join_generations(*(generate(s, lm, k, a, twist, seed) for seed in s.seeds))
+    gen = join_generations(*(generate(s, lm, k, a, twist, seed) for seed in s.smc_seeds))
     # test CE at this count: log Ẑ on test continuations (biased low by about half its variance, estimated from two
     # independent runs: E[(log Ẑ1 - log Ẑ2)^2] / 2 = Var log Ẑ)
     y = sequence_log_probs(s.lm, *s.test, s.max_batch)  # [B]
