@@ -11,23 +11,24 @@
 #
 # Algorithm 1's rows are called converged only where K and 2K are shown to agree within converge_tol (0.1 nats) at 2
 # standard errors, which 20 or 60 prefixes cannot show (paired standard errors 0.14-0.26 nats;
-# bench/convergence_rule.py). On 1,800 generations a row (paired standard errors 0.04 nats) the CPU ran twisted SMC at
-# 4, 8, 16 and 32 particles (docs/bench/sequence_goal_cpu_1800.md; 32 alone in 79 minutes, joined by
-# bench/sequence_goal.py --add): the last tenth falls from 4 to 16 (120.0, 112.9, 99.6; 8 and 16 disagree by
-# 0.125 +- 0.041 nats) and then stays (32: 97.0; 16 and 32 differ by +0.027 +- 0.042 nats, no disagreement, but
-# 2,500 generations a row would be needed to show agreement within 0.1 nats). The GPU's question: 16, 32 and 64 on
-# 2,700 generations, twisted only (the heads as that run's: sv_alpha), GPU rows among themselves (a GPU's rows do
-# not join a CPU run's: its heads differ in the last bits):
-# PARTICLES='[16,32,64]' A_ARGS='analysis.sequence_calibration.num_prefixes=900
-# analysis.sequence_calibration.untwisted=false analysis.sequence_calibration.sv_alpha=0.01122512358938793
-# analysis.sequence_calibration.fit_prefixes=184 analysis.sequence_calibration.goal_prefixes=200' TA=540 TB=0
-# (fit_prefixes=184: every disjoint 400-word continuation of PTB's validation text. There, at 16 particles, α* =
-# 0.00995 +- 0.00067 (0.0111 +- 0.0021 on 40), and its standard error alone moves the last tenth by +-0.098 nats
-# (slope -147 +- 11 nats per unit α), as wide as the goal's 10%: docs/bench/sequence_goal_cpu_precise.md; at 32
-# particles α* = 0.00923 +- 0.00052, and 16 and 32 differ by +0.034 +- 0.040 nats on 1,800 generations a row, again
-# no disagreement and not shown: about 2,700 a row would show it, which this call runs)
+# bench/convergence_rule.py). On the CPU, with alpha* fitted on all 184 disjoint validation continuations, twisted SMC
+# at 16 and 32 particles differ by +0.034 +- 0.040 nats on 1,800 generations a row (not shown;
+# docs/bench/sequence_goal_cpu_precise.md) and by +0.010 +- 0.027 nats on 3,600 (each grown by seed 1000 with
+# extend_json): converged at 16 particles (docs/bench/sequence_goal_cpu_3600.md). What is left undecided is the level:
+# 16 particles give 107.5 +- 2.6 on the study's prefixes and 106.5 +- 3.5 on 600 fresh ones (1,800 generations),
+# against 115.8 and its 10% (104.2-127.4); a 2-standard-error interval inside needs a standard error near 1.6, about
+# 9,500 generations. The GPU's question, in one call: the study at 16 and 32 on 3,600 generations a row (600
+# prefixes, 3 a prefix at seeds 0 and 1000), twisted only (the heads as that run's: sv_alpha; a GPU's rows do not join
+# a CPU run's, its heads differ in the last bits), and the fewest count's row measured again on 3,200 fresh prefixes
+# (9,600 generations):
+# PARTICLES='[16,32]' A_ARGS='analysis.sequence_calibration.num_prefixes=600
+# analysis.sequence_calibration.smc_seeds=[0,1000] analysis.sequence_calibration.untwisted=false
+# analysis.sequence_calibration.sv_alpha=0.01122512358938793 analysis.sequence_calibration.fit_prefixes=184
+# analysis.sequence_calibration.goal_prefixes=3200' TA=540 TB=0
 # (about 8 minutes on an H200, estimated, not measured, from docs/bench/sequence_goal_gpu_500.md's run: the heads took
-# 3.5 minutes there, and 1,500 twisted generations at 64 particles, with their nested runs, 64 s).
+# 3.5 minutes there, and 1,500 twisted generations at 64 particles, with their nested runs, 64 s; this call draws
+# about 3.4 times as many particle-generations). The issue's own GPU rows, 64 and 256 particles twisted and untwisted,
+# are the default PARTICLES with A_ARGS='analysis.sequence_calibration.goal_prefixes=150', a second call.
 #
 # On a bare GPU machine whose Python lacks Hydra and OmegaConf, bring .whl/ (`make gpu-wheels`) and set WHEELS=1.
 # Each part has its own timeout (TB, TA seconds; 0 skips it); what they write lands flat in OUT (the rows' JSON, the
@@ -36,9 +37,10 @@
 # `python bench/sequence_goal.py --dir OUT --out <page>` (it reads the finished stage; no checkpoint needed).
 set -u
 cd "$(dirname "$0")/.."
-: "${CKPT:?set CKPT to the model's checkpoint}" "${CAL:?set CAL to the calibration stage's calibration.json}"
-OUT=${OUT:-outputs/gpu-rows}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
+: "${CKPT:?set CKPT to the model's checkpoint}"
 DEV=${DEV:-cuda}; TB=${TB:-220}; TA=${TA:-340}; PY=${PY:-python3}
+[ "$TB" = 0 ] || : "${CAL:?set CAL to the calibration stage's calibration.json (or TB=0 to skip part B)}"
+OUT=${OUT:-outputs/gpu-rows}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
 exec > >(tee -a "$OUT/log.txt") 2>&1
 if [ "${WHEELS:-0}" = 1 ]; then
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/lmcal-site .whl/*.whl \

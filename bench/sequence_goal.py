@@ -29,7 +29,7 @@ from pathlib import Path
 
 from lmcal.reporting.claims import sequence_goal_claims, within
 from lmcal.reporting.docs import add_out_option, save_bench, tee
-from lmcal.stages.sequence_report import sequence_table
+from lmcal.stages.sequence_report import seeds_phrase, sequence_table
 from lmcal.stages.smc_study import converged_summary, join_study, law_rate, study_row_of
 
 
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> None:
         emit(f"- {c.sentence}")
     for r in joined:  # converged in the joined study only: not among the goal's candidates when --dir's stage chose
         emit("- " + within(f"{r['label']}, converged in the joined study, on the study's own "
-                           f"{result['smc_prefixes']} prefixes and seed {result['seed']} (not fresh ones; its test CE "
+                           f"{result['smc_prefixes']} prefixes and {seeds_phrase(result)} (not fresh ones; its test CE "
                            f"{r['test_ce_diff_nats']:+.4f} ± {r['test_ce_diff_stderr_nats']:.4f} nats against the "
                            "model's),", r["tail_nats"], r["tail_stderr_nats"], result["reference_test_ppl"]).sentence)
     emit("")

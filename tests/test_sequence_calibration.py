@@ -734,6 +734,10 @@ def test_a_finished_study_gets_more_generations_at_other_seeds_as_if_drawn_at_on
     with pytest.raises(ValueError, match=r"not the same study.*smc_seeds \[0, 50, 80\] against \[0\]"):
         join_study(copy.deepcopy(grown), first)  # counts join only where they drew at the same seeds
     assert "2 a prefix at each of the seeds [0, 50, 80] (36 generations a row, grown from an earlier run at its" in md
+    from lmcal.stages.sequence_report import seeds_phrase
+
+    assert (seeds_phrase(grown), seeds_phrase(first), seeds_phrase({"seed": 3})) == (
+        "seeds [0, 50, 80]", "seed 0", "seed 3")  # the verdicts' words for where the rows drew (a run before seeds)
     # seeds past the last: 0, 50, 80 and then 90, from the grown run's JSON as a user passes it
     import json
 

@@ -26,6 +26,12 @@ def _spread(result: dict) -> str:
     return "evenly spaced, overlapping" if overlap.get("validation") else "evenly spaced, disjoint"
 
 
+def seeds_phrase(result: dict) -> str:
+    """The seeds the SMC rows drew at, as a sentence names them: "seed 0", or "seeds [0, 1000]" for a grown study."""
+    seeds = result.get("smc_seeds") or [result.get("seed")]
+    return f"seed {seeds[0]}" if len(seeds) == 1 else f"seeds {seeds}"
+
+
 def _draws(result: dict) -> str:
     """How the SMC rows drew at more than one seed (an extended study), else nothing."""
     seeds = result.get("smc_seeds") or [result.get("seed")]
