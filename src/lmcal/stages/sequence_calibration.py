@@ -43,7 +43,7 @@ from lmcal.errors import LmcalError
 from lmcal.stages.plots import entropy_curve_figure
 from lmcal.stages.rows import generation_settings, same_settings, timed_generation
 from lmcal.stages.sequence_report import row_label, sequence_table
-from lmcal.stages.smc_generations import StudySetup, extend_row
+from lmcal.stages.smc_generations import StudySetup, drawn_seeds, extend_row
 from lmcal.stages.smc_study import (
     SAME_STUDY,
     converged_summary,
@@ -376,7 +376,7 @@ def _extendable(extend: dict, name: str, seeds: list[int], given, ks: list[int],
     if given is None:
         raise LmcalError(f"analysis.{name}.extend_json gives its rows more generations at other seeds: name them "
                          f"with analysis.{name}.smc_seeds (for example [1000, 2000]).")
-    before = [int(x) for x in (extend.get("smc_seeds") or [extend.get("seed")])]
+    before = [int(x) for x in drawn_seeds(extend)]
     if twice := sorted(set(before) & set(seeds)):
         raise LmcalError(f"analysis.{name}.smc_seeds={list(seeds)}: the earlier run drew at {twice} already; give "
                          f"seeds it has not drawn at (its smc_seeds are {before}).")

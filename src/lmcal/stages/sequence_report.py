@@ -4,6 +4,7 @@ writes it; bench/sequence_goal.py and REPORT.md reuse it)."""
 
 from __future__ import annotations
 
+from lmcal.stages.smc_generations import drawn_seeds
 from lmcal.stages.smc_study import label, study_table
 from lmcal.utils.numbers import format_ce, format_params
 
@@ -28,13 +29,13 @@ def _spread(result: dict) -> str:
 
 def seeds_phrase(result: dict) -> str:
     """The seeds the SMC rows drew at, as a sentence names them: "seed 0", or "seeds [0, 1000]" for a grown study."""
-    seeds = result.get("smc_seeds") or [result.get("seed")]
+    seeds = drawn_seeds(result)
     return f"seed {seeds[0]}" if len(seeds) == 1 else f"seeds {seeds}"
 
 
 def _draws(result: dict) -> str:
     """How the SMC rows drew at more than one seed (an extended study), else nothing."""
-    seeds = result.get("smc_seeds") or [result.get("seed")]
+    seeds = drawn_seeds(result)
     if len(seeds) < 2:
         return ""
     S = result["samples_per_prefix"]

@@ -47,6 +47,11 @@ class StudySetup:
     smc_seeds: tuple[int, ...]  # the seeds of the SMC rows' generations, S a prefix at each
 
 
+def drawn_seeds(result: dict) -> list:
+    """The seeds a study's SMC rows drew at, from its result (a run from before smc_seeds was kept: its stage seed)."""
+    return result.get("smc_seeds") or [result.get("seed")]
+
+
 def generate(s: StudySetup, lm, k: int, alpha: float, twist, seed: int) -> dict:
     """One seed's generations of a row at α, S from each of the study's prefixes: the per-generation arrays [n, S] and
     per-prefix curves [n, T] its columns are computed from (generation_columns), kept in the row so that more seeds

@@ -32,7 +32,14 @@ from lmcal.core.entropy_rate import clustered_mean
 from lmcal.core.sequence_fit import fit_sequence_alpha, sequence_log_probs
 from lmcal.core.smc import smc_generate
 from lmcal.stages.rows import GENERATION_KEYS
-from lmcal.stages.smc_generations import StudySetup, generate, generation_columns, join_generations, law_tail
+from lmcal.stages.smc_generations import (
+    StudySetup,
+    drawn_seeds,
+    generate,
+    generation_columns,
+    join_generations,
+    law_tail,
+)
 from lmcal.utils.numbers import exp_or_inf
 
 log = logging.getLogger("lmcal")
@@ -156,7 +163,7 @@ def study_differences(a: dict, b: dict, keys) -> list[str]:
     """The settings (of `keys`) in which two runs of the study differ, each as 'key A against B' (the SMC seeds of a
     run from before they were kept: its stage seed)."""
     def get(r: dict, k: str):
-        return (r.get(k) or [r.get("seed")]) if k == "smc_seeds" else r.get(k)
+        return drawn_seeds(r) if k == "smc_seeds" else r.get(k)
 
     return [f"{k} {get(a, k)!r} against {get(b, k)!r}" for k in keys if not same_value(get(a, k), get(b, k))]
 
