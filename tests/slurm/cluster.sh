@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # A single-node Slurm cluster on loopback for the `slurm` test tier (make test-slurm), from Debian's slurm-wlm and munge:
-#   tests/slurm/cluster.sh start   # writes $DIR/slurm.conf, starts munged, slurmctld and slurmd; prints SLURM_CONF=...
+#   tests/slurm/cluster.sh start   # writes $DIR/slurm.conf, starts munged, slurmctld and slurmd afresh (an earlier
+#                                  # cluster's jobs, state and job-completion log gone); prints SLURM_CONF=...
 #   tests/slurm/cluster.sh stop    # cancels every job, stops the three daemons (nothing is left running)
 #   tests/slurm/cluster.sh status
 # DIR (default /tmp/lmcal-slurm) holds the config, the daemons' state, logs and the job-completion log (jobcomp.log).
@@ -11,12 +12,22 @@ CPUS=${LMCAL_SLURM_CPUS:-2}
 export SLURM_CONF=$DIR/slurm.conf
 export PATH="$PATH:/usr/sbin:/sbin"  # the daemons live in sbin, which a user's (or env -i's) PATH may leave out
 
-pid_of() { [[ -s $DIR/$1.pid ]] && kill -0 "$(cat "$DIR/$1.pid")" 2>/dev/null && cat "$DIR/$1.pid"; }
+# A zombie counts as gone: a container's init may never reap what a killed daemon leaves behind.
+running() { [[ -r /proc/$1/status ]] && ! grep -q '^State:[[:space:]]*Z' "/proc/$1/status" 2>/dev/null; }
+pid_of() { [[ -s $DIR/$1.pid ]] && running "$(cat "$DIR/$1.pid")" && cat "$DIR/$1.pid"; }
 
 start() {
   command -v slurmctld >/dev/null || { echo "slurmctld not found: apt-get install -y slurm-wlm munge" >&2; exit 3; }
   [[ $(id -u) == 0 ]] || { echo "the test cluster's slurmd needs root" >&2; exit 3; }
   stop >/dev/null 2>&1 || true
+  # A fresh cluster every time. One killed mid-run (daemons and all) leaves its jobs in the state, where slurmctld
+  # recovers them as running, the node never turns idle, and the new cluster never comes up; job ids restart at 1
+  # with the state, so the old job-completion log goes too; the killed jobs' processes (each job script leads its
+  # process group) still hold the cores.
+  for p in $(pgrep -f "$DIR/spool/job" || true); do
+    g=$(ps -o pgid= -p "$p" | tr -d ' ') && [[ -n $g ]] && kill -9 -- "-$g" 2>/dev/null || true
+  done
+  rm -rf "$DIR/state" "$DIR/spool" "$DIR/jobcomp.log"
   mkdir -p "$DIR"/{state,spool,munge}
   chmod 0755 "$DIR" "$DIR/munge"
   [[ -s $DIR/munge/munge.key ]] || dd if=/dev/urandom of="$DIR/munge/munge.key" bs=1024 count=1 status=none
@@ -72,7 +83,7 @@ stop() {
   for d in slurmd slurmctld munged; do
     if p=$(pid_of $d); then
       kill "$p"
-      for _ in $(seq 50); do kill -0 "$p" 2>/dev/null || break; sleep 0.2; done
+      for _ in $(seq 50); do running "$p" || break; sleep 0.2; done
       kill -9 "$p" 2>/dev/null || true
     fi
     rm -f "$DIR/$d.pid"
