@@ -16,9 +16,9 @@
 # docs/bench/sequence_goal_cpu_precise.md) and by +0.010 +- 0.027 nats on 3,600 (each grown by seed 1000 with
 # extend_json): converged at 16 particles (docs/bench/sequence_goal_cpu_3600.md). What is left undecided is the level:
 # 16 particles give 107.5 +- 2.6 on the study's prefixes (106.5 +- 2.3 on 5,400 generations a row, still converged:
-# docs/bench/sequence_goal_cpu_5400.md) and 106.5 +- 3.5 on 600 fresh ones (1,800 generations),
-# against 115.8 and its 10% (104.2-127.4); a 2-standard-error interval inside needs a standard error near 1.6, about
-# 9,500 generations. The GPU's question, in one call: the study at 16 and 32 on 3,600 generations a row (600
+# docs/bench/sequence_goal_cpu_5400.md; 106.7 +- 2.0 on 9,000: docs/bench/sequence_goal_cpu_9000.md) and 106.5 +- 3.5
+# on 600 fresh ones (1,800 generations), against 115.8 and its 10% (104.2-127.4); at 106.7, a 2-standard-error
+# interval inside needs a standard error near 1.25, about 23,000 generations. The GPU's question, in one call: the study at 16 and 32 on 3,600 generations a row (600
 # prefixes, 3 a prefix at seeds 0 and 1000), twisted only (the heads as that run's: sv_alpha; a GPU's rows do not join
 # a CPU run's, its heads differ in the last bits), and the fewest count's row measured again on 3,200 fresh prefixes
 # (9,600 generations):
