@@ -18,10 +18,10 @@
 # 16 particles give 107.5 +- 2.6 on the study's prefixes (106.5 +- 2.3 on 5,400 generations a row, still converged:
 # docs/bench/sequence_goal_cpu_5400.md; 106.7 +- 2.0 on 9,000: docs/bench/sequence_goal_cpu_9000.md) and 106.5 +- 3.5
 # on 600 fresh ones (1,800 generations), against 115.8 and its 10% (104.2-127.4); at 106.7, a 2-standard-error
-# interval inside needs a standard error near 1.25, about 23,000 generations. The GPU's question, in one call: the study at 16 and 32 on 3,600 generations a row (600
-# prefixes, 3 a prefix at seeds 0 and 1000), twisted only (the heads as that run's: sv_alpha; a GPU's rows do not join
-# a CPU run's, its heads differ in the last bits), and the fewest count's row measured again on 3,200 fresh prefixes
-# (9,600 generations):
+# interval inside needs a standard error near 1.25, about 23,000 generations. The GPU's question, in one call: the
+# study at 16 and 32 on 3,600 generations a row (600 prefixes, 3 a prefix at seeds 0 and 1000), twisted only (the heads
+# as that run's: sv_alpha; a GPU's rows do not join a CPU run's, its heads differ in the last bits), and the fewest
+# count's row measured again on 3,200 fresh prefixes (9,600 generations):
 # PARTICLES='[16,32]' A_ARGS='analysis.sequence_calibration.num_prefixes=600
 # analysis.sequence_calibration.smc_seeds=[0,1000] analysis.sequence_calibration.untwisted=false
 # analysis.sequence_calibration.sv_alpha=0.01122512358938793 analysis.sequence_calibration.fit_prefixes=184

@@ -24,8 +24,8 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _run(args, env, **kw):
-    return subprocess.run(args, env=env, capture_output=True, text=True, timeout=180, **kw)
+def _run(args, env):
+    return subprocess.run(args, env=env, capture_output=True, text=True, timeout=180)
 
 
 def test_a_cluster_killed_mid_job_starts_again_fresh(slurm_cluster, tmp_path):
@@ -38,12 +38,12 @@ def test_a_cluster_killed_mid_job_starts_again_fresh(slurm_cluster, tmp_path):
         time.sleep(0.5)
     script = subprocess.run(["pgrep", "-f", f"{folder}/spool/job"], capture_output=True, text=True).stdout.split()
     assert script, "the job's script is not running"
-    steps = subprocess.run(["pgrep", "-f", "slurmstepd"], capture_output=True, text=True).stdout.split()
+    steps = subprocess.run(["pgrep", "-x", "slurmstepd"], capture_output=True, text=True).stdout.split()
     daemons = [int((folder / f"{d}.pid").read_text()) for d in ("slurmd", "slurmctld", "munged")]
     for pid in [*map(int, steps), *daemons]:
         os.kill(pid, signal.SIGKILL)
 
-    r = _run([str(CLUSTER), "start"], {**env, "LMCAL_SLURM_DIR": str(folder)})
+    r = _run([str(CLUSTER), "start"], env)  # the fixture's env names the cluster's folder (LMCAL_SLURM_DIR)
     assert r.returncode == 0, r.stdout + r.stderr
     assert not any(_alive(int(p)) for p in script), "the killed cluster's job still runs"
     assert _run(["squeue", "-h"], env).stdout.strip() == "", "the killed cluster's job came back"
