@@ -789,3 +789,23 @@ def test_extend_json_is_read_as_data_with_one_clear_error_for_a_bad_file(tmp_pat
                       (tmp_path / "list.json", "holds a JSON list, not a stage's result")):
         with pytest.raises(LmcalError, match=f"analysis.sequence_calibration.extend_json=.*{why}"):
             read_result(str(path), "sequence_calibration", "extend_json")
+
+
+def test_the_goal_takes_a_converged_sampler_at_its_fewest_count():
+    """Converged K and 2K estimate one law, so the goal weighs each sampler by its fewest converged count alone (the
+    cheapest to measure again on thousands of fresh prefixes); unconverged rows and higher test CEs never stand."""
+    from lmcal.stages.sequence_calibration import goal_candidates
+
+    def smc(variant, k, converged, diff=-0.01):
+        return {"method": "smc", "variant": variant, "params": {"particles": k}, "converged": converged,
+                "test_ce_diff_nats": diff}
+    heads = {"method": "soft_value", "params": {}, "test_ce_diff_nats": -0.001}
+    worse = {"method": "fitted_temperature", "params": {}, "test_ce_diff_nats": 0.002}
+    rows = [heads, worse, smc("untwisted", 16, False), smc("untwisted", 32, True), smc("untwisted", 64, True),
+            smc("twisted", 16, True), smc("twisted", 32, True)]
+    got = goal_candidates(rows, {"soft_value", "fitted_temperature"})
+    assert [(r["method"], r.get("variant"), r["params"].get("particles")) for r in got] == [
+        ("soft_value", None, None), ("smc", "untwisted", 32), ("smc", "twisted", 16)]
+    # the sampler's fewest converged count speaks for its law, a higher test CE included: its doubles do not stand in
+    assert goal_candidates([smc("twisted", 8, True, diff=0.01), *rows[5:]], set()) == []
+    assert goal_candidates([smc("twisted", 8, False), *rows[5:]], set()) == [rows[5]]

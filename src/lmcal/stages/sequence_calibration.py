@@ -272,9 +272,9 @@ def sequence_calibration_stage(lm, train_tokens: torch.Tensor, valid_tokens: tor
                                                     "temperature_stderr": tf.temperature_stderr},
                              samplers["fitted_temperature"]))
 
-    # the goal: among the rows that are Algorithm 1 or per-word samplers, without a higher test CE, the one closest to
-    # the test perplexity over the last tenth on this seed's generations, measured again on fresh prefixes and the
-    # next seed; the twisted row with the fewest particles is measured there too
+    # the goal: among the rows that are Algorithm 1 (a sampler's fewest converged count) or per-word samplers, without
+    # a higher test CE, the one closest to the test perplexity over the last tenth on this seed's generations, measured
+    # again on fresh prefixes and the next seed; the twisted row with the fewest particles is measured there too
     test_nats = rows[0]["test_ce_nats"]
     # [max(N, goal), P]: the first N as before, whatever goal_prefixes (randperm's order does not depend on the count)
     fresh = random_prefixes(valid_tokens, max(num_prefixes, goal_prefixes or 0), prefix_len, seed=seed + 11)
@@ -315,8 +315,7 @@ def sequence_calibration_stage(lm, train_tokens: torch.Tensor, valid_tokens: tor
                 "tail_alpha_stderr_nats": r.get("tail_alpha_stderr_nats"),  # SMC rows: what α*'s noise moves it by
                 "within_10_percent": abs(exp_or_inf(level) / exp_or_inf(test_nats) - 1) <= 0.10}
 
-    fair = [r for r in rows[1:] if (r.get("converged") or r["method"] in samplers)
-            and r.get("test_ce_diff_nats") is not None and r["test_ce_diff_nats"] <= 0]
+    fair = goal_candidates(rows[1:], samplers)
     goal = None
     if fair:
         chosen = min(fair, key=lambda r: abs(r["tail_nats"] - test_nats))
@@ -362,6 +361,19 @@ def sequence_calibration_stage(lm, train_tokens: torch.Tensor, valid_tokens: tor
     log.info(f"{name}: {len(rows)} rows in {result['seconds']:.0f} s; {out / (name + '.json')}\n"
              f"{sequence_table(result)}")
     return result
+
+
+def goal_candidates(rows: list[dict], per_word) -> list[dict]:
+    """The rows the goal is chosen among: per-word samplers (methods in `per_word`) and Algorithm 1's rows, each
+    without a higher test CE than the model's. A converged count agrees with twice (half) its particles, so the two
+    estimate one law: a sampler (SMC, twisted or not) stands there by its fewest converged count alone, the one that
+    costs least, and its goal measurement on fresh prefixes costs no more than its twisted check."""
+    def fewest(r: dict) -> bool:
+        return r["method"] != "smc" or not any(
+            o["method"] == "smc" and o.get("variant") == r.get("variant") and o.get("converged")
+            and o["params"]["particles"] < r["params"]["particles"] for o in rows)
+    return [r for r in rows if (r.get("converged") or r["method"] in per_word) and fewest(r)
+            and r.get("test_ce_diff_nats") is not None and r["test_ce_diff_nats"] <= 0]
 
 
 def _extendable(extend: dict, name: str, seeds: list[int], given, ks: list[int], untwisted: bool,
