@@ -27,7 +27,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from lmcal.reporting.claims import sequence_goal_claims, within
+from lmcal.reporting.claims import sequence_goal_claims, units_to_decide, within
 from lmcal.reporting.docs import add_out_option, save_bench, tee
 from lmcal.stages.sequence_report import seeds_phrase, sequence_table
 from lmcal.stages.smc_study import converged_summary, join_study, law_rate, study_row_of
@@ -100,6 +100,15 @@ def main(argv: list[str] | None = None) -> None:
     emit("")
     for c in sequence_goal_claims(result):
         emit(f"- {c.sentence}")
+    checks = {g["label"]: g for g in (result.get("goal"), result.get("twisted_check")) if g and "label" in g}
+    for g in checks.values():  # an undecided verdict (a row that is both goal and twisted check, once): what decides it
+        n = g.get("prefixes") and units_to_decide(g["tail_nats"], g["tail_stderr_nats"], g["prefixes"],
+                                                        g["test_ppl"])
+        if n:
+            per = g["generations"] // g["prefixes"]
+            emit(f"- At its level ({g['tail_ppl']:.1f}), the verdict on {g['label']} would be decided by about {n:,} "
+                 f"fresh prefixes ({n * per:,} generations, {per} a prefix), if each prefix's spread stays what these "
+                 f"{g['prefixes']:,} show (lmcal.reporting.claims.units_to_decide; goal_prefixes={n}).")
     for r in joined:  # converged in the joined study only: not among the goal's candidates when --dir's stage chose
         emit("- " + within(f"{r['label']}, converged in the joined study, on the study's own "
                            f"{result['smc_prefixes']} prefixes and {seeds_phrase(result)} (not fresh ones; its test CE "

@@ -473,6 +473,11 @@ def test_the_stage_writes_its_rows_on_an_oracle(tmp_path):
     assert b.returncode == 1 and "give --ckpt" in b.stderr and "Traceback" not in b.stderr
     assert "measured again on 9 fresh ones" in text and "| twisted | 2 |" in text
     assert text.count("of the test perplexity") >= 2  # the goal row's verdict and the twisted row's
+    from lmcal.reporting.claims import within
+
+    undecided = sum(within("", g["tail_nats"], g["tail_stderr_nats"], g["test_ppl"]).verdict == "undecided"
+                    for g in {g["label"]: g for g in (r["goal"], r["twisted_check"]) if g}.values())
+    assert text.count("would be decided by about") == undecided  # each undecided verdict says what would decide it
     assert "Where each SMC row's level sits" in text and text.count("| SMC, ") + text.count("| twisted SMC, ") + \
         text.count("| Algorithm 1 (") >= 2 * len(smc)  # each row in the study table and in the levels' table
     # a run written before the goal rows carried α*'s spread: the page takes it from the same study row

@@ -152,6 +152,19 @@ def within(name: str, level_nats: float, se: float | None, ref_ppl: float, tol: 
     return Claim(key, v, sentence, {"level_nats": level_nats, "se": se, "ref_ppl": ref_ppl})
 
 
+def units_to_decide(level_nats: float, se: float, units: int, ref_ppl: float, tol: float = 0.10,
+                    z: float = Z) -> int | None:
+    """How many independent units (prefixes, each with the same generations) an undecided `within` verdict would need
+    for its z-standard-error interval to clear the nearer edge of ref_ppl ± tol, were the level to stay where it is
+    and each unit's spread to stay what `units` of them show (se shrinks as 1/sqrt(units)). None: decided already,
+    no standard error, or a level on the edge itself."""
+    if not (_finite(se) and se > 0 and units > 0) or within("", level_nats, se, ref_ppl, tol, z=z).verdict != \
+            "undecided":
+        return None
+    gap = min(abs(level_nats - math.log((1 - tol) * ref_ppl)), abs(level_nats - math.log((1 + tol) * ref_ppl)))
+    return None if gap == 0 else math.ceil(units * (z * se / gap) ** 2)
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # The claims of a reproduction, from its results.json
 # ---------------------------------------------------------------------------------------------------------------------
