@@ -15,21 +15,26 @@
 # at 16 and 32 particles differ by +0.034 +- 0.040 nats on 1,800 generations a row (not shown;
 # docs/bench/sequence_goal_cpu_precise.md) and by +0.010 +- 0.027 nats on 3,600 (each grown by seed 1000 with
 # extend_json): converged at 16 particles (docs/bench/sequence_goal_cpu_3600.md). What is left undecided is the level:
-# 16 particles give 107.5 +- 2.6 on the study's prefixes (106.5 +- 2.3 on 5,400 generations a row, still converged:
-# docs/bench/sequence_goal_cpu_5400.md; 106.7 +- 2.0 on 9,000: docs/bench/sequence_goal_cpu_9000.md) and 106.5 +- 3.5
-# on 600 fresh ones (1,800 generations), against 115.8 and its 10% (104.2-127.4); at 106.7, a 2-standard-error
-# interval inside needs a standard error near 1.25, about 23,000 generations. The GPU's question, in one call: the
-# study at 16 and 32 on 3,600 generations a row (600 prefixes, 3 a prefix at seeds 0 and 1000), twisted only (the heads
-# as that run's: sv_alpha; a GPU's rows do not join a CPU run's, its heads differ in the last bits), and the fewest
-# count's row measured again on 3,200 fresh prefixes (9,600 generations):
+# 16 particles give 106.5 +- 3.5 on 600 fresh prefixes (1,800 generations) against 115.8 and its 10% (104.2-127.4).
+# The study's own prefixes cannot decide it: its 600 prefixes' spread dominates (107.5 +- 2.6, 106.5 +- 2.3, 106.7 +-
+# 2.0 at 6, 9 and 15 generations a prefix: docs/bench/sequence_goal_cpu_3600.md, _5400.md, _9000.md). Fresh prefixes
+# can: about 5,554 at 3 generations each decide 106.5 (_9000.md's last verdict, lmcal.reporting.claims.units_to_decide;
+# 3,200 decide a level above about 107.2). The GPU's question, in one call: the study at 16 and 32 on 3,600 generations
+# a row (600 prefixes, 3 a prefix at seeds 0 and 1000), twisted only (the heads as that run's: sv_alpha; a GPU's rows
+# do not join a CPU run's, its heads differ in the last bits), and the fewest count's row measured again on fresh
+# prefixes (the goal row too, where 16 and 32 converge: a sampler stands for the goal by its fewest converged count):
 # PARTICLES='[16,32]' A_ARGS='analysis.sequence_calibration.num_prefixes=600
 # analysis.sequence_calibration.smc_seeds=[0,1000] analysis.sequence_calibration.untwisted=false
 # analysis.sequence_calibration.sv_alpha=0.01122512358938793 analysis.sequence_calibration.fit_prefixes=184
-# analysis.sequence_calibration.goal_prefixes=3200' TA=540 TB=0
-# (about 8 minutes on an H200, estimated, not measured, from docs/bench/sequence_goal_gpu_500.md's run: the heads took
-# 3.5 minutes there, and 1,500 twisted generations at 64 particles, with their nested runs, 64 s; this call draws
-# about 3.4 times as many particle-generations). The issue's own GPU rows, 64 and 256 particles twisted and untwisted,
-# are the default PARTICLES with A_ARGS='analysis.sequence_calibration.goal_prefixes=150', a second call.
+# analysis.sequence_calibration.goal_prefixes=3200 analysis.sequence_calibration.max_batch=8192' TA=570 TB=0
+# in a call of timeout_s=600 (about 8 minutes on an H200 at max_batch=4096, estimated, not measured, from
+# docs/bench/sequence_goal_gpu_500.md's run: the heads took 3.5 minutes there, and 1,500 twisted generations at 64
+# particles, with their nested runs, 64 s; this call draws about 3.4 times as many particle-generations; a part cut
+# by its timeout leaves only log.txt, whose progress lines time each phase for the next call). Raise goal_prefixes
+# toward 5,600 where the log shows the time. Its own fit of alpha* moves the level by about +-0.1 nats (alpha*'s
+# standard error on 184 continuations), so the GPU run's level is its own, and so are the prefixes that decide it.
+# The issue's own GPU rows, 64 and 256 particles twisted and untwisted, are the default PARTICLES with
+# A_ARGS='analysis.sequence_calibration.goal_prefixes=150', a second call.
 #
 # On a bare GPU machine whose Python lacks Hydra and OmegaConf, bring .whl/ (`make gpu-wheels`) and set WHEELS=1.
 # Each part has its own timeout (TB, TA seconds; 0 skips it); what they write lands flat in OUT (the rows' JSON, the
