@@ -46,6 +46,7 @@ from lmcal.reporting.results import calibration_dose, dose_row_files
 from lmcal.stages.dose_response import dose_response, rule_from_text
 from lmcal.stages.targets import load_checkpoint_and_data
 from lmcal.utils.boundary import boundary
+from lmcal.utils.device import apply_precision_policy
 from lmcal.utils.io import read_json, write_json_atomic
 
 
@@ -87,6 +88,7 @@ def run(argv: list[str] | None) -> None:
     rules = [make_rule(x.topk, x.cover, x.cover_max, m) for x in map(rule_from_text, args.rules)]
     r = rules[0]
     torch.set_grad_enabled(False)
+    apply_precision_policy()  # TF32 off, as the stage ran (lmcal.utils.device)
     net, _, dm = load_checkpoint_and_data(args.ckpt, args.data_root, args.device)
     lm = as_step_lm(net)
     valid, test_tokens = dm.tokens("valid"), dm.tokens("test")

@@ -3,11 +3,14 @@
 # about 4 minutes on an H200 (docs/bench/calibration_dose_exact.md, docs/bench/sequence_goal_gpu_*.md):
 #   B: exact lookahead (every word) beside top-16 at the stage's multiples of its alpha*, on the same prefixes and
 #      seeds, with exact lookahead's own alpha* fitted after the rows are written (bench/calibration_dose_row.py);
-#   A: the sequence_calibration stage (analysis=cpu) at 64, 128 and 256 particles, twisted and untwisted.
+#   A: the sequence_calibration stage (analysis=cpu) at 64, 128 and 256 particles, twisted and untwisted;
+#   C: a finished sequence_calibration run's twisted check on more fresh prefixes (bench/sequence_fresh.py: the run's
+#      alpha* and heads, FRESH_RUN its folder, FRESH_HEADS the heads.pt that script wrote where the run ran).
 #
 #   CKPT=.../best.ckpt CAL=.../calibration/calibration.json [DATA=<folder holding ptb/>] [OUT=outputs/gpu-rows] \
 #       [PY=python3] [TB=220] [TA=340] [RULES='top-16 exact'] [B_ARGS='--fit exact'] [PARTICLES='[64,128,256]'] \
-#       [A_ARGS='analysis.sequence_calibration.goal_prefixes=150 ...'] bash bench/gpu_algorithm_rows.sh
+#       [A_ARGS='analysis.sequence_calibration.goal_prefixes=150 ...'] [TC=0 FRESH_RUN=... FRESH_HEADS=... \
+#       FRESH_PREFIXES=600:5600 FRESH_PART=1000] bash bench/gpu_algorithm_rows.sh
 #
 # Algorithm 1's rows are called converged only where K and 2K are shown to agree within converge_tol (0.1 nats) at 2
 # standard errors, which 20 or 60 prefixes cannot show (paired standard errors 0.14-0.26 nats;
@@ -18,29 +21,30 @@
 # 16 particles give 106.5 +- 3.5 on 600 fresh prefixes (1,800 generations) against 115.8 and its 10% (104.2-127.4).
 # The study's own prefixes cannot decide it: its 600 prefixes' spread dominates (107.5 +- 2.6, 106.5 +- 2.3, 106.7 +-
 # 2.0 at 6, 9 and 15 generations a prefix: docs/bench/sequence_goal_cpu_3600.md, _5400.md, _9000.md). Fresh prefixes
-# can: about 5,554 at 3 generations each decide 106.5 (_9000.md's last verdict, lmcal.reporting.claims.units_to_decide;
-# 3,200 decide a level above about 107.2). The GPU's question, in one call: the study at 16 and 32 on 3,600 generations
-# a row (600 prefixes, 3 a prefix at seeds 0 and 1000), twisted only (the heads as that run's: sv_alpha; a GPU's rows
-# do not join a CPU run's, its heads differ in the last bits), and the fewest count's row measured again on fresh
-# prefixes (the goal row too, where 16 and 32 converge: a sampler stands for the goal by its fewest converged count):
+# can: about 5,554 at 3 generations each decide 106.5 (_9000.md's last verdict, lmcal.reporting.claims.units_to_decide).
+# The GPU's question, in one call, part C alone: that converged row itself (the CPU run /work/exp/runA5, its alpha* and
+# its heads, read from the heads.pt bench/sequence_fresh.py wrote on the CPU) on fresh prefixes 600-5,599, beside
+# 0-599 measured on the CPU (docs/bench/sequence_fresh_cpu.md); no heads trained, no alpha fitted:
+# TB=0 TA=0 TC=540 FRESH_RUN=.gpu/runA5 FRESH_HEADS=.gpu/heads.pt FRESH_PREFIXES=600:5600 FRESH_PART=1000
+# in a call of timeout_s=600 (15,000 generations at 16 particles; at docs/bench/sequence_goal_gpu_500.md's rate,
+# 1,500 twisted generations at 64 particles with their nested runs in 64 s at max_batch=4096, about 3 minutes: an
+# estimate, not measured; each part of 1,000 prefixes is kept as it finishes, so a timeout loses one part). Copy
+# OUT/fresh/part_*.json beside the CPU's parts and write the verdict here: `python bench/sequence_fresh.py --run
+# /work/exp/runA5 --dir /work/exp/fresh --out docs/bench/sequence_fresh.md`. The stage's own study at 16 and 32 on
+# the GPU, with its own heads and alpha* (whose spread moves a run's level by about +-0.1 nats), is part A with
 # PARTICLES='[16,32]' A_ARGS='analysis.sequence_calibration.num_prefixes=600
 # analysis.sequence_calibration.smc_seeds=[0,1000] analysis.sequence_calibration.untwisted=false
 # analysis.sequence_calibration.sv_alpha=0.01122512358938793 analysis.sequence_calibration.fit_prefixes=184
-# analysis.sequence_calibration.goal_prefixes=3200 analysis.sequence_calibration.max_batch=8192' TA=570 TB=0
-# in a call of timeout_s=600 (about 8 minutes on an H200 at max_batch=4096, estimated, not measured, from
-# docs/bench/sequence_goal_gpu_500.md's run: the heads took 3.5 minutes there, and 1,500 twisted generations at 64
-# particles, with their nested runs, 64 s; this call draws about 3.4 times as many particle-generations; a part cut
-# by its timeout leaves only log.txt, whose progress lines time each phase for the next call). Raise goal_prefixes
-# toward 5,600 where the log shows the time. Its own fit of alpha* moves the level by about +-0.1 nats (alpha*'s
-# standard error on 184 continuations), so the GPU run's level is its own, and so are the prefixes that decide it.
+# analysis.sequence_calibration.goal_prefixes=3200 analysis.sequence_calibration.max_batch=8192' TA=570 TB=0 (about 8
+# minutes, estimated: the heads took 3.5 minutes in the _500.md run).
 # The issue's own GPU rows, 64 and 256 particles twisted and untwisted, are the default PARTICLES with
 # A_ARGS='analysis.sequence_calibration.goal_prefixes=150', a second call.
 #
 # On a bare GPU machine whose Python lacks Hydra and OmegaConf, bring .whl/ (`make gpu-wheels`) and set WHEELS=1.
-# Each part has its own timeout (TB, TA seconds; 0 skips it); what they write lands flat in OUT (the rows' JSON, the
-# stage's JSON, Markdown, figure and evaluation.json, log.txt). Then, here: copy OUT/dose_rows_exact.json beside CAL
-# and run `python bench/calibration_dose_row.py --calibration CAL --report <page>`, and
-# `python bench/sequence_goal.py --dir OUT --out <page>` (it reads the finished stage; no checkpoint needed).
+# Each part has its own timeout (TB, TA, TC seconds; 0 skips it); what they write lands flat in OUT (the rows' JSON,
+# the stage's JSON, Markdown, figure and evaluation.json, log.txt), C's parts in OUT/fresh. Then, here: copy
+# OUT/dose_rows_exact.json beside CAL and run `python bench/calibration_dose_row.py --calibration CAL --report <page>`,
+# and `python bench/sequence_goal.py --dir OUT --out <page>` (it reads the finished stage; no checkpoint needed).
 set -u
 cd "$(dirname "$0")/.."
 : "${CKPT:?set CKPT to the model's checkpoint}"
@@ -59,7 +63,7 @@ torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU')"
 DATA_ARGS=(); [ -n "${DATA:-}" ] && DATA_ARGS=(--data-root "$DATA")
 date -u +"start %H:%M:%S"
 
-if [ "$TB" != 0 ]; then  # TB=0 (TA=0) skips a part
+if [ "$TB" != 0 ]; then  # TB=0 (TA=0, TC=0) skips a part
   echo "=== B: exact lookahead beside top-16"
   # shellcheck disable=SC2086  # RULES and B_ARGS are word lists
   timeout "$TB" $PY bench/calibration_dose_row.py --ckpt "$CKPT" "${DATA_ARGS[@]}" --calibration "$CAL" \
@@ -76,5 +80,14 @@ if [ "$TA" != 0 ]; then
     analysis.sequence_calibration.max_batch=4096 ${A_ARGS:-} hydra.run.dir="$RUN"
   echo "A rc=$? at $(date -u +%H:%M:%S)"
   find "$RUN" \( -name 'sequence_calibration.*' -o -name evaluation.json \) -exec cp {} "$OUT/" \;
+fi
+
+if [ "${TC:-0}" != 0 ]; then
+  : "${FRESH_RUN:?set FRESH_RUN to the folder of a finished sequence_calibration run (or TC=0)}"
+  echo "=== C: ${FRESH_RUN}'s twisted check on fresh prefixes ${FRESH_PREFIXES:-600:5600}"
+  timeout "$TC" $PY bench/sequence_fresh.py --run "$FRESH_RUN" --dir "$OUT/fresh" --ckpt "$CKPT" "${DATA_ARGS[@]}" \
+    --device "$DEV" --prefixes "${FRESH_PREFIXES:-600:5600}" --part "${FRESH_PART:-1000}" --max-batch 8192 \
+    ${FRESH_HEADS:+--heads "$FRESH_HEADS"}
+  echo "C rc=$? at $(date -u +%H:%M:%S)"
 fi
 date -u +"end %H:%M:%S"

@@ -262,6 +262,17 @@ def test_a_twist_leaves_the_target_and_z_unchanged_and_the_run_a_function_of_the
     one = smc_generate(orc, prefixes[:30], a, 20, particles=4, seed=3, twist=wrong, max_batch=16)
     two = smc_generate(orc, prefixes[:30], a, 20, particles=4, seed=3, twist=wrong, max_batch=10_000)
     assert torch.equal(one.tokens, two.tokens) and torch.equal(one.log_z, two.log_z)
+    # split over calls, each told its first row (first_id): the one call's draws, nested runs included
+    parts = [smc_generate(orc, prefixes[lo:hi], a, 20, particles=4, seed=3, twist=wrong, first_id=lo)
+             for lo, hi in ((0, 7), (7, 30))]
+    assert torch.equal(torch.cat([p.tokens for p in parts]), one.tokens)
+    assert torch.equal(torch.cat([p.log_z for p in parts]), one.log_z)
+    whole = smc_tail_entropy(orc, prefixes[:30], one, a, 16, 20, particles=4, seed=9, twist=wrong)
+    split = [smc_tail_entropy(orc, prefixes[lo:hi], p, a, 16, 20, particles=4, seed=9, twist=wrong, first_id=lo)
+             for (lo, hi), p in zip(((0, 7), (7, 30)), parts, strict=True)]
+    assert torch.equal(torch.cat(split), whole)
+    shifted = smc_generate(orc, prefixes[7:30], a, 20, particles=4, seed=3, twist=wrong)  # rows from 0: other draws
+    assert not torch.equal(shifted.tokens, parts[1].tokens)
 
 
 def test_reweighting_a_run_gives_the_law_at_nearby_alpha_smoothly():

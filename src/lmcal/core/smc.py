@@ -117,13 +117,15 @@ def _feed(lm, prefixes: torch.Tensor):
 @torch.no_grad()
 def smc_generate(lm, prefixes: torch.Tensor, alpha: float, horizon: int, *, particles: int = 64, seed: int = 0,
                  twist: Twist | None = None, ess_threshold: float = 0.5, max_batch: int = 4096,
-                 progress: bool | str = False) -> SMCResult:
+                 progress: bool | str = False, first_id: int = 0) -> SMCResult:
     """One continuation of `horizon` words per prefix [B, P] (P >= 1), drawn from P̂_α(. | prefix) ∝ P̂^(1+α) by
     sequential Monte Carlo with `particles` particles per prefix (module docstring). alpha > -1; alpha = 0 without a
     twist is plain sampling (every weight 1, never resampled). twist: None, or twist(state, t) -> ψ_t [n, V] (float),
     the log-twist of each word w drawn at step t = 0..horizon-2 by the n rows whose state (lm's, after their history)
     is `state`; finite wherever P̂ > 0 (full support); not called at the last step, where ψ = 0. Prefixes are run in
-    chunks of at most max_batch particles; `progress` (True, or the bar's name) reports them as they finish."""
+    chunks of at most max_batch particles; `progress` (True, or the bar's name) reports them as they finish. Row b's
+    draws are a pure function of (seed, first_id + b): rows split over calls, each given its first row's index, draw
+    what one call over all of them draws."""
     B, P = prefixes.shape
     K = int(particles)
     if P < 1 or horizon < 1 or B < 1 or K < 1:
@@ -139,7 +141,7 @@ def smc_generate(lm, prefixes: torch.Tensor, alpha: float, horizon: int, *, part
     for lo in range(0, B, per_chunk):
         logp, state = _feed(lm, prefixes[lo:lo + per_chunk])  # [n, V]
         t0 = time.perf_counter()
-        parts.append(_smc_chunk(lm, logp, state, lo, a1, horizon, K, seed, ess_threshold, twist))
+        parts.append(_smc_chunk(lm, logp, state, first_id + lo, a1, horizon, K, seed, ess_threshold, twist))
         seconds += time.perf_counter() - t0
         bar.update(parts[-1]["tokens"].numel())
     bar.close()
@@ -212,7 +214,7 @@ def _smc_chunk(lm, logp: torch.Tensor, state, lo: int, a1: float, horizon: int, 
 @torch.no_grad()
 def smc_tail_entropy(lm, prefixes: torch.Tensor, result: SMCResult, alpha: float, start: int, stop: int, *,
                      particles: int = 16, seed: int = 0, max_batch: int = 4096, twist: Twist | None = None,
-                     progress: bool = False) -> torch.Tensor:
+                     progress: bool = False, first_id: int = 0) -> torch.Tensor:
     """The calibrated law's entropy per word over words start..stop-1 of each returned path [B] (nats), for paths of
     `result` (smc_generate on prefixes [B, P], whose horizon T >= stop).
 
@@ -229,7 +231,7 @@ def smc_tail_entropy(lm, prefixes: torch.Tensor, result: SMCResult, alpha: float
     a1 = 1.0 + float(alpha)
     text = torch.cat([prefixes.cpu(), result.tokens], 1)  # [B, P + T]
     P = prefixes.size(1)
-    kw = dict(particles=particles, max_batch=max_batch)
+    kw = dict(particles=particles, max_batch=max_batch, first_id=first_id)  # path b's runs: row first_id + b
     desc = (lambda w: f"nested SMC from word {w}, {particles} particles") if progress else (lambda w: False)
     log_z_ab = smc_generate(lm, text[:, :P + start], alpha, T - start, seed=seed, twist=shifted(twist, start),
                             progress=desc(start), **kw).log_z

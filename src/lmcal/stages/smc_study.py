@@ -30,7 +30,7 @@ import torch
 
 from lmcal.core.entropy_rate import clustered_mean
 from lmcal.core.sequence_fit import fit_sequence_alpha, sequence_log_probs
-from lmcal.core.smc import smc_generate
+from lmcal.core.smc import smc_generate, smc_tail_entropy
 from lmcal.stages.rows import GENERATION_KEYS
 from lmcal.stages.smc_generations import (
     StudySetup,
@@ -38,7 +38,6 @@ from lmcal.stages.smc_generations import (
     generate,
     generation_columns,
     join_generations,
-    law_tail,
 )
 from lmcal.utils.numbers import exp_or_inf
 
@@ -97,12 +96,26 @@ def study_row(s: StudySetup, k: int, twist=None, start_alpha: float = 0.0) -> di
 
 def remeasure(s: StudySetup, prefixes: torch.Tensor, k: int, twist, alpha: float, seed: int) -> tuple[float, float]:
     """An SMC row's last tenth (level, standard error) on other prefixes [n, P] and seed, at its fitted α."""
-    lm = twist.lm if twist is not None else s.lm
-    p = prefixes.repeat_interleave(s.samples_per_prefix, 0)
-    r = smc_generate(lm, p, alpha, s.law_horizon, particles=k, seed=seed, twist=twist, max_batch=s.max_batch,
-                     progress=f"SMC, {k} particles, fresh prefixes")
-    level, se = clustered_mean(law_tail(s, lm, p, r, k, alpha, twist, seed))  # of [n, S]
+    level, se = clustered_mean(fresh_tails(twist.lm if twist is not None else s.lm, prefixes, k, twist, alpha, seed,
+                                           samples_per_prefix=s.samples_per_prefix, horizon=s.horizon,
+                                           law_horizon=s.law_horizon, last=s.last, tail_particles=s.tail_particles,
+                                           max_batch=s.max_batch))  # of [n, S]
     return float(level), float(se)
+
+
+def fresh_tails(lm, prefixes: torch.Tensor, k: int, twist, alpha: float, seed: int, *, samples_per_prefix: int,
+                horizon: int, law_horizon: int, last: int, tail_particles: int | None, max_batch: int,
+                first: int = 0) -> np.ndarray:
+    """The law's last tenth [n, S] of S generations from each prefix [n, P] at seed, by SMC at k particles (twisted by
+    `twist` or not) and nested runs at tail_particles (None: k). `first`: the index of prefixes[0] among the prefixes
+    one call would have been given: prefixes measured in parts, each told its first, give what one call gives."""
+    S = samples_per_prefix
+    p = prefixes.repeat_interleave(S, 0)  # [n * S, P]
+    r = smc_generate(lm, p, alpha, law_horizon, particles=k, seed=seed, twist=twist, max_batch=max_batch,
+                     progress=f"SMC, {k} particles, fresh prefixes", first_id=first * S)
+    tail = smc_tail_entropy(lm, p, r, alpha, horizon - last, horizon, particles=tail_particles or k, seed=seed + 7,
+                            max_batch=max_batch, twist=twist, progress=True, first_id=first * S)
+    return tail.numpy().reshape(-1, S)
 
 
 def _ms(lm, s: StudySetup, alpha: float, k: int, twist) -> float:

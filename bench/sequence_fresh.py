@@ -1,0 +1,220 @@
+"""Algorithm 1's twisted check measured again on more fresh prefixes, part by part, on any device: a finished
+sequence_calibration run's twisted row with the fewest particles, at the run's α* and twisted by the run's own
+soft-value heads (lmcal.stages.smc_fresh), and the verdict REPORT.md's rule gives on all its parts together.
+
+    python bench/sequence_fresh.py --run RUN --ckpt CKPT [--data-root ROOT] [--device cpu] --prefixes 600:1200 \\
+        [--part 200] [--heads FILE] [--dir RUN/fresh] [--max-batch N]          # measure prefixes 600..1199
+    python bench/sequence_fresh.py --run RUN [--dir RUN/fresh] --out docs/bench/sequence_fresh.md   # the verdict
+
+RUN is the stage's folder (its sequence_calibration.json and evaluation.json, as python -m lmcal.evaluate writes
+them). Each part of --part prefixes lands in --dir as part_<lo>_<hi>.json once measured: a killed run loses one part
+at most, and a part already there is not measured again. The heads are trained again from the run's settings the
+first time (on the device that trained the run's, they are its heads: their α refit must equal the run's) and saved
+as --dir/heads.pt; another machine takes that file with --heads (read as tensors: weights_only=True). Prefixes
+[0, goal_prefixes) are the stage's own fresh ones, at its seed: measured here they give its number again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import os
+import re
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from lmcal.core.entropy_rate import clustered_mean
+from lmcal.errors import LmcalError
+from lmcal.models.step_lm import as_step_lm
+from lmcal.reporting.claims import units_to_decide, within
+from lmcal.reporting.docs import add_out_option, provenance, save_bench
+from lmcal.stages.smc_fresh import check_model, fresh_setup, heads_of, measure_part
+from lmcal.stages.targets import load_checkpoint_and_data
+from lmcal.utils.boundary import boundary
+from lmcal.utils.device import apply_precision_policy
+from lmcal.utils.io import read_json, write_json_atomic
+
+PART = re.compile(r"part_(\d+)_(\d+)\.json")
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(format="%(asctime)s %(message)s", datefmt="%H:%M:%S")  # progress lines, as the stages' own
+    logging.getLogger("lmcal").setLevel(logging.INFO)
+    with boundary():
+        run(argv)
+
+
+def run(argv: list[str] | None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--run", type=Path, required=True, help="the finished sequence_calibration run's folder")
+    ap.add_argument("--dir", type=Path, help="where the parts and heads.pt go (default: RUN/fresh)")
+    ap.add_argument("--ckpt", help="the run's checkpoint (to measure)")
+    ap.add_argument("--data-root", help="the folder holding the corpus (default: as the checkpoint's settings say)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--prefixes", help="LO:HI, the fresh prefixes to measure (0 is the stage's first)")
+    ap.add_argument("--part", type=int, default=200, help="prefixes a part, each saved as it finishes")
+    ap.add_argument("--heads", type=Path, help="a heads.pt written by this script for the same run")
+    ap.add_argument("--max-batch", type=int, help="particles a batch (default: 4 x the run's max_batch, as its SMC)")
+    ap.add_argument("--title", default="Algorithm 1's twisted check on more fresh prefixes", help="the page's")
+    add_out_option(ap, "sequence_fresh")
+    args = ap.parse_args(argv)
+    if (args.prefixes is None) != (args.ckpt is None):
+        ap.error("give --ckpt and --prefixes to measure, or neither (with --out) to write the verdict")
+    s = setup(args.run)
+    out = args.dir or args.run / "fresh"
+    argv_text = "python bench/sequence_fresh.py " + shlex.join(argv if argv is not None else sys.argv[1:])
+    if args.prefixes is not None:
+        measure(args, s, out, argv_text)
+    if args.out or args.prefixes is None:
+        report(args, s, out, argv_text)
+
+
+def setup(run_dir: Path) -> dict:
+    files = [run_dir / "sequence_calibration.json", run_dir / "evaluation.json"]
+    for f in files:
+        if not f.is_file():
+            raise LmcalError(f"{f} is not there: --run takes the folder of a finished sequence_calibration run "
+                             "(python -m lmcal.evaluate 'stages=[sequence_calibration]' writes both files).")
+    try:
+        result, ev = read_json(files[0]), read_json(files[1])
+        config = ev["config"]["analysis"]["sequence_calibration"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise LmcalError(f"{run_dir}: its JSON files are not a sequence_calibration run's ({e!r}).") from None
+    return fresh_setup(result, config, str(run_dir))
+
+
+def ranges(text: str, part: int) -> list[tuple[int, int]]:
+    m = re.fullmatch(r"(\d+):(\d+)", text or "")
+    if not m or int(m[1]) >= int(m[2]) or part < 1:
+        raise LmcalError(f"--prefixes {text!r} --part {part}: give LO:HI with 0 <= LO < HI, and a part of at least "
+                         "one prefix.")
+    lo, hi = int(m[1]), int(m[2])
+    return [(a, min(a + part, hi)) for a in range(lo, hi, part)]
+
+
+def measure(args, s: dict, out: Path, argv_text: str) -> None:
+    todo = [r for r in ranges(args.prefixes, args.part) if not (out / f"part_{r[0]}_{r[1]}.json").is_file()]
+    found = read_parts(out, s)  # the parts there already: theirs must not overlap the new ones
+    clash = [(a, b) for a, b in todo for c, d, _ in found if a < d and c < b]
+    if clash:
+        raise LmcalError(f"{out} holds parts that overlap {clash[0][0]}:{clash[0][1]} without being it: measure "
+                         "the same parts again (the same --part), or other prefixes. Nothing was measured.")
+    if not todo:
+        print(f"every part of {args.prefixes} is in {out} already")
+        return
+    apply_precision_policy()  # TF32 off, as the stage ran (lmcal.utils.device)
+    net, _, dm = load_checkpoint_and_data(args.ckpt, args.data_root, args.device)
+    lm = as_step_lm(net)
+    check_model(lm, dm.tokens("test"), s)
+    heads_file = args.heads or (out / "heads.pt" if (out / "heads.pt").is_file() else None)
+    saved = torch.load(heads_file, map_location="cpu", weights_only=True) if heads_file else None
+    head, alpha, to_save = heads_of(lm, dm.tokens("train"), dm.tokens("valid"), s, saved)
+    out.mkdir(parents=True, exist_ok=True)
+    if heads_file is None:
+        tmp = out / f".heads.pt.{os.getpid()}"
+        torch.save(to_save, tmp)
+        os.replace(tmp, out / "heads.pt")
+    print(f"{s['label']} at alpha {s['alpha']:.6f}, heads' alpha {alpha:.6f} (the run's), on "
+          f"{args.device}: {len(todo)} part(s) of {args.prefixes}", flush=True)
+    for lo, hi in todo:
+        t0 = time.perf_counter()
+        tails = measure_part(lm, head, dm.tokens("valid"), s, lo, hi, args.max_batch or 4 * s["max_batch"])
+        level, se = clustered_mean(tails)
+        write_json_atomic(out / f"part_{lo}_{hi}.json", {
+            "label": s["label"], "particles": s["particles"], "alpha": s["alpha"], "seed": s["seed"] + 1,
+            "prefixes": [lo, hi], "samples_per_prefix": s["samples_per_prefix"], "heads_alpha": alpha,
+            "tail_nats_per_generation": tails.tolist(), "device": str(args.device),
+            "seconds": time.perf_counter() - t0, "provenance": provenance(argv_text)})
+        print(f"prefixes {lo}:{hi}: {math.exp(level):.1f} +- {math.exp(level) * se:.1f} "
+              f"({time.perf_counter() - t0:.0f} s)", flush=True)
+
+
+def read_parts(out: Path, s: dict) -> list[tuple[int, int, dict]]:
+    """The parts in `out` for this run's row, by their first prefix; LmcalError for a part of another row."""
+    parts = []
+    for f in sorted(out.glob("part_*.json")) if out.is_dir() else []:
+        m = PART.fullmatch(f.name)
+        try:
+            p = read_json(f)
+            tails = np.asarray(p["tail_nats_per_generation"], float)
+            same = (m and p["prefixes"] == [int(m[1]), int(m[2])] and p["particles"] == s["particles"]
+                    and p["alpha"] == s["alpha"] and p["seed"] == s["seed"] + 1
+                    and tails.shape == (int(m[2]) - int(m[1]), s["samples_per_prefix"]))
+        except (ValueError, KeyError, TypeError):
+            same = False
+        if not same:
+            raise LmcalError(f"{f} is not a part of {s['label']} at this run's α* and seed (another run's, or "
+                             "edited): move it out of the folder.")
+        parts.append((int(m[1]), int(m[2]), p | {"tails": tails}))
+    parts.sort(key=lambda x: x[0])
+    for (_, b, _), (c, d, _) in zip(parts, parts[1:], strict=False):
+        if c < b:
+            raise LmcalError(f"{out} holds parts that overlap ({c}:{d} starts before {b}): keep one of them.")
+    return parts
+
+
+def report(args, s: dict, out: Path, argv_text: str) -> None:
+    parts = read_parts(out, s)
+    if not parts:
+        raise LmcalError(f"{out} holds no parts: measure some first (--ckpt and --prefixes).")
+    c = s["check"]
+    tails = np.concatenate([p["tails"] for _, _, p in parts])  # [N, S]
+    level, se = (float(x) for x in clustered_mean(tails))
+    n, gens = tails.shape[0], tails.size
+    span = ", ".join(f"{a}–{b - 1}" for a, b in merged([(a, b) for a, b, _ in parts]))
+    devices = ", ".join(sorted({p["device"] for _, _, p in parts}))
+    lines = [f"The law that generates is the law that was fitted and scored: the twisted check of the run in "
+             f"`{args.run}` ({s['label']}), P̂_α ∝ P̂^(1+α) over L = {s['law_horizon']} words at its α* = "
+             f"{s['alpha']:.5f}, generated by SMC at {s['particles']} particles twisted by the run's own soft-value "
+             f"heads (their α refit {parts[0][2]['heads_alpha']:.5f}, the run's), read over the first "
+             f"{s['horizon']} words; the last {s['tail_steps']} words' entropy by nested SMC runs; "
+             f"{s['samples_per_prefix']} generations from each fresh prefix (another draw of validation points, the "
+             f"stage's: {span}) at seed {s['seed'] + 1}; on {devices}. Prefixes are the units of the standard error.",
+             "",
+             "| prefixes | generations | exp H, last tenth | device | seconds |", "|---|---|---|---|---|"]
+    for a, b, p in parts:
+        lv, e = (float(x) for x in clustered_mean(p["tails"]))
+        lines.append(f"| {a}–{b - 1} | {p['tails'].size:,} | {math.exp(lv):.1f} ± {math.exp(lv) * e:.1f} | "
+                     f"{p['device']} | {p['seconds']:.0f} |")
+    lines += [f"| all {n:,} | {gens:,} | {math.exp(level):.1f} ± {math.exp(level) * se:.1f} | | "
+              f"{sum(p['seconds'] for _, _, p in parts):.0f} |", ""]
+    g = c.get("prefixes")
+    own = [p["tails"] for a, b, p in parts if b <= (g or 0)]
+    if g and sum(len(t) for t in own) == g:  # the stage's own fresh prefixes, all here
+        lv, e = (float(x) for x in clustered_mean(np.concatenate(own)))
+        lines += [f"Prefixes 0–{g - 1}, the stage's own: {math.exp(lv):.2f} ± {math.exp(lv) * e:.2f} here, "
+                  f"{c['tail_ppl']:.2f} ± {c['tail_ppl_stderr']:.2f} in the stage (the same draws: equal up to the "
+                  "devices' rounding).", ""]
+    claim = within(f"{s['label']}, on {n:,} fresh prefixes ({gens:,} generations) and seed {s['seed'] + 1},", level,
+                   se, math.exp(s["reference_test_ce_nats"]))
+    lines.append(f"Verdict ({claim.verdict}, lmcal.reporting.claims.within): {claim.sentence}")
+    more = units_to_decide(level, se, n, math.exp(s["reference_test_ce_nats"]))
+    if more:
+        lines.append(f"At this level about {more:,} prefixes in all would decide it ({more - n:,} more), if each "
+                     f"prefix's spread stays what these {n:,} show (lmcal.reporting.claims.units_to_decide).")
+    if c.get("tail_alpha_stderr_nats") is not None:
+        lines.append(f"That is the law at the run's fitted α*; α*'s standard error would move its level by "
+                     f"±{c['tail_alpha_stderr_nats']:.3f} nats more.")
+    body = "\n".join(lines)
+    print(body)
+    save_bench(args.out, args.title, body, command=argv_text)
+
+
+def merged(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for a, b in sorted(spans):
+        if out and a == out[-1][1]:
+            out[-1] = (out[-1][0], b)
+        else:
+            out.append((a, b))
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,90 @@
+"""bench/sequence_fresh.py on a finished sequence_calibration run: its twisted check measured again in parts gives the
+stage's own number on the stage's fresh prefixes, with the run's heads trained again or read from the file it wrote;
+parts resume, refuse to overlap, and a heads file of another kind is refused in one paragraph."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import open_dict
+
+from lmcal.core.entropy_rate import clustered_mean
+from lmcal.train import train
+from lmcal.utils.settings import CONF_DIR
+from tests.conftest import DATA_ROOT, HAVE_PTB
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _tool(*args, check=True):
+    r = subprocess.run([sys.executable, "bench/sequence_fresh.py", *map(str, args)], capture_output=True, text=True,
+                       timeout=600, cwd=ROOT)
+    if check:
+        assert r.returncode == 0, r.stderr[-3000:]
+    return r
+
+
+@pytest.mark.slow
+def test_a_runs_twisted_check_measured_again_in_parts_is_the_stages_own_number(tmp_path, data_overrides):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("train", overrides=["experiment=smoke", "logger=none", "analysis.stages=[]",
+                                          "trainer.max_epochs=1", "data.max_train_tokens=4000",
+                                          "trainer.enable_progress_bar=false", *data_overrides])
+    with open_dict(cfg):
+        cfg.paths.output_dir = str(tmp_path / "train")
+    ckpt = train(cfg)["best_ckpt"]
+    run = tmp_path / "run"
+    sc = "analysis.sequence_calibration."
+    r = subprocess.run([sys.executable, "-m", "lmcal.evaluate", f"ckpt={ckpt}", "stages=[sequence_calibration]",
+                        "analysis=smoke", "logger=none", "device=cpu", f"{sc}particles=[2]", f"{sc}untwisted=false",
+                        f"{sc}sv_alpha=0.05", f"{sc}num_prefixes=3", f"{sc}samples_per_prefix=2", f"{sc}prefix_len=5",
+                        f"{sc}horizon=10", f"{sc}goal_prefixes=5", f"{sc}fit_prefixes=4", f"{sc}max_batch=16",
+                        f"hydra.run.dir={run}", *([f"data_root={DATA_ROOT}"] if HAVE_PTB else [])],
+                       capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    check = json.loads((run / "sequence_calibration.json").read_text())["twisted_check"]
+    assert check["prefixes"] == 5 and check["params"]["particles"] == 2
+    data = ["--data-root", DATA_ROOT] if HAVE_PTB else []
+    out = tmp_path / "fresh"
+
+    # the stage's 5 fresh prefixes in parts of 2 (0-1, 2-3, 4), the heads trained again: the stage's number
+    _tool("--run", run, "--dir", out, "--ckpt", ckpt, "--device", "cpu", "--prefixes", "0:5", "--part", "2", *data)
+    parts = [json.loads((out / f"part_{a}_{b}.json").read_text()) for a, b in ((0, 2), (2, 4), (4, 5))]
+    level, se = clustered_mean(np.concatenate([np.asarray(p["tail_nats_per_generation"]) for p in parts]))
+    assert level == pytest.approx(check["tail_nats"], abs=1e-9) and se == pytest.approx(check["tail_stderr_nats"])
+    assert (out / "heads.pt").is_file() and all(p["seed"] == 1 and p["device"] == "cpu" for p in parts)
+
+    # resumed: nothing measured again; more prefixes with the heads read from their file
+    stamps = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
+    r = _tool("--run", run, "--dir", out, "--ckpt", ckpt, "--device", "cpu", "--prefixes", "0:5", "--part", "2", *data)
+    assert "already" in r.stdout and {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == stamps
+    _tool("--run", run, "--dir", out, "--ckpt", ckpt, "--device", "cpu", "--prefixes", "5:7", "--heads",
+          out / "heads.pt", *data)
+    page = tmp_path / "page.md"
+    r = _tool("--run", run, "--dir", out, "--out", page)
+    text = page.read_text()
+    assert "The law that generates is the law that was fitted and scored" in text and "| all 7 | 14 |" in text
+    assert f"{check['tail_ppl']:.2f} ± {check['tail_ppl_stderr']:.2f} in the stage" in text
+    assert "Verdict (" in text and "on 7 fresh prefixes (14 generations) and seed 1" in text
+
+    # refused, one paragraph each, nothing written: overlapping parts, a heads file of another kind, a bad range
+    before = sorted(p.name for p in out.iterdir())
+    r = _tool("--run", run, "--dir", out, "--ckpt", ckpt, "--device", "cpu", "--prefixes", "1:3", *data, check=False)
+    assert r.returncode == 2 and "overlap" in r.stderr and "Traceback" not in r.stderr
+    torch.save({"format": 1, "state_dict": {"x": torch.zeros(2)}, "in_dim": 3, "hidden": 1, "rank": 1},
+               tmp_path / "other.pt")
+    r = _tool("--run", run, "--dir", out, "--ckpt", ckpt, "--device", "cpu", "--prefixes", "7:8", "--heads",
+              tmp_path / "other.pt", *data, check=False)
+    assert r.returncode == 2 and "heads file is not one" in r.stderr and "Traceback" not in r.stderr
+    r = _tool("--run", run, "--dir", out, "--ckpt", ckpt, "--prefixes", "8:7", check=False)
+    assert r.returncode == 2 and "LO:HI" in r.stderr
+    r = _tool("--run", tmp_path / "nowhere", "--out", page, check=False)
+    assert r.returncode == 2 and "is not there" in r.stderr
+    assert sorted(p.name for p in out.iterdir()) == before
