@@ -88,3 +88,28 @@ def test_a_runs_twisted_check_measured_again_in_parts_is_the_stages_own_number(t
     r = _tool("--run", tmp_path / "nowhere", "--out", page, check=False)
     assert r.returncode == 2 and "is not there" in r.stderr
     assert sorted(p.name for p in out.iterdir()) == before
+
+
+def test_a_runs_settings_are_read_as_numbers_with_one_clear_error():
+    """fresh_setup takes only numbers of the right kind from the run's files; the α the heads were first trained at
+    comes from sv_alpha, else from the soft-value row's first refit (a run that trained them at the untwisted α*)."""
+    from lmcal.errors import LmcalError
+    from lmcal.stages.smc_fresh import NEEDED, fresh_setup
+
+    config = {k: 1 for k in NEEDED} | {"sv_explore": 0.5, "lr": 3e-3, "sv_alpha": None, "score_tokens": None}
+    result = {"twisted_check": {"method": "smc", "label": "twisted SMC, 4 particles", "prefixes": 5,
+                                "params": {"particles": 4, "alpha": 0.01}},
+              "soft_value_alpha": {"alpha": 0.012}, "sv_alpha": None, "seed": 0, "prefix_len": 5,
+              "samples_per_prefix": 2, "horizon": 10, "law_horizon": 20, "tail_steps": 1, "num_prefixes": 3,
+              "goal_prefixes": 5, "reference_test_ce_nats": 4.1, "tail_particles": None,
+              "rows": [{"method": "model"}, {"method": "soft_value", "refits": [{"trained_at_alpha": 0.03}]}]}
+    s = fresh_setup(result, config)
+    assert (s["particles"], s["alpha"], s["heads_alpha"], s["sv_trained_at"]) == (4, 0.01, 0.012, 0.03)
+    assert fresh_setup(result | {"sv_alpha": 0.02}, config)["sv_trained_at"] == 0.02
+    for bad, match in (({"twisted_check": None}, "no twisted check"),
+                       ({"horizon": "200; rm -rf /"}, "horizon"), ({"law_horizon": True}, "law_horizon"),
+                       ({"reference_test_ce_nats": float("nan")}, "reference_test_ce_nats")):
+        with pytest.raises(LmcalError, match=match):
+            fresh_setup(result | bad, config)
+    with pytest.raises(LmcalError, match="max_batch missing"):
+        fresh_setup(result, {k: v for k, v in config.items() if k != "max_batch"})

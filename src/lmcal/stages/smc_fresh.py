@@ -51,7 +51,7 @@ def fresh_setup(result: dict, config: dict, where: str = "the run") -> dict:
     out |= {"tail_particles": result.get("tail_particles"), "particles": c["params"].get("particles"),
             "alpha": c["params"].get("alpha"), "label": c.get("label"), "check": c,
             "heads_alpha": result["soft_value_alpha"].get("alpha"),
-            "sv_trained_at": result.get("sv_alpha") if result.get("sv_alpha") is not None else config["sv_alpha"]}
+            "sv_trained_at": _first_trained_at(result)}
     bad = [k for k in (*ints, "seed", "prefix_len", "samples_per_prefix", "horizon", "law_horizon", "tail_steps",
                        "num_prefixes", "particles") if not (isinstance(out[k], int) and not isinstance(out[k], bool))]
     bad += [k for k in ("alpha", "heads_alpha", "reference_test_ce_nats", "sv_explore", "lr", "sv_trained_at")
@@ -62,6 +62,15 @@ def fresh_setup(result: dict, config: dict, where: str = "the run") -> dict:
         raise LmcalError(f"{where}: {', '.join(bad)} in its result or settings are not what a sequence_calibration "
                          "run writes (numbers of the right kind): nothing was run.")
     return out
+
+
+def _first_trained_at(result: dict):
+    """The α the run's heads were first trained at: its sv_alpha, else (null: the untwisted rows' α*) as its soft-value
+    row records it."""
+    sv = next((r for r in result.get("rows") or [] if isinstance(r, dict) and r.get("method") == "soft_value"), {})
+    refits = sv.get("refits") if isinstance(sv.get("refits"), list) else []
+    first = refits[0].get("trained_at_alpha") if refits and isinstance(refits[0], dict) else None
+    return result.get("sv_alpha") if result.get("sv_alpha") is not None else first
 
 
 def check_model(lm, test_tokens: torch.Tensor, s: dict) -> float:
