@@ -20,10 +20,12 @@ import torch
 
 from lmcal.core.calibration import target_log_probs
 from lmcal.core.future_entropy import step_features
+from lmcal.core.sampling import random_prefixes
 from lmcal.core.soft_value import fit_soft_value_alpha, new_head, soft_value_twist
 from lmcal.data.batching import batchify
 from lmcal.errors import LmcalError
 from lmcal.stages.smc_study import fresh_tails
+from lmcal.stages.sv_heads import train_heads
 
 HEADS_FORMAT = 1
 NEEDED = ("sv_alpha", "sv_rollouts", "sv_prefix", "sv_steps", "sv_iterations", "sv_backup_steps", "sv_explore",
@@ -88,8 +90,6 @@ def heads_of(lm, train_tokens, valid_tokens, s: dict, heads: dict | None = None)
     """The run's soft-value heads: read from `heads` (a dict written by heads_file, read with weights_only=True) or
     trained again from its settings; their own α refit checked against the run's. Returns (head, their α, the file's
     dict to save)."""
-    from lmcal.stages.sequence_calibration import train_heads
-
     if heads is None:
         head, sv, _, _ = train_heads(lm, train_tokens, valid_tokens, s["sv_trained_at"], **{
             k: s[k] for k in ("sv_rollouts", "sv_prefix", "sv_steps", "sv_iterations", "sv_backup_steps",
@@ -141,8 +141,6 @@ def _head_from(lm, heads: dict, s: dict):
 def measure_part(lm, head, valid_tokens, s: dict, lo: int, hi: int, max_batch: int) -> np.ndarray:
     """The twisted check's last tenth [hi - lo, S] on the fresh prefixes [lo, hi) of the stage's draw, at its seed + 1
     (each row keyed by its index in the draw: any split of [0, n) gives one call's numbers)."""
-    from lmcal.core.sampling import random_prefixes
-
     fresh = random_prefixes(valid_tokens, hi, s["prefix_len"], seed=s["seed"] + 11)[lo:hi]  # [hi - lo, P]
     return fresh_tails(lm, fresh, s["particles"], soft_value_twist(lm, head), s["alpha"], s["seed"] + 1,
                        samples_per_prefix=s["samples_per_prefix"], horizon=s["horizon"], law_horizon=s["law_horizon"],
