@@ -58,7 +58,10 @@ def test_a_runs_twisted_check_measured_again_in_parts_is_the_stages_own_number(t
     _tool("--run", run, "--dir", out, "--ckpt", ckpt, "--device", "cpu", "--prefixes", "0:5", "--part", "2", *data)
     parts = [json.loads((out / f"part_{a}_{b}.json").read_text()) for a, b in ((0, 2), (2, 4), (4, 5))]
     level, se = clustered_mean(np.concatenate([np.asarray(p["tail_nats_per_generation"]) for p in parts]))
-    assert level == pytest.approx(check["tail_nats"], abs=1e-9) and se == pytest.approx(check["tail_stderr_nats"])
+    # the same draws: equal up to float rounding (another process sums in other orders: 3e-9 relative on PTB), where
+    # other draws of a run this small differ in the first decimal
+    assert level == pytest.approx(check["tail_nats"], rel=1e-6)
+    assert se == pytest.approx(check["tail_stderr_nats"], rel=1e-4)
     assert (out / "heads.pt").is_file() and all(p["seed"] == 1 and p["device"] == "cpu" for p in parts)
 
     # resumed: nothing measured again; more prefixes with the heads read from their file
