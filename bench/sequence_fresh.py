@@ -188,9 +188,10 @@ def report(args, s: dict, out: Path, argv_text: str) -> None:
     own = [p["tails"] for a, b, p in parts if b <= (g or 0)]
     if g and sum(len(t) for t in own) == g:  # the stage's own fresh prefixes, all here
         lv, e = (float(x) for x in clustered_mean(np.concatenate(own)))
+        same = ("identical in every bit" if (lv, e) == (c["tail_nats"], c["tail_stderr_nats"]) else
+                f"{lv - c['tail_nats']:+.1e} nats apart, the processes' float rounding")
         lines += [f"Prefixes 0–{g - 1}, the stage's own: {math.exp(lv):.2f} ± {math.exp(lv) * e:.2f} here, "
-                  f"{c['tail_ppl']:.2f} ± {c['tail_ppl_stderr']:.2f} in the stage (the same draws: equal up to the "
-                  "devices' rounding).", ""]
+                  f"{c['tail_ppl']:.2f} ± {c['tail_ppl_stderr']:.2f} in the stage (the same draws: {same}).", ""]
     claim = within(f"{s['label']}, on {n:,} fresh prefixes ({gens:,} generations) and seed {s['seed'] + 1},", level,
                    se, math.exp(s["reference_test_ce_nats"]))
     lines.append(f"Verdict ({claim.verdict}, lmcal.reporting.claims.within): {claim.sentence}")

@@ -74,7 +74,7 @@ def test_a_runs_twisted_check_measured_again_in_parts_is_the_stages_own_number(t
     r = _tool("--run", run, "--dir", out, "--out", page)
     text = page.read_text()
     assert "The law that generates is the law that was fitted and scored" in text and "| all 7 | 14 |" in text
-    assert f"{check['tail_ppl']:.2f} ± {check['tail_ppl_stderr']:.2f} in the stage" in text
+    assert f"{check['tail_ppl']:.2f} ± {check['tail_ppl_stderr']:.2f} in the stage (the same draws: " in text
     assert "Verdict (" in text and "on 7 fresh prefixes (14 generations) and seed 1" in text
 
     # refused, one paragraph each, nothing written: overlapping parts, a heads file of another kind, a bad range
