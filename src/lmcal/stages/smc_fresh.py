@@ -19,13 +19,12 @@ import numpy as np
 import torch
 
 from lmcal.core.calibration import target_log_probs
-from lmcal.core.future_entropy import step_features
 from lmcal.core.sampling import random_prefixes
-from lmcal.core.soft_value import fit_soft_value_alpha, new_head, soft_value_twist
+from lmcal.core.soft_value import new_head, soft_value_twist
 from lmcal.data.batching import batchify
 from lmcal.errors import LmcalError
 from lmcal.stages.smc_study import fresh_tails
-from lmcal.stages.sv_heads import train_heads
+from lmcal.stages.sv_heads import refit_alpha, train_heads
 
 HEADS_FORMAT = 1
 NEEDED = ("sv_alpha", "sv_rollouts", "sv_prefix", "sv_steps", "sv_iterations", "sv_backup_steps", "sv_explore",
@@ -87,9 +86,9 @@ def check_model(lm, test_tokens: torch.Tensor, s: dict) -> float:
 
 
 def heads_of(lm, train_tokens, valid_tokens, s: dict, heads: dict | None = None):
-    """The run's soft-value heads: read from `heads` (a dict written by heads_file, read with weights_only=True) or
-    trained again from its settings; their own α refit checked against the run's. Returns (head, their α, the file's
-    dict to save)."""
+    """The run's soft-value heads: read from `heads` (the dict this returns third, saved and read back with
+    weights_only=True) or trained again from its settings; their own α refit checked against the run's. Returns
+    (head, their α, the file's dict to save)."""
     if heads is None:
         head, sv, _, _ = train_heads(lm, train_tokens, valid_tokens, s["sv_trained_at"], **{
             k: s[k] for k in ("sv_rollouts", "sv_prefix", "sv_steps", "sv_iterations", "sv_backup_steps",
@@ -98,9 +97,7 @@ def heads_of(lm, train_tokens, valid_tokens, s: dict, heads: dict | None = None)
         alpha = sv.alpha
     else:
         head = _head_from(lm, heads, s)
-        sv = fit_soft_value_alpha(lm, head, batchify(valid_tokens[:s["fit_tokens"]], s["fit_streams"]),
-                                  min_context=min(s["prefix_len"], max(0, s["fit_tokens"] // s["fit_streams"] - 2)))
-        alpha = sv.alpha
+        alpha = refit_alpha(lm, head, valid_tokens, s["fit_tokens"], s["fit_streams"], s["prefix_len"]).alpha
     # trained again, they must be the run's to the last digits (another device's training differs far more); read from
     # a file, the weights are the run's and only the refit's rounding may differ between devices
     if not math.isclose(alpha, s["heads_alpha"], rel_tol=1e-5 if heads is None else 1e-4):
@@ -110,13 +107,7 @@ def heads_of(lm, train_tokens, valid_tokens, s: dict, heads: dict | None = None)
                          "file written where the run's heads were trained again, with --heads). Nothing was measured.")
     state = {k: v.detach().cpu() for k, v in head.state_dict().items()}
     return head, alpha, {"format": HEADS_FORMAT, "hidden": s["hidden"], "rank": s["rank"], "alpha": alpha,
-                         "in_dim": _in_dim(lm, valid_tokens), "state_dict": state}
-
-
-def _in_dim(lm, tokens) -> int:
-    with torch.no_grad():
-        _, f, _ = step_features(lm, tokens[:1], lm.init_state(1))
-    return int(f.size(1))
+                         "in_dim": head.trunk[0].in_features, "state_dict": state}
 
 
 def _head_from(lm, heads: dict, s: dict):

@@ -184,7 +184,13 @@ def alpha_slope(tail: np.ndarray, law_logp: np.ndarray) -> tuple[float | None, f
 def law_tail(s: StudySetup, lm, prefixes: torch.Tensor, r, k: int, alpha: float, twist, seed: int) -> np.ndarray:
     """The law's last-tenth entropy [n, S] of the paths r generated from prefixes [n * S, P] at seed: nested SMC runs
     at the study's tail count (the row's own, k, by default)."""
-    T = s.horizon
-    tail = smc_tail_entropy(lm, prefixes, r, alpha, T - s.last, T, particles=s.tail_particles or k, seed=seed + 7,
-                            max_batch=s.max_batch, twist=twist, progress=True)
-    return tail.numpy().reshape(-1, s.samples_per_prefix)
+    return nested_tail(lm, prefixes, r, k, alpha, twist, seed, horizon=s.horizon, last=s.last,
+                       tail_particles=s.tail_particles, max_batch=s.max_batch, samples_per_prefix=s.samples_per_prefix)
+
+
+def nested_tail(lm, prefixes: torch.Tensor, r, k: int, alpha: float, twist, seed: int, *, horizon: int, last: int,
+                tail_particles: int | None, max_batch: int, samples_per_prefix: int, first_id: int = 0) -> np.ndarray:
+    """law_tail's nested runs, from explicit settings (rows from first_id, as smc_generate's)."""
+    tail = smc_tail_entropy(lm, prefixes, r, alpha, horizon - last, horizon, particles=tail_particles or k,
+                            seed=seed + 7, max_batch=max_batch, twist=twist, progress=True, first_id=first_id)
+    return tail.numpy().reshape(-1, samples_per_prefix)

@@ -30,7 +30,7 @@ import torch
 
 from lmcal.core.entropy_rate import clustered_mean
 from lmcal.core.sequence_fit import fit_sequence_alpha, sequence_log_probs
-from lmcal.core.smc import smc_generate, smc_tail_entropy
+from lmcal.core.smc import smc_generate
 from lmcal.stages.rows import GENERATION_KEYS
 from lmcal.stages.smc_generations import (
     StudySetup,
@@ -38,6 +38,7 @@ from lmcal.stages.smc_generations import (
     generate,
     generation_columns,
     join_generations,
+    nested_tail,
 )
 from lmcal.utils.numbers import exp_or_inf
 
@@ -113,9 +114,8 @@ def fresh_tails(lm, prefixes: torch.Tensor, k: int, twist, alpha: float, seed: i
     p = prefixes.repeat_interleave(S, 0)  # [n * S, P]
     r = smc_generate(lm, p, alpha, law_horizon, particles=k, seed=seed, twist=twist, max_batch=max_batch,
                      progress=f"SMC, {k} particles, fresh prefixes", first_id=first * S)
-    tail = smc_tail_entropy(lm, p, r, alpha, horizon - last, horizon, particles=tail_particles or k, seed=seed + 7,
-                            max_batch=max_batch, twist=twist, progress=True, first_id=first * S)
-    return tail.numpy().reshape(-1, S)
+    return nested_tail(lm, p, r, k, alpha, twist, seed, horizon=horizon, last=last, tail_particles=tail_particles,
+                       max_batch=max_batch, samples_per_prefix=S, first_id=first * S)
 
 
 def _ms(lm, s: StudySetup, alpha: float, k: int, twist) -> float:

@@ -31,11 +31,16 @@ def train_heads(lm, train_tokens: torch.Tensor, valid_tokens: torch.Tensor, alph
                                       epochs=epochs, batch_size=batch_size, lr=lr, seed=seed + 100 * r,
                                       max_batch=max_batch)
         history += [{**h, "trained_at_alpha": alpha} for h in hist]
-        sv = fit_soft_value_alpha(lm, head, batchify(valid_tokens[:fit_tokens], fit_streams),
-                                  min_context=min(prefix_len, max(0, fit_tokens // fit_streams - 2)))
+        sv = refit_alpha(lm, head, valid_tokens, fit_tokens, fit_streams, prefix_len)
         refits.append({"trained_at_alpha": alpha, "alpha": sv.alpha, "alpha_stderr": sv.alpha_stderr,
                        "valid_ce_before_nats": sv.ce_before, "valid_ce_after_nats": sv.ce_after})
         log.info(f"{name}: soft-value heads trained at alpha {alpha:.4f}: their own alpha {sv.alpha:.4f} +- "
                  f"{sv.alpha_stderr:.4f} (validation CE {sv.ce_before:.4f} -> {sv.ce_after:.4f})")
         alpha = sv.alpha
     return head.to(getattr(lm, "device", None) or "cpu"), sv, history, refits
+
+
+def refit_alpha(lm, head, valid_tokens: torch.Tensor, fit_tokens: int, fit_streams: int, prefix_len: int):
+    """The heads' own α on the first fit_tokens validation tokens (their exact per-word CE), as the stage fits it."""
+    return fit_soft_value_alpha(lm, head, batchify(valid_tokens[:fit_tokens], fit_streams),
+                                min_context=min(prefix_len, max(0, fit_tokens // fit_streams - 2)))
