@@ -10,7 +10,7 @@
 #   CKPT=.../best.ckpt CAL=.../calibration/calibration.json [DATA=<folder holding ptb/>] [OUT=outputs/gpu-rows] \
 #       [PY=python3] [TB=220] [TA=340] [RULES='top-16 exact'] [B_ARGS='--fit exact'] [PARTICLES='[64,128,256]'] \
 #       [A_ARGS='analysis.sequence_calibration.goal_prefixes=150 ...'] [TC=0 FRESH_RUN=... FRESH_HEADS=... \
-#       FRESH_PREFIXES=600:5600 FRESH_PART=1000] bash bench/gpu_algorithm_rows.sh
+#       FRESH_PREFIXES=10000:15000 FRESH_PART=1000] bash bench/gpu_algorithm_rows.sh
 #
 # Algorithm 1's rows are called converged only where K and 2K are shown to agree within converge_tol (0.1 nats) at 2
 # standard errors, which 20 or 60 prefixes cannot show (paired standard errors 0.14-0.26 nats;
@@ -23,14 +23,16 @@
 # 2.0 at 6, 9 and 15 generations a prefix: docs/bench/sequence_goal_cpu_3600.md, _5400.md, _9000.md). Fresh prefixes
 # can: about 5,554 at 3 generations each decide 106.5 (_9000.md's last verdict, lmcal.reporting.claims.units_to_decide).
 # The GPU's question, in one call, part C alone: that converged row itself (the CPU run /work/exp/runA5, its alpha* and
-# its heads, read from the heads.pt bench/sequence_fresh.py wrote on the CPU) on fresh prefixes 600-5,599, beside
-# 0-599 measured on the CPU (docs/bench/sequence_fresh_cpu.md); no heads trained, no alpha fitted:
-# TB=0 TA=0 TC=540 FRESH_RUN=.gpu/runA5 FRESH_HEADS=.gpu/heads.pt FRESH_PREFIXES=600:5600 FRESH_PART=1000
+# its heads, read from the heads.pt bench/sequence_fresh.py wrote on the CPU) on fresh prefixes 10,000-14,999, far
+# from the CPU's parts (0-599 as the stage's own, docs/bench/sequence_fresh_cpu.md, then upward from 600 as CPU time
+# allows: parts must not overlap); no heads trained, no alpha fitted:
+# TB=0 TA=0 TC=540 FRESH_RUN=.gpu/runA5 FRESH_HEADS=.gpu/heads.pt FRESH_PREFIXES=10000:15000 FRESH_PART=1000
 # in a call of timeout_s=600 (15,000 generations at 16 particles; at docs/bench/sequence_goal_gpu_500.md's rate,
 # 1,500 twisted generations at 64 particles with their nested runs in 64 s at max_batch=4096, about 3 minutes: an
 # estimate, not measured; each part of 1,000 prefixes is kept as it finishes, so a timeout loses one part). Copy
 # OUT/fresh/part_*.json beside the CPU's parts and write the verdict here: `python bench/sequence_fresh.py --run
-# /work/exp/runA5 --dir /work/exp/fresh --out docs/bench/sequence_fresh.md`. The stage's own study at 16 and 32 on
+# /work/exp/runA5 --dir /work/exp/fresh --planned 5600 --out docs/bench/sequence_fresh.md` (5,600 prefixes in all,
+# fixed from the first 600 before the rest were measured: size FRESH_PREFIXES to bring the parts to that count). The stage's own study at 16 and 32 on
 # the GPU, with its own heads and alpha* (whose spread moves a run's level by about +-0.1 nats), is part A with
 # PARTICLES='[16,32]' A_ARGS='analysis.sequence_calibration.num_prefixes=600
 # analysis.sequence_calibration.smc_seeds=[0,1000] analysis.sequence_calibration.untwisted=false
@@ -84,9 +86,9 @@ fi
 
 if [ "${TC:-0}" != 0 ]; then
   : "${FRESH_RUN:?set FRESH_RUN to the folder of a finished sequence_calibration run (or TC=0)}"
-  echo "=== C: ${FRESH_RUN}'s twisted check on fresh prefixes ${FRESH_PREFIXES:-600:5600}"
+  echo "=== C: ${FRESH_RUN}'s twisted check on fresh prefixes ${FRESH_PREFIXES:-10000:15000}"
   timeout "$TC" $PY bench/sequence_fresh.py --run "$FRESH_RUN" --dir "$OUT/fresh" --ckpt "$CKPT" "${DATA_ARGS[@]}" \
-    --device "$DEV" --prefixes "${FRESH_PREFIXES:-600:5600}" --part "${FRESH_PART:-1000}" --max-batch 8192 \
+    --device "$DEV" --prefixes "${FRESH_PREFIXES:-10000:15000}" --part "${FRESH_PART:-1000}" --max-batch 8192 \
     ${FRESH_HEADS:+--heads "$FRESH_HEADS"}
   echo "C rc=$? at $(date -u +%H:%M:%S)"
 fi

@@ -4,14 +4,18 @@ soft-value heads (lmcal.stages.smc_fresh), and the verdict REPORT.md's rule give
 
     python bench/sequence_fresh.py --run RUN --ckpt CKPT [--data-root ROOT] [--device cpu] --prefixes 600:1200 \\
         [--part 200] [--heads FILE] [--dir RUN/fresh] [--max-batch N]          # measure prefixes 600..1199
-    python bench/sequence_fresh.py --run RUN [--dir RUN/fresh] --out docs/bench/sequence_fresh.md   # the verdict
+    python bench/sequence_fresh.py --run RUN [--dir RUN/fresh] [--planned N] --out docs/bench/sequence_fresh.md
+                                                                                        # the verdict (read at N)
 
 RUN is the stage's folder (its sequence_calibration.json and evaluation.json, as python -m lmcal.evaluate writes
 them). Each part of --part prefixes lands in --dir as part_<lo>_<hi>.json once measured: a killed run loses one part
 at most, and a part already there is not measured again. The heads are trained again from the run's settings the
 first time (on the device that trained the run's, they are its heads: their α refit must equal the run's) and saved
 as --dir/heads.pt; another machine takes that file with --heads (read as tensors: weights_only=True). Prefixes
-[0, goal_prefixes) are the stage's own fresh ones, at its seed: measured here they give its number again.
+[0, goal_prefixes) are the stage's own fresh ones, at its seed: measured here they give its number again. --planned
+fixes, before they are measured, how many prefixes the verdict is read at (units_to_decide on the first ones says how
+many): with fewer, the page gives an interim reading only, since a verdict read as parts land and stopped when it
+turns would be stated with more confidence than it has.
 """
 
 from __future__ import annotations
@@ -61,11 +65,15 @@ def run(argv: list[str] | None) -> None:
     ap.add_argument("--part", type=int, default=200, help="prefixes a part, each saved as it finishes")
     ap.add_argument("--heads", type=Path, help="a heads.pt written by this script for the same run")
     ap.add_argument("--max-batch", type=int, help="particles a batch (default: 4 x the run's max_batch, as its SMC)")
+    ap.add_argument("--planned", type=int, help="the prefixes in all at which the verdict is read, fixed before "
+                    "measuring them (units_to_decide on the first ones): fewer give an interim verdict only")
     ap.add_argument("--title", default="Algorithm 1's twisted check on more fresh prefixes", help="the page's")
     add_out_option(ap, "sequence_fresh")
     args = ap.parse_args(argv)
     if (args.prefixes is None) != (args.ckpt is None):
         ap.error("give --ckpt and --prefixes to measure, or neither (with --out) to write the verdict")
+    if args.planned is not None and args.planned < 1:
+        ap.error(f"--planned {args.planned}: give the number of prefixes the verdict is read at (at least 1)")
     s = setup(args.run)
     out = args.dir or args.run / "fresh"
     argv_text = "python bench/sequence_fresh.py " + shlex.join(argv if argv is not None else sys.argv[1:])
@@ -177,26 +185,37 @@ def report(args, s: dict, out: Path, argv_text: str) -> None:
              f"{s['samples_per_prefix']} generations from each fresh prefix (another draw of validation points, the "
              f"stage's: {span}) at seed {s['seed'] + 1}; on {devices}. Prefixes are the units of the standard error.",
              "",
-             "| prefixes | generations | exp H, last tenth | device | seconds |", "|---|---|---|---|---|"]
-    for a, b, p in parts:
-        lv, e = (float(x) for x in clustered_mean(p["tails"]))
-        lines.append(f"| {a}–{b - 1} | {p['tails'].size:,} | {math.exp(lv):.1f} ± {math.exp(lv) * e:.1f} | "
-                     f"{p['device']} | {p['seconds']:.0f} |")
-    lines += [f"| all {n:,} | {gens:,} | {math.exp(level):.1f} ± {math.exp(level) * se:.1f} | | "
+             "| prefixes | parts | generations | exp H, last tenth | device | seconds |", "|---|---|---|---|---|---|"]
+    for block in blocks(parts):
+        t = np.concatenate([p["tails"] for _, _, p in block])
+        lv, e = (float(x) for x in clustered_mean(t))
+        secs = sum(p["seconds"] for _, _, p in block)
+        lines.append(f"| {block[0][0]}–{block[-1][1] - 1} | {len(block)} | {t.size:,} | {math.exp(lv):.1f} ± "
+                     f"{math.exp(lv) * e:.1f} | {block[0][2]['device']} | {secs:.0f} |")
+    lines += [f"| all {n:,} | {len(parts)} | {gens:,} | {math.exp(level):.1f} ± {math.exp(level) * se:.1f} | | "
               f"{sum(p['seconds'] for _, _, p in parts):.0f} |", ""]
     g = c.get("prefixes")
     own = [p["tails"] for a, b, p in parts if b <= (g or 0)]
     if g and sum(len(t) for t in own) == g:  # the stage's own fresh prefixes, all here
         lv, e = (float(x) for x in clustered_mean(np.concatenate(own)))
+        d = lv - c["tail_nats"]
         same = ("identical in every bit" if (lv, e) == (c["tail_nats"], c["tail_stderr_nats"]) else
-                f"{lv - c['tail_nats']:+.1e} nats apart, the processes' float rounding")
+                f"{d:+.1e} nats apart, the processes' float rounding" if abs(d) <= 1e-6 * abs(c["tail_nats"]) else
+                f"{d:+.4f} nats apart: not the stage's draws, so another model, heads or code than the run's")
         lines += [f"Prefixes 0–{g - 1}, the stage's own: {math.exp(lv):.2f} ± {math.exp(lv) * e:.2f} here, "
                   f"{c['tail_ppl']:.2f} ± {c['tail_ppl_stderr']:.2f} in the stage (the same draws: {same}).", ""]
     claim = within(f"{s['label']}, on {n:,} fresh prefixes ({gens:,} generations) and seed {s['seed'] + 1},", level,
                    se, math.exp(s["reference_test_ce_nats"]))
-    lines.append(f"Verdict ({claim.verdict}, lmcal.reporting.claims.within): {claim.sentence}")
+    planned = args.planned
+    if planned and n < planned:  # read before the count fixed in advance: a verdict now would be optional stopping
+        lines.append(f"Interim, {n:,} of the {planned:,} prefixes planned, {planned - n:,} to measure (the verdict is "
+                     f"read once, at {planned:,}: reading it as parts land and stopping when it turns would overstate "
+                     f"it): {claim.sentence}")
+    else:
+        when = f", read at {n:,} prefixes, {planned:,} planned before they were measured" if planned else ""
+        lines.append(f"Verdict ({claim.verdict}{when}; lmcal.reporting.claims.within): {claim.sentence}")
     more = units_to_decide(level, se, n, math.exp(s["reference_test_ce_nats"]))
-    if more:
+    if more and not (planned and n < planned):
         lines.append(f"At this level about {more:,} prefixes in all would decide it ({more - n:,} more), if each "
                      f"prefix's spread stays what these {n:,} show (lmcal.reporting.claims.units_to_decide).")
     if c.get("tail_alpha_stderr_nats") is not None:
@@ -205,6 +224,18 @@ def report(args, s: dict, out: Path, argv_text: str) -> None:
     body = "\n".join(lines)
     print(body)
     save_bench(args.out, args.title, body, command=argv_text)
+
+
+def blocks(parts: list[tuple[int, int, dict]], most: int = 600) -> list[list[tuple[int, int, dict]]]:
+    """The page's rows: runs of adjacent parts from one device, at most `most` prefixes a row."""
+    out: list[list[tuple[int, int, dict]]] = []
+    for a, b, p in parts:
+        last = out[-1] if out else None
+        if last and last[-1][1] == a and last[-1][2]["device"] == p["device"] and b - last[0][0] <= most:
+            last.append((a, b, p))
+        else:
+            out.append([(a, b, p)])
+    return out
 
 
 def merged(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:

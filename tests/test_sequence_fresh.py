@@ -73,7 +73,7 @@ def test_a_runs_twisted_check_measured_again_in_parts_is_the_stages_own_number(t
     page = tmp_path / "page.md"
     r = _tool("--run", run, "--dir", out, "--out", page)
     text = page.read_text()
-    assert "The law that generates is the law that was fitted and scored" in text and "| all 7 | 14 |" in text
+    assert "The law that generates is the law that was fitted and scored" in text and "| all 7 | 4 | 14 |" in text
     assert f"{check['tail_ppl']:.2f} ± {check['tail_ppl_stderr']:.2f} in the stage (the same draws: " in text
     assert "Verdict (" in text and "on 7 fresh prefixes (14 generations) and seed 1" in text
 
@@ -91,6 +91,50 @@ def test_a_runs_twisted_check_measured_again_in_parts_is_the_stages_own_number(t
     r = _tool("--run", tmp_path / "nowhere", "--out", page, check=False)
     assert r.returncode == 2 and "is not there" in r.stderr
     assert sorted(p.name for p in out.iterdir()) == before
+
+
+def _fake_run(tmp_path: Path) -> tuple[Path, dict]:
+    """A sequence_calibration run's two files, as the stage writes them, for the report alone (no model)."""
+    from lmcal.stages.smc_fresh import NEEDED
+
+    config = {k: 1 for k in NEEDED} | {"sv_explore": 0.5, "lr": 3e-3, "sv_alpha": 0.03, "score_tokens": None}
+    check = {"method": "smc", "label": "twisted SMC, 4 particles", "prefixes": 3, "params": {"particles": 4,
+             "alpha": 0.01}, "tail_nats": 4.0, "tail_stderr_nats": 0.1, "tail_ppl": 54.6, "tail_ppl_stderr": 5.5}
+    result = {"twisted_check": check, "soft_value_alpha": {"alpha": 0.012}, "sv_alpha": 0.03, "seed": 0,
+              "prefix_len": 5, "samples_per_prefix": 2, "horizon": 10, "law_horizon": 20, "tail_steps": 1,
+              "num_prefixes": 3, "goal_prefixes": 3, "reference_test_ce_nats": 4.6, "tail_particles": None}
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "sequence_calibration.json").write_text(json.dumps(result))
+    (run / "evaluation.json").write_text(json.dumps({"config": {"analysis": {"sequence_calibration": config}}}))
+    return run, result
+
+
+def test_the_verdict_is_read_at_the_planned_count_and_only_an_interim_reading_before(tmp_path):
+    """--planned: with fewer prefixes the page gives an interim reading and no verdict (reading it as parts land and
+    stopping when it turns is optional stopping); at the planned count, the verdict and when it was read. Adjacent
+    parts of one device share a row of the page."""
+    run, result = _fake_run(tmp_path)
+    out = tmp_path / "fresh"
+    out.mkdir()
+    rng = np.random.default_rng(0)
+    for lo, hi, device in ((0, 3, "cpu"), (3, 6, "cpu"), (10, 12, "cuda")):
+        (out / f"part_{lo}_{hi}.json").write_text(json.dumps({
+            "label": "twisted SMC, 4 particles", "particles": 4, "alpha": 0.01, "seed": 1, "prefixes": [lo, hi],
+            "samples_per_prefix": 2, "heads_alpha": 0.012, "device": device, "seconds": 10.0,
+            "tail_nats_per_generation": rng.normal(4.6, 0.01, (hi - lo, 2)).tolist()}))
+    page = tmp_path / "page.md"
+    text = (_tool("--run", run, "--dir", out, "--out", page, "--planned", 20), page.read_text())[1]
+    assert "Interim, 8 of the 20 prefixes planned, 12 to measure" in text and "Verdict (" not in text
+    assert "would decide it" not in text
+    assert "nats apart: not the stage's draws" in text  # prefixes 0-2 are the stage's, whose 4.0 these are not
+    assert "| 0–5 | 2 | 12 |" in text and "| 10–11 | 1 | 4 |" in text and "| all 8 | 3 | 16 |" in text
+    _tool("--run", run, "--dir", out, "--out", page, "--planned", 8)
+    text = page.read_text()
+    assert "Verdict (within, read at 8 prefixes, 8 planned before they were measured;" in text
+    assert "Interim" not in text
+    r = _tool("--run", run, "--dir", out, "--out", page, "--planned", "0", check=False)
+    assert r.returncode == 2 and "--planned 0" in r.stderr
 
 
 def test_a_runs_settings_are_read_as_numbers_with_one_clear_error():
