@@ -32,8 +32,9 @@
 # estimate, not measured; each part of 1,000 prefixes is kept as it finishes, so a timeout loses one part). Copy
 # OUT/fresh/part_*.json beside the CPU's parts and write the verdict here: `python bench/sequence_fresh.py --run
 # /work/exp/runA5 --dir /work/exp/fresh --planned 5600 --out docs/bench/sequence_fresh.md` (5,600 prefixes in all,
-# fixed from the first 600 before the rest were measured: size FRESH_PREFIXES to bring the parts to that count). The stage's own study at 16 and 32 on
-# the GPU, with its own heads and alpha* (whose spread moves a run's level by about +-0.1 nats), is part A with
+# fixed from the first 600 before the rest were measured: size FRESH_PREFIXES to bring the parts to that count). The
+# stage's own study at 16 and 32 on the GPU, with its own heads and alpha* (whose spread moves a run's level by about
+# +-0.1 nats), is part A with
 # PARTICLES='[16,32]' A_ARGS='analysis.sequence_calibration.num_prefixes=600
 # analysis.sequence_calibration.smc_seeds=[0,1000] analysis.sequence_calibration.untwisted=false
 # analysis.sequence_calibration.sv_alpha=0.01122512358938793 analysis.sequence_calibration.fit_prefixes=184

@@ -175,7 +175,7 @@ def report(args, s: dict, out: Path, argv_text: str) -> None:
     tails = np.concatenate([p["tails"] for _, _, p in parts])  # [N, S]
     level, se = (float(x) for x in clustered_mean(tails))
     n, gens = tails.shape[0], tails.size
-    span = ", ".join(f"{a}–{b - 1}" for a, b in merged([(a, b) for a, b, _ in parts]))
+    span = ", ".join(f"{b[0][0]}–{b[-1][1] - 1}" for b in blocks(parts, most=None, by_device=False))
     devices = ", ".join(sorted({p["device"] for _, _, p in parts}))
     lines = [f"The law that generates is the law that was fitted and scored: the twisted check of the run in "
              f"`{args.run}` ({s['label']}), P̂_α ∝ P̂^(1+α) over L = {s['law_horizon']} words at its α* = "
@@ -207,7 +207,8 @@ def report(args, s: dict, out: Path, argv_text: str) -> None:
     claim = within(f"{s['label']}, on {n:,} fresh prefixes ({gens:,} generations) and seed {s['seed'] + 1},", level,
                    se, math.exp(s["reference_test_ce_nats"]))
     planned = args.planned
-    if planned and n < planned:  # read before the count fixed in advance: a verdict now would be optional stopping
+    interim = bool(planned) and n < planned  # before the count fixed in advance: a verdict now is optional stopping
+    if interim:
         lines.append(f"Interim, {n:,} of the {planned:,} prefixes planned, {planned - n:,} to measure (the verdict is "
                      f"read once, at {planned:,}: reading it as parts land and stopping when it turns would overstate "
                      f"it): {claim.sentence}")
@@ -215,7 +216,7 @@ def report(args, s: dict, out: Path, argv_text: str) -> None:
         when = f", read at {n:,} prefixes, {planned:,} planned before they were measured" if planned else ""
         lines.append(f"Verdict ({claim.verdict}{when}; lmcal.reporting.claims.within): {claim.sentence}")
     more = units_to_decide(level, se, n, math.exp(s["reference_test_ce_nats"]))
-    if more and not (planned and n < planned):
+    if more and not interim:
         lines.append(f"At this level about {more:,} prefixes in all would decide it ({more - n:,} more), if each "
                      f"prefix's spread stays what these {n:,} show (lmcal.reporting.claims.units_to_decide).")
     if c.get("tail_alpha_stderr_nats") is not None:
@@ -226,25 +227,18 @@ def report(args, s: dict, out: Path, argv_text: str) -> None:
     save_bench(args.out, args.title, body, command=argv_text)
 
 
-def blocks(parts: list[tuple[int, int, dict]], most: int = 600) -> list[list[tuple[int, int, dict]]]:
-    """The page's rows: runs of adjacent parts from one device, at most `most` prefixes a row."""
+def blocks(parts: list[tuple[int, int, dict]], most: int | None = 600, by_device: bool = True
+           ) -> list[list[tuple[int, int, dict]]]:
+    """Runs of adjacent parts (sorted, as read_parts gives them), each from one device where by_device, at most
+    `most` prefixes a run (None: any): the page's rows, and (most=None, by_device=False) the spans it measured."""
     out: list[list[tuple[int, int, dict]]] = []
     for a, b, p in parts:
         last = out[-1] if out else None
-        if last and last[-1][1] == a and last[-1][2]["device"] == p["device"] and b - last[0][0] <= most:
+        if (last and last[-1][1] == a and (not by_device or last[-1][2]["device"] == p["device"])
+                and (most is None or b - last[0][0] <= most)):
             last.append((a, b, p))
         else:
             out.append([(a, b, p)])
-    return out
-
-
-def merged(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    out: list[tuple[int, int]] = []
-    for a, b in sorted(spans):
-        if out and a == out[-1][1]:
-            out[-1] = (out[-1][0], b)
-        else:
-            out.append((a, b))
     return out
 
 

@@ -93,7 +93,7 @@ def test_a_runs_twisted_check_measured_again_in_parts_is_the_stages_own_number(t
     assert sorted(p.name for p in out.iterdir()) == before
 
 
-def _fake_run(tmp_path: Path) -> tuple[Path, dict]:
+def _fake_run(tmp_path: Path) -> Path:
     """A sequence_calibration run's two files, as the stage writes them, for the report alone (no model)."""
     from lmcal.stages.smc_fresh import NEEDED
 
@@ -107,14 +107,14 @@ def _fake_run(tmp_path: Path) -> tuple[Path, dict]:
     run.mkdir()
     (run / "sequence_calibration.json").write_text(json.dumps(result))
     (run / "evaluation.json").write_text(json.dumps({"config": {"analysis": {"sequence_calibration": config}}}))
-    return run, result
+    return run
 
 
 def test_the_verdict_is_read_at_the_planned_count_and_only_an_interim_reading_before(tmp_path):
     """--planned: with fewer prefixes the page gives an interim reading and no verdict (reading it as parts land and
     stopping when it turns is optional stopping); at the planned count, the verdict and when it was read. Adjacent
     parts of one device share a row of the page."""
-    run, result = _fake_run(tmp_path)
+    run = _fake_run(tmp_path)
     out = tmp_path / "fresh"
     out.mkdir()
     rng = np.random.default_rng(0)
@@ -124,7 +124,8 @@ def test_the_verdict_is_read_at_the_planned_count_and_only_an_interim_reading_be
             "samples_per_prefix": 2, "heads_alpha": 0.012, "device": device, "seconds": 10.0,
             "tail_nats_per_generation": rng.normal(4.6, 0.01, (hi - lo, 2)).tolist()}))
     page = tmp_path / "page.md"
-    text = (_tool("--run", run, "--dir", out, "--out", page, "--planned", 20), page.read_text())[1]
+    _tool("--run", run, "--dir", out, "--out", page, "--planned", 20)
+    text = page.read_text()
     assert "Interim, 8 of the 20 prefixes planned, 12 to measure" in text and "Verdict (" not in text
     assert "would decide it" not in text
     assert "nats apart: not the stage's draws" in text  # prefixes 0-2 are the stage's, whose 4.0 these are not
