@@ -22,17 +22,20 @@
 # The study's own prefixes cannot decide it: its 600 prefixes' spread dominates (107.5 +- 2.6, 106.5 +- 2.3, 106.7 +-
 # 2.0 at 6, 9 and 15 generations a prefix: docs/bench/sequence_goal_cpu_3600.md, _5400.md, _9000.md). Fresh prefixes
 # can: about 5,554 at 3 generations each decide 106.5 (_9000.md's last verdict, lmcal.reporting.claims.units_to_decide).
-# The GPU's question, in one call, part C alone: that converged row itself (the CPU run /work/exp/runA5, its alpha* and
-# its heads, read from the heads.pt bench/sequence_fresh.py wrote on the CPU) on fresh prefixes 10,000-14,999, far
-# from the CPU's parts (0-599 as the stage's own, docs/bench/sequence_fresh_cpu.md, then upward from 600 as CPU time
-# allows: parts must not overlap); no heads trained, no alpha fitted:
-# TB=0 TA=0 TC=540 FRESH_RUN=.gpu/runA5 FRESH_HEADS=.gpu/heads.pt FRESH_PREFIXES=10000:15000 FRESH_PART=1000
-# in a call of timeout_s=600 (15,000 generations at 16 particles; at docs/bench/sequence_goal_gpu_500.md's rate,
-# 1,500 twisted generations at 64 particles with their nested runs in 64 s at max_batch=4096, about 3 minutes: an
-# estimate, not measured; each part of 1,000 prefixes is kept as it finishes, so a timeout loses one part). Copy
-# OUT/fresh/part_*.json beside the CPU's parts and write the verdict here: `python bench/sequence_fresh.py --run
-# /work/exp/runA5 --dir /work/exp/fresh --planned 5600 --out docs/bench/sequence_fresh.md` (5,600 prefixes in all,
-# fixed from the first 600 before the rest were measured: size FRESH_PREFIXES to bring the parts to that count). The
+# Those figures are the 2026-11-28 model's; its run and its 3,000 measured prefixes were lost with a scratch disk
+# (docs/bench/sequence_fresh_runA5.md). The model retrained on 2026-11-29 has its run in git (alpha* 0.00890).
+# The GPU's question, in one call, part C alone: that converged row itself (the CPU run kept in git,
+# docs/bench/sequence_fresh/run, its alpha* and its heads, read from the heads.pt bench/sequence_fresh.py wrote on the
+# CPU) on fresh prefixes 10,000 and up, clear of the CPU's parts (which grow from 0); no heads trained, no alpha
+# fitted:
+# TB=0 TA=0 TC=540 FRESH_RUN=docs/bench/sequence_fresh/run FRESH_HEADS=.gpu/heads.pt FRESH_PREFIXES=10000:15000
+# FRESH_PART=1000 in a call of timeout_s=600 (15,000 generations at 16 particles; at
+# docs/bench/sequence_goal_gpu_500.md's rate, 1,500 twisted generations at 64 particles with their nested runs in 64 s
+# at max_batch=4096, about 3 minutes: an estimate, not measured; each part of 1,000 prefixes is kept as it finishes,
+# so a timeout loses one part). Copy OUT/fresh/part_*.json into docs/bench/sequence_fresh/, commit them, and write the
+# verdict: `python bench/sequence_fresh.py --run docs/bench/sequence_fresh/run --dir docs/bench/sequence_fresh
+# --planned 5600 --out docs/bench/sequence_fresh.md` (5,600 prefixes in all, fixed from the first 600 before the rest
+# were measured: size FRESH_PREFIXES to bring the parts to that count). The
 # stage's own study at 16 and 32 on the GPU, with its own heads and alpha* (whose spread moves a run's level by about
 # +-0.1 nats), is part A with
 # PARTICLES='[16,32]' A_ARGS='analysis.sequence_calibration.num_prefixes=600

@@ -16,6 +16,11 @@ as --dir/heads.pt; another machine takes that file with --heads (read as tensors
 fixes, before they are measured, how many prefixes the verdict is read at (units_to_decide on the first ones says how
 many): with fewer, the page gives an interim reading only, since a verdict read as parts land and stopped when it
 turns would be stated with more confidence than it has.
+
+The project's own measurement (the cpu profile's model, docs/bench/sequence_fresh.md) keeps the run's two JSON files
+and every part in git, in docs/bench/sequence_fresh/ (--run docs/bench/sequence_fresh/run --dir
+docs/bench/sequence_fresh; heads.pt stays out of git): the 5,600 prefixes take about ten core-hours, more than one
+sitting, and parts left on a scratch disk were once lost with it.
 """
 
 from __future__ import annotations
