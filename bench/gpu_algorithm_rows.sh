@@ -24,10 +24,11 @@
 # can: about 5,554 at 3 generations each decide 106.5 (_9000.md's last verdict, lmcal.reporting.claims.units_to_decide).
 # Those figures are the 2026-11-28 model's; its run and its 3,000 measured prefixes were lost with a scratch disk
 # (docs/bench/sequence_fresh_runA5.md). The model retrained on 2026-11-29 has its run in git (alpha* 0.00890).
-# The GPU's question, in one call, part C alone: that converged row itself (the CPU run kept in git,
+# The GPU's question, in one call, part C alone: that row itself (the CPU run kept in git,
 # docs/bench/sequence_fresh/run, its alpha* and its heads, read from the heads.pt bench/sequence_fresh.py wrote on the
-# CPU) on fresh prefixes 10,000 and up, clear of the CPU's parts (which grow from 0); no heads trained, no alpha
-# fitted:
+# CPU; CKPT the checkpoint that run was made from, which git does not keep: a retrained one must give the run's test
+# CE, or part C refuses) on fresh prefixes 10,000 and up, clear of the CPU's parts (which grow from 0); no heads
+# trained, no alpha fitted:
 # TB=0 TA=0 TC=540 FRESH_RUN=docs/bench/sequence_fresh/run FRESH_HEADS=.gpu/heads.pt FRESH_PREFIXES=10000:15000
 # FRESH_PART=1000 in a call of timeout_s=600 (15,000 generations at 16 particles; at
 # docs/bench/sequence_goal_gpu_500.md's rate, 1,500 twisted generations at 64 particles with their nested runs in 64 s
