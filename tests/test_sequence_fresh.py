@@ -5,6 +5,7 @@ parts resume, refuse to overlap, and a heads file of another kind is refused in 
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -93,21 +94,34 @@ def test_a_runs_twisted_check_measured_again_in_parts_is_the_stages_own_number(t
     assert sorted(p.name for p in out.iterdir()) == before
 
 
-def _fake_run(tmp_path: Path) -> Path:
+def _fake_run(tmp_path: Path, name: str = "run", particles: int = 4, alpha: float = 0.01) -> Path:
     """A sequence_calibration run's two files, as the stage writes them, for the report alone (no model)."""
     from lmcal.stages.smc_fresh import NEEDED
 
     config = {k: 1 for k in NEEDED} | {"sv_explore": 0.5, "lr": 3e-3, "sv_alpha": 0.03, "score_tokens": None}
-    check = {"method": "smc", "label": "twisted SMC, 4 particles", "prefixes": 3, "params": {"particles": 4,
-             "alpha": 0.01}, "tail_nats": 4.0, "tail_stderr_nats": 0.1, "tail_ppl": 54.6, "tail_ppl_stderr": 5.5}
+    params = {"particles": particles, "alpha": alpha, "alpha_stderr": 0.001}
+    check = {"method": "smc", "label": f"twisted SMC, {particles} particles", "prefixes": 3, "params": params,
+             "tail_nats": 4.0, "tail_stderr_nats": 0.1, "tail_ppl": 54.6, "tail_ppl_stderr": 5.5}
+    row = {"method": "smc", "variant": "twisted", "params": params, "fit": {"settled": True}}
     result = {"twisted_check": check, "soft_value_alpha": {"alpha": 0.012}, "sv_alpha": 0.03, "seed": 0,
               "prefix_len": 5, "samples_per_prefix": 2, "horizon": 10, "law_horizon": 20, "tail_steps": 1,
-              "num_prefixes": 3, "goal_prefixes": 3, "reference_test_ce_nats": 4.6, "tail_particles": None}
-    run = tmp_path / "run"
+              "num_prefixes": 3, "goal_prefixes": 3, "reference_test_ce_nats": 4.6, "tail_particles": None,
+              "converge_tol": 0.1, "rows": [{"method": "model"}, row]}
+    run = tmp_path / name
     run.mkdir()
     (run / "sequence_calibration.json").write_text(json.dumps(result))
     (run / "evaluation.json").write_text(json.dumps({"config": {"analysis": {"sequence_calibration": config}}}))
     return run
+
+
+def _parts(out: Path, particles: int, alpha: float, spans, tails) -> None:
+    """Parts as the script writes them, tails(lo, hi) giving each one's [hi - lo, 2]."""
+    out.mkdir(exist_ok=True)
+    for lo, hi, device in spans:
+        (out / f"part_{lo}_{hi}.json").write_text(json.dumps({
+            "label": f"twisted SMC, {particles} particles", "particles": particles, "alpha": alpha, "seed": 1,
+            "prefixes": [lo, hi], "samples_per_prefix": 2, "heads_alpha": 0.012, "device": device, "seconds": 10.0,
+            "tail_nats_per_generation": np.asarray(tails(lo, hi)).tolist()}))
 
 
 def test_the_verdict_is_read_at_the_planned_count_and_only_an_interim_reading_before(tmp_path):
@@ -116,13 +130,9 @@ def test_the_verdict_is_read_at_the_planned_count_and_only_an_interim_reading_be
     parts of one device share a row of the page."""
     run = _fake_run(tmp_path)
     out = tmp_path / "fresh"
-    out.mkdir()
     rng = np.random.default_rng(0)
-    for lo, hi, device in ((0, 3, "cpu"), (3, 6, "cpu"), (10, 12, "cuda")):
-        (out / f"part_{lo}_{hi}.json").write_text(json.dumps({
-            "label": "twisted SMC, 4 particles", "particles": 4, "alpha": 0.01, "seed": 1, "prefixes": [lo, hi],
-            "samples_per_prefix": 2, "heads_alpha": 0.012, "device": device, "seconds": 10.0,
-            "tail_nats_per_generation": rng.normal(4.6, 0.01, (hi - lo, 2)).tolist()}))
+    _parts(out, 4, 0.01, ((0, 3, "cpu"), (3, 6, "cpu"), (10, 12, "cuda")),
+           lambda lo, hi: rng.normal(4.6, 0.01, (hi - lo, 2)))
     page = tmp_path / "page.md"
     _tool("--run", run, "--dir", out, "--out", page, "--planned", 20)
     text = page.read_text()
@@ -136,6 +146,66 @@ def test_the_verdict_is_read_at_the_planned_count_and_only_an_interim_reading_be
     assert "Interim" not in text
     r = _tool("--run", run, "--dir", out, "--out", page, "--planned", "0", check=False)
     assert r.returncode == 2 and "--planned 0" in r.stderr
+
+
+def test_twice_the_particles_on_the_same_fresh_prefixes_names_the_row_by_the_studys_convergence_rule(tmp_path):
+    """--twice: the row and the same study's row at twice its particles, paired on the prefixes both hold, judged by
+    mark_convergence's rule: agreement names the row Algorithm 1 (in the claim too), a shift of 0.3 nats is a
+    disagreement, a noisy pair is 'not shown'; before --twice-planned the reading is interim and the run's name
+    stays; a run of other particles or another law is refused in one paragraph."""
+    run, run2 = _fake_run(tmp_path), _fake_run(tmp_path, "run8", 8, 0.0102)
+    rng = np.random.default_rng(1)
+    base = rng.normal(4.6, 0.02, (40, 2))  # [prefix, S]: what both rows would give, up to a little noise
+    _parts(tmp_path / "fresh", 4, 0.01, ((0, 20, "cpu"), (20, 40, "cpu")), lambda lo, hi: base[lo:hi])
+    _parts(run2 / "fresh", 8, 0.0102, ((0, 20, "cpu"), (20, 30, "cpu")),
+           lambda lo, hi: base[lo:hi] + rng.normal(0, 0.005, (hi - lo, 2)))
+    page = tmp_path / "page.md"
+    _tool("--run", run, "--dir", tmp_path / "fresh", "--out", page, "--twice", run2, "--twice-planned", 30)
+    text = page.read_text()
+    assert "on the 30 fresh prefixes both measured (0–29), paired by prefix" in text
+    assert "| 4 | 0.01000 ± 0.00100 |" in text and "| 8 | 0.01020 ± 0.00100 |" in text and "| yes |" in text
+    assert "4 and 8 particles agree (read at 30 prefixes, 30 planned before they were measured)" in text
+    assert "named Algorithm 1 (twisted SMC, 4 particles)" in text
+    assert "(Algorithm 1 (twisted SMC, 4 particles))" in text  # the setup sentence
+    assert "Algorithm 1 (twisted SMC, 4 particles), on 40 fresh prefixes (80 generations)" in text  # the claim
+
+    _tool("--run", run, "--dir", tmp_path / "fresh", "--out", page, "--twice", run2, "--twice-planned", 40)
+    text = page.read_text()
+    assert "Interim, 30 of the 40 prefixes planned, 10 to measure" in text and "| interim |" in text
+    assert "Algorithm 1 (" not in text and "twisted SMC, 4 particles, on 40 fresh prefixes" in text
+
+    shifted = tmp_path / "run8b"
+    shutil.copytree(run2, shifted)
+    for f in (shifted / "fresh").glob("part_*.json"):
+        p = json.loads(f.read_text())
+        p["tail_nats_per_generation"] = (np.asarray(p["tail_nats_per_generation"]) + 0.3).tolist()
+        f.write_text(json.dumps(p))
+    _tool("--run", run, "--dir", tmp_path / "fresh", "--out", page, "--twice", shifted)
+    text = page.read_text()
+    assert "4 and 8 particles disagree: the row is not converged" in text and "| **no** |" in text
+    assert "twisted SMC, 4 particles, not converged, on 40 fresh prefixes" in text
+    noisy = tmp_path / "run8c"
+    shutil.copytree(run2, noisy)
+    for f in (noisy / "fresh").glob("part_*.json"):
+        p = json.loads(f.read_text())
+        p["tail_nats_per_generation"] = (np.asarray(p["tail_nats_per_generation"])
+                                         + rng.normal(0, 0.5, (len(p["tail_nats_per_generation"]), 2))).tolist()
+        f.write_text(json.dumps(p))
+    _tool("--run", run, "--dir", tmp_path / "fresh", "--out", page, "--twice", noisy)
+    assert "convergence not shown" in page.read_text()
+
+    other = _fake_run(tmp_path, "run16", 16, 0.01)
+    r = _tool("--run", run, "--dir", tmp_path / "fresh", "--out", page, "--twice", other, check=False)
+    assert r.returncode == 2 and "particles 4 against 16 (twice them wanted)" in r.stderr
+    assert "Traceback" not in r.stderr
+    law = tmp_path / "run8d"
+    shutil.copytree(run2, law)
+    res = json.loads((law / "sequence_calibration.json").read_text())
+    (law / "sequence_calibration.json").write_text(json.dumps(res | {"law_horizon": 40}))
+    r = _tool("--run", run, "--dir", tmp_path / "fresh", "--out", page, "--twice", law, check=False)
+    assert r.returncode == 2 and "law_horizon 20 against 40" in r.stderr
+    r = _tool("--run", run, "--dir", tmp_path / "fresh", "--out", page, "--twice-planned", 3, check=False)
+    assert r.returncode == 2 and "go with --twice" in r.stderr
 
 
 def test_a_runs_settings_are_read_as_numbers_with_one_clear_error():

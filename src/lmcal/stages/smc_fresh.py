@@ -52,13 +52,16 @@ def fresh_setup(result: dict, config: dict, where: str = "the run") -> dict:
     out |= {"tail_particles": result.get("tail_particles"), "particles": c["params"].get("particles"),
             "alpha": c["params"].get("alpha"), "label": c.get("label"), "check": c,
             "heads_alpha": result["soft_value_alpha"].get("alpha"),
-            "sv_trained_at": _first_trained_at(result)}
+            "sv_trained_at": _first_trained_at(result), "alpha_stderr": c["params"].get("alpha_stderr"),
+            "fit_settled": _fit_settled(result, c), "converge_tol": result.get("converge_tol")}
     bad = [k for k in (*ints, "seed", "prefix_len", "samples_per_prefix", "horizon", "law_horizon", "tail_steps",
                        "num_prefixes", "particles") if not (isinstance(out[k], int) and not isinstance(out[k], bool))]
     bad += [k for k in ("alpha", "heads_alpha", "reference_test_ce_nats", "sv_explore", "lr", "sv_trained_at")
             if not (isinstance(out[k], (int, float)) and not isinstance(out[k], bool) and math.isfinite(out[k]))]
     bad += [k for k in ("score_tokens", "tail_particles", "goal_prefixes")
             if out[k] is not None and not (isinstance(out[k], int) and not isinstance(out[k], bool))]
+    bad += [k for k in ("alpha_stderr", "converge_tol") if out[k] is not None and not (
+        isinstance(out[k], (int, float)) and not isinstance(out[k], bool) and math.isfinite(out[k]))]
     if bad:
         raise LmcalError(f"{where}: {', '.join(bad)} in its result or settings are not what a sequence_calibration "
                          "run writes (numbers of the right kind): nothing was run.")
@@ -72,6 +75,15 @@ def _first_trained_at(result: dict):
     refits = sv.get("refits") if isinstance(sv.get("refits"), list) else []
     first = refits[0].get("trained_at_alpha") if refits and isinstance(refits[0], dict) else None
     return result.get("sv_alpha") if result.get("sv_alpha") is not None else first
+
+
+def _fit_settled(result: dict, c: dict) -> bool | None:
+    """Whether the fit of the check's study row (its twisted row of the same params) found its own root; None where
+    the run has no such row."""
+    row = next((r for r in result.get("rows") or [] if isinstance(r, dict) and r.get("method") == "smc"
+                and r.get("variant") == "twisted" and r.get("params") == c["params"]), None)
+    fit = row.get("fit") if row else None
+    return fit.get("settled") is True if isinstance(fit, dict) else None
 
 
 def check_model(lm, test_tokens: torch.Tensor, s: dict) -> float:
