@@ -303,16 +303,14 @@ def twice(args, s: dict, parts: list[tuple[int, int, dict]]) -> dict:
              f"paired by prefix; converged where the last tenths and the α*s agree within {Z:g} standard errors, both "
              f"fits settled, and the difference's {Z:g}-standard-error interval lies within ±{tol:g} nats "
              "(lmcal.stages.smc_study.mark_convergence, the study's rule):", "",
-             "| particles | α* | exp H, last tenth | vs the other, nats | s / generation | converged |",
-             "|---|---|---|---|---|---|"]
-    for r, ps in zip(rows, (parts, parts2), strict=True):
+             "| particles | α* | exp H, last tenth | vs the other, nats | converged |", "|---|---|---|---|---|"]
+    for r in rows:
         lv, e = (float(x) for x in clustered_mean(r["tail_nats_per_generation"]))
-        secs = sum(p["seconds"] for _, _, p in ps) / sum(p["tails"].size for _, _, p in ps)
         word = ("interim" if interim else {"agrees": "yes", "disagrees": "**no**", "not shown": "not shown"}
                 [r["convergence"]])
         lines.append(f"| {r['params']['particles']} | {r['params']['alpha']:.5f} ± {r['params']['alpha_stderr']:.5f} "
                      f"| {math.exp(lv):.1f} ± {math.exp(lv) * e:.1f} | {r['tail_against_nats']:+.3f} ± "
-                     f"{r['tail_against_stderr_nats']:.3f} | {secs:.1f} | {word} |")
+                     f"{r['tail_against_stderr_nats']:.3f} | {word} |")
     if own := own_prefixes(parts2, s2):
         lines += ["", f"The {s2['particles']}-particle row's parts, {own[0].lower()}{own[1:]}"]
     r = rows[0]
