@@ -157,7 +157,7 @@ def test_twice_the_particles_on_the_same_fresh_prefixes_names_the_row_by_the_stu
     rng = np.random.default_rng(1)
     base = rng.normal(4.6, 0.02, (40, 2))  # [prefix, S]: what both rows would give, up to a little noise
     _parts(tmp_path / "fresh", 4, 0.01, ((0, 20, "cpu"), (20, 40, "cpu")), lambda lo, hi: base[lo:hi])
-    _parts(run2 / "fresh", 8, 0.0102, ((0, 20, "cpu"), (20, 30, "cpu")),
+    _parts(run2 / "fresh", 8, 0.0102, ((0, 3, "cpu"), (3, 20, "cpu"), (20, 30, "cpu")),
            lambda lo, hi: base[lo:hi] + rng.normal(0, 0.005, (hi - lo, 2)))
     page = tmp_path / "page.md"
     _tool("--run", run, "--dir", tmp_path / "fresh", "--out", page, "--twice", run2, "--twice-planned", 30)
@@ -166,6 +166,7 @@ def test_twice_the_particles_on_the_same_fresh_prefixes_names_the_row_by_the_stu
     assert "| 4 | 0.01000 ± 0.00100 |" in text and "| 8 | 0.01020 ± 0.00100 |" in text and "| yes |" in text
     assert "4 and 8 particles agree (read at 30 prefixes, 30 planned before they were measured)" in text
     assert "named Algorithm 1 (twisted SMC, 4 particles)" in text
+    assert "The 8-particle row's parts, prefixes 0–2, the stage's own: " in text  # its stage's 3 fresh prefixes
     assert "(Algorithm 1 (twisted SMC, 4 particles))" in text  # the setup sentence
     assert "Algorithm 1 (twisted SMC, 4 particles), on 40 fresh prefixes (80 generations)" in text  # the claim
 
