@@ -53,7 +53,7 @@ from lmcal.models.step_lm import as_step_lm
 from lmcal.reporting.claims import units_to_decide, within
 from lmcal.reporting.docs import add_out_option, provenance, save_bench
 from lmcal.stages.smc_fresh import check_model, fresh_setup, heads_of, measure_part
-from lmcal.stages.smc_study import Z, label, mark_convergence, same_value
+from lmcal.stages.smc_study import Z, convergence_word, label, mark_convergence, study_differences
 from lmcal.stages.targets import load_checkpoint_and_data
 from lmcal.utils.boundary import boundary
 from lmcal.utils.device import apply_precision_policy
@@ -274,7 +274,7 @@ def twice(args, s: dict, parts: list[tuple[int, int, dict]]) -> dict:
     --twice-planned prefixes in common the reading is interim and the name the run's."""
     s2 = setup(args.twice)
     parts2 = read_parts(args.twice_dir or args.twice / "fresh", s2)
-    differ = [f"{k} {s[k]!r} against {s2[k]!r}" for k in SAME_LAW if not same_value(s[k], s2[k])]
+    differ = study_differences(s, s2, SAME_LAW)
     if s2["particles"] != 2 * s["particles"]:
         differ.insert(0, f"particles {s['particles']} against {s2['particles']} (twice them wanted)")
     if differ:
@@ -306,8 +306,7 @@ def twice(args, s: dict, parts: list[tuple[int, int, dict]]) -> dict:
              "| particles | α* | exp H, last tenth | vs the other, nats | converged |", "|---|---|---|---|---|"]
     for r in rows:
         lv, e = (float(x) for x in clustered_mean(r["tail_nats_per_generation"]))
-        word = ("interim" if interim else {"agrees": "yes", "disagrees": "**no**", "not shown": "not shown"}
-                [r["convergence"]])
+        word = "interim" if interim else convergence_word(r)
         lines.append(f"| {r['params']['particles']} | {r['params']['alpha']:.5f} ± {r['params']['alpha_stderr']:.5f} "
                      f"| {math.exp(lv):.1f} ± {math.exp(lv) * e:.1f} | {r['tail_against_nats']:+.3f} ± "
                      f"{r['tail_against_stderr_nats']:.3f} | {word} |")

@@ -23,7 +23,7 @@ from lmcal.core.sampling import random_prefixes
 from lmcal.core.soft_value import new_head, soft_value_twist
 from lmcal.data.batching import batchify
 from lmcal.errors import LmcalError
-from lmcal.stages.smc_study import fresh_tails
+from lmcal.stages.smc_study import fresh_tails, study_row_of
 from lmcal.stages.sv_heads import refit_alpha, train_heads
 
 HEADS_FORMAT = 1
@@ -80,8 +80,8 @@ def _first_trained_at(result: dict):
 def _fit_settled(result: dict, c: dict) -> bool | None:
     """Whether the fit of the check's study row (its twisted row of the same params) found its own root; None where
     the run has no such row."""
-    row = next((r for r in result.get("rows") or [] if isinstance(r, dict) and r.get("method") == "smc"
-                and r.get("variant") == "twisted" and r.get("params") == c["params"]), None)
+    rows = [r for r in result.get("rows") or [] if isinstance(r, dict) and {"method", "params", "variant"} <= r.keys()]
+    row = study_row_of(c, rows)
     fit = row.get("fit") if row else None
     return fit.get("settled") is True if isinstance(fit, dict) else None
 
