@@ -57,6 +57,38 @@ def test_a_truncated_results_json_is_redone_not_skipped(tmp_path, capsys):
     assert "done before, skipped" in _schedule(tmp_path, capsys).out  # and a whole one is skipped
 
 
+def test_the_report_runs_again_when_the_files_other_runs_add_beside_a_stage_change(tmp_path, capsys):
+    # e.g. bench/calibration_dose_row.py's dose_rows_*.json beside calibration.json, after the pipeline finished:
+    # the report takes them in on the next run, without FORCE and without running any stage again
+    cal = tmp_path / "cal"
+    cal.mkdir()
+
+    def report(cfg, out):
+        (out / "results.json").write_text(json.dumps({"rows": len(list(cal.glob("dose_rows_*.json")))}))
+
+    def run():
+        plan = _toy_plan(tmp_path)
+        plan[1] |= {"fn": report, "inputs": [cal / "dose_rows_*.json"]}
+        schedule(plan, None, tmp_path, {"a": {}, "report": {}}, 1, {})
+        return capsys.readouterr().out, json.loads((tmp_path / "results.json").read_text())["rows"]
+
+    out, rows = run()
+    assert "report: running" in out and rows == 0
+    out, rows = run()
+    assert "report: done before, skipped" in out and rows == 0
+    (cal / "dose_rows_gpu.json").write_text("{}")
+    (cal / "other.json").write_text("{}")  # not an input
+    out, rows = run()
+    assert "a: done before, skipped" in out and "report: running" in out and rows == 1
+    out, rows = run()
+    assert "report: done before, skipped" in out and rows == 1
+    (cal / "dose_rows_gpu.json").write_text('{"rows": []}')  # rewritten: another size
+    assert "report: running" in run()[0]
+    (cal / "dose_rows_gpu.json").unlink()
+    out, rows = run()
+    assert "report: running" in out and rows == 0
+
+
 def _dead_pid() -> int:
     p = subprocess.Popen([sys.executable, "-c", ""])
     p.wait()

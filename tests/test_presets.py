@@ -58,6 +58,9 @@ def test_every_reproduce_profile_plans_valid_stages(profile, tmp_path):
         return
     stages = plan(cfg)
     assert [s["name"] for s in stages][:2] == ["base", "tau_models"] and stages[-1]["name"] == "report"
+    cal = [s["dir"] for s in stages if s["name"] == "calibration"]
+    if cal:  # the rows other runs add beside calibration.json, which the report reads (results.dose_row_files)
+        assert stages[-1]["inputs"] == [cal[0] / "dose_rows_*.json"]
     for st in stages:
         assert stage_settings(st, cfg)
 

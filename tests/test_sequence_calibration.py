@@ -643,6 +643,17 @@ def test_convergence_must_be_shown_not_merely_not_refuted():
     assert "no number of generations would show agreement while the difference stays at 0.120 nats" in (
         converged_summary(far))
     assert "; 4 and 8 particles disagree (-0.200 ± 0.011 nats), so none" in converged_summary(apart)
+    # a fit without its root: its α* is not the law's, so K and 2K are not compared, whatever their last tenths say
+    unsettled = rows(0.05)
+    unsettled[0]["fit"] = {**unsettled[0]["fit"], "settled": False}
+    mark_convergence(unsettled, 0.1)
+    assert [r["convergence"] for r in unsettled] == ["disagrees"] * 2
+    assert ("; 4 and 8 particles are not compared: the 4-particle fit found no root (last tenths +0.000 ± 0.011 "
+            "nats), so none") in converged_summary(unsettled)
+    unsettled[1]["params"] = {**unsettled[1]["params"], "alpha": 0.02}  # and α*s apart: they disagree
+    mark_convergence(unsettled, 0.1)
+    assert "4 and 8 particles disagree (α* -0.0100 ± 0.0028; the 4-particle fit found no root)" in (
+        converged_summary(unsettled))
     # each pair its own count: a wide but near pair, and a pair already beyond tol, which no count can show
     wide, off = dict(quiet[0]), dict(quiet[1])
     for r, d, se, against in ((wide, 0.02, 0.3, 8), (off, 0.11, 0.1, 16)):

@@ -162,7 +162,10 @@ def plan(cfg: DictConfig) -> list[dict]:
                            "cmd": ev + ["stages=[memory]", "analysis.memory.limited=window", f"analysis.memory.tau={t}",
                                         "task_name=transformer_memory_window", f"hydra.run.dir={wdir}"]})
     names = [st["name"] for st in stages] + ["report"]
+    # inputs: files other runs add that the report reads (the dose-response rows beside calibration.json,
+    # bench/calibration_dose_row.py): when they change, the report runs again though every stage is done
     stages.append({"name": "report", "dir": out, "done": [out / "results.json", out / "REPORT.md"],
+                   "inputs": [out / cfg.dataset / "calibration" / "dose_rows_*.json"],
                    "fn": functools.partial(report, names=names), "deps": names[:-1]})
     return stages
 

@@ -126,6 +126,13 @@ def finished_file(path: Path) -> bool:
     return r is not None and why is None
 
 
+def inputs_seen(stage: dict) -> list[list]:
+    """The files matching a stage's `inputs` patterns (files outside the plan that it reads), each as [path, size,
+    mtime in ns], in a fixed order: a stage recorded with other inputs than these is not done."""
+    files = sorted(p for pattern in stage.get("inputs", []) for p in Path(pattern).parent.glob(Path(pattern).name))
+    return [[str(p), p.stat().st_size, p.stat().st_mtime_ns] for p in files]
+
+
 def stop(runs: dict) -> None:
     """Ends the stages still running, each with its process group (a failure elsewhere, Ctrl-C, SIGTERM, SIGHUP): a
     rerun resumes them."""
@@ -166,10 +173,12 @@ def schedule(stages: list[dict], cfg: DictConfig, out: Path, current: dict, jobs
                 todo.remove(stage)
                 number[name] = len(number) + 1  # in the order stages start, so that numbers never jump back
                 record = out / "stages" / f"{name}.json"
-                rec = {"dir": str(stage["dir"]), "cmd": stage.get("cmd"), "settings": current[name]}
+                rec = {"dir": str(stage["dir"]), "cmd": stage.get("cmd"), "settings": current[name],
+                       **({"inputs": inputs_seen(stage)} if "inputs" in stage else {})}
                 before = stage_record(record)  # (None when it is not whole: not done, with a warning)
                 if (before is not None and before.get("status") == "done" and not ran & set(stage["deps"])
-                        and all(finished_file(p) for p in stage["done"])):
+                        and all(finished_file(p) for p in stage["done"])
+                        and before.get("inputs", []) == rec.get("inputs", [])):
                     print(f"[{number[name]}/{total}] {name}: done before, skipped", flush=True)
                     if before.get("settings") != rec["settings"]:  # the tau-models of a longer taus list
                         write_json_atomic(record, {**before, **rec})

@@ -19,7 +19,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from lmcal.errors import LmcalError
-from lmcal.pipeline.schedule import check_finished, finished_file, progress_line, stage_command
+from lmcal.pipeline.schedule import check_finished, finished_file, inputs_seen, progress_line, stage_command
 from lmcal.reporting.results import stage_record
 from lmcal.utils.io import write_json_atomic
 from lmcal.utils.settings import CONF_DIR
@@ -150,15 +150,16 @@ def schedule_slurm(stages: list[dict], cfg: DictConfig, out: Path, current: dict
         cancel({n: j for n, j in jobs.items() if runs[n]["state"] != FINAL_OK})
         raise
     report, record = stages[-1], out / "stages" / "report.json"
-    if (not ran and (stage_record(record) or {}).get("status") == "done"
-            and all(finished_file(p) for p in report["done"])):
+    before, inputs = stage_record(record) or {}, inputs_seen(report)
+    if (not ran and before.get("status") == "done" and all(finished_file(p) for p in report["done"])
+            and before.get("inputs", []) == inputs):
         print(f"[{total}/{total}] report: done before, skipped", flush=True)
         return
     print(f"[{total}/{total}] report: running", flush=True)
     t0 = time.perf_counter()
     report["fn"](cfg, out)
-    write_json_atomic(record, {"status": "done", "seconds": time.perf_counter() - t0,
-                                                       "dir": str(out), "cmd": None, "settings": current["report"]})
+    write_json_atomic(record, {"status": "done", "seconds": time.perf_counter() - t0, "dir": str(out), "cmd": None,
+                               "settings": current["report"], "inputs": inputs})
     print(f"[{total}/{total}] report: done in {time.perf_counter() - t0:.0f} s", flush=True)
 
 

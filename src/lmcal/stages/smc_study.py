@@ -314,6 +314,22 @@ def _pairs_not_shown(noisy: list[dict], tol: float) -> str:
             f"errors with {n:,} generations a row: {'; '.join(parts)}")
 
 
+def _apart(r: dict, other: dict) -> str:
+    """Why K and 2K particles are not one law (mark_convergence's 'disagrees'): their last tenths or α*s differ
+    beyond Z standard errors, or a fit found no root, so that its α* is not the law's."""
+    k, o = r["params"]["particles"], other["params"]["particles"]
+    d, se = r["tail_against_nats"], r["tail_against_stderr_nats"]
+    da = r["params"]["alpha"] - other["params"]["alpha"]
+    da_se = math.hypot(r["params"]["alpha_stderr"], other["params"]["alpha_stderr"])
+    why = ([f"{d:+.3f} ± {se:.3f} nats"] if abs(d) > Z * se else []) + (
+        [f"α* {da:+.4f} ± {da_se:.4f}"] if abs(da) > Z * da_se else [])
+    unsettled = [str(x["params"]["particles"]) for x in (r, other) if not x["fit"]["settled"]]
+    no_root = f"the {' and '.join(unsettled)}-particle fit{'s' if len(unsettled) > 1 else ''} found no root"
+    if why:
+        return f"{k} and {o} particles disagree ({'; '.join(why + ([no_root] if unsettled else []))})"
+    return f"{k} and {o} particles are not compared: {no_root} (last tenths {d:+.3f} ± {se:.3f} nats)"
+
+
 def converged_summary(rows: list[dict]) -> str:
     """Which count converged, per sampler, and what it cost: one sentence."""
     parts = []
@@ -333,10 +349,9 @@ def converged_summary(rows: list[dict]) -> str:
         else:
             noisy = [r for r in vs if r.get("convergence") == "not shown"]
             why = f" ({_pairs_not_shown(noisy, tol)})" if noisy else ""
-            apart = "; ".join(f"{r['params']['particles']} and {r['converged_against']} particles disagree "
-                              f"({r['tail_against_nats']:+.3f} ± {r['tail_against_stderr_nats']:.3f} nats)"
-                              for r in vs if r.get("convergence") == "disagrees"
-                              and r["converged_against"] > r["params"]["particles"])
+            by_k = {r["params"]["particles"]: r for r in vs}
+            apart = "; ".join(_apart(r, by_k[r["converged_against"]]) for r in vs if r.get("convergence") ==
+                              "disagrees" and r["converged_against"] > r["params"]["particles"])
             parts.append(f"{name} is not shown to converge at any count run ({counts}): no K agrees with 2K{within} at "
                          f"{Z:g} standard errors{why}{'; ' + apart if apart else ''}, so none of its rows is reported "
                          "as Algorithm 1.")
