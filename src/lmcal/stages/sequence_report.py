@@ -5,7 +5,7 @@ writes it; bench/sequence_goal.py and REPORT.md reuse it)."""
 from __future__ import annotations
 
 from lmcal.stages.smc_generations import drawn_seeds
-from lmcal.stages.smc_study import label, study_table
+from lmcal.stages.smc_study import converged_summary, label, study_table
 from lmcal.utils.numbers import format_ce, format_params
 
 
@@ -87,7 +87,7 @@ def sequence_table(result: dict) -> str:
               "EntRate(α*) "
               "on the fit's own particles, zero at the root up to its tolerance; test CE at the row's own count, with "
               "log Ẑ's estimated downward bias in brackets, per word):", "", study_table(study).rstrip("\n"), "",
-              result["convergence"]]
+              converged_summary(study)]  # from the rows, as the table: the wording of this code, not the run's
     sv = result.get("soft_value_alpha")
     if sv:
         lines += ["", f"Soft-value heads: α = {sv['alpha']:.4f} ± {sv['alpha_stderr']:.4f}, fitted on their own exact "
