@@ -30,7 +30,7 @@ from pathlib import Path
 from lmcal.reporting.claims import sequence_goal_claims, units_to_decide, within
 from lmcal.reporting.docs import add_out_option, save_bench, tee
 from lmcal.stages.sequence_report import seeds_phrase, sequence_table
-from lmcal.stages.smc_study import converged_summary, join_study, law_rate, study_row_of
+from lmcal.stages.smc_study import join_study, law_rate, study_row_of
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -90,8 +90,7 @@ def main(argv: list[str] | None = None) -> None:
          f"rows measured again on {result.get('goal_prefixes') or result['smc_prefixes']} fresh ones, horizon "
          f"{result['horizon']} (law over {result['law_horizon']} words).")
     emit("")
-    # the stage's tables and sentences, as this commit writes them from the rows it wrote
-    result["convergence"] = converged_summary([r for r in result["rows"] if r["method"] == "smc"])
+    # the stage's tables and sentences, as this commit writes them from the rows it wrote (sequence_table)
     joined = [r for r in result["rows"] if r["method"] == "smc" and r.get("converged")
               and (r["variant"], r["params"]["particles"]) not in before]
     emit(sequence_table(result).rstrip())

@@ -133,6 +133,13 @@ def inputs_seen(stage: dict) -> list[list]:
     return [[str(p), p.stat().st_size, p.stat().st_mtime_ns] for p in files]
 
 
+def done_before(before: dict | None, stage: dict, inputs: list[list]) -> bool:
+    """A stage whose record says done, whose done files are whole, and whose inputs (inputs_seen) are those it read
+    then: it is skipped (its dependencies not run again: the caller's part)."""
+    return (before is not None and before.get("status") == "done" and all(finished_file(p) for p in stage["done"])
+            and before.get("inputs", []) == inputs)
+
+
 def stop(runs: dict) -> None:
     """Ends the stages still running, each with its process group (a failure elsewhere, Ctrl-C, SIGTERM, SIGHUP): a
     rerun resumes them."""
@@ -176,9 +183,7 @@ def schedule(stages: list[dict], cfg: DictConfig, out: Path, current: dict, jobs
                 rec = {"dir": str(stage["dir"]), "cmd": stage.get("cmd"), "settings": current[name],
                        **({"inputs": inputs_seen(stage)} if "inputs" in stage else {})}
                 before = stage_record(record)  # (None when it is not whole: not done, with a warning)
-                if (before is not None and before.get("status") == "done" and not ran & set(stage["deps"])
-                        and all(finished_file(p) for p in stage["done"])
-                        and before.get("inputs", []) == rec.get("inputs", [])):
+                if not ran & set(stage["deps"]) and done_before(before, stage, rec.get("inputs", [])):
                     print(f"[{number[name]}/{total}] {name}: done before, skipped", flush=True)
                     if before.get("settings") != rec["settings"]:  # the tau-models of a longer taus list
                         write_json_atomic(record, {**before, **rec})

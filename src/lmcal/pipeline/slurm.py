@@ -19,7 +19,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from lmcal.errors import LmcalError
-from lmcal.pipeline.schedule import check_finished, finished_file, inputs_seen, progress_line, stage_command
+from lmcal.pipeline.schedule import check_finished, done_before, inputs_seen, progress_line, stage_command
 from lmcal.reporting.results import stage_record
 from lmcal.utils.io import write_json_atomic
 from lmcal.utils.settings import CONF_DIR
@@ -129,8 +129,7 @@ def schedule_slurm(stages: list[dict], cfg: DictConfig, out: Path, current: dict
                 continue
             record = out / "stages" / f"{name}.json"
             rec = {"dir": str(stage["dir"]), "cmd": stage.get("cmd"), "settings": current[name]}
-            if ((stage_record(record) or {}).get("status") == "done" and not ran & set(stage["deps"])
-                    and all(finished_file(p) for p in stage["done"])):
+            if not ran & set(stage["deps"]) and done_before(stage_record(record), stage, []):
                 print(f"[{index[name]}/{total}] {name}: done before, skipped", flush=True)
                 continue
             ran.add(name)
@@ -150,9 +149,8 @@ def schedule_slurm(stages: list[dict], cfg: DictConfig, out: Path, current: dict
         cancel({n: j for n, j in jobs.items() if runs[n]["state"] != FINAL_OK})
         raise
     report, record = stages[-1], out / "stages" / "report.json"
-    before, inputs = stage_record(record) or {}, inputs_seen(report)
-    if (not ran and before.get("status") == "done" and all(finished_file(p) for p in report["done"])
-            and before.get("inputs", []) == inputs):
+    inputs = inputs_seen(report)
+    if not ran and done_before(stage_record(record), report, inputs):
         print(f"[{total}/{total}] report: done before, skipped", flush=True)
         return
     print(f"[{total}/{total}] report: running", flush=True)

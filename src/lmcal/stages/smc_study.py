@@ -125,6 +125,12 @@ def _ms(lm, s: StudySetup, alpha: float, k: int, twist) -> float:
     return 1000.0 * r.seconds / r.tokens.numel()
 
 
+def _alpha_gap(r: dict, other: dict) -> tuple[float, float]:
+    """Two SMC rows' α* difference and its standard error (independent fits)."""
+    a, b = r["params"], other["params"]
+    return a["alpha"] - b["alpha"], math.hypot(a["alpha_stderr"], b["alpha_stderr"])
+
+
 def mark_convergence(rows: list[dict], tol: float | None = 0.1) -> None:
     """Sets each SMC row's "converged" (True, False, or None where no row of twice or half its particles exists),
     "converged_against" (that count) and "convergence" ('agrees', 'disagrees', 'not shown' or None): K agrees with
@@ -140,8 +146,7 @@ def mark_convergence(rows: list[dict], tol: float | None = 0.1) -> None:
                 continue
             d, d_se = clustered_mean(np.asarray(r["tail_nats_per_generation"])
                                      - np.asarray(other["tail_nats_per_generation"]))
-            pa, pb = r["params"], other["params"]
-            da, da_se = pa["alpha"] - pb["alpha"], math.hypot(pa["alpha_stderr"], pb["alpha_stderr"])
+            da, da_se = _alpha_gap(r, other)
             agree = bool(abs(d) <= Z * d_se and abs(da) <= Z * da_se and r["fit"]["settled"]
                          and other["fit"]["settled"])  # and both fits found their own root
             shown = bool(tol is None or abs(d) + Z * d_se <= tol)
@@ -319,8 +324,7 @@ def _apart(r: dict, other: dict) -> str:
     beyond Z standard errors, or a fit found no root, so that its α* is not the law's."""
     k, o = r["params"]["particles"], other["params"]["particles"]
     d, se = r["tail_against_nats"], r["tail_against_stderr_nats"]
-    da = r["params"]["alpha"] - other["params"]["alpha"]
-    da_se = math.hypot(r["params"]["alpha_stderr"], other["params"]["alpha_stderr"])
+    da, da_se = _alpha_gap(r, other)
     why = ([f"{d:+.3f} ± {se:.3f} nats"] if abs(d) > Z * se else []) + (
         [f"α* {da:+.4f} ± {da_se:.4f}"] if abs(da) > Z * da_se else [])
     unsettled = [str(x["params"]["particles"]) for x in (r, other) if not x["fit"]["settled"]]
