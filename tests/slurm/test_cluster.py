@@ -33,11 +33,14 @@ def test_a_cluster_killed_mid_job_starts_again_fresh(slurm_cluster, tmp_path):
     r = _run(["sbatch", "--parsable", "--wrap", "sleep 600", f"--chdir={tmp_path}"], env)
     assert r.returncode == 0, r.stderr
     job = r.stdout.strip().split(";")[0]
-    deadline = time.time() + 60
-    while _run(["squeue", "-h", "-j", job, "-o", "%t"], env).stdout.strip() != "R" and time.time() < deadline:
+    # squeue says R once the controller has handed the job to slurmd, which may not yet have forked the batch script:
+    # wait for the script's own process, not only the state.
+    deadline, script, state = time.time() + 60, [], ""
+    while not (state == "R" and script) and time.time() < deadline:
         time.sleep(0.5)
-    script = subprocess.run(["pgrep", "-f", f"{folder}/spool/job"], capture_output=True, text=True).stdout.split()
-    assert script, "the job's script is not running"
+        state = _run(["squeue", "-h", "-j", job, "-o", "%t"], env).stdout.strip()
+        script = subprocess.run(["pgrep", "-f", f"{folder}/spool/job"], capture_output=True, text=True).stdout.split()
+    assert script, f"the job's script is not running (squeue state {state!r} after 60 s)"
     steps = subprocess.run(["pgrep", "-x", "slurmstepd"], capture_output=True, text=True).stdout.split()
     daemons = [int((folder / f"{d}.pid").read_text()) for d in ("slurmd", "slurmctld", "munged")]
     for pid in [*map(int, steps), *daemons]:
