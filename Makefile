@@ -39,7 +39,7 @@ test-slurm: $(STAMP) ## the Slurm tier: a single-node Slurm cluster on loopback 
 	$(PY) -m pytest -m slurm tests/slurm -s
 
 lint: $(STAMP) ## ruff
-	$(VENV)/bin/ruff check src tests bench
+	$(VENV)/bin/ruff check src tests bench tools
 
 bench: $(STAMP) ## training throughput and FLOP utilisation (prints a Markdown table)
 	$(PY) bench/train_throughput.py
@@ -47,7 +47,7 @@ bench: $(STAMP) ## training throughput and FLOP utilisation (prints a Markdown t
 # On a GPU machine as it comes (a Python with a CUDA torch, no registry): `make gpu-check PY=python3` uses that Python
 # and its torch, no venv; what it lacks of Hydra and OmegaConf travels as wheels from `make gpu-wheels` (.whl/).
 gpu-check: $(if $(filter $(VENV)/bin/python,$(PY)),$(STAMP)) ## the CUDA path in <= 9 min: gpu tests, Lightning steps, lookahead, CPU against CUDA (PY=python3 on a bare GPU machine; report in outputs/gpu-check/)
-	$(PY) bench/gpu_check.py $(GPU_ARGS)
+	$(PY) tools/gpu_check.py $(GPU_ARGS)
 
 GPU_PYTHON ?= 3.12
 gpu-wheels: ## fetch (needs a registry) the pure-Python wheels a bare GPU machine's Python lacks into .whl/ (GPU_PYTHON=3.12)

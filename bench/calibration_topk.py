@@ -6,7 +6,7 @@ rule's law keeps of exact lookahead's, the fits (CE(alpha), CE'(alpha), alpha*),
         [--calibration RUN/ptb/calibration/calibration.json] [--rules top-16 top-256 cover-0.95]
         [--multiples 1 3 10] [--approximation 30 10] [--timing] [--skip-fits]
 
-1. The approximation table (issue 40; --approximation G S, 0 0 to skip): at S positions of each of G plain
+1. The approximation table (--approximation G S, 0 0 to skip): at S positions of each of G plain
    generations (the calibration stage's first G prefixes, seed and horizon: from --calibration where given), every
    word's H_next exactly, and there E_{P_a}[H_next] - E_P[H_next] of exact lookahead against each of --rules' laws
    at a = k alpha* for each of --multiples (lmcal.stages.dose_response.approximation_table): what each rule keeps of

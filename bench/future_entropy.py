@@ -22,6 +22,7 @@ from pathlib import Path
 
 from lmcal.reporting.docs import save_bench
 from lmcal.stages.future_entropy import future_entropy_table
+from lmcal.utils.profiling import machine_line
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -59,7 +60,8 @@ def main(argv: list[str] | None = None) -> None:
         seen.add((h["horizon_k"], h["discount"]))
         quality.append(f"| {h['horizon_k']} | {h['discount']:g} | {h['train_examples']:,} | {h['r2']:.3f} | "
                        f"{h['rmse_nats']:.3f} | {h['target_mean_nats']:.2f} ± {h['target_std_nats']:.2f} |")
-    body = (f"{r['model']} on {r['corpus']}: {r['num_prefixes'] * r['samples_per_prefix']} generations of "
+    body = (f"{machine_line()}\n\n"
+            f"{r['model']} on {r['corpus']}: {r['num_prefixes'] * r['samples_per_prefix']} generations of "
             f"{r['horizon']} words; test CE on {r['test_tokens']:,} test words; heads fitted on {r['fit_tokens']:,} "
             f"validation positions, trained on {r['rollout_examples']:,} rollout examples ({r['rollouts']} rollouts, "
             f"{r['rollout_model_steps']:,} model steps); stage time {r['seconds']:.0f} s.\n\n"

@@ -13,12 +13,13 @@ import argparse
 import time
 
 import torch
-from train_throughput import build, matmul_flops  # bench/ is on sys.path when run as a script
+from train_throughput import build  # bench/ is on sys.path when run as a script
 
 from lmcal.core.entropy_rate import generation_entropy_curve
 from lmcal.models.awd_lstm import matmul_params
 from lmcal.models.step_lm import LSTMStepLM
 from lmcal.reporting.docs import add_out_option, save_bench, tee
+from lmcal.utils.profiling import peak_flops
 
 
 def generated_per_s(lm, prefixes, horizon, samples, max_batch) -> float:
@@ -39,7 +40,7 @@ def main():
     args = ap.parse_args()
     emit, lines = tee()
     torch.manual_seed(0)
-    peak = matmul_flops("cpu")
+    peak = peak_flops("cpu")
     emit(f"{torch.get_num_threads()} threads, torch {torch.__version__}; float32 matmul {peak / 1e9:.1f} GFLOP/s")
     emit("| model | mode | generations | tokens/s | GFLOP/s | MFU | speed-up |")
     emit("|---|---|---|---|---|---|---|")

@@ -24,10 +24,10 @@ import time
 
 import torch
 from generation_speed import generated_per_s  # bench/ is on sys.path when run as a script
-from train_throughput import matmul_flops
 
 from lmcal.models.hf import HFCausalLM
 from lmcal.reporting.docs import add_out_option, save_bench, tee
+from lmcal.utils.profiling import peak_flops
 
 
 def hf_matmul_params(model) -> int:
@@ -109,7 +109,7 @@ def main():
     build_s = time.perf_counter() - t
     lm = HFCausalLM(model, device="cpu")
     n_params, n_mm = sum(p.numel() for p in model.parameters()), hf_matmul_params(model)
-    peak = matmul_flops("cpu")
+    peak = peak_flops("cpu")
     V = lm.vocab_size
     emit(f"{torch.get_num_threads()} threads, torch {torch.__version__}, transformers {__version__}; "
          f"float32 matmul {peak / 1e9:.1f} GFLOP/s (2048^3 torch.mm)")

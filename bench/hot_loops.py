@@ -6,7 +6,7 @@ replaced, in one run.
 
 Loops (random weights: speed does not depend on them; V = 10,000 words):
 - generation: `generation_entropy_curve` (entropy recorded, inverse-CDF sampling) at --generations generations of
-  --horizon words after 20-word prefixes, both LSTM sizes. Reference: the loop before issue 17 (float64 copy of the
+  --horizon words after 20-word prefixes, both LSTM sizes. Reference: the straightforward loop (float64 copy of the
   log-probs, clamped entropy, a float64 cumsum over the vocabulary).
 - exact lookahead: `lookahead_entropies` (every word's next entropy, V LSTM steps per position), small model.
   Reference: a step per candidate (log_softmax) then the clamped entropy, 8,192 candidates per forward.
@@ -23,7 +23,7 @@ import argparse
 import time
 
 import torch
-from train_throughput import build, matmul_flops  # bench/ is on sys.path when run as a script
+from train_throughput import build  # bench/ is on sys.path when run as a script
 
 from lmcal.core import calibration
 from lmcal.core.entropy_rate import generation_entropy_curve
@@ -31,6 +31,7 @@ from lmcal.core.sampling import uniforms
 from lmcal.models.awd_lstm import full_context_log_probs, limited_context_log_probs, matmul_params
 from lmcal.models.step_lm import LSTMStepLM
 from lmcal.reporting.docs import add_out_option, save_bench, tee
+from lmcal.utils.profiling import peak_flops
 
 
 def _old_entropy(logp):
@@ -86,7 +87,7 @@ def main():
     args = ap.parse_args()
     emit, lines = tee()
     torch.manual_seed(0)
-    peak = matmul_flops("cpu")
+    peak = peak_flops("cpu")
     emit(f"{torch.get_num_threads()} threads, torch {torch.__version__}; float32 matmul {peak / 1e9:.1f} GFLOP/s "
          "(2048^3, best of 3)")
     emit("")

@@ -29,6 +29,7 @@ from lmcal.core.sequence_exact import (
 from lmcal.data.markov import make_markov_chain
 from lmcal.models.oracles import DelayedDriftOracle, MarkovOracle
 from lmcal.reporting.docs import add_out_option, save_bench, tee
+from lmcal.utils.profiling import machine_line
 
 
 def models() -> tuple:
@@ -45,6 +46,7 @@ def main(argv: list[str] | None = None) -> None:
     add_out_option(ap, "law_profile")
     args = ap.parse_args(argv)
     emit, lines = tee()
+    emit(machine_line("cpu") + "\n")
     chain, lms = models()
     truth = MarkovOracle.from_chain(chain)
     emit("Entropies in nats per word, of the exact law at its exact α* (CE(α*) = EntRate(α*) over all L words); "

@@ -31,6 +31,7 @@ import time
 import torch
 
 from lmcal.reporting.docs import add_out_option, save_bench, tee
+from lmcal.utils.profiling import machine_line
 
 K = 81  # top-64 + the true word + 16 tail draws
 VERSIONS = ("before", "forks", "shared")
@@ -123,8 +124,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     emit, lines = tee()
     emit(f"GPT-2-small shape (vocab 50,257, n_embd 768, 12 heads) with {args.layers} layers, random weights; "
-         f"{args.rows} rows x {K} candidates after {args.prefix} tokens; {torch.get_num_threads()} threads, torch "
-         f"{torch.__version__}, CPU; budget {args.budget_gb:g} GB\n")
+         f"{args.rows} rows x {K} candidates after {args.prefix} tokens; CPU, {machine_line('cpu')}; budget "
+         f"{args.budget_gb:g} GB\n")
     emit("| version | chunk (candidates) | state held per candidate | peak allocated | peak resident | s per step | "
          "candidates/s |")
     emit("|---|---|---|---|---|---|---|")

@@ -31,6 +31,7 @@ from lmcal.core.memory import memory_summary
 from lmcal.data.markov import make_markov_chain, markov_conditional_entropy, markov_stationary, sample_markov
 from lmcal.models.oracles import MarkovOracle
 from lmcal.reporting.docs import save_bench
+from lmcal.utils.profiling import machine_line
 
 # the default Markov corpus (conf/data/markov.yaml corpus_kwargs)
 CHAIN = {"vocab_size": 16, "order": 2, "support": 3, "smoothing": 0.01, "seed": 0}
@@ -62,7 +63,8 @@ def main() -> None:
     oracle = MarkovOracle.from_chain(chain)
     keys = ("one", "two", "cross")
     labels = {"one": "P̂·P̃^α", "two": "P̂^β·P̃^α", "cross": "P̂·P̃^α cross-fitted"}
-    lines = [f"{args.runs} independent stationary streams of the order-{k} Markov source ({v} words, seed "
+    lines = [machine_line("cpu"), "",
+             f"{args.runs} independent stationary streams of the order-{k} Markov source ({v} words, seed "
              f"{CHAIN['seed']}) per length; the exact oracle as P̂, the same oracle on τ-token windows as P̃; "
              f"standard errors from the delete-one-block jackknife over blocks of {args.block:,} positions with the "
              "fit redone per block (one Newton step); the cross-fitted bound is judged with the one-parameter SE. "

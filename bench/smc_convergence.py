@@ -34,6 +34,7 @@ from lmcal.core.soft_value import soft_value_twist, train_soft_value
 from lmcal.data.markov import make_markov_chain, sample_markov
 from lmcal.models.oracles import DelayedDriftOracle, MarkovOracle
 from lmcal.reporting.docs import add_out_option, save_bench, tee
+from lmcal.utils.profiling import machine_line
 
 T, L = 100, 200
 
@@ -65,7 +66,7 @@ def main(argv: list[str] | None = None) -> None:
               "soft-value head": (soft_value_twist(orc, head), None)}
     emit(f"Delayed drifting oracle, law over {L} words read over {T}; exact α* = {a:.4f}; exact last-tenth surprisal "
          f"{exact:.3f} nats (the plain model's {plain:.3f}); {B} prefixes and {B} fit continuations; the head trained "
-         f"in {head_s:.0f} s; torch {torch.__version__}, {torch.get_num_threads()} threads\n")
+         f"in {head_s:.0f} s; {machine_line('cpu')}\n")
     emit("| sampler | particles | α* fitted at this count | last-tenth surprisal (nats) | vs exact (se) | ESS / K | "
          "ms / word |")
     emit("|---|---|---|---|---|---|---|")

@@ -33,25 +33,11 @@ from hydra.utils import instantiate
 
 from lmcal.models.awd_lstm import AWDLSTM, ar_tar, forward_chunked, matmul_params, repackage
 from lmcal.reporting.docs import add_out_option, save_bench, tee
+from lmcal.utils.profiling import peak_flops
 from lmcal.utils.settings import CONF_DIR
 
 CONFIGS = {"paper": ("awd_lstm", 20, 70), "small": ("awd_lstm_small", 32, 35)}  # model preset, batch, BPTT
 PEER_DROPOUTS = dict(dropout=0.4, dropouth=0.25, dropouti=0.4, dropoute=0.1, wdrop=0.5)  # the peers' "paper" set
-
-
-def matmul_flops(device: str, n: int = 2048, reps: int = 10) -> float:
-    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
-    best = 0.0
-    for _ in range(3):
-        for _ in range(2):
-            a @ b
-        sync(device)
-        t = time.perf_counter()
-        for _ in range(reps):
-            a @ b
-        sync(device)
-        best = max(best, 2 * n**3 * reps / (time.perf_counter() - t))
-    return best
 
 
 def sync(device: str) -> None:
@@ -198,7 +184,7 @@ def main():
     args = ap.parse_args()
     emit, lines = tee()
     torch.manual_seed(0)
-    peak = matmul_flops(args.device)
+    peak = peak_flops(args.device)
     emit(f"device {args.device}, {torch.get_num_threads()} threads, torch {torch.__version__}; float32 matmul "
          f"(2048^3, best of 3): {peak / 1e9:.1f} GFLOP/s")
     emit("")

@@ -336,13 +336,16 @@ def test_exact_markov_oracle_needs_no_calibration():
 def test_calibration_stage_before_is_the_mixture_and_tails_are_paired(lm, tmp_path):
     """With uniform_weight > 0 the "before" curve and cross-entropy are both the eps-mixture's; the tail keys are the
     paired difference of the two models' generations."""
-    from lmcal.stages.calibration import calibration_stage
+    from lmcal.stages import run_stage, target
+    from lmcal.stages.configs import CalibrationConfig
 
     valid = torch.randint(0, V, (300,), generator=torch.Generator().manual_seed(3))
     test = torch.randint(0, V, (60,), generator=torch.Generator().manual_seed(4))
     eps, kw = 0.3, dict(num_prefixes=4, samples_per_prefix=2, prefix_len=5, horizon=10, seed=1)
-    r = calibration_stage(lm, valid, test, tmp_path, fit_tokens=120, fit_streams=3, min_context=10, topk=3,
-                          tail_samples=2, score_streams=2, uniform_weight=eps, **kw)
+    r = run_stage("calibration", target(lm, valid=valid, test=test),
+                  CalibrationConfig(fit_tokens=120, fit_streams=3, min_context=10, topk=3, tail_samples=2,
+                                    score_streams=2, uniform_weight=eps, approximation=None, dose_response=None, **kw),
+                  tmp_path)
     assert r["fit_tokens"] == (40 - 10) * 3 and r["min_context"] == 10 and r["tail_samples"] == 2
     mixed = calibrated(lm, 0.0, epsilon=eps)
     prefixes = random_prefixes(valid, 4, 5, seed=1)

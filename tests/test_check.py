@@ -103,11 +103,11 @@ def _estimate_hours(text: str) -> float:
 
 
 def test_the_paper_profile_is_timed_at_the_measured_step_and_scheduled_as_it_runs(tmp_path):
-    """Issue 44: the AWD-LSTM trainings at the step measured on an H200 (docs/bench/gpu_check.md), a tau-model's step
-    counting its tau sequential steps (forward_chunked), not the base model's 70; the tau-models beside the base model
-    (jobs=2, not warm-started) and side by side under their launcher, sharing the GPU by time-slicing only; paper_full
-    keeps the paper's 500 epochs. Issue 40 adds about 2 h for the calibration's exact lookahead (the paper's: V model
-    steps a word) and its dose-response."""
+    """The AWD-LSTM trainings at the step measured on an H200 (tools/gpu_check.py), a tau-model's step counting its
+    tau sequential steps (forward_chunked), not the base model's 70; the tau-models beside the base model (jobs=2, not
+    warm-started) and side by side under their launcher, sharing the GPU by time-slicing only; paper_full keeps the
+    paper's 500 epochs; about 2 h for the calibration's exact lookahead (the paper's: V model steps a word) and its
+    dose-response."""
     text = check(load_profile(["profile=paper", f"out={tmp_path / 'p'}", "check=true"]))
     full = check(load_profile(["profile=paper_full", f"out={tmp_path / 'f'}", "check=true"]))
     assert 4.5 <= _estimate_hours(text) <= 5.6 < 10 <= _estimate_hours(full)

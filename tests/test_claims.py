@@ -8,14 +8,6 @@ import pytest
 from lmcal.reporting import claims as C
 
 
-def test_the_earlier_module_path_is_the_same_module():
-    """`lmcal.pipeline.claims`, the path earlier issues and users' scripts name, is lmcal.reporting.claims itself."""
-    import lmcal.pipeline.claims as earlier
-    from lmcal.pipeline.claims import effect_verdict
-
-    assert earlier is C and effect_verdict is C.effect_verdict
-
-
 def test_effect_verdict_branches():
     assert C.effect_verdict(-0.1, 0.04) == "lowers"  # 2.5 se
     assert C.effect_verdict(0.1, 0.04) == "raises"
@@ -249,21 +241,3 @@ def test_an_smc_goal_rows_verdict_says_what_its_alpha_s_noise_would_move_it_by()
     assert c.verdict == bare.verdict == "undecided" and c.numbers["alpha_spread_nats"] == 0.034
     assert c.sentence == bare.sentence[:-1] + ("; that is the law at its fitted α*, and α*'s standard error would move "
                                                "its level by ±0.034 nats (±3%) more.")
-
-
-def test_units_to_decide_an_undecided_level():
-    """At 106.5 +- 3.5 on 600 prefixes (0.0329 nats) against 115.8: the lower edge 104.22 is 0.0217 nats away, so an
-    interval of 2 standard errors clears it at se = 0.0108 nats, 600 (0.0329 / 0.0108)^2 = 5,550 prefixes; there the
-    verdict turns within, one prefix fewer it stays undecided."""
-    level, se = math.log(106.5), 3.5 / 106.5
-    n = C.units_to_decide(level, se, 600, 115.8)
-    gap = level - math.log(0.9 * 115.8)
-    assert n == math.ceil(600 * (2 * se / gap) ** 2) and 5500 < n < 5600
-    shrunk = lambda k: se * math.sqrt(600 / k)  # noqa: E731
-    assert C.within("x", level, shrunk(n), 115.8).verdict == "within"
-    assert C.within("x", level, shrunk(n - 1), 115.8).verdict == "undecided"
-    # the upper edge, when it is the nearer one; nothing to decide where the verdict is made or cannot be
-    assert C.units_to_decide(math.log(125.0), 0.05, 100, 115.8) == math.ceil(100 * (0.1 / math.log(127.38 / 125)) ** 2)
-    assert C.units_to_decide(math.log(115.8), 0.01, 600, 115.8) is None  # within already
-    assert C.units_to_decide(math.log(150.0), 0.01, 600, 115.8) is None  # outside already
-    assert C.units_to_decide(level, None, 600, 115.8) is None and C.units_to_decide(level, se, 0, 115.8) is None

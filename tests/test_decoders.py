@@ -314,3 +314,30 @@ def test_rules_on_blocks_of_rows_are_the_rules_on_the_whole_batch(name, monkeypa
     extra = (torch.full((7,), 1.5, dtype=torch.float64),) if name == "mirostat" else ()
     call = (lambda lp, *a: rule(lp, *a)) if name == "mirostat" else (lambda lp: rule(lp, **params))
     assert torch.equal(D.by_rows(call, logp, *extra), call(logp, *extra))
+
+
+def test_the_stage_writes_one_row_per_method_paired_with_the_plain_model(tmp_path):
+    """run_stage("decoders", ...) on the Markov oracle: the plain model first, each method, the fitted temperature;
+    the plain row is paired with itself (a difference of 0), and its record, table and figure are written."""
+    import json
+
+    from lmcal.stages import run_stage, target
+
+    chain = make_markov_chain(vocab_size=8, order=1, support=3, smoothing=0.05, seed=1)
+    text = torch.from_numpy(sample_markov(chain.probs, 8, 1, 3000, 2))
+    settings = {"methods": [{"name": "top_k", "k": 2}], "fitted": ["temperature"], "num_prefixes": 3,
+                "samples_per_prefix": 2, "prefix_len": 5, "horizon": 10, "fit_tokens": 1000, "fit_streams": 5,
+                "score_tokens": 300, "score_streams": 3}
+    t = target(MarkovOracle.from_chain(chain), valid=text[:2000], test=text[2000:], name="oracle", corpus="markov")
+    r = run_stage("decoders", t, settings, tmp_path)
+    assert [x["method"] for x in r["rows"]] == ["model", "top_k", "fitted_temperature"]
+    assert r["rows"][0]["tail_diff_nats"] == 0 and r["reference_test_ce_nats"] == r["rows"][0]["test_ce_nats"]
+    assert r["rows"][1]["test_ce_nats"] is None and r["rows"][1]["zero_prob_fraction"] > 0  # top-2 of 3 words
+    assert not r["calibration_reused"] and json.loads((tmp_path / "decoders.json").read_text()) == r
+    assert "| top_k | k=2 |" in (tmp_path / "decoders.md").read_text()
+    assert (tmp_path / "decoders.png").stat().st_size > 1000
+    with pytest.raises(LmcalError, match=r"analysis\.decoders\.calibration_json=.*no\.json does not exist"):
+        run_stage("decoders", t, {**settings, "calibration_json": str(tmp_path / "no.json")}, tmp_path / "x")
+    with pytest.raises(LmcalError, match="A decoder needs a name"):
+        run_stage("decoders", t, {**settings, "methods": [{"p": 0.9}]}, tmp_path / "x")
+    assert not (tmp_path / "x").exists()

@@ -1,12 +1,16 @@
 """docs/RESULTS.md is regenerated from files runs wrote: reproduction snapshots and saved benchmark tables."""
 
 import json
+import shutil
+from pathlib import Path
 
 import pytest
 
 from lmcal.docs import main
 from lmcal.errors import LmcalError
 from lmcal.reporting.docs import provenance, render, save_bench, snapshot
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _fake_run(folder):
@@ -27,13 +31,17 @@ def test_results_md_comes_from_snapshots_and_saved_benchmarks(tmp_path):
     _fake_run(tmp_path / "run")
     dest = snapshot(tmp_path / "run", docs)
     assert dest == docs / "runs" / "smoke" and (dest / "figure2_entropy_rate.png").read_bytes() == b"png"
-    save_bench(docs / "bench" / "speed.md", "Speed", "| x | tokens/s |\n|---|---|\n| a | 12 |", command="python b.py")
+    save_bench(docs / "bench" / "speed.md", "Speed", "| x | tokens/s |\n|---|---|\n| a | 12 |\n\nfloat32 matmul "
+               "99.5 GFLOP/s", command="python b.py", result="a runs at 12 tokens/s.")
+    assert "*Command:* `python b.py`" in (docs / "bench" / "speed.md").read_text()
     text = render(docs)
     assert "## Reproduction, profile `smoke`" in text and "*Command:* `python -m lmcal.reproduce profile=smoke`" in text
     assert "### Entropy" in text and "| 1.5 | 2 |" in text  # the report's own table, a heading level down
     assert "![Figure 2](runs/smoke/figure2_entropy_rate.png)" in text  # figures point into the snapshot
     assert "| base | ptb/base |" in text  # links into the (uncopied) run folders become plain text
-    assert "## Benchmark: Speed" in text and "*Command:* `python b.py`" in text and "| a | 12 |" in text
+    # a benchmark is one line: its result, the matmul rate its page records, a link to the page (its tables stay there)
+    assert "- [Speed](bench/speed.md): a runs at 12 tokens/s. *(matmul 99.5 GFLOP/s)*" in text
+    assert "| a | 12 |" not in text
     main(["--docs", str(docs)])
     assert (docs / "RESULTS.md").read_text() == text
 
@@ -78,23 +86,51 @@ def test_a_snapshot_whose_provenance_has_wrong_types_changes_nothing(tmp_path, p
     assert not (tmp_path / "docs").exists()
 
 
-def test_results_md_writes_the_claims_an_older_report_lacks(tmp_path):
-    """issue 33: a snapshot whose REPORT.md predates lmcal.reporting.claims gets the effect sentences its results.json
-    supports, above its report; one whose REPORT.md holds them all gets nothing added."""
-    from pathlib import Path
+def test_rerender_writes_a_snapshots_report_from_its_results_json(tmp_path):
+    """A snapshot keeps only results.json and figures: its REPORT.md is written again from results.json alone, opening
+    with the claims table that RESULTS.md's rows share (lmcal.reporting.claims_table)."""
+    from lmcal.reporting.claims_table import claim_rows
+    from lmcal.reporting.docs import rerender
 
-    from lmcal.reporting.claims import results_claims
+    run = tmp_path / "cpu"
+    run.mkdir()
+    shutil.copyfile(ROOT / "tests" / "fixtures" / "cpu_results_2026-11-24.json", run / "results.json")
+    text = rerender(run).read_text()
+    r = json.loads((run / "results.json").read_text())
+    assert text.startswith("# lmcal reproduction: profile `cpu`") and "## Claims" in text
+    assert all("| " + " | ".join(row) + " |" in text for row in claim_rows(r))
 
-    # the cpu reproduction issue 33 read (2026-11-24), whose REPORT.md predated the claims module
-    cpu = json.loads((Path(__file__).resolve().parent / "fixtures" / "cpu_results_2026-11-24.json").read_text())
-    run = tmp_path / "docs" / "runs" / "cpu"
-    run.mkdir(parents=True)
-    (run / "results.json").write_text(json.dumps(cpu))
-    (run / "REPORT.md").write_text("# lmcal reproduction\n\nCalibration flattens the drift.\n")
+
+def test_results_md_opens_with_the_paper_against_lmcal_and_fits_600_lines(tmp_path):
+    """The project's own RESULTS.md, rendered from a copy of its docs/: the claims table first, every verdict that
+    lmcal.reporting.claims gives, at most 600 lines."""
+    import shutil
+
+    from lmcal.reporting.docs import DOCS
+
+    docs = tmp_path / "docs"
+    for sub in ("runs", "bench"):
+        shutil.copytree(DOCS / sub, docs / sub)
+    text = render(docs)
+    heads = [ln for ln in text.splitlines() if ln.startswith("## ")]
+    assert heads[0] == "## The paper against lmcal" and len(text.splitlines()) <= 600
+    table = text[text.index("| claim | paper | lmcal | ± se | shown at 2 se |"):text.index(heads[1])]
+    assert "| `cpu`: Calibration lowers the last tenth's entropy (nats) | -0.24 |" in table and "rules out" in table
+    assert "(bench/sequence_calibration.md)" in table and heads[-1] == "## Benchmarks"
+
+
+def test_a_benchmark_summary_is_tested_as_a_goal_row(tmp_path):
+    """bench/<page>.json, a study's level against its test perplexity: a row of the claims table, with the verdict
+    lmcal.reporting.claims.within gives."""
+    import math
+
+    bench = tmp_path / "docs" / "bench"
+    bench.mkdir(parents=True)
+    (tmp_path / "docs" / "runs").mkdir()
+    (bench / "study.md").write_text("## Study\n\n*Result:* close.\n")
+    (bench / "study.json").write_text(json.dumps({"label": "A row", "tail_nats": math.log(100.0),
+                                                  "tail_stderr_nats": 0.01, "test_ppl": 100.0}))
     text = render(tmp_path / "docs")
-    claims = results_claims(cpu)
-    assert "### What the numbers support" in text and all(c.sentence in text for c in claims)
-    assert text.index("### What the numbers support") < text.index("Calibration flattens the drift.")
-    assert "Calibration lowers the drift but does not flatten it" in text
-    (run / "REPORT.md").write_text("# lmcal reproduction\n\n" + "\n\n".join(c.sentence for c in claims) + "\n")
-    assert "### What the numbers support" not in render(tmp_path / "docs")
+    assert "| bench: [A row](bench/study.md): last tenth within 10% of the test perplexity 100.0 | " \
+           "equal (Algorithm 1) | 100.0 | 1.0 | yes (within) | – |" in text
+    assert "- [Study](bench/study.md): close." in text

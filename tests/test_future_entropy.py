@@ -196,19 +196,18 @@ def test_fused_step_is_the_tilted_law_and_the_fits_are_minima():
 
 def test_bad_settings_and_missing_inputs_are_one_paragraph(tmp_path):
     from lmcal.errors import LmcalError
+    from lmcal.stages import run_stage, target
     from lmcal.stages.future_entropy import heads_of
-    from lmcal.stages.registry import STAGES
 
     assert heads_of([1, 5], [1.0, 0.95]) == [(1, 1.0), (5, 1.0), (5, 0.95)]  # K = 1 once: it has no discount
     for k, d in ((0, 1.0), (2.5, 1.0), (5, 0.0), (5, 1.5), ("5", 1.0), (5, "x"), (True, 1.0)):
         with pytest.raises(LmcalError, match="horizon_k a positive integer and 0 < discount <= 1"):
             heads_of([k], [d])
-    target = {"lm": None, "valid": None, "test": None, "unit": "word", "name": "m", "corpus": "c"}
-    call = STAGES["future_entropy"].call
-    with pytest.raises(LmcalError, match=r"decoders_json=.*no\.json does not exist; run stages=\[decoders\] first"):
-        call(target, tmp_path, None, {}, decoders_json=str(tmp_path / "no.json"))
+    t = target(None, name="m", corpus="c")
+    with pytest.raises(LmcalError, match=r"analysis\.future_entropy\.decoders_json=.*no\.json does not exist"):
+        run_stage("future_entropy", t, {"decoders_json": str(tmp_path / "no.json")}, tmp_path)
     with pytest.raises(LmcalError, match="rollouts from the training text"):
-        call(target, tmp_path, None, {})
+        run_stage("future_entropy", t, {}, tmp_path)
     assert not any(tmp_path.iterdir())  # nothing written
 
 

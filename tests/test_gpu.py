@@ -2,7 +2,7 @@
 weight-dropped LSTM on CUDA against the CPU, a resume after the NT-ASGD switch with the module on CUDA, the
 lookahead's two paths under the TF32 policy, and a Hugging Face model's candidates sharing their rows' past on CUDA
 against the CPU's forks. Tolerances: float32 rounding with TF32 off (lmcal.utils.device). Without
-CUDA: the no-CUDA report, and gpu_check's side-by-side section (bench/device_compare.py) on two CPU runs, its comparator
+CUDA: the no-CUDA report, and gpu_check's side-by-side section (tools/device_compare.py) on two CPU runs, its comparator
 on made-up results (fast) and end to end (slow)."""
 
 import subprocess
@@ -184,7 +184,7 @@ def test_hf_candidates_sharing_their_rows_past_on_cuda_match_the_cpus_forks():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the no-CUDA half of make gpu-check")
 def test_gpu_check_without_cuda_says_it_needs_cuda_and_fails(tmp_path):
     report = tmp_path / "REPORT.md"
-    r = subprocess.run([sys.executable, "bench/gpu_check.py", "--out", str(report)],
+    r = subprocess.run([sys.executable, "tools/gpu_check.py", "--out", str(report)],
                        cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and "Traceback" not in r.stderr
     assert "Not run: this check needs CUDA." in report.read_text() and "needs CUDA" in r.stderr
@@ -194,7 +194,7 @@ def test_gpu_check_keeps_to_its_budget_and_reports_every_part(tmp_path):
     """A budget too small for any part: each is reported as not run, with the time that was left, in the one report
     the check writes (and its results.json beside it); the first line says what the machine gave it."""
     report = tmp_path / "REPORT.md"
-    r = subprocess.run([sys.executable, "bench/gpu_check.py", "--dry-run", "--parts", "train,lookahead",
+    r = subprocess.run([sys.executable, "tools/gpu_check.py", "--dry-run", "--parts", "train,lookahead",
                         "--budget-min", "0.4", "--out", str(report)], cwd=Path(__file__).resolve().parents[1],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
@@ -213,10 +213,10 @@ def test_precision_policy_is_set_explicitly_and_reported():
 
 
 def _device_compare():
-    """bench/device_compare.py (a bench script, not a package module), loaded from its path."""
+    """tools/device_compare.py (a tool script, not a package module), loaded from its path."""
     import importlib.util
 
-    path = Path(__file__).resolve().parents[1] / "bench" / "device_compare.py"
+    path = Path(__file__).resolve().parents[1] / "tools" / "device_compare.py"
     spec = importlib.util.spec_from_file_location("device_compare", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -284,7 +284,7 @@ def test_gpu_check_compares_two_cpu_runs_end_to_end(tmp_path):
     """`--compare-devices cpu,cpu` runs the side-by-side section without CUDA: every quantity within its tolerance,
     and, on one device, equal (seeds repeat runs exactly)."""
     report = tmp_path / "REPORT.md"
-    r = subprocess.run([sys.executable, "bench/gpu_check.py", "--out", str(report), "--compare-devices", "cpu,cpu"],
+    r = subprocess.run([sys.executable, "tools/gpu_check.py", "--out", str(report), "--compare-devices", "cpu,cpu"],
                        cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     text = report.read_text()

@@ -252,17 +252,18 @@ def test_calibration_stage_dose_response_and_approximation(oracle, tmp_path):
     table: exact lookahead keeps all of its own shift."""
     from lmcal.core.entropy_rate import clustered_mean
     from lmcal.core.sampling import random_prefixes
-    from lmcal.stages.calibration import calibration_stage
+    from lmcal.stages import run_stage, target
 
     lm, chain = oracle
     valid = torch.from_numpy(sample_markov(chain.probs, 16, 1, 900, 5))
     test = torch.from_numpy(sample_markov(chain.probs, 16, 1, 300, 6))
     rules = [{"topk": 3, "tail_samples": 2}, {"cover": 0.8, "tail_samples": 2}, {"topk": None}]
-    r = calibration_stage(lm, valid, test, tmp_path, fit_tokens=600, fit_streams=4, min_context=5, topk=3,
-                          tail_samples=2, score_streams=3, num_prefixes=6, samples_per_prefix=2, prefix_len=4,
-                          horizon=10, seed=1, approximation={"generations": 4, "steps": 3},
-                          dose_response={"multiples": [1, 3], "rules": rules, "num_prefixes": 6,
-                                         "samples_per_prefix": 2, "score_tokens": 150})
+    r = run_stage("calibration", target(lm, valid=valid, test=test),
+                  dict(fit_tokens=600, fit_streams=4, min_context=5, topk=3, tail_samples=2, score_streams=3,
+                       num_prefixes=6, samples_per_prefix=2, prefix_len=4, horizon=10, seed=1,
+                       approximation={"generations": 4, "steps": 3},
+                       dose_response={"multiples": [1, 3], "rules": rules, "num_prefixes": 6,
+                                      "samples_per_prefix": 2, "score_tokens": 150}), tmp_path)
     dr, ap = r["dose_response"], r["approximation"]
     assert [(x["multiple"], x["rule"]) for x in dr["rows"]] == [(k, lab) for lab in ("top-3", "cover 0.8", "exact")
                                                                 for k in (1, 3)]
@@ -299,8 +300,8 @@ def test_calibration_stage_dose_response_and_approximation(oracle, tmp_path):
 
 @pytest.mark.gpu
 def test_the_law_on_cuda_is_the_cpus():
-    """The calibrated law's rows, its fitted CE and the noise-free shifts on CUDA against the CPU (issue 40's GPU row
-    runs bench/calibration_dose_row.py there): the same candidates and draws, entropies to float rounding."""
+    """The calibrated law's rows, its fitted CE and the noise-free shifts on CUDA against the CPU: the same candidates
+    and draws, entropies to float rounding."""
     from lmcal.models.awd_lstm import AWDLSTM
     from lmcal.models.step_lm import LSTMStepLM
 

@@ -465,14 +465,14 @@ def test_crossfit_on_an_odd_number_of_blocks_scores_every_row_once(temperature):
 def test_memory_stage_with_window_rows_on_any_step_lm(tmp_path):
     """The stage itself on the oracle StepLM (no network): limited=window gives the oracle's exact answers."""
     from lmcal.models.oracles import MarkovOracle
-    from lmcal.stages.memory import memory_stage
+    from lmcal.stages import run_stage, target
 
     chain = make_markov_chain(vocab_size=MV, order=ORDER, support=3, smoothing=0.02, seed=0)
     pi = markov_stationary(chain.probs, MV, ORDER)
     w = torch.from_numpy(sample_markov(chain.probs, MV, ORDER, 20_000, 12, pi))
     h = [markov_conditional_entropy(chain.probs, MV, ORDER, m, pi) for m in range(ORDER + 1)]
-    r = memory_stage(MarkovOracle.from_chain(chain), None, w, w, tmp_path, limited="window", tau=1, corpus="markov",
-                     exact_mi_nats=h[1] - h[2])
+    oracle = target(MarkovOracle.from_chain(chain), valid=w, test=w, corpus="markov", exact_mi=h[1] - h[2])
+    r = run_stage("memory", oracle, {"limited": "window", "tau": 1}, tmp_path)
     assert r["limited"] == "window" and r["tau"] == 1 and r["test_tokens"] == 19_999 and r["blocks"] == 10
     assert abs(r["mi_upper_bound_nats"] - r["exact_mi_nats"]) < 3 * r["mi_stderr_nats"]
     assert set(r["two_parameter"]) >= {"alpha", "beta", "mi_upper_bound_nats", "mi_stderr_nats"}
@@ -480,6 +480,6 @@ def test_memory_stage_with_window_rows_on_any_step_lm(tmp_path):
     from lmcal.errors import LmcalError
 
     with pytest.raises(LmcalError, match="analysis.memory.tau=TAU"):
-        memory_stage(MarkovOracle.from_chain(chain), None, w, w, tmp_path, limited="window")
+        run_stage("memory", oracle, {"limited": "window"}, tmp_path)
     with pytest.raises(LmcalError, match="tau-limited model"):
-        memory_stage(MarkovOracle.from_chain(chain), None, w, w, tmp_path)
+        run_stage("memory", oracle, {}, tmp_path)

@@ -71,8 +71,7 @@ def test_memory_stage_rows_stream_device_and_auto_equal_cpu(tmp_path, markov_tex
     memory.json's numbers of rows=cpu exactly; the choice and the bytes it keeps are recorded; streamed CPU rows trim
     the C heap as they go (kept rows do not)."""
     from lmcal.models.oracles import MarkovOracle
-    from lmcal.stages import memory
-    from lmcal.stages.memory import memory_stage
+    from lmcal.stages import memory, run_stage, target
 
     trims = {}
     monkeypatch.setattr(memory, "TRIM_BYTES", 1)  # every chunk
@@ -80,17 +79,18 @@ def test_memory_stage_rows_stream_device_and_auto_equal_cpu(tmp_path, markov_tex
 
     chain, w = markov_text
     if limited == "window":
-        full, lim, extra = MarkovOracle.from_chain(chain), None, {"tau": 1}
+        t, extra = target(MarkovOracle.from_chain(chain), test=w, corpus="markov"), {"tau": 1}
     else:
         from lmcal.models.awd_lstm import AWDLSTM
 
         torch.manual_seed(0)
         kw = dict(vocab_size=MV, emb_size=8, hidden_size=12, num_layers=2)  # eval(): no dropout
         full, lim, extra = AWDLSTM(**kw).eval(), AWDLSTM(**kw, memory_tau=3).eval(), {}
+        t = target(lim, test=w, corpus="markov", kind="tau", net=lim, base=full)
     out = {}
     for rows in ("cpu", "device", "auto", "stream"):
-        out[rows] = memory_stage(full, lim, w, w, tmp_path / rows, limited=limited, rows=rows, cluster_size=500,
-                                 windows_per_batch=256, corpus="markov", **extra)
+        settings = {"limited": limited, "rows": rows, "cluster_size": 500, "windows_per_batch": 256, **extra}
+        out[rows] = run_stage("memory", t, settings, tmp_path / rows)
         assert json.loads((tmp_path / rows / "memory.json").read_text())["rows"] == out[rows]["rows"]
     n = out["cpu"]["test_tokens"]
     assert n == w.numel() - 1

@@ -58,8 +58,8 @@ def test_a_truncated_results_json_is_redone_not_skipped(tmp_path, capsys):
 
 
 def test_the_report_runs_again_when_the_files_other_runs_add_beside_a_stage_change(tmp_path, capsys):
-    # e.g. bench/calibration_dose_row.py's dose_rows_*.json beside calibration.json, after the pipeline finished:
-    # the report takes them in on the next run, without FORCE and without running any stage again
+    # e.g. dose_rows_*.json beside calibration.json, after the pipeline finished: the report takes them in on the
+    # next run, without FORCE and without running any stage again
     cal = tmp_path / "cal"
     cal.mkdir()
 

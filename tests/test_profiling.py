@@ -1,6 +1,7 @@
 """Where the time goes: exclusive span times add up, the profiled StepLM counts its FLOPs, and the report's table."""
 
 import json
+import re
 import time
 
 import pytest
@@ -80,3 +81,9 @@ def test_spans_synchronise_the_device_once_cuda_is_in_use(monkeypatch):
         calls.append("work")
     assert calls == ["sync", "work", "sync"]  # the device's work, not its launches
     assert profiling.matmul_flops(64, seconds=0.01, device="cpu") > 0
+
+
+def test_the_benchmarks_machine_line_names_threads_torch_and_the_matmul_rate():
+    line = profiling.machine_line("cpu", n=256)
+    assert re.fullmatch(rf"{torch.get_num_threads()} threads, torch {re.escape(torch.__version__)}; float32 matmul "
+                        r"\d+\.\d GFLOP/s \(256\^3\)", line), line

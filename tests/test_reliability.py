@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
 from omegaconf import open_dict
 
 from lmcal.errors import LmcalError
@@ -20,6 +21,8 @@ from lmcal.evaluate import evaluate
 from lmcal.models.checkpoint import read_checkpoint
 from lmcal.pipeline.plan import load_profile
 from lmcal.pipeline.reproduce import reproduce
+from lmcal.stages import STAGES
+from lmcal.stages.registry import settings_of
 from lmcal.train import train
 from lmcal.utils.io import temp_path, write_json_atomic
 from lmcal.utils.lock import LOCK_NAME, run_lock
@@ -173,6 +176,19 @@ def _hydra(v):
     return "null" if v is None else f"[{','.join(map(str, v))}]" if isinstance(v, list) else str(v)
 
 
+def _fits_schema(key: str, value) -> bool:
+    """Whether `value` has the type the stage's settings dataclass gives `key` (analysis.<stage>.<field>)."""
+    parts = key.split(".", 2)
+    if len(parts) < 3 or parts[1] not in STAGES:
+        return True
+    _, stage, field = parts
+    try:
+        settings_of(stage, {field: value})
+    except LmcalError as e:
+        return "Value" not in str(e)
+    return True
+
+
 @pytest.mark.parametrize("pattern", list(RULES))
 def test_each_range_rule_rejects_a_bad_value_before_a_wandb_folder_exists(pattern, tmp_path, data_overrides):
     value = _bad(RULES[pattern][0])
@@ -189,9 +205,13 @@ def test_each_range_rule_rejects_a_bad_value_before_a_wandb_folder_exists(patter
         data_overrides = ["data=powerlaw" if pattern.endswith("tail_exponent") else "data=markov"]
     transformer = pattern in ("model.n_positions", "model.n_embd", "model.n_layer", "model.n_head",
                               "model.attn_dropout", "model.embd_dropout")
-    cfg = _cfg("train", tmp_path, ["experiment=smoke", "logger=wandb", *(["model=hf"] if hf else []),
-                                   *(["model=transformer_small"] if transformer else []),
-                                   f"{key}={_hydra(value)}", *data_overrides])
+    overrides = ["experiment=smoke", "logger=wandb", *(["model=hf"] if hf else []),
+                 *(["model=transformer_small"] if transformer else []), f"{key}={_hydra(value)}", *data_overrides]
+    if key.startswith("analysis.") and not _fits_schema(key, value):  # the stage's schema refuses it at compose
+        with pytest.raises(ConfigCompositionException, match=rf"{key.replace('.', '[.]')}="):
+            _cfg("train", tmp_path, overrides)
+        return
+    cfg = _cfg("train", tmp_path, overrides)
     with pytest.raises(LmcalError, match=rf"{key.replace('.', '[.]')}={'null' if value is None else ''}"):
         train(cfg)
     assert not list(tmp_path.rglob("wandb")) and not list(tmp_path.rglob("*.ckpt"))

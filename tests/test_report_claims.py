@@ -24,26 +24,30 @@ EFFECT = re.compile(r"\b(lowers|raises|flattens|no better than|better than|withi
 
 
 def check_effect_sentences(report: str, res: dict, run: Path | None = None) -> list[str]:
-    """Asserts that every claim results.json supports is in the report, word for word, that each line of the report
-    stating an effect is one of them (the sequence_calibration goal too, from its json), and, apart
-    from the claims module, that the verdicts follow from the numbers. Returns the effect lines."""
+    """Asserts that every claim results.json supports is a row of the report's claims table, its verdict in the
+    'shown' column, that no line of prose states an effect (effects live in the tables), and, apart from the claims
+    module, that the verdicts follow from the numbers. Returns the claims table's rows checked."""
+    from lmcal.reporting.claims_table import claim_row, flags_table
+
     claims = calibration_claims(res) + memory_flags(res["memory"])
     fe_path = run / res["dataset"] / "future_entropy" / "future_entropy.json" if run else None
     if fe_path and fe_path.is_file():
         claims += best_head_claims(json.loads(fe_path.read_text()))
     claims += heads_claims(res.get("future_entropy"))
-    for c in claims:
-        assert c.sentence in report, c.sentence
     sc_path = run / res["dataset"] / "sequence_calibration" / "sequence_calibration.json" if run else None
     if sc_path and sc_path.is_file():
-        goal_claims = sequence_goal_claims(json.loads(sc_path.read_text()))
-        for c in goal_claims:
-            assert c.sentence in report, c.sentence
-        claims += goal_claims
-    generated = {c.sentence for c in claims}
-    lines = [ln for ln in report.splitlines() if EFFECT.search(ln)]
-    for ln in lines:
-        assert ln in generated, f"an effect stated in REPORT.md that no claim wrote: {ln}"
+        claims += sequence_goal_claims(json.loads(sc_path.read_text()))
+    lines = []
+    for c in claims:
+        row = claim_row(c)
+        if row is None:  # a memory flag: a row of its flags table
+            assert flags_table([c])[2] in report, c.sentence
+            continue
+        line = "| " + " | ".join(row) + " |"
+        assert line in report and f"({c.verdict.replace('_', ' ')})" in line, line
+        lines.append(line)
+    prose = [ln for ln in report.splitlines() if not ln.startswith("|") and EFFECT.search(ln)]
+    assert not prose, f"an effect stated in REPORT.md's prose: {prose}"
     # the verdicts, from the numbers themselves
     cal = res["calibration"]
     d, se = cal["tail_diff_nats"], cal["tail_diff_stderr_nats"]
@@ -97,16 +101,18 @@ def test_report_built_from_the_cpu_results_claims_only_what_they_show(tmp_path):
     # issue 33's readings of this run, now written by code: the tail effect is 2.5 se, the drift is lowered but not
     # flattened, calibration is not shown to be better than the fitted temperature, and the best head is chosen on its
     # own data
-    assert "Calibration lowers the mean entropy over the last tenth by 0.102 ± 0.040 nats (2.5 standard" in report
-    assert "Calibration lowers the drift but does not flatten it" in report
-    assert "Calibration is not shown to be better than the fitted temperature (T = 0.9901)" in report
-    assert "chosen among 8 on the same generations it is reported on (so optimistic)" in report
-    assert "flattens the drift:" not in report and "Closest to the test perplexity over the last tenth" not in report
-    assert len(lines) == 7  # calibration's three, the best head's and the heads', the transformer's two ΔCE < 0
+    assert "| Calibration lowers the last tenth's entropy (nats) | -0.24 | -0.102 | 0.040 | yes (lowers) |" in report
+    assert "| Calibration flattens the drift (change of the rise, nats) | flattens |" in report
+    assert "| no (less drift) |" in report
+    assert "beats the fitted temperature (difference, nats) | – |" in report and "| no (no better) |" in report
+    assert "| The best future-entropy head: last tenth within 10% of the test perplexity" in report
+    assert len(lines) == 6  # calibration's four, the best head's and the heads'
+    assert report.count("| ΔCE < 0 beyond 2 se |") == 2  # the transformer's two ΔCE < 0 shown
     # the setup of each section, and why the two EntRates of one model differ
-    assert "Setup (Table 1): AWD-LSTM 200/400/3; 500 generations; horizon 700 words." in report
-    assert "The uncalibrated model's EntRate here (187.6" in report and "Table 1's (202.4" in report
-    assert "warm-started from the base model" in report and "per-token top-16 mixture" in report
+    assert "| Table 1 | AWD-LSTM 200/400/3 | – | 500 | 700 | the model | – / – | – |" in report
+    assert "EntRate is the last step's entropy, which rises with the horizon: 187.6" in report
+    assert "202.4" in report
+    assert "warm-started from the base model" in report and "One top-16 law fits, scores and generates" in report
 
 
 def test_report_states_which_limit_calibration_meets_with_the_tables_behind_it(tmp_path):
@@ -140,21 +146,21 @@ def test_report_states_which_limit_calibration_meets_with_the_tables_behind_it(t
     report = _cpu_report(res, tmp_path)
     check_effect_sentences(report, res, tmp_path)
     limit = next(c for c in calibration_claims(res) if c.key == "calibration_limit")
-    assert limit.verdict == "approximation" and limit.sentence in report
-    assert "rules out the paper's -0.24 nats: it lies 3.5 standard errors from it." in report
+    assert limit.verdict == "approximation" and "| exact | -0.0200 | 0.0010 | yes (approximation) |" in report
+    assert "moves it by the paper's amount (nats) | -0.24 | -0.102 | 0.040 | no (rules out) |" in report
     assert "### What each candidate rule keeps of exact lookahead" in report and "### Dose-response" in report
     assert "| cover 0.95 (at most 512) | 430.5 | – |" in report
     gpu = "| 1α* = -0.0480 | exact (NVIDIA H100, its own plain generations) | 10,000.0 | -0.120 ± 0.050 | – |"
     assert gpu in report
-    assert "40 generations (40 prefixes, 1 each, fewer than the main rows' 300)" in report
-    assert "one top-16 law for the fit, the test CE and generation" in report
+    assert "Each has 40 generations of 200 words" in report
+    assert "One top-16 law fits, scores and generates" in report
     assert "figure_dose_response.png" in report
-    assert "exact's own α*, fitted on the same text (NVIDIA H100): -0.0412 ± 0.0071." in report
+    assert "exact's own α* (NVIDIA H100): -0.0412 ± 0.0071." in report
 
 
 def test_results_take_the_dose_rows_other_runs_added(tmp_path):
     """results.json's dose-response: the stage's rows without their per-generation numbers, and every
-    dose_rows_*.json beside calibration.json (bench/calibration_dose_row.py) as extra rows marked with their device,
+    dose_rows_*.json beside calibration.json as extra rows marked with their device,
     with the first rule's own alpha* where that run fitted it."""
     from lmcal.reporting.results import calibration_dose, dose_row_files
 

@@ -418,21 +418,27 @@ def test_delayed_drift_closes_under_smc_and_soft_values_but_not_one_step_lookahe
     assert np.abs((mc.mean - exact.numpy()) / mc.stderr).max() < 4.5
 
 
+def _stage(lm, text, out, **settings) -> dict:
+    """The sequence_calibration stage on a model of one's own: training, validation and test text cut from `text`."""
+    from lmcal.stages import run_stage, target
+
+    return run_stage("sequence_calibration", target(lm, train=text[:3000], valid=text[3000:4500], test=text[4500:]),
+                     settings, out)
+
+
 def test_the_stage_writes_its_rows_on_an_oracle(tmp_path):
     """The sequence_calibration stage end to end on the delayed drifting oracle (tiny settings): the plain model, the
     soft-value heads with their own α, SMC at each count untwisted and twisted (each with its own α*, fitted over the
     law's 2 x horizon words, its convergence against the other count, its test CE with log Ẑ's bias), the fitted
     temperature; the goal and the twisted row measured on fresh prefixes; results.json's rows."""
-    from lmcal.stages.sequence_calibration import STAGE, sequence_calibration_stage
+    from lmcal.stages.sequence_calibration import STAGE
 
     orc = _delayed()
     text = _windows(1, 6000, 9)[0]
-    r = sequence_calibration_stage(orc, text[:3000], text[3000:4500], text[4500:], tmp_path, particles=[2, 4],
-                                   fit_prefixes=8, sv_rollouts=16, sv_prefix=4, sv_steps=6, sv_iterations=2,
-                                   sv_backup_steps=3, hidden=8, rank=4, epochs=1, fit_tokens=600, fit_streams=4,
-                                   score_tokens=600, score_streams=4, timing_prefixes=2, timing_horizon=4,
-                                   timing_repeats=1, num_prefixes=6, samples_per_prefix=2, prefix_len=4, horizon=20,
-                                   max_batch=64, goal_prefixes=9)
+    r = _stage(orc, text, tmp_path, particles=[2, 4], fit_prefixes=8, sv_rollouts=16, sv_prefix=4, sv_steps=6,
+               sv_iterations=2, sv_backup_steps=3, hidden=8, rank=4, epochs=1, fit_tokens=600, fit_streams=4,
+               score_tokens=600, score_streams=4, timing_prefixes=2, timing_horizon=4, timing_repeats=1,
+               num_prefixes=6, samples_per_prefix=2, prefix_len=4, horizon=20, max_batch=64, goal_prefixes=9)
     assert [(x["method"], x.get("variant"), x["params"].get("particles")) for x in r["rows"]] == [
         ("model", None, None), ("soft_value", None, None), ("smc", "untwisted", 2), ("smc", "untwisted", 4),
         ("smc", "twisted", 2), ("smc", "twisted", 4), ("fitted_temperature", None, None)]
@@ -469,59 +475,17 @@ def test_the_stage_writes_its_rows_on_an_oracle(tmp_path):
             "converged"} <= set(rows[0])
     assert {p.name for p in tmp_path.iterdir()} >= {"sequence_calibration.json", "sequence_calibration.md",
                                                     "sequence_calibration.png"}
-    # bench/sequence_goal.py reads a finished stage (runs nothing) and writes its table with REPORT.md's verdicts
-    import subprocess
-    import sys
+    # REPORT.md's verdicts on the goal rows: each against the test perplexity
+    from lmcal.reporting.claims import sequence_goal_claims
 
-    out = tmp_path / "goal.md"
-    b = subprocess.run([sys.executable, "bench/sequence_goal.py", "--dir", str(tmp_path), "--out", str(out)],
-                       capture_output=True, text=True, timeout=300)
-    assert b.returncode == 0, b.stderr[-2000:]
-    text = out.read_text()
-    assert "running:" not in b.stdout and "*Command:* `python bench/sequence_goal.py --dir" in text
-    b = subprocess.run([sys.executable, "bench/sequence_goal.py", "--dir", str(tmp_path / "nowhere")],
-                       capture_output=True, text=True, timeout=300)  # nothing there to read: the stage needs --ckpt
-    assert b.returncode == 1 and "give --ckpt" in b.stderr and "Traceback" not in b.stderr
-    assert "measured again on 9 fresh ones" in text and "| twisted | 2 |" in text
-    assert text.count("of the test perplexity") >= 2  # the goal row's verdict and the twisted row's
-    from lmcal.reporting.claims import within
-
-    undecided = sum(within("", g["tail_nats"], g["tail_stderr_nats"], g["test_ppl"]).verdict == "undecided"
-                    for g in {g["label"]: g for g in (r["goal"], r["twisted_check"]) if g}.values())
-    assert text.count("would be decided by about") == undecided  # each undecided verdict says what would decide it
-    assert "Where each SMC row's level sits" in text and text.count("| SMC, ") + text.count("| twisted SMC, ") + \
-        text.count("| Algorithm 1 (") >= 2 * len(smc)  # each row in the study table and in the levels' table
-    # a run written before the goal rows carried α*'s spread: the page takes it from the same study row
-    import json
-
-    old = json.loads((tmp_path / "sequence_calibration.json").read_text())
-    spread = old["twisted_check"].pop("tail_alpha_stderr_nats")
-    (tmp_path / "old").mkdir()
-    (tmp_path / "old" / "sequence_calibration.json").write_text(json.dumps(old))
-    b = subprocess.run([sys.executable, "bench/sequence_goal.py", "--dir", str(tmp_path / "old"), "--out",
-                        str(tmp_path / "old.md")], capture_output=True, text=True, timeout=300)
-    assert b.returncode == 0, b.stderr[-2000:]
-    assert f"would move its level by ±{spread:.3f} nats" in (tmp_path / "old.md").read_text()
-    # bench/convergence_rule.py applies the rule to it again, with and without converge_tol; a folder without a
-    # stage is one clear line
-    out = tmp_path / "rule.md"
-    b = subprocess.run([sys.executable, "bench/convergence_rule.py", str(tmp_path), "--tol", "1e-9", "--out", str(out)],
-                       capture_output=True, text=True, timeout=300)
-    assert b.returncode == 0, b.stderr[-2000:]
-    rows = [line for line in out.read_text().splitlines() if line.startswith(f"| {tmp_path.name} |")]
-    assert len(rows) == 4 and all(line.endswith(("| **no** |", "| not shown |")) for line in rows)
-    ordered = sorted(smc, key=lambda x: (x["variant"] != "twisted", x["params"]["particles"]))
-    assert all(line.split(" | ")[9] == "yes" for line, x in zip(rows, ordered, strict=True) if x["converged"])
-    b = subprocess.run([sys.executable, "bench/convergence_rule.py", str(tmp_path / "nowhere")], capture_output=True,
-                       text=True, timeout=300)
-    assert b.returncode == 1 and "no sequence_calibration.json there" in b.stderr and "Traceback" not in b.stderr
+    claims = sequence_goal_claims(r)
+    assert len(claims) >= 1 and all("of the test perplexity" in c.sentence for c in claims)
 
 
 def test_the_stage_can_run_the_twisted_rows_only(tmp_path):
     """untwisted=false: the twisted rows alone (a long study's time goes to the twisted law), the heads first trained at
     sv_alpha, whose absence is one clear error before anything runs."""
     from lmcal.errors import LmcalError
-    from lmcal.stages.sequence_calibration import sequence_calibration_stage
 
     orc = _delayed()
     text = _windows(1, 6000, 9)[0]
@@ -532,9 +496,9 @@ def test_the_stage_can_run_the_twisted_rows_only(tmp_path):
     for bad, why in (({}, "give analysis.sequence_calibration.sv_alpha"), ({"sv_alpha": 0.04, "twist": False},
                                                                            "need analysis.sequence_calibration.twist")):
         with pytest.raises(LmcalError, match=why):
-            sequence_calibration_stage(orc, text[:3000], text[3000:4500], text[4500:], tmp_path / "bad", **tiny, **bad)
+            _stage(orc, text, tmp_path / "bad", **tiny, **bad)
     assert not (tmp_path / "bad").exists()  # refused before anything was written
-    r = sequence_calibration_stage(orc, text[:3000], text[3000:4500], text[4500:], tmp_path, sv_alpha=0.04, **tiny)
+    r = _stage(orc, text, tmp_path, sv_alpha=0.04, **tiny)
     assert [(x["method"], x.get("variant"), x["params"].get("particles")) for x in r["rows"]] == [
         ("model", None, None), ("soft_value", None, None), ("smc", "twisted", 2), ("smc", "twisted", 4),
         ("fitted_temperature", None, None)]
@@ -544,10 +508,9 @@ def test_the_stage_can_run_the_twisted_rows_only(tmp_path):
     assert "each count twisted only, the heads first trained at α = 0.04" in (
         tmp_path / "sequence_calibration.md").read_text()
     # a study grown one count at a time: runs at 2 and at 4 particles join into the run at both, row for row
-    from lmcal.stages.smc_study import join_study
+    from lmcal.stages.convergence import join_study
 
-    parts = [sequence_calibration_stage(orc, text[:3000], text[3000:4500], text[4500:], tmp_path / f"k{k}",
-                                        sv_alpha=0.04, **{**tiny, "particles": [k], "max_batch": 8 * k})
+    parts = [_stage(orc, text, tmp_path / f"k{k}", sv_alpha=0.04, **{**tiny, "particles": [k], "max_batch": 8 * k})
              for k in (2, 4)]
     assert parts[0]["rows"][2]["converged"] is None  # alone: nothing to agree with
     import copy
@@ -579,25 +542,13 @@ def test_the_stage_can_run_the_twisted_rows_only(tmp_path):
         else:
             with pytest.raises(ValueError, match="reference_test_ce_nats.*the plain model's last tenth"):
                 join_study(copy.deepcopy(first), other)
-    # the same join from the runs' folders, as a user grows a study: bench/sequence_goal.py --add
-    import subprocess
-    import sys
-
-    page = tmp_path / "page.md"
-    run = lambda *a: subprocess.run([sys.executable, "bench/sequence_goal.py", "--dir", str(tmp_path / "k2"), *a],  # noqa: E731
-                                    capture_output=True, text=True)
-    done = run("--add", str(tmp_path / "k4"), "--out", str(page))
-    assert done.returncode == 0, done.stderr
-    assert r["convergence"] in page.read_text() and "particles [2, 4]" in page.read_text()
-    bad = run("--add", str(tmp_path / "bad"), "--out", str(tmp_path / "no.md"))
-    assert bad.returncode == 1 and "is not there: --add takes the folder of a finished run" in bad.stderr
-    assert not (tmp_path / "no.md").exists()
 
 
 def test_convergence_must_be_shown_not_merely_not_refuted():
     # K and 2K particles agree only where their paired last tenths' 2-se interval lies within +-tol nats: twenty
     # prefixes whose differences scatter by 0.6 nats refute nothing, and that is "not shown", not "converged"
-    from lmcal.stages.smc_study import converged_summary, label, mark_convergence, study_table
+    from lmcal.stages.convergence import converged_summary, label, mark_convergence
+    from lmcal.stages.sequence_table import study_table
 
     rng = np.random.default_rng(0)
 
@@ -671,7 +622,7 @@ def test_alpha_slope_is_the_exact_derivative_of_the_laws_level():
     # i.i.d. words: P̂_α(W) ∝ P̂(W)^(1+α) draws each word from q_α ∝ p^(1+α), so the mean surprisal s = -log p of
     # any block of words has d/dα E_α = -Var_qα(s) exactly; alpha_slope estimates it from generations alone, by the
     # covariance of the block with log P̂(W) within each prefix
-    from lmcal.stages.smc_generations import alpha_slope
+    from lmcal.stages.smc_rows import alpha_slope
 
     p = np.array([0.5, 0.3, 0.15, 0.05])
     s, alpha, L = -np.log(p), 0.3, 6
@@ -691,7 +642,7 @@ def test_alpha_slope_of_the_nested_smc_last_tenth_is_the_exact_derivative():
     # as the stage takes it: each generation's nested-SMC entropy of a block against its log P̂(W). The estimate's
     # noise is -log P̂_α(A | h) of the drawn block, whose covariance with log P̂(W) is the block entropy's own change
     # with α (the score has mean zero), so the covariance is the whole d/dα of the law's mean block entropy: exact
-    from lmcal.stages.smc_generations import alpha_slope
+    from lmcal.stages.smc_rows import alpha_slope
 
     model, T, alpha, n, S = _tempered(), 20, 1.0, 1500, 2
     fs = finite_state_lm(model)
@@ -708,7 +659,7 @@ def test_alpha_slope_of_the_nested_smc_last_tenth_is_the_exact_derivative():
 
 
 def test_two_runs_settings_are_the_same_up_to_the_ninth_digit_of_a_float():
-    from lmcal.stages.smc_study import same_value
+    from lmcal.stages.convergence import same_value
 
     assert same_value(4.752113065132741, 4.752113070188918)  # one thread against two, as measured
     assert not same_value(4.75, 4.76) and not same_value(1.0, True) and not same_value(0.0, "0")
@@ -720,13 +671,12 @@ def test_two_runs_settings_are_the_same_up_to_the_ninth_digit_of_a_float():
 def test_a_finished_study_gets_more_generations_at_other_seeds_as_if_drawn_at_once(tmp_path):
     """extend: a run at seeds [0] grown by seeds [50, 80] is the run at [0, 50, 80], column for column (its rows'
     generations side by side along S, every statistic recomputed from the per-generation arrays), without fitting α*
-    again; a row written before its per-generation arrays were kept still joins, its means weighted; refusals are one
-    clear error before anything is written."""
+    again; refusals are one clear error before anything is written."""
     import copy
+    import json
 
     from lmcal.errors import LmcalError
-    from lmcal.stages.sequence_calibration import sequence_calibration_stage
-    from lmcal.stages.smc_generations import BY_GENERATION, join_generations
+    from lmcal.stages.smc_rows import BY_GENERATION, join_generations
 
     orc = _delayed()
     text = _windows(1, 6000, 9)[0]
@@ -734,8 +684,13 @@ def test_a_finished_study_gets_more_generations_at_other_seeds_as_if_drawn_at_on
                 sv_backup_steps=3, hidden=8, rank=4, epochs=1, fit_tokens=600, fit_streams=4, score_tokens=600,
                 score_streams=4, timing_prefixes=2, timing_horizon=4, timing_repeats=1, num_prefixes=6,
                 samples_per_prefix=2, prefix_len=4, horizon=20, max_batch=64, untwisted=False, sv_alpha=0.04)
-    run = lambda d, **kw: sequence_calibration_stage(orc, text[:3000], text[3000:4500], text[4500:],  # noqa: E731
-                                                     tmp_path / d, **{**tiny, **kw})
+
+    def run(d, extend=None, **kw):  # extend: an earlier result, given to the stage as its JSON file
+        if extend is not None:
+            (tmp_path / f"{d}_extend.json").write_text(json.dumps(extend))
+            kw["extend_json"] = str(tmp_path / f"{d}_extend.json")
+        return _stage(orc, text, tmp_path / d, **{**tiny, **kw})
+
     whole = run("whole", smc_seeds=[0, 50, 80])
     first = run("first")
     assert first["smc_seeds"] == [0] and whole["smc_seeds"] == [0, 50, 80]
@@ -756,35 +711,18 @@ def test_a_finished_study_gets_more_generations_at_other_seeds_as_if_drawn_at_on
     assert grown["twisted_check"]["tail_nats"] == first["twisted_check"]["tail_nats"]  # kept, not measured again
     assert grown["convergence"] == whole["convergence"] and grown["extended"] and not whole["extended"]
     md = (tmp_path / "grown" / "sequence_calibration.md").read_text()
-    from lmcal.stages.smc_study import join_study
+    from lmcal.stages.convergence import join_study
 
     with pytest.raises(ValueError, match=r"not the same study.*smc_seeds \[0, 50, 80\] against \[0\]"):
         join_study(copy.deepcopy(grown), first)  # counts join only where they drew at the same seeds
     assert "2 a prefix at each of the seeds [0, 50, 80] (36 generations a row, grown from an earlier run at its" in md
-    from lmcal.stages.sequence_report import seeds_phrase
+    from lmcal.stages.sequence_table import seeds_phrase
 
-    assert (seeds_phrase(grown), seeds_phrase(first), seeds_phrase({"seed": 3})) == (
-        "seeds [0, 50, 80]", "seed 0", "seed 3")  # the verdicts' words for where the rows drew (a run before seeds)
+    assert (seeds_phrase(grown), seeds_phrase(first)) == ("seeds [0, 50, 80]", "seed 0")  # where the rows drew
     # seeds past the last: 0, 50, 80 and then 90, from the grown run's JSON as a user passes it
-    import json
-
     grown_json = json.loads((tmp_path / "grown" / "sequence_calibration.json").read_text())
     again = run("again", smc_seeds=[90], extend=grown_json)
     assert again["smc_seeds"] == [0, 50, 80, 90] and smc(again)[0]["generations"] == 48
-    # a row from before the arrays were kept: its plain pairs come from the run, its rate and curve are weighted means
-    old = copy.deepcopy(first)
-    for r in smc(old):
-        for k in ("plain_tail_by_generation", "entropy_rate_by_generation", "ess_by_generation", "log_z_by_generation",
-                  "resamplings_by_generation", "curve_by_prefix_nats", "smc_seeds"):
-            r.pop(k)
-    old.pop("smc_seeds")
-    aged = run("aged", smc_seeds=[50, 80], extend=old)
-    for a, b in zip(smc(aged), smc(grown), strict=True):
-        for k in ("tail_nats", "tail_stderr_nats", "tail_diff_nats", "tail_alpha_slope_nats", "curve_nats",
-                  "law_entropy_rate_nats", "ess_per_particle", "log_z_mean"):
-            assert np.allclose(a[k], b[k], rtol=1e-12), k
-        assert a["law_entropy_rate_stderr_nats"] is None and np.isnan(a["stderr_nats"]).all()
-        assert a["entropy_rate_by_generation"] is None and a["smc_seeds"] == [0, 50, 80]
     with pytest.raises(ValueError, match="different numbers of prefixes"):
         join_generations(smc(first)[0], {**smc(first)[0], "tail_nats_per_generation": [[1.0]]})
     for bad, why in (({"smc_seeds": [0, 7]}, r"drew at \[0\] already"),
@@ -821,7 +759,7 @@ def test_extend_json_is_read_as_data_with_one_clear_error_for_a_bad_file(tmp_pat
 def test_the_goal_takes_a_converged_sampler_at_its_fewest_count():
     """Converged K and 2K estimate one law, so the goal weighs each sampler by its fewest converged count alone (the
     cheapest to measure again on thousands of fresh prefixes); unconverged rows and higher test CEs never stand."""
-    from lmcal.stages.sequence_calibration import goal_candidates
+    from lmcal.stages.goal_rows import goal_candidates
 
     def smc(variant, k, converged, diff=-0.01):
         return {"method": "smc", "variant": variant, "params": {"particles": k}, "converged": converged,

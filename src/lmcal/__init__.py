@@ -2,7 +2,7 @@
 
 What a user calls from Python is importable from here:
 
-    from lmcal import LSTMStepLM, generation_entropy_curve, fit_lookahead_calibration, calibrated
+    from lmcal import LogitsStepLM, generation_entropy_curve, fit_lookahead_calibration, calibrated, memory_bound
 
 Each name is loaded on first use (PEP 562), so `python -m lmcal.<entry point>` imports only what that entry point
 needs. The layers underneath (lmcal.data, lmcal.models, lmcal.core, lmcal.stages, lmcal.reporting,
@@ -17,7 +17,7 @@ __version__ = "0.1.0"
 
 # public name -> the module that defines it
 _API = {
-    **dict.fromkeys(("StepLM", "LSTMStepLM", "LimitedContextStepLM", "as_step_lm"),
+    **dict.fromkeys(("StepLM", "LSTMStepLM", "LimitedContextStepLM", "LogitsStepLM", "as_step_lm"),
                     "lmcal.models.step_lm"),
     **dict.fromkeys(("HFCausalLM", "load_hf_model", "hf_cross_entropy"), "lmcal.models.hf"),
     **dict.fromkeys(("MarkovOracle", "DriftingOracle", "DelayedDriftOracle"), "lmcal.models.oracles"),
@@ -38,6 +38,7 @@ _API = {
     **dict.fromkeys(("context_rows", "full_context_span"), "lmcal.core.context"),
     **dict.fromkeys(("MemoryBound", "memory_upper_bound", "calibrate_to_limited", "memory_summary",
                      "markov_oracle_memory"), "lmcal.core.memory"),
+    **dict.fromkeys(("memory_bound",), "lmcal.core.window_bound"),
     **dict.fromkeys(("FutureEntropyHead", "FutureCalibratedLM", "rollout_examples", "train_head", "fit_rows",
                      "head_rows", "fit_future_calibration"), "lmcal.core.future_entropy"),
     **dict.fromkeys(("make_decoder", "heldout_cost", "DECODERS"), "lmcal.core.decoders"),

@@ -6,7 +6,9 @@
 Two kinds of source, each carrying the command, date and machine that made it:
 - reproductions: `results.json`, `REPORT.md` and the figures of `make reproduce`, snapshotted into
   docs/runs/<profile>/ (REPORT.md is itself rendered from results.json by lmcal.results);
-- benchmarks: Markdown tables that `bench/*.py --out docs/bench/<name>.md` wrote through `save_bench`.
+- benchmarks: one page each, docs/bench/<name>.md (`bench/*.py --out ...` writes it through `save_bench`), listed in
+  RESULTS.md by its title, its `*Result:*` line and the matmul rate it records; a study's summary beside its page
+  (docs/bench/<name>.json: its level against the test perplexity) is a row of the claims table that opens RESULTS.md.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from lmcal.reporting.docs import DOCS, check_snapshot, render, snapshot
+from lmcal.reporting.docs import DOCS, check_snapshot, render, rerender, snapshot
 from lmcal.utils.boundary import boundary
 from lmcal.utils.io import write_text_atomic
 
@@ -23,6 +25,8 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description="Regenerate docs/RESULTS.md from docs/runs/ and docs/bench/.")
     ap.add_argument("--snapshot", nargs="*", default=[], metavar="RUN",
                     help="finished reproductions (e.g. outputs/reproduce/cpu) to copy into docs/runs/ first")
+    ap.add_argument("--rerender", nargs="*", default=[], metavar="SNAPSHOT",
+                    help="snapshots (e.g. docs/runs/cpu) whose REPORT.md to write again from their results.json first")
     ap.add_argument("--docs", default=str(DOCS), help="the docs folder (default: the project's docs/)")
     args = ap.parse_args(argv)
     docs = Path(args.docs)
@@ -31,6 +35,8 @@ def main(argv: list[str] | None = None) -> None:
             check_snapshot(Path(run))
         for run in args.snapshot:
             print(f"snapshot {run} -> {snapshot(run, docs)}")
+        for folder in args.rerender:
+            print(f"wrote {rerender(folder)}")
         write_text_atomic(docs / "RESULTS.md", render(docs))
     print(f"wrote {docs / 'RESULTS.md'}")
 

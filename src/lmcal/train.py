@@ -80,38 +80,24 @@ def fit(trainer: pl.Trainer, module, dm, resume: str | None) -> None:
         raise
 
 
-def _train(cfg: DictConfig, out: Path) -> dict:
-    t_start = time.perf_counter()
-    pl.seed_everything(cfg.seed, workers=True, verbose=False)
-
-    dm = instantiate(cfg.data)
-    dm.prepare()  # fail early, with the data's own message, before any logger starts
+def _module(cfg: DictConfig, dm) -> LMModule:
+    """The training module for the data `dm`, from the model and optimiser settings."""
     tau, n_train = cfg.model.get("memory_tau"), len(dm.tokens("train"))
     if tau and tau >= n_train:
         raise LmcalError(tau_too_long("model.memory_tau", int(tau), n_train, "training") + " Lower it, or train on "
                          "more text (data.max_train_tokens).")
-    net_cfg = OmegaConf.to_container(cfg.model, resolve=True)
-    module = LMModule(net=net_cfg, vocab_size=dm.vocab_size, bptt=cfg.data.bptt,
-                      data_cfg=OmegaConf.to_container(cfg.data, resolve=True),
-                      seed=cfg.seed,
-                      **OmegaConf.to_container(cfg.optim, resolve=True))
+    return LMModule(net=OmegaConf.to_container(cfg.model, resolve=True), vocab_size=dm.vocab_size, bptt=cfg.data.bptt,
+                    data_cfg=OmegaConf.to_container(cfg.data, resolve=True), seed=cfg.seed,
+                    **OmegaConf.to_container(cfg.optim, resolve=True))
 
-    ckpt_dir = out / "checkpoints"
-    ckpt_cb = ModelCheckpoint(dirpath=ckpt_dir, filename="best", monitor="val_loss", mode="min",
-                              save_top_k=1, enable_version_counter=False)
-    # last.ckpt after every epoch, the one a rerun resumes from: its own callback, since Lightning's save_last writes it
-    # only on an epoch that also writes best.ckpt (a run killed after epochs that did not improve lost them)
-    last_cb = ModelCheckpoint(dirpath=ckpt_dir, filename="last", monitor=None, save_top_k=1, every_n_epochs=1,
-                              enable_version_counter=False)
-    resume = cfg.get("ckpt_path") or (str(ckpt_dir / "last.ckpt") if (ckpt_dir / "last.ckpt").is_file() else None)
-    if resume:
-        check_resume(resume, net_cfg, dm.vocab_size)
-        log.info(f"Resuming from {resume}")
 
+def _analysis_plan(cfg: DictConfig, dm) -> tuple[list[str], dict, str | None]:
+    """The stages that run after training, their settings, and the memory stage's base checkpoint: every setting
+    and size checked against the model before training (a misspelt stage or key costs nothing)."""
     tau = cfg.model.get("memory_tau")
     settings = {n: OmegaConf.to_container(cfg.analysis[n], resolve=True) for n in STAGES if n in cfg.analysis}
     stages = applicable_stages(list(cfg.analysis.get("stages") or []), "tau" if tau else "full", settings)
-    check_plan(stages, "tau" if tau else "full", settings)  # before training: a misspelt stage or key costs nothing
+    check_plan(stages, "tau" if tau else "full", settings)
     every = (settings.get("entropy_rate") or {}).get("every_n_epochs")
     preflight({n: settings[n] for n in STAGES if n in stages or (n == "entropy_rate" and every)},
               model_of(cfg, dm.vocab_size, {s: int(dm.tokens(s).numel()) for s in ("train", "valid", "test")}),
@@ -122,8 +108,19 @@ def _train(cfg: DictConfig, out: Path) -> dict:
                                 cfg.data.name)
     if "memory" in stages and tau:  # (a full model's memory stage, limited=window, is its own base)
         load_base_net(base_ckpt, "cpu", cfg.data.name)  # fail now, not after training
-    if cfg.get("init_ckpt") and not resume:
-        init_from(module, cfg.init_ckpt)
+    return stages, settings, base_ckpt
+
+
+def _callbacks(cfg: DictConfig, out: Path, resume: str | None, stages: list[str], settings: dict,
+               base_ckpt: str | None) -> tuple[list, MetricsCallback, StagesCallback]:
+    """Checkpoints (best.ckpt; last.ckpt after every epoch, the one a rerun resumes from: its own callback, since
+    Lightning's save_last writes it only on an epoch that also writes best.ckpt), metrics.json, the stages after
+    training, the progress lines, and the entropy rate every N epochs where asked."""
+    ckpt_dir = out / "checkpoints"
+    ckpt_cb = ModelCheckpoint(dirpath=ckpt_dir, filename="best", monitor="val_loss", mode="min",
+                              save_top_k=1, enable_version_counter=False)
+    last_cb = ModelCheckpoint(dirpath=ckpt_dir, filename="last", monitor=None, save_top_k=1, every_n_epochs=1,
+                              enable_version_counter=False)
     metrics_cb = MetricsCallback(out, extra={"dataset": cfg.data.name, "model": model_name(cfg.model),
                                              "resumed_from": resume})
     stages_cb = StagesCallback(out, stages, settings, model_name(cfg.model), base_ckpt)
@@ -132,10 +129,27 @@ def _train(cfg: DictConfig, out: Path) -> dict:
         callbacks.append(progress_bar() if sys.stderr.isatty() else TrainingProgress())  # a log: lines with ETAs
     every = (settings.get("entropy_rate") or {}).pop("every_n_epochs", None)
     if every:
-        check_stages(["entropy_rate"], "tau" if tau else "full")
+        check_stages(["entropy_rate"], "tau" if cfg.model.get("memory_tau") else "full")
         callbacks.append(EpochEntropyRateCallback(out, every, model_name=model_name(cfg.model), corpus=cfg.data.name,
                                                   **settings["entropy_rate"]))
+    return callbacks, metrics_cb, stages_cb
 
+
+def _train(cfg: DictConfig, out: Path) -> dict:
+    t_start = time.perf_counter()
+    pl.seed_everything(cfg.seed, workers=True, verbose=False)
+    dm = instantiate(cfg.data)
+    dm.prepare()  # fail early, with the data's own message, before any logger starts
+    module = _module(cfg, dm)
+    last = out / "checkpoints" / "last.ckpt"
+    resume = cfg.get("ckpt_path") or (str(last) if last.is_file() else None)
+    if resume:
+        check_resume(resume, OmegaConf.to_container(cfg.model, resolve=True), dm.vocab_size)
+        log.info(f"Resuming from {resume}")
+    stages, settings, base_ckpt = _analysis_plan(cfg, dm)
+    if cfg.get("init_ckpt") and not resume:
+        init_from(module, cfg.init_ckpt)
+    callbacks, metrics_cb, stages_cb = _callbacks(cfg, out, resume, stages, settings, base_ckpt)
     logger = make_logger(cfg, out, dm.vocab_size)
     try:
         if logger and not isinstance(logger, WandbLogger):  # W&B got the config when its run opened

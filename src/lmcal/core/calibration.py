@@ -53,6 +53,7 @@ from lmcal.core.lookahead_law import (
     make_rule,
     target_slots,
 )
+from lmcal.core.sampling import read_prefix
 from lmcal.errors import LmcalError
 from lmcal.utils.device import host_blocks
 from lmcal.utils.profiling import timed
@@ -279,11 +280,7 @@ class CalibratedLM:
         only the distribution after its last token is calibrated; the same result as L steps, L - 1 lookaheads
         fewer."""
         base, keys = state
-        if hasattr(self.lm, "prefill"):
-            logp, base = self.lm.prefill(prompt, base)
-        else:
-            for i in range(prompt.size(1)):
-                logp, base = self.lm.step(prompt[:, i], base)
+        logp, base = read_prefix(self.lm, prompt, base)
         for i in range(prompt.size(1)):
             keys = advance_keys(keys.to(logp.device), prompt[:, i])
         return self._law(logp, base, keys), (base, keys)

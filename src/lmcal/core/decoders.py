@@ -152,8 +152,8 @@ CPU_CHUNK = 1 << 19  # row entries a rule works on at once on the CPU (below)
 def by_rows(rule: Callable[..., torch.Tensor], logp: torch.Tensor, *per_row: torch.Tensor) -> torch.Tensor:
     """rule(logp [B, V], *per_row [B, ...]) applied to blocks of rows. Every rule works row by row, so the result is
     the same bit for bit; on the CPU, blocks of about CPU_CHUNK entries keep the rules' float64 [B, V] temporaries
-    in cache and in the allocator's reused memory (whole batches of 500 rows of 10,000 words made the top-p, typical,
-    eta and Mirostat rules 1.2-1.5x slower: bench/cpu_blocks.py)."""
+    in cache and in the allocator's reused memory, where whole batches are slower (bench/cpu_blocks.py measures
+    both)."""
     rows = max(1, CPU_CHUNK // max(1, logp.size(-1)))
     if logp.is_cuda or logp.size(0) <= rows:
         return rule(logp, *per_row)

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from lmcal.core.sampling import draw, uniforms
+from lmcal.core.sampling import draw, read_prefix, uniforms
 from lmcal.utils.numbers import exp_or_inf
 from lmcal.utils.profiling import span, timed
 from lmcal.utils.progress import progress_bar
@@ -84,6 +84,38 @@ def entrate_ppl(curve: EntropyCurve) -> float:
     return float(exp_or_inf(curve.mean[-1]))
 
 
+def _chunk_entropies(lm: StepLM, chunk: torch.Tensor, lo: int, horizon: int, S: int, seed: int, bar,
+                     kept: list | None, keep: int) -> np.ndarray:
+    """The entropies [horizon, n, S] of S generations from each of the n prefixes of `chunk` (prefixes lo.. of the
+    whole set, which seeds their uniforms); the first `keep` generations' words appended to `kept` where given."""
+    n = chunk.size(0)
+    logp, state = read_prefix(lm, chunk, lm.init_state(n))  # [n, V]
+    if hasattr(lm, "start_generation"):  # samplers with a running state start it after the prompt (Mirostat)
+        logp, state = lm.start_generation(logp, state)
+    rows = torch.arange(n, device=logp.device).repeat_interleave(S)  # [n*S]: prefix of each generation
+    logp, state = logp[rows], lm.select(state, rows)
+    gen_ids = lo * S + torch.arange(n * S, device=logp.device)  # global generation index: seeds its uniforms
+    ent = torch.empty(horizon, n * S, dtype=torch.float64, device=logp.device)
+    finite = torch.ones(n * S, dtype=torch.bool, device=logp.device)  # checked once, after the loop: no syncs
+    for t in range(horizon):
+        with span("entropy"):
+            p = logp.exp()  # [n*S, V], the model's dtype
+            # 0 log 0 = 0: a zero-probability word's 0 * -inf is nan, which nansum drops (one pass, no clamp)
+            ent[t] = -(p * logp).nansum(-1).double()
+        bar.update()
+        if t == horizon - 1:
+            break  # the last word's entropy is all we need from it
+        with span("sampling"):
+            tokens, mass = draw(p, uniforms(seed, gen_ids, t))
+            finite &= torch.isfinite(mass)  # a nan log-prob would hide in nansum; it shows in the mass
+        if kept is not None:
+            kept.append(tokens[:keep])
+        logp, state = lm.step(tokens, state)
+    if not bool(finite.all()):
+        raise ValueError("the model gave non-finite log-probabilities (nan or +inf) during generation")
+    return ent.view(horizon, n, S).cpu().numpy()  # (a device sync: the generation time is complete)
+
+
 @timed("generation")
 @torch.no_grad()
 def generation_entropy_curve(lm: StepLM, prefixes: torch.Tensor, horizon: int, samples_per_prefix: int,
@@ -123,54 +155,19 @@ def generation_entropy_curve(lm: StepLM, prefixes: torch.Tensor, horizon: int, s
     per_chunk = max(1, max_batch // S)  # prefixes per chunk
     per_prefix = np.empty((N, horizon))
     tail = np.empty((N, S))
-    last = tail_steps(horizon)
     bar = progress_bar(total=horizon * math.ceil(N / per_chunk), desc="generating", disable=not progress)
     gen_seconds = 0.0
     kept = []  # [keep] tokens per generated word, first chunk only
     for lo in range(0, N, per_chunk):
         chunk = prefixes[lo:lo + per_chunk]  # [n, L]
         n = chunk.size(0)
-        state = lm.init_state(n)
-        if hasattr(lm, "prefill"):  # the prefix in one forward (HFCausalLM: and one row of logits)
-            logp, state = lm.prefill(chunk, state)  # [n, V]
-        else:
-            for i in range(L):
-                logp, state = lm.step(chunk[:, i], state)  # [n, V]
-        if hasattr(lm, "start_generation"):  # samplers with a running state start it after the prompt (Mirostat)
-            logp, state = lm.start_generation(logp, state)
-        rows = torch.arange(n, device=logp.device).repeat_interleave(S)  # [n*S]: prefix of each generation
-        logp, state = logp[rows], lm.select(state, rows)
-        gen_ids = lo * S + torch.arange(n * S, device=logp.device)  # global generation index: seeds its uniforms
-        ent = torch.empty(horizon, n * S, dtype=torch.float64, device=logp.device)
-        finite = torch.ones(n * S, dtype=torch.bool, device=logp.device)  # checked once, after the loop: no syncs
         t_gen = time.perf_counter()
-        for t in range(horizon):
-            with span("entropy"):
-                p = logp.exp()  # [n*S, V], the model's dtype
-                # 0 log 0 = 0: a zero-probability word's 0 * -inf is nan, which nansum drops (one pass, no clamp)
-                ent[t] = -(p * logp).nansum(-1).double()
-            bar.update()
-            if t == horizon - 1:
-                break  # the last word's entropy is all we need from it
-            with span("sampling"):
-                tokens, mass = draw(p, uniforms(seed, gen_ids, t))
-                finite &= torch.isfinite(mass)  # a nan log-prob would hide in nansum; it shows in the mass
-            if keep and lo == 0:
-                kept.append(tokens[:keep])
-            logp, state = lm.step(tokens, state)
-        if not bool(finite.all()):
-            raise ValueError("the model gave non-finite log-probabilities (nan or +inf) during generation")
-        ent = ent.view(horizon, n, S).cpu().numpy()  # (a device sync: the generation time below is complete)
+        ent = _chunk_entropies(lm, chunk, lo, horizon, S, seed, bar, kept if keep and lo == 0 else None, keep)
         gen_seconds += time.perf_counter() - t_gen
         per_prefix[lo:lo + n] = ent.mean(axis=2).T
-        tail[lo:lo + n] = ent[-last:].mean(axis=0)  # [n, S]
+        tail[lo:lo + n] = ent[-tail_steps(horizon):].mean(axis=0)  # [n, S]
     bar.close()
-
-    if N > 1:
-        stderr = per_prefix.std(axis=0, ddof=1) / math.sqrt(N)
-    elif S > 1:
-        stderr = ent[:, 0, :].std(axis=1, ddof=1) / math.sqrt(S)  # the one chunk's generations
-    else:
-        stderr = np.full(horizon, np.nan)
+    # prefixes as clusters; with one prefix, over the generations of its one chunk
+    _, stderr = clustered_mean(per_prefix[:, None] if N > 1 else ent.transpose(1, 2, 0))  # [N, 1, h] or [1, S, h]
     words = torch.stack(kept, 1).cpu().numpy() if kept else None  # [keep, horizon - 1]
     return EntropyCurve(per_prefix.mean(axis=0), stderr, N * S, N, S, per_prefix, tail, gen_seconds, words)

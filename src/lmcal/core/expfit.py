@@ -42,9 +42,9 @@ def with_targets(logp: torch.Tensor, s: torch.Tensor, targets: torch.Tensor) -> 
     return logp, s, logp.gather(1, y)[:, 0], s.gather(1, y)[:, 0]
 
 
-# Row entries per block. On the CPU, 1 MiB of float32 per temporary: the allocator then reuses its memory, while blocks
-# of 16 MiB were mapped and page-faulted afresh at every operation, which made every fit 1.7-3x slower (the memory
-# bound's fits on 10,000 rows of 10,000 words: bench/cpu_blocks.py). On a GPU, large blocks: few launches.
+# Row entries per block. On the CPU, 1 MiB of float32 per temporary: the allocator then reuses its memory, while larger
+# blocks are mapped and page-faulted afresh at every operation (bench/cpu_blocks.py measures both). On a GPU, large
+# blocks: few launches.
 CPU_ELEMENTS, CUDA_ELEMENTS = 1 << 18, 1 << 24
 
 

@@ -207,6 +207,25 @@ def rollout_examples(lm, text: torch.Tensor, horizons, *, contexts: int = 400, p
                     step.reshape(-1))
 
 
+def regress(head: nn.Module, features: torch.Tensor, words: torch.Tensor, y: torch.Tensor, rows: torch.Tensor, *,
+            epochs: int, batch_size: int, lr: float, weight_decay: float, generator: torch.Generator,
+            scale: float | torch.Tensor = 1.0) -> None:
+    """Fits head(features, words) to y on `rows` by the squared error in units of `scale` (AdamW with a one-cycle
+    schedule; minibatches of rows in the order `generator` draws), and leaves the head in eval mode."""
+    opt = torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=weight_decay)
+    total = max(1, epochs * math.ceil(rows.numel() / batch_size))
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=total, pct_start=0.1)
+    head.train()
+    for _ in range(epochs):
+        for idx in rows[torch.randperm(rows.numel(), generator=generator)].split(batch_size):
+            loss = ((head(features[idx], words[idx]) - y[idx]) / scale).pow(2).mean()
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            sched.step()
+    head.eval()
+
+
 def train_head(ex: Examples, column: int, vocab_size: int, words: torch.Tensor | None = None, *, hidden: int = 256,
                rank: int = 64, epochs: int = 8, batch_size: int = 512, lr: float = 3e-3, weight_decay: float = 1e-4,
                valid_fraction: float = 0.1, seed: int = 0, step_bins: int = 5) -> tuple[FutureEntropyHead, dict]:
@@ -225,19 +244,8 @@ def train_head(ex: Examples, column: int, vocab_size: int, words: torch.Tensor |
                              discount=d)
     head.shift.fill_(y[tr].mean())
     head.scale.fill_(y[tr].std().clamp_min(1e-6))
-    opt = torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=weight_decay)
-    total = epochs * math.ceil(tr.numel() / batch_size)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=max(1, total), pct_start=0.1)
-    head.train()
-    for _ in range(epochs):
-        for idx in tr[torch.randperm(tr.numel(), generator=g)].split(batch_size):
-            pred = head(ex.features[idx], ex.words[idx])
-            loss = ((pred - y[idx]) / head.scale).pow(2).mean()
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            sched.step()
-    head.eval()
+    regress(head, ex.features, ex.words, y, tr, epochs=epochs, batch_size=batch_size, lr=lr, weight_decay=weight_decay,
+            generator=g, scale=head.scale)
     with torch.no_grad():
         pred = torch.cat([head(ex.features[i], ex.words[i]) for i in va.split(4096)])
         err = (pred - y[va]).double()

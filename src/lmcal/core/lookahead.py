@@ -245,13 +245,3 @@ def draw_tail(logq: torch.Tensor, exact: torch.Tensor, u: torch.Tensor) -> tuple
     # first word whose cumulative mass exceeds u * total: words of mass 0 (flat cdf) are never drawn
     words = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=logq.size(1) - 1)
     return words, rest.logsumexp(-1)
-
-
-def check_tail(topk: int | None, tail_samples: int) -> None:
-    if topk is not None and (isinstance(topk, bool) or int(topk) != topk or topk < 1):
-        raise LmcalError(f"topk={topk!r}: the lookahead's exactly computed candidates per position must be a "
-                         "positive integer, or null for exact lookahead over the whole vocabulary.")
-    if topk is not None and (isinstance(tail_samples, bool) or int(tail_samples) != tail_samples
-                             or tail_samples < 1):
-        raise LmcalError(f"tail_samples={tail_samples!r}: with top-k lookahead the rest of the vocabulary is "
-                         "estimated from this many sampled words per position; it must be a positive integer.")

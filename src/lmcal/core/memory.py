@@ -276,22 +276,13 @@ def memory_upper_bound(full_log_probs, limited_log_probs: torch.Tensor | None = 
     A given alpha (and, with temperature=True, beta) is only evaluated, streaming the chunks: mi_stderr is then by
     batch means, the parameters held fixed.
 
-    Memory: the fit needs CE at several parameters, and log Z_t is no finite statistic of a row, so chunks from an
-    iterable are kept (moved to `store_device`, cast to `store_dtype` if given): 2 * N * V * (bytes per element),
-    e.g. 2 * 82,430 * 10,000 * 4 = 6.6 GB of float32 for the PTB test set; float16 halves that but rounds log-probs
-    near -20 by up to ~0.008 nats. Whole tensors, or a list of chunks, are used in place. A function is called once
-    per pass over the rows and nothing is kept: memory stays at one chunk, and every pass (each Newton step, each
-    check; about 25 in a memory_summary) recomputes the rows. The reductions run in float64, about `elements` row
-    entries at a time. The two-parameter fit needs P~ > 0 wherever P^ > 0.
+    Memory: the fit needs CE at several parameters (log Z_t is no finite statistic of a row), so chunks from an
+    iterable are kept (on `store_device`, in `store_dtype` if given): 2 * N * V elements (6.6 GB of float32 for the
+    PTB test set; float16 rounds log-probs near -20 by up to ~0.008 nats). Tensors and lists are used in place; a
+    function is called once per pass (each Newton step, each check) and nothing is kept. The reductions run in
+    float64, about `elements` row entries at a time. The two-parameter fit needs P~ > 0 wherever P^ > 0.
     """
-    if isinstance(full_log_probs, torch.Tensor):
-        if limited_log_probs is None or targets is None:
-            raise TypeError("with a tensor log P^, pass limited_log_probs and targets too")
-        chunks: Iterable[Chunk] = [(full_log_probs, limited_log_probs, targets)]
-    else:
-        if limited_log_probs is not None or targets is not None:
-            raise TypeError("with an iterable of (full, limited, targets) chunks, pass no separate tensors")
-        chunks = _Passes(full_log_probs) if callable(full_log_probs) else full_log_probs
+    chunks = _chunks_of(full_log_probs, limited_log_probs, targets)
     if cluster_size < 1:
         raise ValueError(f"cluster_size must be >= 1, got {cluster_size}")
     if jackknife not in ("onestep", "exact"):
@@ -299,8 +290,6 @@ def memory_upper_bound(full_log_probs, limited_log_probs: torch.Tensor | None = 
     fitted = alpha is None
     if not fitted and temperature and beta is None:
         raise ValueError("with temperature=True, a given alpha needs a given beta too")
-    k = 2 if temperature else 1
-
     if fitted:
         if not isinstance(chunks, list | _Passes):  # one pass over the source; the fits reread the kept rows
             keep = lambda t, dtype: t.detach().to(device=store_device, dtype=dtype)
@@ -308,13 +297,11 @@ def memory_upper_bound(full_log_probs, limited_log_probs: torch.Tensor | None = 
         groups = _Passes(lambda: _groups(chunks, temperature))
         if not any(g[1][1].numel() for g in groups):
             raise ValueError("no rows")
-        theta = _fit(groups, k, bound, elements, start)
+        theta = _fit(groups, 2 if temperature else 1, bound, elements, start)
     else:
         groups = _groups(chunks, temperature)  # streamed: one pass
         theta = [float(beta) - 1.0, float(alpha)] if temperature else [float(alpha)]
-
     rows = _rows_at(groups, theta, elements, per_row=fitted)
-    mean = {key: rows[key].mean().item() for key in ("ce_cal", "entropy", "ce_full", "ce_limited")}
     x = rows["ce_limited"] - rows["entropy"]  # [N]
     if fitted:
         stderr = _sandwich(rows["grad"], rows["hess"].mean(0), cluster_size)
@@ -322,8 +309,27 @@ def memory_upper_bound(full_log_probs, limited_log_probs: torch.Tensor | None = 
         cross = (_crossfit(chunks, temperature, x.numel(), cluster_size, bound, elements, theta) if crossfit
                  else math.nan)
     else:
-        stderr = [math.nan] * k
-        mi_stderr, cross = _mean_stderr(x, cluster_size), math.nan
+        stderr, mi_stderr, cross = [math.nan] * len(theta), _mean_stderr(x, cluster_size), math.nan
+    return _bound_of(rows, theta, stderr, mi_stderr, cross, cluster_size, fitted, temperature)
+
+
+def _chunks_of(full_log_probs, limited_log_probs, targets):
+    """memory_upper_bound's inputs as chunks: whole tensors as one chunk, a function as a source read again on every
+    pass, an iterable as it is."""
+    if isinstance(full_log_probs, torch.Tensor):
+        if limited_log_probs is None or targets is None:
+            raise TypeError("with a tensor log P^, pass limited_log_probs and targets too")
+        return [(full_log_probs, limited_log_probs, targets)]
+    if limited_log_probs is not None or targets is not None:
+        raise TypeError("with an iterable of (full, limited, targets) chunks, pass no separate tensors")
+    return _Passes(full_log_probs) if callable(full_log_probs) else full_log_probs
+
+
+def _bound_of(rows: dict, theta: list[float], stderr: list[float], mi_stderr: float, cross: float,
+              cluster_size: int, fitted: bool, temperature: bool) -> MemoryBound:
+    """The bound and its parts from the rows at the parameters theta ([beta - 1, alpha] or [alpha])."""
+    mean = {key: rows[key].mean().item() for key in ("ce_cal", "entropy", "ce_full", "ce_limited")}
+    n = rows["ce_limited"].numel()
     return MemoryBound(
         alpha=theta[-1],
         ce_limited=mean["ce_limited"],
@@ -331,7 +337,7 @@ def memory_upper_bound(full_log_probs, limited_log_probs: torch.Tensor | None = 
         mi_upper_bound=mean["ce_limited"] - mean["entropy"],
         ce_full=mean["ce_full"],
         ce_calibrated=mean["ce_cal"],
-        n_tokens=x.numel(),
+        n_tokens=n,
         mi_stderr=mi_stderr,
         ce_full_stderr=_mean_stderr(rows["ce_full"], cluster_size),
         alpha_stderr=stderr[-1],
@@ -341,7 +347,7 @@ def memory_upper_bound(full_log_probs, limited_log_probs: torch.Tensor | None = 
         mi_upper_bound_crossfit=cross,
         delta_ce=mean["ce_limited"] - mean["ce_full"],
         delta_ce_stderr=_mean_stderr(rows["ce_limited"] - rows["ce_full"], cluster_size),
-        n_blocks=-(-x.numel() // cluster_size),
+        n_blocks=-(-n // cluster_size),
     )
 
 

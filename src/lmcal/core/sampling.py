@@ -1,6 +1,6 @@
 """Sampling that repeats exactly: counter-based uniforms (a pure function of seed, generation index and step, so a
 generation's draws do not depend on how generations are batched, nor on the device), inverse-CDF draws from
-probability rows, and random prefixes of true text.
+probability rows, random prefixes of true text, and a model's state after reading one.
 """
 
 from __future__ import annotations
@@ -38,6 +38,16 @@ def spread_windows(tokens: torch.Tensor, num: int, prefix_len: int, length: int
 
 
 _M32 = 0xFFFFFFFF
+
+
+def read_prefix(lm, prefixes: torch.Tensor, state):
+    """(log-probs [B, V] after the last token, state) of a StepLM that read prefixes [B, L] from `state`: in one
+    forward where the model has one (prefill: a transformer reads a prompt at once), else token by token."""
+    if hasattr(lm, "prefill"):
+        return lm.prefill(prefixes, state)
+    for i in range(prefixes.size(1)):
+        logp, state = lm.step(prefixes[:, i], state)
+    return logp, state
 
 
 def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 import torch
 
 from lmcal.core.lookahead import entropy
-from lmcal.core.sampling import draw, uniforms
+from lmcal.core.sampling import draw, read_prefix, uniforms
 from lmcal.utils.progress import progress_bar
 
 
@@ -104,17 +104,6 @@ def systematic_resample(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def _feed(lm, prefixes: torch.Tensor):
-    """(log-probs [n, V], state) after every prefix token."""
-    state = lm.init_state(prefixes.size(0))
-    if hasattr(lm, "prefill"):  # the prefix in one forward (HFCausalLM)
-        return lm.prefill(prefixes, state)
-    for i in range(prefixes.size(1)):
-        logp, state = lm.step(prefixes[:, i], state)
-    return logp, state
-
-
-@torch.no_grad()
 def smc_generate(lm, prefixes: torch.Tensor, alpha: float, horizon: int, *, particles: int = 64, seed: int = 0,
                  twist: Twist | None = None, ess_threshold: float = 0.5, max_batch: int = 4096,
                  progress: bool | str = False, first_id: int = 0) -> SMCResult:
@@ -139,7 +128,8 @@ def smc_generate(lm, prefixes: torch.Tensor, alpha: float, horizon: int, *, part
     bar = progress_bar(total=B * horizon, desc=progress if isinstance(progress, str) else f"SMC, {K} particles",
                        unit="word", disable=not progress)
     for lo in range(0, B, per_chunk):
-        logp, state = _feed(lm, prefixes[lo:lo + per_chunk])  # [n, V]
+        chunk = prefixes[lo:lo + per_chunk]
+        logp, state = read_prefix(lm, chunk, lm.init_state(chunk.size(0)))  # [n, V]
         t0 = time.perf_counter()
         parts.append(_smc_chunk(lm, logp, state, first_id + lo, a1, horizon, K, seed, ess_threshold, twist))
         seconds += time.perf_counter() - t0

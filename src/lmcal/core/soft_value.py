@@ -30,14 +30,13 @@ Iterating entropy heads with a free coefficient does not converge to this; the t
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
 from lmcal.core.calibration import stream_block_stderr
 from lmcal.core.expfit import fit_alpha, objective, with_targets
-from lmcal.core.future_entropy import FutureCalibratedLM, FutureEntropyHead, step_features, word_vectors
+from lmcal.core.future_entropy import FutureCalibratedLM, FutureEntropyHead, regress, step_features, word_vectors
 from lmcal.core.sampling import draw, uniforms
 
 
@@ -187,20 +186,9 @@ def fit_soft_value(head: FutureEntropyHead, features: torch.Tensor, words: torch
                    epochs: int = 4, batch_size: int = 512, lr: float = 3e-3, seed: int = 0) -> dict:
     """Regress head(features, words) on targets (squared error, AdamW with a one-cycle schedule), warm from the head's
     weights. Returns {"rmse_nats", "r2"} on the examples themselves."""
-    g = torch.Generator().manual_seed(seed)
     y = targets.float()
-    opt = torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=0.0)
-    total = max(1, epochs * math.ceil(y.numel() / batch_size))
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=total, pct_start=0.1)
-    head.train()
-    for _ in range(epochs):
-        for idx in torch.randperm(y.numel(), generator=g).split(batch_size):
-            loss = (head(features[idx], words[idx]) - y[idx]).pow(2).mean()
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            sched.step()
-    head.eval()
+    regress(head, features, words, y, torch.arange(y.numel()), epochs=epochs, batch_size=batch_size, lr=lr,
+            weight_decay=0.0, generator=torch.Generator().manual_seed(seed))
     with torch.no_grad():
         err = torch.cat([head(features[i], words[i]) for i in torch.arange(y.numel()).split(4096)]).double() - targets
     var = float(targets.var())

@@ -53,9 +53,9 @@ def checkpoint_data(ckpt: dict, data_root: str | None = None, path: str | Path =
     a checkpoint's own `root` and `download` (another machine's) are never used. Data settings with keys CorpusData
     does not take, or values that are not plain, are refused, naming them."""
     data_cfg = ckpt["hyper_parameters"].get("data_cfg")
-    if data_cfg is None:  # checkpoints from before lmcal recorded their corpus: PTB with its default settings
-        log.warning(f"{path} does not record its corpus; assuming data=ptb with the default batch settings.")
-        data_cfg = {"name": "ptb"}
+    if data_cfg is None:  # python -m lmcal.train records it: the analysis reads the text the model was trained on
+        raise LmcalError(f"{path} does not record the corpus it was trained on (hyper_parameters.data_cfg). Use a "
+                         "checkpoint written by python -m lmcal.train.")
     data_cfg = {k: v for k, v in data_cfg.items() if k not in ("_target_", "root", "download")}
     unknown = sorted(k for k in data_cfg if k not in DATA_KEYS)
     bad = [f"{k}={v!r}" for k, v in data_cfg.items() if k in DATA_KEYS and not (

@@ -276,18 +276,24 @@ def _hf_source(name_or_path) -> tuple[str, dict, str, str]:
     return str(path) if local else name, where, source, how
 
 
+def _loaded(load, source: str, how: str):
+    """load(), any failure of it one paragraph saying what was tried: OSError, ValueError, network errors... all mean
+    "could not load it from there"."""
+    try:
+        return load()
+    except Exception as e:
+        detail = " ".join(str(e).split())[:300]
+        raise LmcalError(f"Could not load a Hugging Face causal LM and its tokenizer from {source}: "
+                         f"{type(e).__name__}: {detail}. " + how) from None
+
+
 def load_hf_tokenizer(name_or_path):
     """(tokenizer, config) of a Hugging Face model, without its weights: what its sizes are checked against before
     the model is loaded (seconds). Refused as load_hf_model refuses."""
     transformers = import_transformers()
     target, where, source, how = _hf_source(name_or_path)
-    try:
-        return (transformers.AutoTokenizer.from_pretrained(target, **where),
-                transformers.AutoConfig.from_pretrained(target, **where))
-    except Exception as e:  # OSError, ValueError, network errors...: all mean "could not load it from there"
-        detail = " ".join(str(e).split())[:300]
-        raise LmcalError(f"Could not load a Hugging Face causal LM and its tokenizer from {source}: "
-                         f"{type(e).__name__}: {detail}. " + how) from None
+    return _loaded(lambda: (transformers.AutoTokenizer.from_pretrained(target, **where),
+                            transformers.AutoConfig.from_pretrained(target, **where)), source, how)
 
 
 def load_hf_model(name_or_path, device="cpu", dtype=None, device_map=None, tokenizer=None) -> HFCausalLM:
@@ -321,11 +327,7 @@ def load_hf_model(name_or_path, device="cpu", dtype=None, device_map=None, token
                              "Install it (pip install accelerate, or the optional extra: pip install -e '.[hf]'), "
                              "or set model.device_map=null to load the model on one device.") from None
         kwargs["device_map"] = device_map
-    try:
-        tokenizer = tokenizer or transformers.AutoTokenizer.from_pretrained(target, **where)
-        model = transformers.AutoModelForCausalLM.from_pretrained(target, **kwargs)
-    except Exception as e:  # OSError, ValueError, network errors...: all mean "could not load it from there"
-        detail = " ".join(str(e).split())[:300]
-        raise LmcalError(f"Could not load a Hugging Face causal LM and its tokenizer from {source}: "
-                         f"{type(e).__name__}: {detail}. " + how) from None
+    tokenizer, model = _loaded(lambda: (tokenizer or transformers.AutoTokenizer.from_pretrained(target, **where),
+                                        transformers.AutoModelForCausalLM.from_pretrained(target, **kwargs)),
+                               source, how)
     return HFCausalLM(model, tokenizer, None if device_map is not None else device)

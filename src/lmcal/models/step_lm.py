@@ -3,7 +3,8 @@
 A `StepLM` is fed one token per row at a time and answers with the log-probabilities of the next token. Trained
 LSTMs (full or tau-limited context), any Hugging Face causal LM (HFCausalLM, with the optional transformers) and
 exact oracles (the Markov source, and a deliberately drifting model) all implement it, so the entropy-rate and
-calibration code is written once and checked against known truths. The oracles are lmcal.models.oracles, on the source
+calibration code is written once and checked against known truths. LogitsStepLM makes a researcher's own model, any
+module or function from tokens [B, T] to logits [B, T, V], one too. The oracles are lmcal.models.oracles, on the source
 of lmcal.data.markov.
 """
 
@@ -144,3 +145,54 @@ class LimitedContextStepLM:
         buf, count = state
         return buf[index.to(self.device)], count
 
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Any model that returns logits [B, T, V]
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+class LogitsStepLM:
+    """A causal model from tokens [B, T] to next-token logits [B, T, V] (an nn.Module or a plain function; an output
+    with `.logits`, as Hugging Face models return, is read too) as a StepLM.
+
+    State = the tokens fed so far [B, t]. Each step runs the model on the whole prefix and reads its last position, so
+    it is exact for any architecture, with no cache to get wrong, at t tokens of forward per step. With `max_positions`
+    (the model's context) a step reads only the last max_positions tokens. `window_log_probs` reads a window in one
+    forward: how lmcal.core.context builds the memory bound's rows. An nn.Module is put in eval mode (no dropout: the
+    model's predictive distribution). vocab_size=None: read off one forward of a single token.
+    """
+
+    def __init__(self, model, vocab_size: int | None = None, *, max_positions: int | None = None, device=None):
+        if isinstance(model, torch.nn.Module):
+            model.eval()
+            if device is None:
+                device = next((p.device for p in model.parameters()), None)
+        self.model, self.max_positions = model, max_positions
+        self.device = torch.device(device or "cpu")
+        self.vocab_size = int(vocab_size or self._logits(torch.zeros(1, 1, dtype=torch.long)).size(-1))
+
+    @torch.no_grad()
+    def _logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        out = self.model(tokens.to(self.device))
+        logits = getattr(out, "logits", out)
+        if not isinstance(logits, torch.Tensor) or logits.dim() != 3 or logits.shape[:2] != tokens.shape:
+            shape = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
+            raise ValueError(f"the model must map tokens [B, T] = {tuple(tokens.shape)} to logits [B, T, V]; "
+                             f"got {shape}")
+        return logits
+
+    def init_state(self, batch_size: int):
+        return torch.zeros(batch_size, 0, dtype=torch.long, device=self.device)
+
+    def step(self, tokens, state):
+        state = torch.cat([state, tokens.to(self.device)[:, None]], dim=1)  # [B, t]
+        if self.max_positions:
+            state = state[:, -self.max_positions:]  # what the model can read
+        return self._logits(state)[:, -1].float().log_softmax(-1), state  # [B, V]
+
+    def window_log_probs(self, windows: torch.Tensor, keep: int = 1) -> torch.Tensor:
+        """Log-probabilities [b, keep, V] of the token after each of the last `keep` positions of windows [b, T]."""
+        return self._logits(windows)[:, -keep:].float().log_softmax(-1)
+
+    def select(self, state, index):
+        return state[index.to(self.device)]

@@ -200,6 +200,134 @@ def stream_passes(a: dict, m: Model) -> int:
     return 25 + 11 * -(-n // int(a.get("cluster_size", 2000)))
 
 
+def _training_run(st: dict, where: str, t, c: DictConfig, m: Model) -> tuple[str, tuple[float, float, float]]:
+    """One training run of a stage (t: its tau, or None) checked against its model: its plan line, and its (seconds
+    alone, busy share, peak bytes)."""
+    if t:
+        n = m.corpus.get("train")
+        if n and int(t) >= n:
+            raise LmcalError(where + tau_too_long("model.memory_tau", int(t), n, "training") + " Lower "
+                             "taus (or markov.taus), or train on more text (data.max_train_tokens).")
+    bptt, batch = int(c.data.bptt), int(c.data.batch_size)
+    if m.context and bptt > m.context:
+        raise size_refusal([(f"Stage '{st['name']}'", f"would feed its {m.kind} more tokens than its "
+                             f"context of {m.context} ({m.context_key}): data.bptt = {bptt:,} tokens.",
+                             {"data.bptt": m.context})],
+                           f"in the profile's {st['name'].replace('_base', '.base')}")
+    epochs = max(int(c.trainer.max_epochs), 0)
+    tokens = m.corpus.get("train", 0) * epochs
+    flops = 3 * m.step_flops * tokens
+    peak = [(f"logits [bptt, batch, V] = [{bptt}, {batch}, {m.vocab:,}] and their gradient",
+             2 * 4.0 * bptt * batch * m.vocab),
+            (f"parameters, gradients, optimiser state: 4 x {m.params:,} fp32", 16.0 * m.params)]
+    if m.kind == "awd_lstm":  # latency-bound: the measured step, per window of sequential steps
+        epoch, how = lstm_epoch_seconds(m.corpus.get("train", 0), m.corpus.get("valid", 0), batch, bptt,
+                                        t, int(c.data.eval_batch_size))
+        seconds, busy = epochs * epoch, BUSY["tau training" if t else "recurrent training"]
+        time_text = f"{epochs} epochs x ({how}) = {seconds / 3600:.2f} h"
+    else:
+        seconds, busy = flops / (BATCHED_TFLOPS * 1e12), BUSY["batched"]
+        time_text = f"{flops:.3g} FLOP / {BATCHED_TFLOPS:g}e12 = {seconds / 3600:.2f} h"
+    line = (f"{st['name']}{'' if t is None else f' tau={t}'}: {m.kind} ({m.params:,} parameters, "
+            f"context {m.context or 'unbounded'}, V {m.vocab:,}), {epochs} epochs x "
+            f"{m.corpus.get('train', 0):,} tokens = {tokens:,} tokens, batch {batch}, "
+            f"3 x {m.step_flops:.3g} FLOP x tokens = {flops:.3g} FLOP; time alone: {time_text}; peak: "
+            + "; ".join(f"{w} {bytes_text(b)}" for w, b in peak))
+    return line, (seconds, busy, sum(b for _, b in peak))
+
+
+def _training_stage(st: dict, models: dict, tau_of: dict, lines: list[str]) -> Job:
+    """A training stage (one run, or a tau-model per tau) composed, range-checked and sized; its models recorded
+    in `models` (by folder) and `tau_of`, its plan lines added to `lines`; returns its job."""
+    entry, overrides = st["cmd"][2], [o for o in st["cmd"][3:] if o != "-m"]
+    where = f"Stage '{st['name']}' (python -m {entry}): "
+    taus = [None] if "taus" not in st else list(st["taus"])
+    at_once, group = side_by_side(st["cmd"], len(taus)), []  # group: (seconds, busy, peak bytes) per run
+    for t in taus:
+        c = composed(entry, overrides + ([f"model.memory_tau={t}"] if t else []))
+        check_config(c, where=where)  # every setting in its range (lmcal.utils.rules), as the run will
+        m = model_of(c)
+        models[str(st["taus"][t] if t else st["dir"])] = m
+        if t:
+            tau_of[str(st["taus"][t])] = int(t)
+        line, run = _training_run(st, where, t, c, m)
+        lines.append(line)
+        group.append(run)
+    wall, busy = side_by_side_group([g[0] for g in group], [g[1] for g in group], at_once)
+    if at_once > 1:
+        most = bytes_text(max(g[2] for g in group))
+        lines.append(f"{st['name']}: the {len(group)} trainings side by side on the one GPU, {at_once} at once "
+                     f"({SIDE_BY_SIDE_LAUNCHER}): peak {at_once} x {most} of the "
+                     f"tensors above, plus each process's CUDA context; time-sliced: {wall / 3600:.2f} h "
+                     f"against {sum(g[0] for g in group) / 3600:.2f} h one after another")
+    return Job(st["name"], wall, busy, tuple(st["deps"]))
+
+
+def _check_memory_tau(where: str, a: dict, m: Model, mem_tau: int | None) -> None:
+    tau, test = a.get("tau") or mem_tau, score_tokens(a, m)
+    if tau and test and int(tau) >= test:
+        raise LmcalError(where + tau_too_long("tau", int(tau), test, "test") + " Lower it, or score more "
+                         "tokens (analysis.memory.score_tokens).")
+
+
+def _analysis_stage(cfg: DictConfig, st: dict, models: dict, tau_of: dict) -> tuple[str, Job | None]:
+    """An analysis stage composed, range-checked and sized against the model it meets (planned earlier in
+    `models`): its plan line and its job (None where its model is not planned here)."""
+    entry, overrides = st["cmd"][2], [o for o in st["cmd"][3:] if o != "-m"]
+    where = f"Stage '{st['name']}' (python -m {entry}): "
+    c = composed(entry, overrides)
+    check_config(c, where=where)
+    ckpt = next(o.split("=", 1)[1] for o in overrides if o.startswith("ckpt="))
+    m = next((mm for d, mm in models.items() if ckpt.startswith(d + os.sep)), None)  # tau_1 is not tau_10
+    if m is None:
+        return f"{st['name']}: model of {ckpt} not planned here; sizes not checked", None
+    name = list(c.stages)[0]
+    a = OmegaConf.to_container(c.analysis[name], resolve=True)
+    mem_tau = next((int(o.split("=")[1]) for o in overrides if o.startswith("model.memory_tau=")), None)
+    if name == "memory":  # a tau-model's own memory length (its training stage's folder holds the checkpoint)
+        mem_tau = next((t for d, t in tau_of.items() if ckpt.startswith(d + os.sep)), mem_tau)
+        _check_memory_tau(where, a, m, mem_tau)
+    sizes = stream_sizes(name, a, m, mem_tau)
+    problem, fits = size_problems(name, a, m, mem_tau)
+    if problem:
+        part = next((p for p in ("transformer", "markov") if st["name"].startswith(p + "_")), None)
+        key = f"{part}.analysis" if part else "analysis"
+        listed = [*(cfg[part].analysis if part else cfg.analysis),
+                  *(setting(f"analysis.{name}.{k}", v) for k, v in fits.items())]
+        fits = {f"analysis.{name}.{k}": v for k, v in fits.items()}
+        raise size_refusal([(f"Stage '{st['name']}'", problem, fits)],
+                           f"in the profile's {key}: ARGS='{key}=[{','.join(listed)}]'")
+    steps = model_steps(name, a, m, mem_tau)
+    peak = peak_tensors(name, a, m, c.analysis.get("memory_budget_gb"))
+    passes = stream_passes(a, m) if any(w.startswith("streamed rows") for w, _ in peak) else 1
+    steps *= passes  # streamed memory rows: both models' forward again on every pass of the fit
+    flops = steps * m.step_flops
+    top = max(peak, key=lambda p: p[1]) if peak else None
+    line = (f"{st['name']}: {name} on the {m.kind} ({m.context or 'unbounded'} context); streams "
+            + (", ".join(f"{w} -> {s:,}" for w, s in sizes) or "none") + "; ~"
+            + (f"{passes} passes x {steps / passes:.3g} = " if passes > 1 else "")
+            + f"{steps:.3g} model steps = "
+            f"{flops:.3g} FLOP; peak: " + ("; ".join(f"{w} {bytes_text(b)}" for w, b in peak) or "small")
+            + (f" (largest {bytes_text(top[1])})" if top else ""))
+    return line, Job(st["name"], flops / (BATCHED_TFLOPS * 1e12), BUSY["batched"], tuple(st["deps"]))
+
+
+def _plan_tail(cfg: DictConfig, jobs: list[Job]) -> list[str]:
+    total, _ = schedule(jobs, max(1, int(cfg.get("jobs", 1))))
+    alone = {j.name: j.seconds for j in jobs}
+    return ["", f"Wall time on one GPU: an ESTIMATE, {total / 3600:.1f} h (stages one after another: "
+            f"{sum(alone.values()) / 3600:.1f} h). AWD-LSTM trainings at the step measured on {MEASURED_ON}: "
+            f"{STEP_FIXED_MS:g} ms + {STEP_PER_TIME_STEP_MS:g} ms per sequential time step at batch 20 (a PTB epoch of "
+            f"the paper model: 13 s; {ANCHOR}); the other stages' FLOPs at an assumed {BATCHED_TFLOPS:g} TFLOP/s "
+            f"(TF32 off). Scheduled as make reproduce runs them: jobs={int(cfg.get('jobs', 1))} stages at a time "
+            "where their dependencies allow (tau-models not warm-started from the base model beside it), a sweep's "
+            "jobs as its launcher runs them; stages on the one GPU share it by time-slicing (each keeps it busy "
+            "for a measured or assumed share of its time: lmcal.pipeline.timing); NVIDIA MPS, which could overlap "
+            "their kernels further, is not assumed.",
+            "Largest stages (alone): " + ", ".join(f"{n} {t / 3600:.2f} h" for n, t in
+                                                   sorted(alone.items(), key=lambda e: -e[1])[:6])]
+
+
 def check(cfg: DictConfig, estimates: dict | None = None) -> str:
     """The plan of profile `cfg` as text, every stage composed and range-checked (lmcal.utils.rules) and every size
     checked against the model it meets; raises LmcalError naming the stage, the keys and the limit otherwise.
@@ -211,113 +339,14 @@ def check(cfg: DictConfig, estimates: dict | None = None) -> str:
     for st in stages:
         if "fn" in st:
             lines.append(f"{st['name']}: results.json, REPORT.md (in-process)")
-            continue
-        entry, overrides = st["cmd"][2], [o for o in st["cmd"][3:] if o != "-m"]
-        where = f"Stage '{st['name']}' (python -m {entry}): "
-        if entry == "lmcal.train":
-            taus = [None] if "taus" not in st else list(st["taus"])
-            at_once, group = side_by_side(st["cmd"], len(taus)), []  # group: (seconds, busy, peak bytes) per run
-            for t in taus:
-                c = composed(entry, overrides + ([f"model.memory_tau={t}"] if t else []))
-                check_config(c, where=where)  # every setting in its range (lmcal.utils.rules), as the run will
-                m = model_of(c)
-                models[str(st["taus"][t] if t else st["dir"])] = m
-                if t:
-                    tau_of[str(st["taus"][t])] = int(t)
-                    n = m.corpus.get("train")
-                    if n and int(t) >= n:
-                        raise LmcalError(where + tau_too_long("model.memory_tau", int(t), n, "training") + " Lower "
-                                         "taus (or markov.taus), or train on more text (data.max_train_tokens).")
-                bptt, batch = int(c.data.bptt), int(c.data.batch_size)
-                if m.context and bptt > m.context:
-                    raise size_refusal([(f"Stage '{st['name']}'", f"would feed its {m.kind} more tokens than its "
-                                         f"context of {m.context} ({m.context_key}): data.bptt = {bptt:,} tokens.",
-                                         {"data.bptt": m.context})],
-                                       f"in the profile's {st['name'].replace('_base', '.base')}")
-                epochs = max(int(c.trainer.max_epochs), 0)
-                tokens = m.corpus.get("train", 0) * epochs
-                flops = 3 * m.step_flops * tokens
-                peak = [(f"logits [bptt, batch, V] = [{bptt}, {batch}, {m.vocab:,}] and their gradient",
-                         2 * 4.0 * bptt * batch * m.vocab),
-                        (f"parameters, gradients, optimiser state: 4 x {m.params:,} fp32", 16.0 * m.params)]
-                if m.kind == "awd_lstm":  # latency-bound: the measured step, per window of sequential steps
-                    epoch, how = lstm_epoch_seconds(m.corpus.get("train", 0), m.corpus.get("valid", 0), batch, bptt,
-                                                    t, int(c.data.eval_batch_size))
-                    seconds, busy = epochs * epoch, BUSY["tau training" if t else "recurrent training"]
-                    time_text = f"{epochs} epochs x ({how}) = {seconds / 3600:.2f} h"
-                else:
-                    seconds, busy = flops / (BATCHED_TFLOPS * 1e12), BUSY["batched"]
-                    time_text = f"{flops:.3g} FLOP / {BATCHED_TFLOPS:g}e12 = {seconds / 3600:.2f} h"
-                lines.append(f"{st['name']}{'' if t is None else f' tau={t}'}: {m.kind} ({m.params:,} parameters, "
-                             f"context {m.context or 'unbounded'}, V {m.vocab:,}), {epochs} epochs x "
-                             f"{m.corpus.get('train', 0):,} tokens = {tokens:,} tokens, batch {batch}, "
-                             f"3 x {m.step_flops:.3g} FLOP x tokens = {flops:.3g} FLOP; time alone: {time_text}; peak: "
-                             + "; ".join(f"{w} {bytes_text(b)}" for w, b in peak))
-                group.append((seconds, busy, sum(b for _, b in peak)))
-            wall, busy = side_by_side_group([g[0] for g in group], [g[1] for g in group], at_once)
-            jobs.append(Job(st["name"], wall, busy, tuple(st["deps"])))
-            if at_once > 1:
-                most = bytes_text(max(g[2] for g in group))
-                lines.append(f"{st['name']}: the {len(group)} trainings side by side on the one GPU, {at_once} at once "
-                             f"({SIDE_BY_SIDE_LAUNCHER}): peak {at_once} x {most} of the "
-                             f"tensors above, plus each process's CUDA context; time-sliced: {wall / 3600:.2f} h "
-                             f"against {sum(g[0] for g in group) / 3600:.2f} h one after another")
-            continue
-        c = composed(entry, overrides)
-        check_config(c, where=where)
-        ckpt = next(o.split("=", 1)[1] for o in overrides if o.startswith("ckpt="))
-        m = next((mm for d, mm in models.items() if ckpt.startswith(d + os.sep)), None)  # tau_1 is not tau_10
-        if m is None:
-            lines.append(f"{st['name']}: model of {ckpt} not planned here; sizes not checked")
-            continue
-        name = list(c.stages)[0]
-        a = OmegaConf.to_container(c.analysis[name], resolve=True)
-        mem_tau = next((int(o.split("=")[1]) for o in overrides if o.startswith("model.memory_tau=")), None)
-        if name == "memory":  # a tau-model's own memory length (its training stage's folder holds the checkpoint)
-            mem_tau = next((t for d, t in tau_of.items() if ckpt.startswith(d + os.sep)), mem_tau)
-            tau, test = a.get("tau") or mem_tau, score_tokens(a, m)
-            if tau and test and int(tau) >= test:
-                raise LmcalError(where + tau_too_long("tau", int(tau), test, "test") + " Lower it, or score more "
-                                 "tokens (analysis.memory.score_tokens).")
-        sizes = stream_sizes(name, a, m, mem_tau)
-        problem, fits = size_problems(name, a, m, mem_tau)
-        if problem:
-            part = next((p for p in ("transformer", "markov") if st["name"].startswith(p + "_")), None)
-            key = f"{part}.analysis" if part else "analysis"
-            listed = [*(cfg[part].analysis if part else cfg.analysis),
-                      *(setting(f"analysis.{name}.{k}", v) for k, v in fits.items())]
-            fits = {f"analysis.{name}.{k}": v for k, v in fits.items()}
-            raise size_refusal([(f"Stage '{st['name']}'", problem, fits)],
-                               f"in the profile's {key}: ARGS='{key}=[{','.join(listed)}]'")
-        steps = model_steps(name, a, m, mem_tau)
-        peak = peak_tensors(name, a, m, c.analysis.get("memory_budget_gb"))
-        passes = stream_passes(a, m) if any(w.startswith("streamed rows") for w, _ in peak) else 1
-        steps *= passes  # streamed memory rows: both models' forward again on every pass of the fit
-        flops = steps * m.step_flops
-        jobs.append(Job(st["name"], flops / (BATCHED_TFLOPS * 1e12), BUSY["batched"], tuple(st["deps"])))
-        top = max(peak, key=lambda p: p[1]) if peak else None
-        lines.append(f"{st['name']}: {name} on the {m.kind} ({m.context or 'unbounded'} context); streams "
-                     + (", ".join(f"{w} -> {s:,}" for w, s in sizes) or "none") + "; ~"
-                     + (f"{passes} passes x {steps / passes:.3g} = " if passes > 1 else "")
-                     + f"{steps:.3g} model steps = "
-                     f"{flops:.3g} FLOP; peak: " + ("; ".join(f"{w} {bytes_text(b)}" for w, b in peak) or "small")
-                     + (f" (largest {bytes_text(top[1])})" if top else ""))
-    total, _ = schedule(jobs, max(1, int(cfg.get("jobs", 1))))
-    alone = {j.name: j.seconds for j in jobs}
-    for n, t in alone.items() if estimates is not None else ():  # the console's ETAs scale them
-        estimates[n] = estimates.get(n, 0.0) + t
+        elif st["cmd"][2] == "lmcal.train":
+            jobs.append(_training_stage(st, models, tau_of, lines))
+        else:
+            line, job = _analysis_stage(cfg, st, models, tau_of)
+            lines.append(line)
+            jobs += [job] if job else []
+    for j in jobs if estimates is not None else ():  # the console's ETAs scale them
+        estimates[j.name] = estimates.get(j.name, 0.0) + j.seconds
     head = [f"Plan of the {cfg.profile} profile: {len(stages)} stages, all composed and within their ranges; every "
             "stream fits its model's context.", ""]
-    tail = ["", f"Wall time on one GPU: an ESTIMATE, {total / 3600:.1f} h (stages one after another: "
-            f"{sum(alone.values()) / 3600:.1f} h). AWD-LSTM trainings at the step measured on {MEASURED_ON}: "
-            f"{STEP_FIXED_MS:g} ms + {STEP_PER_TIME_STEP_MS:g} ms per sequential time step at batch 20 (a PTB epoch of "
-            f"the paper model: 13 s; {ANCHOR}); the other stages' FLOPs at an assumed {BATCHED_TFLOPS:g} TFLOP/s "
-            f"(TF32 off). Scheduled as make reproduce runs them: jobs={int(cfg.get('jobs', 1))} stages at a time "
-            "where their dependencies allow (tau-models not warm-started from the base model beside it), a sweep's "
-            "jobs as its launcher runs them; stages on the one GPU share it by time-slicing (each keeps it busy "
-            "for a measured or assumed share of its time: lmcal.pipeline.timing); NVIDIA MPS, which could overlap "
-            "their kernels further, is not assumed.",
-            "Largest stages (alone): " + ", ".join(f"{n} {t / 3600:.2f} h" for n, t in
-                                                   sorted(alone.items(), key=lambda e: -e[1])[:6])]
-    return "\n".join(head + lines + tail)
-
+    return "\n".join(head + lines + _plan_tail(cfg, jobs))

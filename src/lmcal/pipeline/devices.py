@@ -42,10 +42,9 @@ def free_slot(running: dict) -> int:
 
 def thread_env(jobs: int, env: dict | None = None, cores: int | None = None) -> dict[str, str]:
     """OMP_NUM_THREADS for a stage process: its share of the cores, cores // jobs (at least 1), so that stages side by
-    side do not each start a thread per core. Torch's threads spin while they wait: two stages of 2 threads each on
-    2 cores trained the smoke model at 314-380 tokens/s, one thread each at 3,170 (2026-11-26). {} where the user set
-    OMP_NUM_THREADS: theirs holds (set it to compare runs with other `jobs` bit for bit: reductions split by thread
-    count may round differently)."""
+    side do not each start a thread per core: torch's threads spin while they wait, so stages whose threads outnumber
+    the cores run many times slower than each on its share. {} where the user set OMP_NUM_THREADS: theirs holds (set
+    it to compare runs with other `jobs` bit for bit: reductions split by thread count may round differently)."""
     env = os.environ if env is None else env
     if env.get("OMP_NUM_THREADS"):
         return {}

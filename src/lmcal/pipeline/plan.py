@@ -91,6 +91,81 @@ def logger_overrides(cfg: DictConfig) -> list[str]:
     return [f"logger={cfg.logger}"]
 
 
+def _corpus_stages(cfg: DictConfig, prefix: str, part, data: str, out: Path, py: list[str],
+                   lg: list[str]) -> list[dict]:
+    """One corpus's stages (prefix "" for the profile's dataset, "markov_" for the Markov source): its base model,
+    its tau-models, the full model's analysis stages (the dataset's only) and a memory bound per tau."""
+    stages = []
+    root = out / (prefix.rstrip("_") or data)
+    base_ckpt = root / "base" / "checkpoints" / "best.ckpt"
+    stages.append({"name": f"{prefix}base", "dir": root / "base", "done": [root / "base" / "metrics.json"],
+                   "deps": [],
+                   "cmd": py + ["lmcal.train", f"data={data}", *part.base, "analysis.stages=[]", *lg,
+                                f"task_name={prefix}base", f"hydra.run.dir={root / 'base'}"]})
+    taus = list(part.taus)
+    tau_dirs = {t: root / "tau" / f"tau_{t}" for t in taus}
+    warm = [f"init_ckpt={base_ckpt}"] if part.warm_start else []
+    stages.append({"name": f"{prefix}tau_models", "dir": root / "tau", "taus": tau_dirs,
+                   "done": [d / "metrics.json" for d in tau_dirs.values()],
+                   "deps": [f"{prefix}base"] if part.warm_start else [],
+                   "cmd": py + ["lmcal.train", "-m", f"data={data}", *part.tau, *warm, "analysis.stages=[]", *lg,
+                                f"task_name={prefix}tau", f"hydra.sweep.dir={root / 'tau'}",
+                                "hydra.sweep.subdir=tau_${model.memory_tau}"]})
+    ev = py + ["lmcal.evaluate", f"ckpt={base_ckpt}", *part.analysis, *lg]
+    if not prefix:  # the full model's stages on PTB; on the Markov source the memory bound is what is checked
+        for stage in [n for n in STAGES if n in cfg.stages]:  # each in its own run, in the registry's order
+            # e.g. decoders take their calibration row from the calibration stage, when it runs
+            uses = [u for u in STAGES[stage].uses if u in cfg.stages]
+            extra = [f"analysis.{stage}.{u}_json={root / u / (u + '.json')}" for u in uses]
+            done = [root / stage / "evaluation.json",
+                    *([root / stage / f"{stage}.json"] if stage in PAPER_STAGES else [])]
+            stages.append({"name": stage, "dir": root / stage, "done": done,  # (the report reads both)
+                           "deps": ["base", *uses],
+                           "cmd": ev + [f"stages=[{stage}]", *extra, f"task_name={stage}",
+                                        f"hydra.run.dir={root / stage}"]})
+    for t, d in tau_dirs.items():
+        mdir = root / "memory" / f"tau_{t}"
+        stages.append({"name": f"{prefix}memory_tau{t}", "dir": mdir, "done": [mdir / "memory.json"],
+                       "deps": [f"{prefix}base", f"{prefix}tau_models"],
+                       "cmd": py + ["lmcal.evaluate", f"ckpt={d / 'checkpoints' / 'best.ckpt'}",
+                                    f"memory.base_ckpt={base_ckpt}", "stages=[memory]", *part.analysis, *lg,
+                                    f"task_name={prefix}memory", f"hydra.run.dir={mdir}"]})
+    for t in taus if part.get("windows", False) else []:  # P~ = the base model itself on t-token windows
+        wdir = root / "memory" / f"window_tau_{t}"
+        stages.append({"name": f"{prefix}memory_window_tau{t}", "dir": wdir, "done": [wdir / "memory.json"],
+                       "deps": [f"{prefix}base"],
+                       "cmd": py + ["lmcal.evaluate", f"ckpt={base_ckpt}", "stages=[memory]",
+                                    "analysis.memory.limited=window", f"analysis.memory.tau={t}", *part.analysis,
+                                    *lg, f"task_name={prefix}memory_window", f"hydra.run.dir={wdir}"]})
+    return stages
+
+
+def _transformer_stages(tr, dataset: str, out: Path, py: list[str], lg: list[str]) -> list[dict]:
+    """A transformer trained here: Table 1's row, its stages, and its memory profile without tau-models."""
+    stages = []
+    root = out / "transformer"
+    base_ckpt = root / "base" / "checkpoints" / "best.ckpt"
+    stages.append({"name": "transformer_base", "dir": root / "base", "done": [root / "base" / "metrics.json"],
+                   "deps": [], "cmd": py + ["lmcal.train", f"data={dataset}", *tr.base, "analysis.stages=[]",
+                                            *lg, "task_name=transformer_base", f"hydra.run.dir={root / 'base'}"]})
+    ev = py + ["lmcal.evaluate", f"ckpt={base_ckpt}", *tr.analysis, *lg]
+    for stage in [n for n in STAGES if n in tr.stages]:
+        uses = [u for u in STAGES[stage].uses if u in tr.stages]
+        extra = [f"analysis.{stage}.{u}_json={root / u / (u + '.json')}" for u in uses]
+        stages.append({"name": f"transformer_{stage}", "dir": root / stage,
+                       "done": [root / stage / "evaluation.json"],
+                       "deps": ["transformer_base", *[f"transformer_{u}" for u in uses]],
+                       "cmd": ev + [f"stages=[{stage}]", *extra, f"task_name=transformer_{stage}",
+                                    f"hydra.run.dir={root / stage}"]})
+    for t in tr.window_taus:
+        wdir = root / "memory" / f"window_tau_{t}"
+        stages.append({"name": f"transformer_memory_window_tau{t}", "dir": wdir, "done": [wdir / "memory.json"],
+                       "deps": ["transformer_base"],
+                       "cmd": ev + ["stages=[memory]", "analysis.memory.limited=window", f"analysis.memory.tau={t}",
+                                    "task_name=transformer_memory_window", f"hydra.run.dir={wdir}"]})
+    return stages
+
+
 def plan(cfg: DictConfig) -> list[dict]:
     """The stages in order: name, command (argv) or in-process function, and the files that show it finished."""
     out = Path(cfg.out).resolve()
@@ -98,72 +173,12 @@ def plan(cfg: DictConfig) -> list[dict]:
     lg = logger_overrides(cfg)
     stages = []
     for prefix, part, data in (("", cfg, cfg.dataset), ("markov_", cfg.markov, "markov")):
-        root = out / (prefix.rstrip("_") or data)
-        base_ckpt = root / "base" / "checkpoints" / "best.ckpt"
-        stages.append({"name": f"{prefix}base", "dir": root / "base", "done": [root / "base" / "metrics.json"],
-                       "deps": [],
-                       "cmd": py + ["lmcal.train", f"data={data}", *part.base, "analysis.stages=[]", *lg,
-                                    f"task_name={prefix}base", f"hydra.run.dir={root / 'base'}"]})
-        taus = list(part.taus)
-        tau_dirs = {t: root / "tau" / f"tau_{t}" for t in taus}
-        warm = [f"init_ckpt={base_ckpt}"] if part.warm_start else []
-        stages.append({"name": f"{prefix}tau_models", "dir": root / "tau", "taus": tau_dirs,
-                       "done": [d / "metrics.json" for d in tau_dirs.values()],
-                       "deps": [f"{prefix}base"] if part.warm_start else [],
-                       "cmd": py + ["lmcal.train", "-m", f"data={data}", *part.tau, *warm, "analysis.stages=[]", *lg,
-                                    f"task_name={prefix}tau", f"hydra.sweep.dir={root / 'tau'}",
-                                    "hydra.sweep.subdir=tau_${model.memory_tau}"]})
-        ev = py + ["lmcal.evaluate", f"ckpt={base_ckpt}", *part.analysis, *lg]
-        if not prefix:  # the full model's stages on PTB; on the Markov source the memory bound is what is checked
-            for stage in [n for n in STAGES if n in cfg.stages]:  # each in its own run, in the registry's order
-                # e.g. decoders take their calibration row from the calibration stage, when it runs
-                uses = [u for u in STAGES[stage].uses if u in cfg.stages]
-                extra = [f"analysis.{stage}.{u}_json={root / u / (u + '.json')}" for u in uses]
-                done = [root / stage / "evaluation.json",
-                        *([root / stage / f"{stage}.json"] if stage in PAPER_STAGES else [])]
-                stages.append({"name": stage, "dir": root / stage, "done": done,  # (the report reads both)
-                               "deps": ["base", *uses],
-                               "cmd": ev + [f"stages=[{stage}]", *extra, f"task_name={stage}",
-                                            f"hydra.run.dir={root / stage}"]})
-        for t, d in tau_dirs.items():
-            mdir = root / "memory" / f"tau_{t}"
-            stages.append({"name": f"{prefix}memory_tau{t}", "dir": mdir, "done": [mdir / "memory.json"],
-                           "deps": [f"{prefix}base", f"{prefix}tau_models"],
-                           "cmd": py + ["lmcal.evaluate", f"ckpt={d / 'checkpoints' / 'best.ckpt'}",
-                                        f"memory.base_ckpt={base_ckpt}", "stages=[memory]", *part.analysis, *lg,
-                                        f"task_name={prefix}memory", f"hydra.run.dir={mdir}"]})
-        for t in taus if part.get("windows", False) else []:  # P~ = the base model itself on t-token windows
-            wdir = root / "memory" / f"window_tau_{t}"
-            stages.append({"name": f"{prefix}memory_window_tau{t}", "dir": wdir, "done": [wdir / "memory.json"],
-                           "deps": [f"{prefix}base"],
-                           "cmd": py + ["lmcal.evaluate", f"ckpt={base_ckpt}", "stages=[memory]",
-                                        "analysis.memory.limited=window", f"analysis.memory.tau={t}", *part.analysis,
-                                        *lg, f"task_name={prefix}memory_window", f"hydra.run.dir={wdir}"]})
-    tr = cfg.get("transformer")
-    if tr:  # a transformer trained here: Table 1's row, its stages, and its memory profile without tau-models
-        root = out / "transformer"
-        base_ckpt = root / "base" / "checkpoints" / "best.ckpt"
-        stages.append({"name": "transformer_base", "dir": root / "base", "done": [root / "base" / "metrics.json"],
-                       "deps": [], "cmd": py + ["lmcal.train", f"data={cfg.dataset}", *tr.base, "analysis.stages=[]",
-                                                *lg, "task_name=transformer_base", f"hydra.run.dir={root / 'base'}"]})
-        ev = py + ["lmcal.evaluate", f"ckpt={base_ckpt}", *tr.analysis, *lg]
-        for stage in [n for n in STAGES if n in tr.stages]:
-            uses = [u for u in STAGES[stage].uses if u in tr.stages]
-            extra = [f"analysis.{stage}.{u}_json={root / u / (u + '.json')}" for u in uses]
-            stages.append({"name": f"transformer_{stage}", "dir": root / stage,
-                           "done": [root / stage / "evaluation.json"],
-                           "deps": ["transformer_base", *[f"transformer_{u}" for u in uses]],
-                           "cmd": ev + [f"stages=[{stage}]", *extra, f"task_name=transformer_{stage}",
-                                        f"hydra.run.dir={root / stage}"]})
-        for t in tr.window_taus:
-            wdir = root / "memory" / f"window_tau_{t}"
-            stages.append({"name": f"transformer_memory_window_tau{t}", "dir": wdir, "done": [wdir / "memory.json"],
-                           "deps": ["transformer_base"],
-                           "cmd": ev + ["stages=[memory]", "analysis.memory.limited=window", f"analysis.memory.tau={t}",
-                                        "task_name=transformer_memory_window", f"hydra.run.dir={wdir}"]})
+        stages += _corpus_stages(cfg, prefix, part, data, out, py, lg)
+    if cfg.get("transformer"):
+        stages += _transformer_stages(cfg.transformer, cfg.dataset, out, py, lg)
     names = [st["name"] for st in stages] + ["report"]
-    # inputs: files other runs add that the report reads (the dose-response rows beside calibration.json,
-    # bench/calibration_dose_row.py): when they change, the report runs again though every stage is done
+    # inputs: files other runs add that the report reads (the dose-response rows beside calibration.json): when they
+    # change, the report runs again though every stage is done
     stages.append({"name": "report", "dir": out, "done": [out / "results.json", out / "REPORT.md"],
                    "inputs": [out / cfg.dataset / "calibration" / "dose_rows_*.json"],
                    "fn": functools.partial(report, names=names), "deps": names[:-1]})

@@ -19,7 +19,7 @@ from lmcal.pipeline.slurm import check_slurm_tools, schedule_slurm
 from lmcal.reporting.results import PAPER_STAGES, stage_record
 from lmcal.stages.registry import check_stages
 from lmcal.stages.wandb_run import check_online
-from lmcal.utils.io import write_json_atomic, write_text_atomic
+from lmcal.utils.io import write_text_atomic
 from lmcal.utils.lock import check_output_folder, run_lock, sweep_temp_files
 from lmcal.utils.settings import differences
 from lmcal.utils.validate import check_config
@@ -34,11 +34,6 @@ def stale_stages(stages: list[dict], current: dict, out: Path, force: bool) -> d
         rec = out / "stages" / f"{st['name']}.json"
         record = stage_record(rec, warn=False)  # none, or one that is not whole: not done (the schedule warns)
         if record is None:
-            continue
-        if "settings" not in record:  # a record of an lmcal that did not keep settings: adopt the current ones
-            print(f"{st['name']}: recorded without its settings (an older lmcal); taking it as run with the current "
-                  "ones.", flush=True)
-            write_json_atomic(rec, {**record, "settings": current[st["name"]]})
             continue
         old, now = record["settings"], current[st["name"]]
         if "taus" in st:

@@ -10,6 +10,7 @@ import shlex
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from omegaconf import DictConfig
@@ -149,6 +150,115 @@ def stop(runs: dict) -> None:
             run["log"].close()
 
 
+@dataclass
+class _Run:
+    """A pipeline as it runs: the stages waiting, running and finished, and what the console shows."""
+
+    stages: list[dict]
+    cfg: DictConfig | None
+    out: Path
+    current: dict
+    jobs: int
+    gpus: list
+    warm: bool  # stages forked by a warm worker (lmcal.pipeline.warm), started when first used
+    todo: list[dict]
+    worker: Worker | None = None
+    running: dict = field(default_factory=dict)
+    finished: set = field(default_factory=set)
+    ran: set = field(default_factory=set)  # stages that ran in this pipeline: what uses their results runs again
+    number: dict = field(default_factory=dict)  # in the order stages start, so that numbers never jump back
+    seconds: dict = field(default_factory=dict)
+
+
+def _skip(r: _Run, stage: dict, record: Path, rec: dict) -> bool:
+    """Whether `stage` is recorded as done with these settings and inputs (and nothing it depends on ran again):
+    then it is skipped, its record brought up to date."""
+    before = stage_record(record)  # (None when it is not whole: not done, with a warning)
+    if r.ran & set(stage["deps"]) or not done_before(before, stage, rec.get("inputs", [])):
+        return False
+    print(f"[{r.number[stage['name']]}/{len(r.stages)}] {stage['name']}: done before, skipped", flush=True)
+    if before.get("settings") != rec["settings"]:  # the tau-models of a longer taus list
+        write_json_atomic(record, {**before, **rec})
+    return True
+
+
+def _start(r: _Run, stage: dict) -> None:
+    """Starts `stage` (the report in this process, the others as their own processes), or skips it if done."""
+    name = stage["name"]
+    r.todo.remove(stage)
+    r.number[name] = len(r.number) + 1
+    record = r.out / "stages" / f"{name}.json"
+    rec = {"dir": str(stage["dir"]), "cmd": stage.get("cmd"), "settings": r.current[name],
+           **({"inputs": inputs_seen(stage)} if "inputs" in stage else {})}
+    if _skip(r, stage, record, rec):
+        r.finished.add(name)
+        return
+    if "fn" not in stage and not r.running:  # the machine's speed as this stage starts (not when another
+        rec["matmul_gflop_per_s"] = machine_gflops()  # stage would share the cores with the probe)
+    rec["started_at"] = time.time()  # wall-clock: REPORT.md's total is the span the stages covered
+    write_json_atomic(record, {"status": "started", **rec})
+    r.ran.add(name)
+    print(f"[{r.number[name]}/{len(r.stages)}] {name}: running (log: {r.out / 'logs' / (name + '.log')})", flush=True)
+    if "fn" in stage:
+        t0 = time.perf_counter()
+        stage["fn"](r.cfg, r.out)
+        r.running[name] = {"t0": t0, "proc": None, "log": None, "rec": rec}
+        return
+    slot = free_slot(r.running)
+    env = {**thread_env(r.jobs), **device_env(slot, r.gpus, r.jobs)}
+    if r.warm and r.worker is None and takes(stage_command(stage)):
+        r.worker = Worker.start(stage_env(thread_env(r.jobs)))
+    r.running[name] = launch(stage, r.out, env, r.worker) | {"rec": rec, "slot": slot}
+
+
+def _start_ready(r: _Run) -> None:
+    """Starts what can start, in plan order: up to `jobs` at once, each once its dependencies have finished (the
+    report alone)."""
+    for stage in list(r.todo):
+        if len(r.running) >= r.jobs or ("fn" in stage and r.running):
+            break
+        if all(d in r.finished for d in stage["deps"]):
+            _start(r, stage)
+    if r.todo and not r.running:  # nothing runs and nothing could start: a plan whose deps are not in it
+        raise LmcalError(f"Stages {', '.join(st['name'] for st in r.todo)} wait on stages that are not in the "
+                         "plan; this is a bug in lmcal.pipeline.plan.plan.")
+
+
+def _reap(r: _Run, tty: bool) -> None:
+    """Records the stages that have ended (a failed one raises)."""
+    by_name = {st["name"]: st for st in r.stages}
+    for name, run in list(r.running.items()):
+        rc = run["proc"].poll() if run["proc"] is not None else 0
+        if rc is None:
+            continue
+        del r.running[name]
+        if run["log"] is not None:
+            run["log"].close()
+        if "fn" not in by_name[name]:
+            check_finished(by_name[name], run, rc)
+        r.seconds[name] = took = time.perf_counter() - run["t0"]
+        write_json_atomic(r.out / "stages" / f"{name}.json", {"status": "done", "seconds": took,
+                                                              "finished_at": time.time(), **run["rec"]})
+        r.finished.add(name)
+        if tty:
+            print("\r\033[K", end="")
+        print(f"[{r.number[name]}/{len(r.stages)}] {name}: done in {took:.0f} s", flush=True)
+
+
+def _show_progress(r: _Run, basis: dict, reference: bool, tty: bool) -> None:
+    """Each running stage's time and time left, and the pipeline's."""
+    now = time.perf_counter()
+    expected = scaled(basis, r.seconds, reference=reference)
+    lines = [stage_line(n, r.number[n], len(r.stages), now - run["t0"], expected.get(n),
+                        step_eta(run["log_path"]) if run.get("log_path") else None)
+             for n, run in r.running.items()]
+    left = plan_left(expected, [st["name"] for st in r.todo if "fn" not in st],
+                     {n: now - run["t0"] for n, run in r.running.items()}, r.jobs)
+    if left is not None:
+        lines[-1] += f"; the pipeline about {clock(left)} left"
+    print(f"\r{'; '.join(lines)}\033[K" if tty else "\n".join(lines), end="" if tty else "\n", flush=True)
+
+
 def schedule(stages: list[dict], cfg: DictConfig, out: Path, current: dict, jobs: int, ref: dict[str, float],
              estimates: dict[str, float] | None = None) -> None:
     """Runs the stages in plan order, up to `jobs` at once: a stage starts once every stage it depends on has
@@ -160,90 +270,24 @@ def schedule(stages: list[dict], cfg: DictConfig, out: Path, current: dict, jobs
     (lmcal.pipeline.eta) from the reference run's stage times `ref`, else the plan check's `estimates`, scaled to
     this machine as stages finish."""
     gpus = visible_gpus() if jobs > 1 else []
-    # stages forked by a warm worker, started when first used: on Linux (macOS's system libraries do not survive a
-    # fork of a process that loaded them), not where GPUs are handed out (a fork must not follow CUDA's start), not
-    # with warm_worker=false
-    warm = {"on": sys.platform == "linux" and cfg is not None and bool(cfg.get("warm_worker", False))
-            and not (gpus or visible_gpus()), "worker": None}
-    total, index, number = len(stages), {st["name"]: i for i, st in enumerate(stages, 1)}, {}
-    todo, running, finished, ran, seconds = list(stages), {}, set(), set(), {}
-    basis = dict(ref or estimates or {})
-    tty, shown = sys.stdout.isatty(), time.perf_counter()
+    # a warm worker forks the stages on Linux (macOS's system libraries do not survive a fork of a process that
+    # loaded them), not where GPUs are handed out (a fork must not follow CUDA's start), not with warm_worker=false
+    warm = (sys.platform == "linux" and cfg is not None and bool(cfg.get("warm_worker", False))
+            and not (gpus or visible_gpus()))
+    r = _Run(stages, cfg, out, current, jobs, gpus, warm, list(stages))
+    basis, tty, shown = dict(ref or estimates or {}), sys.stdout.isatty(), time.perf_counter()
     try:
-        while todo or running:
-            for stage in list(todo):  # start what can start, in plan order
-                name = stage["name"]
-                if len(running) >= jobs or ("fn" in stage and running):
-                    break
-                if any(d not in finished for d in stage["deps"]):
-                    continue
-                todo.remove(stage)
-                number[name] = len(number) + 1  # in the order stages start, so that numbers never jump back
-                record = out / "stages" / f"{name}.json"
-                rec = {"dir": str(stage["dir"]), "cmd": stage.get("cmd"), "settings": current[name],
-                       **({"inputs": inputs_seen(stage)} if "inputs" in stage else {})}
-                before = stage_record(record)  # (None when it is not whole: not done, with a warning)
-                if not ran & set(stage["deps"]) and done_before(before, stage, rec.get("inputs", [])):
-                    print(f"[{number[name]}/{total}] {name}: done before, skipped", flush=True)
-                    if before.get("settings") != rec["settings"]:  # the tau-models of a longer taus list
-                        write_json_atomic(record, {**before, **rec})
-                    finished.add(name)
-                    continue
-                if "fn" not in stage and not running:  # the machine's speed as this stage starts (not when another
-                    rec["matmul_gflop_per_s"] = machine_gflops()  # stage would share the cores with the probe)
-                rec["started_at"] = time.time()  # wall-clock: REPORT.md's total is the span the stages covered
-                write_json_atomic(record, {"status": "started", **rec})
-                ran.add(name)  # what uses its results runs again too
-                print(f"[{number[name]}/{total}] {name}: running (log: {out / 'logs' / (name + '.log')})", flush=True)
-                if "fn" in stage:
-                    t0 = time.perf_counter()
-                    stage["fn"](cfg, out)
-                    run = {"t0": t0, "proc": None, "log": None, "rec": rec}
-                else:
-                    slot = free_slot(running)
-                    env = {**thread_env(jobs), **device_env(slot, gpus, jobs)}
-                    if warm["on"] and warm["worker"] is None and takes(stage_command(stage)):
-                        warm["worker"] = Worker.start(stage_env(thread_env(jobs)))
-                    run = launch(stage, out, env, warm["worker"]) | {"rec": rec, "slot": slot}
-                running[name] = run
-            if todo and not running:  # nothing runs and nothing could start: a plan whose deps are not in it
-                raise LmcalError(f"Stages {', '.join(st['name'] for st in todo)} wait on stages that are not in the "
-                                 "plan; this is a bug in lmcal.pipeline.plan.plan.")
-            time.sleep(0.5 if any(r["proc"] is not None and r["proc"].poll() is None for r in running.values())
-                       else 0)
-            for name, run in list(running.items()):
-                rc = run["proc"].poll() if run["proc"] is not None else 0
-                if rc is None:
-                    continue
-                del running[name]
-                if run["log"] is not None:
-                    run["log"].close()
-                stage = stages[index[name] - 1]
-                if "fn" not in stage:
-                    check_finished(stage, run, rc)
-                seconds[name] = took = time.perf_counter() - run["t0"]
-                write_json_atomic(out / "stages" / f"{name}.json", {"status": "done", "seconds": took,
-                                                                    "finished_at": time.time(), **run["rec"]})
-                finished.add(name)
-                if tty:
-                    print("\r\033[K", end="")
-                print(f"[{number[name]}/{total}] {name}: done in {took:.0f} s", flush=True)
-            now = time.perf_counter()
-            if running and (tty or now - shown >= LINE_EVERY_S):  # a line a minute in a log; live on a terminal
-                expected = scaled(basis, seconds, reference=bool(ref))
-                lines = [stage_line(n, number[n], total, now - r["t0"], expected.get(n),
-                                    step_eta(r["log_path"]) if r.get("log_path") else None)
-                         for n, r in running.items()]
-                left = plan_left(expected, [st["name"] for st in todo if "fn" not in st],
-                                 {n: now - r["t0"] for n, r in running.items()}, jobs)
-                if left is not None:
-                    lines[-1] += f"; the pipeline about {clock(left)} left"
-                print(f"\r{'; '.join(lines)}\033[K" if tty else "\n".join(lines), end="" if tty else "\n",
-                      flush=True)
-                shown = now
+        while r.todo or r.running:
+            _start_ready(r)
+            time.sleep(0.5 if any(run["proc"] is not None and run["proc"].poll() is None
+                                  for run in r.running.values()) else 0)
+            _reap(r, tty)
+            if r.running and (tty or time.perf_counter() - shown >= LINE_EVERY_S):  # a line a minute in a log
+                _show_progress(r, basis, bool(ref), tty)
+                shown = time.perf_counter()
     except BaseException:  # a failed stage, Ctrl-C or a kill: the others go down with the pipeline
-        stop(running)
+        stop(r.running)
         raise
     finally:
-        if warm["worker"] is not None:
-            warm["worker"].close()
+        if r.worker is not None:
+            r.worker.close()

@@ -2,7 +2,7 @@
 
 Trainings of the AWD-LSTM are latency-bound: a step's time is a fixed part (the host's launches: Lightning, the
 regularisers, the optimiser) plus one part per sequential time step of its window, measured on an H200 at batch 20
-(docs/bench/gpu_check.md, the paper model 400/1150/3 through the real Lightning path):
+(tools/gpu_check.py's train part, the paper model 400/1150/3 through the real Lightning path):
 
     ms a step = STEP_FIXED_MS + STEP_PER_TIME_STEP_MS x sequential steps,
 
@@ -27,8 +27,8 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass
 
-# measured: docs/bench/gpu_check.md (NVIDIA H200, torch 2.11, TF32 off, deterministic algorithms, batch 20)
-MEASURED_ON = "an NVIDIA H200 (docs/bench/gpu_check.md)"
+# measured by tools/gpu_check.py (NVIDIA H200, TF32 off, deterministic algorithms, batch 20)
+MEASURED_ON = "an NVIDIA H200 (tools/gpu_check.py)"
 STEP_FIXED_MS, STEP_PER_TIME_STEP_MS = 10.6, 0.121
 VALID_MS = 5.87  # a validation window of 10 x 70
 BUSY = {"recurrent training": 0.86, "tau training": 0.85, "batched": 1.0}

@@ -1,7 +1,7 @@
 """A warm worker for a pipeline's stages: one process that imports what every stage imports (torch, Lightning, Hydra,
 W&B, the stages) once, then forks a child per stage, which runs the stage's `python -m lmcal.<entry> ...` as a fresh
-process would, with the stage's environment, log and exit status. A stage then skips its imports: a short stage took
-2.9 s forked against 8.7 s fresh (docs/bench/stage_startup.md, bench/stage_startup.py).
+process would, with the stage's environment, log and exit status. A stage then skips its imports, which are most of a
+short stage's start-up (bench/stage_startup.py measures both ways).
 
 Forking is safe only from a process that has run no torch operation (a fork after one deadlocks the child's OpenMP
 pool) and has not touched CUDA: the worker only imports, and the pipeline uses it only on Linux where it hands out no

@@ -152,19 +152,6 @@ def within(name: str, level_nats: float, se: float | None, ref_ppl: float, tol: 
     return Claim(key, v, sentence, {"level_nats": level_nats, "se": se, "ref_ppl": ref_ppl})
 
 
-def units_to_decide(level_nats: float, se: float, units: int, ref_ppl: float, tol: float = 0.10,
-                    z: float = Z) -> int | None:
-    """How many independent units (prefixes, each with the same generations) an undecided `within` verdict would need
-    for its z-standard-error interval to clear the nearer edge of ref_ppl ± tol, were the level to stay where it is
-    and each unit's spread to stay what `units` of them show (se shrinks as 1/sqrt(units)). None: decided already,
-    no standard error, or a level on the edge itself."""
-    if not (_finite(se) and se > 0 and units > 0) or within("", level_nats, se, ref_ppl, tol, z=z).verdict != \
-            "undecided":
-        return None
-    gap = min(abs(level_nats - math.log((1 - tol) * ref_ppl)), abs(level_nats - math.log((1 + tol) * ref_ppl)))
-    return None if gap == 0 else math.ceil(units * (z * se / gap) ** 2)
-
-
 # ---------------------------------------------------------------------------------------------------------------------
 # The claims of a reproduction, from its results.json
 # ---------------------------------------------------------------------------------------------------------------------
@@ -323,7 +310,8 @@ def memory_flags(rows: list[dict], beta_far: float = 0.2, z: float = Z) -> list[
                              + (f" beyond {z:g} standard errors: the τ-limited model predicts these words better "
                                 "than the full one." if shown else f", within {z:g} standard errors of zero: the "
                                 "τ-limited model predicts these words about as well as the full one."),
-                             {"model": m.get("model"), "tau": m["tau"], "limited": m.get("limited")}))
+                             {"model": m.get("model"), "tau": m["tau"], "limited": m.get("limited"), "d": d,
+                              "se": se}))
         beta = (m.get("two_parameter") or {}).get("beta")
         if _finite(beta) and abs(beta - 1) > beta_far:
             alpha = m["two_parameter"]["alpha"]
@@ -331,14 +319,15 @@ def memory_flags(rows: list[dict], beta_far: float = 0.2, z: float = Z) -> list[
                              f"Flag ({who}): the two-parameter fit has β* = {beta:.3f}, α* = {alpha:.3f}, more than "
                              f"{beta_far:g} from β = 1: its calibrated model P̂^β·P̃^α re-weights P̂ itself, so its "
                              "bound is not that of P̂ calibrated towards P̃ alone.",
-                             {"model": m.get("model"), "tau": m["tau"], "limited": m.get("limited")}))
+                             {"model": m.get("model"), "tau": m["tau"], "limited": m.get("limited"),
+                              "beta": beta, "alpha": alpha}))
     return out
 
 
 def results_claims(r: dict) -> list[Claim]:
-    """Every claim that results.json alone supports (docs/RESULTS.md writes them for snapshots whose REPORT.md
-    predates this module): calibration, the future-entropy heads (the best one as chosen on one seed and measured
-    on the next), Algorithm 1's goal row, and the memory flags."""
+    """Every claim that results.json alone supports (docs/RESULTS.md writes them for each snapshot): calibration, the
+    future-entropy heads (the best one as chosen on one seed and measured on the next), Algorithm 1's goal row, and
+    the memory flags."""
     out = calibration_claims(r) if "calibration" in r else []
     fe = r.get("future_entropy")
     model = _row(fe, "model")

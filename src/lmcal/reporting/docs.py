@@ -6,78 +6,21 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
-import platform
 import re
-import shlex
 import shutil
-import subprocess
-import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 from lmcal.errors import LmcalError
-from lmcal.reporting.claims import claims_markdown, results_claims
+from lmcal.reporting.claim import Z
+from lmcal.reporting.claims import within
+from lmcal.reporting.claims_table import claim_rows, claims_table, shown
+from lmcal.reporting.provenance import ROOT, machine, provenance, provenance_line, versions  # noqa: F401
 from lmcal.utils.io import file_name, inside, temp_path, write_text_atomic
 
-ROOT = Path(__file__).resolve().parents[3]
-
-
 DOCS = ROOT / "docs"
-
-
-def machine() -> str:
-    """The machine in words: CPU model and cores, accelerator, torch version."""
-    import torch
-
-    cpu = platform.processor() or platform.machine()
-    try:
-        names = [ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                 if ln.startswith("model name")]
-        cpu = names[0] if names else cpu
-    except OSError:
-        pass
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
-    return f"{cpu}, {len(os.sched_getaffinity(0))} cores, {gpu}, torch {torch.__version__}"
-
-
-def provenance(command: str | None = None) -> dict:
-    """What made an output: the command, the date, the machine and the code's git commit."""
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                                timeout=10).stdout.strip() or None
-        changed = subprocess.run(["git", "status", "--porcelain", "--", "src", "conf", "bench"], cwd=ROOT,
-                                 capture_output=True, text=True, timeout=10).stdout.strip()
-        if commit and changed:  # the code that ran is not that commit's: say so
-            commit += " with uncommitted changes"
-    except (OSError, subprocess.SubprocessError):
-        commit = None
-    if command is None:  # this process's own command line, the script relative to the project
-        script = Path(sys.argv[0]).resolve()
-        command = "python " + shlex.join([str(script.relative_to(ROOT)) if script.is_relative_to(ROOT) else
-                                          sys.argv[0], *sys.argv[1:]])
-    return {"command": command,
-            "date": time.strftime("%Y-%m-%d %H:%M %Z"), "machine": machine(), "commit": commit}
-
-
-def versions() -> dict:
-    """The versions of Python and of the packages the numbers depend on (those installed)."""
-    from importlib import metadata
-
-    out = {"python": platform.python_version()}
-    for pkg in ("lmcal", "torch", "numpy", "scipy", "pytorch-lightning", "transformers", "hydra-core", "omegaconf",
-                "wandb"):
-        try:
-            out[pkg] = metadata.version(pkg)
-        except metadata.PackageNotFoundError:
-            pass
-    return out
-
-
-def provenance_line(p: dict) -> str:
-    return (f"*Command:* `{p['command']}` · *date:* {p['date']} · *machine:* {p['machine']}"
-            + (f" · *commit:* {p['commit']}" if p.get("commit") else ""))
 
 
 def add_out_option(ap: argparse.ArgumentParser, name: str) -> None:
@@ -97,12 +40,15 @@ def tee() -> tuple[Callable[[str], None], list[str]]:
     return emit, lines
 
 
-def save_bench(path: str | Path | None, title: str, body: str, command: str | None = None) -> None:
-    """A benchmark's Markdown (its tables) with a heading and its provenance, written atomically to `path`
-    (nothing when path is None: the bench only printed)."""
+def save_bench(path: str | Path | None, title: str, body: str, command: str | None = None,
+               result: str | None = None) -> None:
+    """A benchmark's Markdown (its tables) with a heading, its provenance and, given one, its result in a sentence
+    (the line RESULTS.md lists it by), written atomically to `path` (nothing when path is None: the bench only
+    printed)."""
     if path is None:
         return
-    write_text_atomic(path, f"## {title}\n\n{provenance_line(provenance(command))}\n\n{body.strip()}\n")
+    head = f"## {title}\n\n{provenance_line(provenance(command))}\n\n" + (f"*Result:* {result}\n\n" if result else "")
+    write_text_atomic(path, f"{head}{body.strip()}\n")
 
 
 def snapshot(run: str | Path, docs: Path = DOCS) -> Path:
@@ -149,11 +95,38 @@ def check_snapshot(run: Path) -> str:
                 prov.get("commit"), (str, type(None))):
             raise TypeError("its provenance's command, date, machine and commit are not texts")
         run_section(run, "runs/" + run.name)  # everything else RESULTS.md reads, read as it will be
+        paper_rows(r)
     except (ValueError, TypeError, KeyError, AttributeError, IndexError) as e:
         raise LmcalError(f"{run / 'results.json'} is not a reproduction's results ({type(e).__name__}: "
                          f"{str(e).strip(chr(39))[:200]}); nothing was copied or changed. Rerun its report stage "
                          "(make reproduce in that folder) before taking a snapshot.") from None
     return profile
+
+
+def rerender(folder: str | Path) -> Path:
+    """Writes folder/REPORT.md again from its results.json with this code (a snapshot keeps no stage files, so the
+    sections that need them are left out; a reproduction's folder gives them all). The profile's settings
+    (conf/reproduce/<profile>.yaml) name its stages and how its τ-models were trained."""
+    folder = Path(folder)
+    r = json.loads((folder / "results.json").read_text())
+    if "groups" in r:  # the scale sweep
+        from lmcal.reporting.scale_text import report_markdown as scale_markdown
+
+        key = ("corpus", "tail_exponent", "family", "unit")
+        runs = sorted(r["runs"], key=lambda x: (x["params"] or 0, x["train_tokens"] or 0))  # as scale_report orders
+        groups = [(g, [x for x in runs if all(x.get(k) == g.get(k) for k in key)]) for g in r["groups"]]
+        text = scale_markdown(r, groups, "scale.png")
+    else:
+        from omegaconf import OmegaConf
+
+        from lmcal.reporting.report_md import report_markdown
+
+        conf = ROOT / "conf" / "reproduce" / f"{file_name(r['profile'], folder / 'results.json', 'profile')}.yaml"
+        cfg = OmegaConf.load(conf) if conf.is_file() else OmegaConf.create({"stages": []})
+        cfg.profile = r["profile"]
+        text = report_markdown(cfg, r, folder)
+    write_text_atomic(folder / "REPORT.md", text)
+    return folder / "REPORT.md"
 
 
 def _report_body(folder: Path, rel: str, provenance: str = "") -> str:
@@ -168,39 +141,69 @@ def _report_body(folder: Path, rel: str, provenance: str = "") -> str:
     return re.sub(r"(?<!!)\[([^\]]+)\]\((?!https?:|runs/)[^)]*\)", r"\1", text)
 
 
-def _claims_section(r: dict, report_text: str) -> list[str]:
-    """The effect sentences results.json supports (lmcal.reporting.claims), where the snapshot's REPORT.md does not
-    hold them already (a report written before they were generated): its own effect sentences are then superseded."""
-    claims = results_claims(r)
-    if not claims or all(c.sentence in report_text for c in claims):
-        return []
-    return ["### What the numbers support", "",
-            "Generated from this snapshot's results.json by `lmcal.reporting.claims` (each effect tested against "
-            "twice its standard error, and against the fitted temperature). The report below predates these "
-            "sentences; where its text states an effect, these supersede it.", "", *claims_markdown(claims)]
-
-
 def run_section(folder: Path, rel: str) -> list[str]:
     """RESULTS.md's section of the snapshot (or finished reproduction) in `folder`; `rel`: its figures' folder."""
     r = json.loads((folder / "results.json").read_text())
     prov = r.get("provenance") or {}
     line = provenance_line(prov) if prov else "*Provenance not recorded by this run.*"
     return [f"## Reproduction, profile `{r.get('profile', folder.name)}`", "", line, "",
-            *_claims_section(r, (folder / "REPORT.md").read_text()), _report_body(folder, rel, line), ""]
+            _report_body(folder, rel, line), ""]
+
+
+def paper_rows(r: dict, rel: str = "") -> list[tuple[str, ...]]:
+    """One reproduction's rows of RESULTS.md's claims table (lmcal.reporting.claims_table), its claims prefixed with
+    its profile."""
+    where = f"`{r.get('profile', '?')}`: "
+    return [(where + row[0], *row[1:]) for row in claim_rows(r, rel)]
+
+
+def bench_rows(docs: Path) -> list[tuple[str, ...]]:
+    """The claims table's rows of the benchmarks' summaries (bench/<page>.json: a study's level, tail_nats ±
+    tail_stderr_nats, against its model's test_ppl), each tested as lmcal.reporting.claims.within tests a
+    reproduction's goal row."""
+    rows = []
+    for f in sorted((docs / "bench").glob("*.json")):
+        s = json.loads(f.read_text())
+        level, se = math.exp(s["tail_nats"]), s["tail_stderr_nats"]
+        rows.append((f"bench: [{s['label']}](bench/{f.stem}.md): last tenth within 10% of the test perplexity "
+                     f"{s['test_ppl']:.1f}", "equal (Algorithm 1)", f"{level:.1f}", f"{level * se:.1f}",
+                     shown(within("", s["tail_nats"], se, s["test_ppl"]).verdict), "–"))
+    return rows
+
+
+def bench_line(page: Path) -> str:
+    """A benchmark page as one line of RESULTS.md: its title, its result, the machine's matmul rate as the page
+    records it, and a link to it."""
+    text = page.read_text()
+    title = text.splitlines()[0].removeprefix("## ")
+    result = re.search(r"^\*Result:\* (.+)$", text, re.M)
+    rate = re.search(r"matmul[^|\n]*?(\d[\d,.]*) GFLOP/s", text)
+    return (f"- [{title}](bench/{page.name}): {result.group(1) if result else 'see the page.'}"
+            + (f" *(matmul {rate.group(1)} GFLOP/s)*" if rate else ""))
 
 
 def render(docs: Path = DOCS) -> str:
+    runs = sorted(f for f in (docs / "runs").glob("*/") if not f.name.startswith("."))
     parts = ["# Measured results", "",
              "Generated by `make docs` (`python -m lmcal.docs`) from the files the runs wrote: the reproductions "
-             "snapshotted under [runs/](runs) and the benchmark tables under [bench/](bench). Each section names the "
-             "command, date and machine that made it. Do not edit by hand: rerun the run, then `make docs`.", ""]
-    for folder in sorted(f for f in (docs / "runs").glob("*/") if not f.name.startswith(".")):
+             "snapshotted under [runs/](runs) and the benchmark pages under [bench/](bench). Each section names the "
+             "command, date and machine that made it. Do not edit by hand: rerun the run, then `make docs`.", "",
+             "## The paper against lmcal", "",
+             f"Each claim's verdict at {Z:g} standard errors, as lmcal.reporting.claims tests it (the scale sweep's "
+             "exponents: their bootstrap interval against the reference's). Nats are changes of the mean entropy "
+             "over the last tenth of the horizon; the paper's calibration figure is its -20 points from 93.1.", ""]
+    sections, rows = [], []
+    for folder in runs:
         try:
-            parts += run_section(folder, f"runs/{folder.name}")
+            rows += paper_rows(json.loads((folder / "results.json").read_text()), f"runs/{folder.name}/")
+            sections += run_section(folder, f"runs/{folder.name}")
         except (ValueError, TypeError, KeyError, AttributeError, IndexError) as e:
             raise LmcalError(f"{folder / 'results.json'} is not a reproduction's results ({type(e).__name__}: "
                              f"{str(e).strip(chr(39))[:200]}); RESULTS.md was not written. Snapshot that "
                              "reproduction again (make docs RUNS=...), or remove its folder.") from None
-    for f in sorted((docs / "bench").glob("*.md")):
-        parts += [re.sub(r"^## ", "## Benchmark: ", f.read_text(), count=1), ""]
+    pages = sorted((docs / "bench").glob("*.md"))
+    parts += [*claims_table([*rows, *bench_rows(docs)]), "", *sections]
+    if pages:
+        parts += ["## Benchmarks", "", "One line a page; each page holds its tables, command, date and machine.", "",
+                  *map(bench_line, pages)]
     return "\n".join(parts).rstrip() + "\n"

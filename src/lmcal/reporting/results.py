@@ -64,91 +64,108 @@ RECORD = {"status": str, "settings": dict, "dir": str, "cmd": (list, type(None))
 
 def stage_record(path: Path, warn: bool = True) -> dict | None:
     """A stage's record (<out>/stages/<stage>.json), or None when there is none or it is not whole (it does not
-    parse, lacks its status, or holds a key of another type: "not done", with a warning naming it where `warn`)."""
+    parse, lacks its status or settings, or holds a key of another type: "not done", with a warning naming it where
+    `warn`)."""
     r = read_record(path, warn)
     if r is None:
         return None
     wrong = [f"{k} is a {type(r[k]).__name__}" for k, t in RECORD.items() if k in r and not isinstance(r[k], t)]
-    if "status" not in r or wrong:
+    missing = [k for k in ("status", "settings") if k not in r]
+    if missing or wrong:
         if warn:
-            print(f"warning: {path} is not whole ({'; '.join(wrong) or 'it lacks status'}); taking its stage as "
-                  "not done, so it runs again.", file=sys.stderr, flush=True)
+            print(f"warning: {path} is not whole ({'; '.join(wrong) or 'it lacks ' + ' and '.join(missing)}); taking "
+                  "its stage as not done, so it runs again.", file=sys.stderr, flush=True)
         return None
     return r
 
 
+def _memory_rows(root: Path, taus, windows: bool) -> list[dict]:
+    """Each tau's memory.json under root/memory: the trained tau-model's, then the window's where asked."""
+    return [read_json(root / "memory" / f"{kind}tau_{t}" / "memory.json") for t in taus
+            for kind in ("", "window_")[:1 + bool(windows)]]
+
+
+def _tail_ppl(curve: list[float]) -> float:
+    """exp of the mean entropy over the last tenth of the horizon."""
+    return exp_or_inf(sum(curve[-max(1, len(curve) // 10):]) / max(1, len(curve) // 10))
+
+
+CALIBRATION_KEYS = ("alpha", "alpha_stderr", "test_ppl_before", "test_ppl_after", "curve_nats", "stderr_nats",
+                    "curve_nats_before", "stderr_nats_before", "entrate_ppl_before", "entrate_ppl_after", "topk",
+                    "tail_samples", "min_context", "fit_tokens", "test_tokens", "tail_steps", "tail_ppl_before",
+                    "tail_ppl_after", "tail_diff_nats", "tail_diff_stderr_nats", "diff_curve_nats", "diff_stderr_nats")
+DECODER_KEYS = ("method", "params", "entrate_ppl", "test_ce_nats", "zero_prob_fraction", "test_ce_kept_nats",
+                "test_ce_mixed_nats", "entropy_t1_nats", "entropy_last_nats", "tail_diff_nats", "tail_diff_stderr_nats")
+MEMORY_KEYS = ("model", "tau", "ce_limited_nats", "mi_upper_bound_nats", "mi_stderr_nats", "alpha", "alpha_stderr",
+               "entropy_calibrated_nats", "limited", "mi_upper_bound_crossfit_nats", "delta_ce_nats",
+               "delta_ce_stderr_nats", "two_parameter", "test_tokens", "cluster_size")
+MARKOV_MEMORY_KEYS = ("tau", "mi_upper_bound_nats", "mi_stderr_nats", "exact_mi_nats", "alpha", "limited",
+                      "mi_upper_bound_crossfit_nats", "delta_ce_nats", "two_parameter")
+
+
+def _table1_results(cfg: DictConfig, base: dict, er: dict) -> dict:
+    return {"base": {k: base[k] for k in ("val_ppl", "test_ppl", "test_ce_nats", "model", "epochs", "params")},
+            "entropy_rate": {k: er[k] for k in ("horizon", "num_generations", "curve_nats", "stderr_nats",
+                                                "entrate_ppl", "test_ppl")}
+            | {"entrate_tail_ppl": _tail_ppl(er["curve_nats"])}
+            | _present(er, "num_prefixes", "samples_per_prefix", "prefix_len", "seed", "tail_nats",
+                       "tail_stderr_nats")}
+
+
+def _calibration_results(ptb: Path, cal: dict, dec: dict) -> dict:
+    return {"calibration": {k: cal[k] for k in CALIBRATION_KEYS}
+            | {"entrate_tail_ppl_before": _tail_ppl(cal["curve_nats_before"]),
+               "entrate_tail_ppl_after": _tail_ppl(cal["curve_nats"])}
+            | _present(cal, *SETTINGS, "epsilon", "tail_nats_before", "tail_stderr_nats_before", "tail_nats",
+                       "tail_stderr_nats", "mass_outside_topk", "true_word_outside_topk", "coverage_positions",
+                       "cover", "cover_max", "rule", "candidates_mean", "approximation")
+            | calibration_dose(cal, dose_row_files(ptb / "calibration")),
+            "decoders": [{k: r[k] for k in DECODER_KEYS} | {"entrate_tail_ppl": _tail_ppl(r["curve_nats"])}
+                         | _present(r, "tail_nats", "tail_stderr_nats") for r in dec["rows"]],
+            "decoders_setup": _present(dec, *SETTINGS, "fit_tokens", "test_tokens", "calibration_reused")}
+
+
+def _markov_results(cfg: DictConfig, mk: Path) -> dict:
+    mbase = read_json(mk / "base" / "metrics.json")
+    mmem = _memory_rows(mk, cfg.markov.taus, cfg.markov.get("windows", False))
+    return {"order": mbase["markov_order"], "true_entropy_rate_nats": mbase["true_entropy_rate_nats"],
+            "estimated_entropy_rate_nats": mmem[0]["ce_full_nats"],
+            "estimated_entropy_rate_stderr_nats": mmem[0]["ce_full_stderr_nats"],
+            "test_ce_nats": mbase["test_ce_nats"],
+            "memory": [{k: m[k] for k in MARKOV_MEMORY_KEYS} | _present(m, "ce_limited_nats") for m in mmem],
+            "oracle": markov_oracle(cfg, mk)}
+
+
+def _stage_times(out: Path, names: list[str]) -> dict:
+    records = {n: stage_record(out / "stages" / f"{n}.json", warn=False) for n in names}
+    return {name: {k: r[k] for k in ("seconds", "status", "started_at", "finished_at") if k in r}
+            | (stage_profile(Path(r["dir"])) if "dir" in r else {})
+            | ({"matmul_gflop_per_s": r["matmul_gflop_per_s"]} if r.get("matmul_gflop_per_s") else {})
+            for name, r in records.items() if r is not None and r.get("status") == "done"}
+
+
 def collect_results(cfg: DictConfig, out: Path, names: list[str]) -> dict:
     """results.json: the numbers of every stage, from the files the stages wrote."""
-    ptb, mk = out / cfg.dataset, out / "markov"
+    ptb = out / cfg.dataset
     base = read_json(ptb / "base" / "metrics.json")
     er = read_json(ptb / "entropy_rate" / "entropy_rate.json")
-    cal = read_json(ptb / "calibration" / "calibration.json")
-    dec = read_json(ptb / "decoders" / "decoders.json")
-    def memory_rows(root: Path, taus, windows: bool) -> list[dict]:  # trained, then window, for each tau
-        return [read_json(root / "memory" / f"{kind}tau_{t}" / "memory.json") for t in taus
-                for kind in ("", "window_")[:1 + bool(windows)]]
-
-    mem = [m | {"model": "awd_lstm"} for m in memory_rows(ptb, cfg.taus, cfg.get("windows", False))]
+    mem = [m | {"model": "awd_lstm"} for m in _memory_rows(ptb, cfg.taus, cfg.get("windows", False))]
     tr = transformer_results(cfg, out / "transformer")
     mem += tr.pop("memory", [])
-    mbase = read_json(mk / "base" / "metrics.json")
-    mmem = memory_rows(mk, cfg.markov.taus, cfg.markov.get("windows", False))
-    records = {n: stage_record(out / "stages" / f"{n}.json", warn=False) for n in names}
-    records = {n: r for n, r in records.items() if r is not None and r.get("status") == "done"}
-    def tail_ppl(curve: list[float]) -> float:  # exp of the mean entropy over the last tenth of the horizon
-        return exp_or_inf(sum(curve[-max(1, len(curve) // 10):]) / max(1, len(curve) // 10))
-
     return {
-        "profile": cfg.profile, "dataset": cfg.dataset,
-        "base": {"val_ppl": base["val_ppl"], "test_ppl": base["test_ppl"], "test_ce_nats": base["test_ce_nats"],
-                 "model": base["model"], "epochs": base["epochs"], "params": base["params"]},
-        "entropy_rate": {"horizon": er["horizon"], "num_generations": er["num_generations"],
-                         "curve_nats": er["curve_nats"], "stderr_nats": er["stderr_nats"],
-                         "entrate_ppl": er["entrate_ppl"], "test_ppl": er["test_ppl"],
-                         "entrate_tail_ppl": tail_ppl(er["curve_nats"])}
-        | _present(er, "num_prefixes", "samples_per_prefix", "prefix_len", "seed", "tail_nats", "tail_stderr_nats"),
-        "calibration": {k: cal[k] for k in ("alpha", "alpha_stderr", "test_ppl_before", "test_ppl_after",
-                                            "curve_nats", "stderr_nats", "curve_nats_before", "stderr_nats_before",
-                                            "entrate_ppl_before", "entrate_ppl_after", "topk", "tail_samples",
-                                            "min_context", "fit_tokens", "test_tokens", "tail_steps",
-                                            "tail_ppl_before", "tail_ppl_after", "tail_diff_nats",
-                                            "tail_diff_stderr_nats", "diff_curve_nats", "diff_stderr_nats")}
-        | {"entrate_tail_ppl_before": tail_ppl(cal["curve_nats_before"]),
-           "entrate_tail_ppl_after": tail_ppl(cal["curve_nats"])}
-        | _present(cal, *SETTINGS, "epsilon", "tail_nats_before", "tail_stderr_nats_before", "tail_nats",
-                   "tail_stderr_nats", "mass_outside_topk", "true_word_outside_topk", "coverage_positions", "cover",
-                   "cover_max", "rule", "candidates_mean", "approximation")
-        | calibration_dose(cal, dose_row_files(ptb / "calibration")),
-        "decoders": [{k: r[k] for k in ("method", "params", "entrate_ppl", "test_ce_nats", "zero_prob_fraction",
-                                        "test_ce_kept_nats", "test_ce_mixed_nats", "entropy_t1_nats",
-                                        "entropy_last_nats", "tail_diff_nats", "tail_diff_stderr_nats")}
-                     | {"entrate_tail_ppl": tail_ppl(r["curve_nats"])} | _present(r, "tail_nats", "tail_stderr_nats")
-                     for r in dec["rows"]],
-        "decoders_setup": _present(dec, *SETTINGS, "fit_tokens", "test_tokens", "calibration_reused"),
+        "profile": cfg.profile, "dataset": cfg.dataset, **_table1_results(cfg, base, er),
+        **_calibration_results(ptb, read_json(ptb / "calibration" / "calibration.json"),
+                               read_json(ptb / "decoders" / "decoders.json")),
         "table1": [{"model": base["model"], "corpus": cfg.dataset, "test_ppl": er["test_ppl"],
                     "entrate_ppl": er["entrate_ppl"], "horizon": er["horizon"], "unit": er.get("unit", "word")},
                    *tr.pop("table1", [])],
-        "memory": [{k: m[k] for k in ("model", "tau", "ce_limited_nats", "mi_upper_bound_nats", "mi_stderr_nats",
-                                      "alpha", "alpha_stderr", "entropy_calibrated_nats", "limited",
-                                      "mi_upper_bound_crossfit_nats", "delta_ce_nats", "delta_ce_stderr_nats",
-                                      "two_parameter", "test_tokens", "cluster_size")} for m in mem],
+        "memory": [{k: m[k] for k in MEMORY_KEYS} for m in mem],
         **({"transformer": tr} if tr else {}),
-        "markov": {"order": mbase["markov_order"],
-                   "true_entropy_rate_nats": mbase["true_entropy_rate_nats"],
-                   "estimated_entropy_rate_nats": mmem[0]["ce_full_nats"],
-                   "estimated_entropy_rate_stderr_nats": mmem[0]["ce_full_stderr_nats"],
-                   "test_ce_nats": mbase["test_ce_nats"],
-                   "memory": [{k: m[k] for k in ("tau", "mi_upper_bound_nats", "mi_stderr_nats", "exact_mi_nats",
-                                                 "alpha", "limited", "mi_upper_bound_crossfit_nats", "delta_ce_nats",
-                                                 "two_parameter")} | _present(m, "ce_limited_nats") for m in mmem],
-                   "oracle": markov_oracle(cfg, mk)},
+        "markov": _markov_results(cfg, out / "markov"),
         **{n: _unwrap(n, STAGES[n].summary(read_json(ptb / n / "evaluation.json")[n]))
            for n in cfg.stages if n not in PAPER_STAGES},
         **_chosen_rows(cfg, ptb),
-        "stages": {name: {k: r[k] for k in ("seconds", "status", "started_at", "finished_at") if k in r}
-                   | (stage_profile(Path(r["dir"])) if "dir" in r else {})
-                   | ({"matmul_gflop_per_s": r["matmul_gflop_per_s"]} if r.get("matmul_gflop_per_s") else {})
-                   for name, r in records.items()},
+        "stages": _stage_times(out, names),
     }
 
 
@@ -162,8 +179,8 @@ def dose_row_files(folder: Path) -> list[tuple[Path, dict]]:
 
 def calibration_dose(cal: dict, found: list[tuple[Path, dict]]) -> dict:
     """The calibration stage's dose-response without its per-generation numbers, with the rows other runs added
-    beside it (`found`: dose_row_files of its folder, e.g. exact lookahead on a GPU: bench/calibration_dose_row.py) as
-    extra_rows, each marked with its device."""
+    beside it (`found`: dose_row_files of its folder, e.g. exact lookahead on a GPU) as extra_rows, each marked with
+    its device."""
     dr = cal.get("dose_response")
     if not dr:
         return {}

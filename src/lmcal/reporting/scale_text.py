@@ -7,7 +7,7 @@ import math
 import time
 
 from lmcal import paper
-from lmcal.reporting.docs import provenance, provenance_line
+from lmcal.reporting.provenance import provenance, provenance_line
 from lmcal.reporting.scale_claims import effect_trend, scale_exponent
 
 AXES = {"params": "parameters", "train_tokens": "training tokens", "data_tokens": "distinct training tokens",

@@ -1,17 +1,21 @@
-"""The analysis stages: the registry (lmcal.stages.registry), one module per stage named after it (its files, tables
-and figures, over the maths of the lmcal.core module of the same name), the figures, the tables and the W&B run.
+"""The analysis stages: the registry (lmcal.stages.registry), their settings (lmcal.stages.configs), one module per
+stage named after it (compute(target, settings) -> Result, over the maths of the lmcal.core module of the same name),
+the figures, the tables and the W&B run.
 
 A stage kept outside the package registers itself through this public path:
 
-    from lmcal.stages import Stage, register
+    from lmcal.stages import Result, Stage, register
 """
 
 from lmcal.errors import LmcalError
-from lmcal.stages.registry import STAGES, load_plugins, register, run_stages
-from lmcal.stages.stage import Stage
+from lmcal.stages.configs import store_schemas
+from lmcal.stages.registry import STAGES, load_plugins, register, run_stage, run_stages
+from lmcal.stages.stage import Result, Stage, publish, target
 from lmcal.utils.boundary import fail_at_import
 
-__all__ = ["STAGES", "Stage", "register", "run_stages"]
+__all__ = ["STAGES", "Result", "Stage", "publish", "register", "run_stage", "run_stages", "target"]
+
+store_schemas()  # analysis.<stage>'s schema, before any entry point composes its config
 
 try:
     load_plugins()  # after the names above exist: a plugin imports them from here

@@ -1,5 +1,5 @@
 """What decides whether lookahead calibration's effect is lost by its approximation or absent from the model: the
-calibration stage's two extra measurements (issue 40), their tables and their figure.
+calibration stage's two extra measurements, their tables and their figure.
 
 - approximation: at states of the model's own plain generations, E_{P_a}[H_next] - E_P[H_next] of exact lookahead
   against that of each candidate rule's law, every H_next exact (lmcal.core.lookahead_law.hnext_shifts): no
@@ -22,6 +22,7 @@ from lmcal.core.entropy_rate import clustered_mean, generation_entropy_curve
 from lmcal.core.expfit import stream_block_sums
 from lmcal.core.lookahead_law import Rule, hnext_shifts, law_row_terms, make_rule
 from lmcal.errors import LmcalError
+from lmcal.stages.configs import GenerationConfig
 
 
 def rules_of(specs: list[dict] | None, what: str, tail_samples: int = 16) -> list[Rule]:
@@ -117,24 +118,26 @@ def law_test_ce(lm, test: torch.Tensor, rule: Rule, alphas: list[float], seed: i
 
 
 def dose_response(lm, alpha: float, rules: list[Rule], multiples: list[float], prefixes: torch.Tensor,
-                  horizon: int, samples_per_prefix: int, test: torch.Tensor, *, seed: int = 0, epsilon: float = 0.0,
-                  max_batch: int = 1024, plain=None, reuse: dict | None = None, cluster_size: int = 100) -> dict:
-    """Each rule's law at a = k alpha for each multiple k: its generations from prefixes [N, L] (samples_per_prefix
-    each, the plain model's `plain` curve paired with them, generated here when None), its last tenth's paired
-    difference from the plain model's and from the first rule's at the same a, and its test CE on streams test.
-    reuse: {(rule label, multiple): an EntropyCurve already generated with these settings}."""
+                  test: torch.Tensor, gen: GenerationConfig, *, epsilon: float = 0.0, plain=None,
+                  reuse: dict | None = None, cluster_size: int = 100) -> dict:
+    """Each rule's law at a = k alpha for each multiple k: its generations from prefixes [N, L] (gen's horizon,
+    samples_per_prefix, seed and max_batch; the plain model's `plain` curve paired with them, generated here when
+    None), its last tenth's paired difference from the plain model's and from the first rule's at the same a, and its
+    test CE on streams test. reuse: {(rule label, multiple): an EntropyCurve already generated with these settings}."""
     t0 = time.perf_counter()
-    gen = lambda model: generation_entropy_curve(model, prefixes, horizon, samples_per_prefix, seed=seed,
-                                                 max_batch=max_batch, progress=True)
-    plain = plain or gen(calibrated(lm, 0.0, epsilon=epsilon))
+    horizon, samples_per_prefix, seed = gen.horizon, gen.samples_per_prefix, gen.seed
+    if plain is None:
+        plain = _generate(calibrated(lm, 0.0, epsilon=epsilon), prefixes, gen)
     rows, first = [], {}
     for r in rules:
         ce = law_test_ce(lm, test, r, [k * alpha for k in multiples], seed, epsilon, cluster_size)
         for k, at in zip(multiples, ce["at"], strict=True):
             t = time.perf_counter()
-            curve = (reuse or {}).get((r.label, k)) or gen(calibrated(lm, k * alpha, r.topk, epsilon,
-                                                                       tail_samples=r.tail_samples, seed=seed,
-                                                                       cover=r.cover, cover_max=r.cover_max))
+            curve = (reuse or {}).get((r.label, k))
+            if curve is None:
+                law = calibrated(lm, k * alpha, r.topk, epsilon, tail_samples=r.tail_samples, seed=seed, cover=r.cover,
+                                 cover_max=r.cover_max)
+                curve = _generate(law, prefixes, gen)
             first.setdefault(k, curve.tail)
             diff, diff_se = clustered_mean(curve.tail - plain.tail)
             vs, vs_se = clustered_mean(curve.tail - first[k])
@@ -156,6 +159,12 @@ def dose_response(lm, alpha: float, rules: list[Rule], multiples: list[float], p
             "plain_tail_nats": float(plain.tail.mean()),
             "plain_tail_nats_per_generation": plain.tail.tolist(), "rows": rows,
             "seconds": time.perf_counter() - t0}
+
+
+def _generate(model, prefixes: torch.Tensor, gen: GenerationConfig):
+    """The entropy curve of a law's generations from prefixes [N, L], with gen's settings."""
+    return generation_entropy_curve(model, prefixes, gen.horizon, gen.samples_per_prefix, seed=gen.seed,
+                                    max_batch=gen.max_batch, progress=True)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -240,8 +249,8 @@ def _multiple(row: dict, dr: dict) -> float:
 
 def dose_figure(dr: dict, path: str | Path, extra: list[dict] | None = None) -> Path:
     """The dose-response: the last tenth's paired change (top) and the test CE's (bottom) against α as a multiple of
-    α* (a log axis read left to right whatever α*'s sign: a negative α* on an α axis put 10α* on the left), a line
-    per rule, ±1.96 se bars."""
+    α* (a log axis of α / α*, so that 1α*, 3α*, 10α* read left to right whatever α*'s sign), a line per rule,
+    ±1.96 se bars."""
     from lmcal.stages.plots import plt
     from lmcal.utils.io import atomic_path
 

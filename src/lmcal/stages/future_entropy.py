@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -31,14 +32,19 @@ from lmcal.core.lookahead_law import make_rule
 from lmcal.core.sampling import random_prefixes
 from lmcal.data.batching import batchify
 from lmcal.errors import LmcalError
+from lmcal.stages.configs import FutureEntropyConfig
 from lmcal.stages.plots import entropy_curve_figure
 from lmcal.stages.rows import curve_row, generation_settings, same_settings, timed_generation
-from lmcal.stages.stage import Stage, earlier_result, stage_context
+from lmcal.stages.stage import Result, Stage, earlier_result
 from lmcal.stages.wandb_run import log_curves, wandb_log
-from lmcal.utils.io import write_json_atomic, write_text_atomic
 from lmcal.utils.numbers import exp_or_inf, format_ce, format_params
 
 log = logging.getLogger("lmcal")
+
+# the keys of a decoders row that join this stage's table, beside its timing here
+DECODERS_KEYS = ("method", "params", "entropy_t1_nats", "entropy_last_nats", "entrate_ppl", "tail_ppl",
+                 "tail_diff_nats", "tail_diff_stderr_nats", "test_ce_nats", "zero_prob_fraction", "test_ce_mixed_nats",
+                 "curve_nats", "stderr_nats")
 
 
 def heads_of(horizon_k, discount) -> list[tuple[int, float]]:
@@ -61,188 +67,226 @@ def _paired_ce(logq: torch.Tensor, logq_ref: torch.Tensor, streams: int, cluster
     return d.mean().item(), math.sqrt(stream_block_sums(c, streams, cluster_size).pow(2).sum().item()) / d.numel()
 
 
-def future_entropy_stage(lm, train_tokens: torch.Tensor, valid_tokens: torch.Tensor, test_tokens: torch.Tensor,
-                         out_dir: str | Path, *, horizon_k=(1, 5, 20, 100), discount=(1.0, 0.95), rollouts: int = 800,
-                         rollout_prefix: int = 50, rollout_steps: int | None = None,
-                         examples_per_rollout: int = 50, hidden: int = 256, rank: int = 64,
-                         epochs: int = 8, batch_size: int = 512, lr: float = 3e-3, weight_decay: float = 1e-4,
-                         temperature: bool = True, exact_lookahead: str | bool = "auto", exact_max_vocab: int = 2000,
-                         fit_tokens: int = 20_000, fit_streams: int = 20, min_context: int = 100,
-                         cluster_size: int = 100, score_tokens: int | None = None, score_streams: int = 10,
-                         topk: int | None = 64, tail_samples: int = 16, cover: float | None = None,
-                         cover_max: int | None = None, mix_epsilon: float = 1e-6,
-                         timing_prefixes: int = 20, timing_horizon: int = 30, timing_repeats: int = 3,
-                         decoders: dict | None = None,
-                         num_prefixes: int = 100, samples_per_prefix: int = 5, prefix_len: int = 100,
-                         horizon: int = 700, seed: int = 0, max_batch: int = 1024, model_name: str = "model",
-                         corpus: str = "ptb", logger=None, name: str = "future_entropy", unit: str = "word") -> dict:
+class FutureEntropyResult(Result):
+    """One row per way of sampling: its entropy curve, held-out cost paired with the plain model's, and ms per word."""
+
+    def table(self) -> str:
+        r = self.record
+        fit_table = heads_fit_table(r["rows"], r["unit"])
+        fit_table = f"\nThe heads' held-out R² on their rollouts, by generated {r['unit']}:\n\n{fit_table}" \
+            if fit_table else ""
+        timed = r["timing_prefixes"] * r["samples_per_prefix"]
+        return (future_entropy_table(r["rows"], r["reference_test_ce_nats"]) + f"\nEntropies and cross-entropies in "
+                f"nats per {r['unit']}; ms per generated {r['unit']} on {timed} generations of {r['timing_horizon']}.\n"
+                + fit_table)
+
+    def figure(self, path: Path) -> Path:
+        return future_entropy_figure(self.record, path)
+
+    def log_wandb(self, logger, name: str, images: dict[str, Path]) -> None:
+        rows = self.record["rows"]
+        wandb_log(logger, scalars={f"{name}/{r['method']}{_suffix(r)}/{k}": r[k] for r in rows
+                                   for k in ("tail_ppl", "test_ce_nats", "ms_per_token") if r[k] is not None},
+                  images=images)
+        curves = {f"{r['method']}{_suffix(r)}": r["curve_nats"] for r in rows if r.get("curve_nats")}
+        if curves:
+            log_curves(logger, f"{name}/curves", "t", range(1, len(next(iter(curves.values()))) + 1), curves)
+
+    def line(self, name: str) -> str:
+        r = self.record
+        return (f"{name}: {len(r['rows'])} methods in {r['seconds']:.0f} s\n"
+                f"{future_entropy_table(r['rows'], r['reference_test_ce_nats'])}")
+
+
+@dataclass
+class _Bench:
+    """What every row is measured on: the model, the prefixes and test words, the settings, and the plain model's
+    tail entropies [N, S] and test log-probs [n], set by the first row measured (every later row is paired with
+    them)."""
+
+    lm: object
+    prefixes: torch.Tensor
+    test: torch.Tensor
+    s: FutureEntropyConfig
+    plain_tail: np.ndarray | None = None
+    plain_logq: torch.Tensor | None = None
+
+
+def _timing(b: _Bench, model) -> dict:
+    """ms per generated word of `model` and its ratio to the plain model's, on the timing protocol."""
+    s = b.s
+    ms = timed_generation(model, b.lm, b.prefixes[:s.timing_prefixes], s.timing_horizon, s.samples_per_prefix, s.seed,
+                          s.max_batch, s.timing_repeats)
+    return dict(zip(("ms_per_token", "cost_ratio"), ms, strict=True))
+
+
+def _measure(b: _Bench, method: str, params: dict, model, extra: dict | None = None) -> dict:
+    """A method's row: its generations, its test words' log-probs paired with the plain model's, and its timing."""
+    s, t = b.s, time.perf_counter()
+    curve = generation_entropy_curve(model, b.prefixes, s.horizon, s.samples_per_prefix, seed=s.seed,
+                                     max_batch=s.max_batch, progress=True)
+    logq = target_log_probs(model, b.test, progress=True)  # [n]
+    if b.plain_tail is None:
+        b.plain_tail, b.plain_logq = curve.tail, logq
+    ce_diff, ce_diff_se = _paired_ce(logq, b.plain_logq, s.score_streams, s.cluster_size)
+    zero = torch.isneginf(logq)
+    cost = {"test_ce_nats": None if zero.any() else -logq.mean().item(), "test_ce_diff_nats": ce_diff,
+            "test_ce_diff_stderr_nats": ce_diff_se, "zero_prob_fraction": zero.double().mean().item(),
+            "test_ce_mixed_nats": -mix_uniform(logq, s.mix_epsilon, b.lm.vocab_size).mean().item(), **_timing(b, model),
+            "generation_ms_per_token": 1000.0 * curve.generation_seconds / (curve.num_generations * s.horizon)}
+    r = {**curve_row(method, params, curve.mean, curve.stderr, curve.tail, b.plain_tail, 0.0, **cost),
+         "source": "future_entropy", "seconds": time.perf_counter() - t, **(extra or {})}
+    log.info(f"future_entropy: {method} ({format_params(params)}): last tenth {r['tail_ppl']:.1f}, test CE "
+             f"{'inf' if r['test_ce_nats'] is None else format(r['test_ce_nats'], '.4f')} "
+             f"({ce_diff:+.4f} +- {ce_diff_se:.4f} vs the model), {r['ms_per_token']:.3f} ms/word")
+    return r
+
+
+def _fit_heads(lm, train_tokens: torch.Tensor, fit_text: torch.Tensor, heads_spec: list, s: FutureEntropyConfig):
+    """The heads: rollouts on the training text, one regression per horizon, all from the same rollouts, each head's
+    tilt (and, with `temperature`, its two-parameter family) fitted on the validation rows. Returns the rollouts'
+    examples, their steps and stride, the fit's token count and (method, params, head, fit, stats) per fit."""
+    t_roll = time.perf_counter()
+    steps = int(s.rollout_steps or s.horizon)  # the heads learn from the whole run they are used on
+    stride = max(1, math.ceil(steps / s.examples_per_rollout))
+    ex = rollout_examples(lm, train_tokens, heads_spec, contexts=max(1, s.rollouts // 2), prefix_len=s.rollout_prefix,
+                          steps=steps, stride=stride, seed=s.seed, max_batch=s.max_batch, progress=True)
+    log.info(f"future_entropy: {ex.targets.size(0):,} examples from {s.rollouts} rollouts ({ex.model_steps:,} model "
+             f"steps, {time.perf_counter() - t_roll:.0f} s)")
+    logp, feats, y = fit_rows(lm, fit_text, s.min_context, progress=True)
+    words = word_vectors(lm)
+    words = None if words is None else words.cpu()  # the heads train and fit on the CPU rows
+    heads = []
+    for j, (k, d) in enumerate(heads_spec):
+        t = time.perf_counter()
+        head, stats = train_head(ex, j, lm.vocab_size, words, hidden=s.hidden, rank=s.rank, epochs=s.epochs,
+                                 batch_size=s.batch_size, lr=s.lr, weight_decay=s.weight_decay, seed=s.seed)
+        stats["train_seconds"] = time.perf_counter() - t
+        g = head_rows(head, feats)  # [n, V]
+        fit = None
+        for two in ([False, True] if s.temperature else [False]):
+            fit = fit_future_calibration(logp, g, y, temperature=two, streams=s.fit_streams,
+                                         cluster_size=s.cluster_size, start=fit)
+            params = {"horizon_k": k, "discount": d, "alpha": fit.alpha, "alpha_stderr": fit.alpha_stderr}
+            if two:
+                params.update(beta=fit.beta, beta_stderr=fit.beta_stderr)
+            log.info(f"future_entropy: head K={k} discount={d} (held-out R² {stats['r2']:.3f}, rmse "
+                     f"{stats['rmse_nats']:.3f} nats){' with temperature' if two else ''}: alpha* {fit.alpha:.4f} +- "
+                     f"{fit.alpha_stderr:.4f}" + (f", beta* {fit.beta:.4f}" if two else "") + f"; fit CE "
+                     f"{fit.ce_before:.4f} -> {fit.ce_after:.4f}")
+            heads.append(("future_entropy_temperature" if two else "future_entropy", params, head, fit, stats))
+        del g
+    return ex, steps, stride, int(y.numel()), heads
+
+
+def _decoders_rows(b: _Bench, decoders: dict) -> list[dict]:
+    """The decoders stage's rows (same prefixes, seeds and test words), each timed here."""
+    s, lm, rows = b.s, b.lm, []
+    for r in decoders["rows"][1:]:
+        p = r["params"]
+        if r["method"] == "calibration":
+            model = calibrated(lm, p["alpha"], topk=p.get("topk"), tail_samples=s.tail_samples, seed=s.seed,
+                               cover=p.get("cover"), cover_max=p.get("cover_max"))
+        elif r["method"] == "fitted_temperature":
+            model = make_decoder("temperature", lm, temperature=p["temperature"])
+        else:
+            model = make_decoder(r["method"], lm, **p)
+        rows.append({**{k: r.get(k) for k in DECODERS_KEYS}, **_timing(b, model), "source": "decoders"})
+    return rows
+
+
+def _exact(s: FutureEntropyConfig, vocab_size: int) -> bool:
+    """Whether exact one-step lookahead runs too: `exact_lookahead`, auto meaning vocabularies up to exact_max_vocab
+    (it costs V model steps a position)."""
+    if s.exact_lookahead not in ("auto", True, False):
+        raise LmcalError(f"analysis.future_entropy.exact_lookahead={s.exact_lookahead!r}: choose auto, true or false.")
+    return vocab_size <= s.exact_max_vocab if s.exact_lookahead == "auto" else bool(s.exact_lookahead)
+
+
+def _check_fit_text(s: FutureEntropyConfig, fit_text: torch.Tensor) -> None:
+    """One paragraph where the fit streams are too short for anything to be fitted."""
+    if fit_text.size(0) <= max(1, s.min_context):
+        raise LmcalError(f"analysis.future_entropy: each of the {s.fit_streams} fit streams is {fit_text.size(0)} "
+                         f"tokens long and reads min_context={s.min_context} before its positions count, so nothing "
+                         "is fitted. Raise fit_tokens, or lower fit_streams or min_context.")
+
+
+def compute(target: dict, settings: FutureEntropyConfig) -> FutureEntropyResult:
     """Calibration against future-entropy heads (lmcal.core.future_entropy) beside every other method, from the same
     prefixes and seeds: one head per (horizon_k, discount) trained on `rollouts` rollouts from the training text (each
     runs `rollout_steps` words past its prefix, the generation horizon when null, and gives `examples_per_rollout`
     examples spread evenly over them, so the heads learn the late words too, where the drift is),
     P ∝ P exp(a g) (and, with `temperature`, P^b exp(a g)) fitted on the first `fit_tokens` validation tokens; the
     plain model; exact one-step lookahead where affordable (`exact_lookahead`: auto = vocabularies up to
-    exact_max_vocab); and the decoders stage's rows (`decoders`: its result, with the same generation and scoring
-    settings: fitted temperature, top-k + tail lookahead, the truncating decoders), else the fitted temperature here.
+    exact_max_vocab); and the decoders stage's rows (its result, with the same generation and scoring settings:
+    fitted temperature, top-k + tail lookahead, the truncating decoders), else the fitted temperature here.
 
     Each row: entropy at t = 1, over the last tenth (tail_ppl) and at the horizon; held-out CE on the first
     `score_tokens` test tokens (paired with the plain model's, blocks of cluster_size positions as units); the
     zero-probability fraction; and ms_per_token, the wall time of one generated word in a run of
     timing_prefixes x samples_per_prefix generations of timing_horizon words (the same protocol for every method,
-    best of timing_repeats), with cost_ratio, its ratio to the plain model's timed in between.
-    Writes `<name>.json`, `.md` and `.png`."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    best of timing_repeats), with cost_ratio, its ratio to the plain model's timed in between."""
+    s, lm = settings, target["lm"]
+    decoders = earlier_result(target, "future_entropy", "decoders", s.decoders_json)
+    if target.get("train") is None:
+        raise LmcalError("The future_entropy stage trains its heads on rollouts from the training text, which this "
+                         "model's target does not carry.")
     t0 = time.perf_counter()
-    heads_spec = heads_of(horizon_k, discount)
-    if exact_lookahead not in ("auto", True, False):
-        raise LmcalError(f"analysis.{name}.exact_lookahead={exact_lookahead!r}: choose auto, true or false.")
-    do_exact = lm.vocab_size <= exact_max_vocab if exact_lookahead == "auto" else bool(exact_lookahead)
-    prefixes = random_prefixes(valid_tokens, num_prefixes, prefix_len, seed=seed)
-    test = batchify(test_tokens[:score_tokens] if score_tokens else test_tokens, score_streams)
-    fit_text = batchify(valid_tokens[:fit_tokens], fit_streams)
-    if fit_text.size(0) <= max(1, min_context):
-        raise LmcalError(f"analysis.{name}: each of the {fit_streams} fit streams is {fit_text.size(0)} tokens long "
-                         f"and reads min_context={min_context} before its positions count, so nothing is fitted. "
-                         "Raise fit_tokens, or lower fit_streams or min_context.")
-    settings = generation_settings(prefixes, samples_per_prefix, prefix_len, horizon, seed, test, score_streams)
-    reuse = decoders if same_settings(decoders, settings) else None
+    heads_spec = heads_of(s.horizon_k, s.discount)
+    do_exact = _exact(s, lm.vocab_size)
+    prefixes = random_prefixes(target["valid"], s.num_prefixes, s.prefix_len, seed=s.seed)
+    test = batchify(target["test"][:s.score_tokens] if s.score_tokens else target["test"], s.score_streams)
+    fit_text = batchify(target["valid"][:s.fit_tokens], s.fit_streams)
+    _check_fit_text(s, fit_text)
+    gen = generation_settings(prefixes, s.samples_per_prefix, s.prefix_len, s.horizon, s.seed, test, s.score_streams)
+    reuse = decoders if same_settings(decoders, gen) else None
     if decoders and not reuse:
-        log.info(f"{name}: the decoders result has other generation or scoring settings; its rows are left out")
-
-    def timing(model) -> tuple[float, float]:  # (ms per generated word, its ratio to the plain model's)
-        return timed_generation(model, lm, prefixes[:timing_prefixes], timing_horizon, samples_per_prefix, seed,
-                                max_batch, timing_repeats)
-
-    plain_tail, plain_logq = [], []
-
-    def measure(method: str, params: dict, model, extra: dict | None = None) -> dict:
-        t = time.perf_counter()
-        curve = generation_entropy_curve(model, prefixes, horizon, samples_per_prefix, seed=seed,
-                                         max_batch=max_batch, progress=True)
-        logq = target_log_probs(model, test, progress=True)  # [n]
-        if not plain_tail:
-            plain_tail.append(curve.tail)
-            plain_logq.append(logq)
-        ce_diff, ce_diff_se = _paired_ce(logq, plain_logq[0], score_streams, cluster_size)
-        zero = torch.isneginf(logq)
-        cost = {"test_ce_nats": None if zero.any() else -logq.mean().item(), "test_ce_diff_nats": ce_diff,
-                "test_ce_diff_stderr_nats": ce_diff_se, "zero_prob_fraction": zero.double().mean().item(),
-                "test_ce_mixed_nats": -mix_uniform(logq, mix_epsilon, lm.vocab_size).mean().item(),
-                **dict(zip(("ms_per_token", "cost_ratio"), timing(model), strict=True)),
-                "generation_ms_per_token": 1000.0 * curve.generation_seconds / (curve.num_generations * horizon)}
-        r = {**curve_row(method, params, curve.mean, curve.stderr, curve.tail, plain_tail[0], 0.0, **cost),
-             "source": name, "seconds": time.perf_counter() - t, **(extra or {})}
-        log.info(f"{name}: {method} ({format_params(params)}): last tenth {r['tail_ppl']:.1f}, test CE "
-                 f"{'inf' if r['test_ce_nats'] is None else format(r['test_ce_nats'], '.4f')} "
-                 f"({ce_diff:+.4f} +- {ce_diff_se:.4f} vs the model), {r['ms_per_token']:.3f} ms/word")
-        return r
-
-    rows = [measure("model", {}, lm)]
-    # the heads: rollouts on the training text, one regression per horizon, all from the same rollouts
-    t_roll = time.perf_counter()
-    steps = int(rollout_steps or horizon)  # the heads learn from the whole run they are used on
-    stride = max(1, math.ceil(steps / examples_per_rollout))
-    ex = rollout_examples(lm, train_tokens, heads_spec, contexts=max(1, rollouts // 2), prefix_len=rollout_prefix,
-                          steps=steps, stride=stride, seed=seed, max_batch=max_batch, progress=True)
-    log.info(f"{name}: {ex.targets.size(0):,} examples from {rollouts} rollouts ({ex.model_steps:,} model steps, "
-             f"{time.perf_counter() - t_roll:.0f} s)")
-    logp, feats, y = fit_rows(lm, fit_text, min_context, progress=True)
-    words = word_vectors(lm)
-    words = None if words is None else words.cpu()  # the heads train and fit on the CPU rows
-    heads = []
-    for j, (k, d) in enumerate(heads_spec):
-        t = time.perf_counter()
-        head, stats = train_head(ex, j, lm.vocab_size, words, hidden=hidden, rank=rank, epochs=epochs,
-                                 batch_size=batch_size, lr=lr, weight_decay=weight_decay, seed=seed)
-        stats["train_seconds"] = time.perf_counter() - t
-        g = head_rows(head, feats)  # [n, V]
-        fit = None
-        for two in ([False, True] if temperature else [False]):
-            fit = fit_future_calibration(logp, g, y, temperature=two, streams=fit_streams, cluster_size=cluster_size,
-                                         start=fit)
-            params = {"horizon_k": k, "discount": d, "alpha": fit.alpha, "alpha_stderr": fit.alpha_stderr}
-            if two:
-                params.update(beta=fit.beta, beta_stderr=fit.beta_stderr)
-            log.info(f"{name}: head K={k} discount={d} (held-out R² {stats['r2']:.3f}, rmse {stats['rmse_nats']:.3f} "
-                     f"nats){' with temperature' if two else ''}: alpha* {fit.alpha:.4f} +- {fit.alpha_stderr:.4f}"
-                     + (f", beta* {fit.beta:.4f}" if two else "") + f"; fit CE {fit.ce_before:.4f} -> "
-                     f"{fit.ce_after:.4f}")
-            heads.append(("future_entropy_temperature" if two else "future_entropy", params, head, fit, stats))
-        del g
-    del logp, feats
-    head_lms = []  # each head's calibrated model, beside its row
-    for method, params, head, fit, stats in heads:
-        head_lms.append(FutureCalibratedLM(lm, head.to(getattr(lm, "device", None) or "cpu"), fit.alpha, fit.beta))
-        rows.append(measure(method, params, head_lms[-1],
-                            {"head": stats, "fit_ce_before_nats": fit.ce_before, "fit_ce_after_nats": fit.ce_after,
-                             "fit_tokens": fit.n_tokens}))
-    best_head = _best_head(rows[1:1 + len(heads)], head_lms, rows[0]["test_ce_nats"],
-                           lambda m, s: generation_entropy_curve(m, prefixes, horizon, samples_per_prefix, seed=s,
-                                                                 max_batch=max_batch, progress=True), seed)
+        log.info("future_entropy: the decoders result has other generation or scoring settings; its rows are left out")
+    b = _Bench(lm, prefixes, test, s)
+    rows = [_measure(b, "model", {}, lm)]
+    ex, steps, stride, fit_tokens, heads = _fit_heads(lm, target["train"], fit_text, heads_spec, s)
+    head_lms = [FutureCalibratedLM(lm, head.to(getattr(lm, "device", None) or "cpu"), fit.alpha, fit.beta)
+                for _, _, head, fit, _ in heads]  # each head's calibrated model, beside its row
+    for (method, params, _, fit, stats), model in zip(heads, head_lms, strict=True):
+        rows.append(_measure(b, method, params, model, {"head": stats, "fit_ce_before_nats": fit.ce_before,
+                                                        "fit_ce_after_nats": fit.ce_after, "fit_tokens": fit.n_tokens}))
+    best_head = _best_head(rows[1:1 + len(heads)], head_lms, rows[0]["test_ce_nats"], b)
     if do_exact:
-        fit = fit_lookahead_calibration(lm, fit_text, topk=None, min_context=min_context, seed=seed, progress=True)
-        rows.append(measure("lookahead_exact", {"alpha": fit.alpha, "alpha_stderr": fit.alpha_stderr},
-                            calibrated(lm, fit.alpha), {"fit_ce_before_nats": fit.ce_before,
-                                                        "fit_ce_after_nats": fit.ce_after}))
-    if reuse:  # the decoders stage's rows, on the same prefixes, seeds and test words; timed here
-        for r in reuse["rows"][1:]:
-            p = r["params"]
-            if r["method"] == "calibration":
-                model = calibrated(lm, p["alpha"], topk=p.get("topk"), tail_samples=tail_samples, seed=seed,
-                                   cover=p.get("cover"), cover_max=p.get("cover_max"))
-            elif r["method"] == "fitted_temperature":
-                model = make_decoder("temperature", lm, temperature=p["temperature"])
-            else:
-                model = make_decoder(r["method"], lm, **p)
-            rows.append({**{k: r.get(k) for k in ("method", "params", "entropy_t1_nats", "entropy_last_nats",
-                                                  "entrate_ppl", "tail_ppl", "tail_diff_nats", "tail_diff_stderr_nats",
-                                                  "test_ce_nats", "zero_prob_fraction", "test_ce_mixed_nats",
-                                                  "curve_nats", "stderr_nats")},
-                         **dict(zip(("ms_per_token", "cost_ratio"), timing(model), strict=True)), "source": "decoders"})
+        fit = fit_lookahead_calibration(lm, fit_text, topk=None, min_context=s.min_context, seed=s.seed, progress=True)
+        rows.append(_measure(b, "lookahead_exact", {"alpha": fit.alpha, "alpha_stderr": fit.alpha_stderr},
+                             calibrated(lm, fit.alpha), {"fit_ce_before_nats": fit.ce_before,
+                                                         "fit_ce_after_nats": fit.ce_after}))
+    if reuse:
+        rows += _decoders_rows(b, reuse)
     else:
         tf = fit_temperature(lm, fit_text, progress=True)
-        rows.append(measure("fitted_temperature", {"temperature": tf.temperature,
-                                                   "temperature_stderr": tf.temperature_stderr},
-                            make_decoder("temperature", lm, temperature=tf.temperature)))
+        rows.append(_measure(b, "fitted_temperature", {"temperature": tf.temperature,
+                                                       "temperature_stderr": tf.temperature_stderr},
+                             make_decoder("temperature", lm, temperature=tf.temperature)))
     ref_ce = rows[0]["test_ce_nats"]
-    result = {"model": model_name, "corpus": corpus, "rows": rows, "reference_test_ce_nats": ref_ce,
-              "reference_test_ppl": exp_or_inf(ref_ce), "heads": [list(h) for h in heads_spec],
-              "rollouts": rollouts, "rollout_examples": int(ex.targets.size(0)), "rollout_model_steps": ex.model_steps,
-              "rollout_steps": steps, "examples_per_rollout": len(range(0, steps, stride)),
-              "rollout_seconds": ex.seconds, "fit_tokens": int(y.numel()), "fit_streams": fit_streams,
-              "min_context": min_context, "cluster_size": cluster_size, "decoders_reused": bool(reuse),
-              "exact_lookahead": do_exact, "timing_prefixes": timing_prefixes, "timing_horizon": timing_horizon,
-              "timing_repeats": timing_repeats,
-              "mix_epsilon": mix_epsilon, "best_head": best_head, **settings, "unit": unit,
-              "seconds": time.perf_counter() - t0}
-    png = future_entropy_figure(result, out / f"{name}.png")
-    fit_table = heads_fit_table(rows, unit)
-    fit_table = f"\nThe heads' held-out R² on their rollouts, by generated {unit}:\n\n{fit_table}" if fit_table else ""
-    write_text_atomic(out / f"{name}.md", future_entropy_table(rows, ref_ce) + f"\nEntropies and cross-entropies in "
-                      f"nats per {unit}; ms per generated {unit} on {timing_prefixes * samples_per_prefix} "
-                      f"generations of {timing_horizon}.\n" + fit_table)
-    write_json_atomic(out / f"{name}.json", result)
-    wandb_log(logger, scalars={f"{name}/{r['method']}{_suffix(r)}/{k}": r[k] for r in rows
-                               for k in ("tail_ppl", "test_ce_nats", "ms_per_token") if r[k] is not None},
-              images={f"{name}/figure": png})
-    curves = {f"{r['method']}{_suffix(r)}": r["curve_nats"] for r in rows if r.get("curve_nats")}
-    if curves:
-        log_curves(logger, f"{name}/curves", "t", range(1, len(next(iter(curves.values()))) + 1), curves)
-    log.info(f"{name}: {len(rows)} methods in {result['seconds']:.0f} s; {out / (name + '.json')}\n"
-             f"{future_entropy_table(rows, ref_ce)}")
-    return result
+    return FutureEntropyResult({
+        "model": target["name"], "corpus": target["corpus"], "rows": rows, "reference_test_ce_nats": ref_ce,
+        "reference_test_ppl": exp_or_inf(ref_ce), "heads": [list(h) for h in heads_spec], "rollouts": s.rollouts,
+        "rollout_examples": int(ex.targets.size(0)), "rollout_model_steps": ex.model_steps, "rollout_steps": steps,
+        "examples_per_rollout": len(range(0, steps, stride)), "rollout_seconds": ex.seconds, "fit_tokens": fit_tokens,
+        "fit_streams": s.fit_streams, "min_context": s.min_context, "cluster_size": s.cluster_size,
+        "decoders_reused": bool(reuse), "exact_lookahead": do_exact, "timing_prefixes": s.timing_prefixes,
+        "timing_horizon": s.timing_horizon, "timing_repeats": s.timing_repeats, "mix_epsilon": s.mix_epsilon,
+        "best_head": best_head, **gen, "unit": target["unit"], "seconds": time.perf_counter() - t0})
 
 
-def _best_head(rows: list[dict], models: list, test_nats: float | None, curve_of, seed: int) -> dict | None:
+def _best_head(rows: list[dict], models: list, test_nats: float | None, b: _Bench) -> dict | None:
     """The head row whose last tenth comes closest to the test perplexity without a higher test CE than the model's,
-    chosen on the generations of `seed` (the rows') and measured again on those of seed + 1 (curve_of(model, seed)),
-    so that the level reported is not the one it was picked for; as the sequence_calibration stage's goal row."""
+    chosen on the generations of the settings' seed (the rows') and measured again on those of seed + 1, so that the
+    level reported is not the one it was picked for; as the sequence_calibration stage's goal row."""
     fair = [(r, m) for r, m in zip(rows, models, strict=True) if (r.get("test_ce_diff_nats") or 0) <= 0]
     if not fair or test_nats is None:
         return None
+    s, seed = b.s, b.s.seed
     chosen, model = min(fair, key=lambda rm: abs(rm[0]["tail_nats"] - test_nats))
-    level, se = clustered_mean(curve_of(model, seed + 1).tail)  # [N, S] -> the level and its se, by prefix
+    curve = generation_entropy_curve(model, b.prefixes, s.horizon, s.samples_per_prefix, seed=seed + 1,
+                                     max_batch=s.max_batch, progress=True)
+    level, se = clustered_mean(curve.tail)  # [N, S] -> the level and its se, by prefix
     log.info(f"future_entropy: closest head on seed {seed}: {chosen['method']}{_suffix(chosen)}; on seed "
              f"{seed + 1} its last tenth is {exp_or_inf(float(level)):.1f} against the test perplexity "
              f"{exp_or_inf(test_nats):.1f}")
@@ -320,18 +364,9 @@ def heads_fit_table(rows: list[dict], unit: str = "word") -> str:
     return "\n".join(lines) + "\n"
 
 
-def _call(t, out, logger, earlier, decoders_json=None, **s):
-    dec = earlier_result(earlier, "future_entropy", "decoders", decoders_json, "leave the decoders' rows out")
-    if "train" not in t:
-        raise LmcalError("The future_entropy stage trains its heads on rollouts from the training text, which this "
-                         "model's target does not carry.")
-    return future_entropy_stage(t["lm"], t["train"], t["valid"], t["test"], out, decoders=dec, unit=t["unit"],
-                                **stage_context(t, logger), **s)
-
-
-STAGE = Stage("future_entropy", future_entropy_stage, _call, frozenset({"full", "hf"}),
+STAGE = Stage("future_entropy", FutureEntropyConfig, compute, frozenset({"full", "hf"}),
               lambda r: {"future_entropy": [{k: row.get(k) for k in (
                   "method", "params", "entrate_ppl", "tail_ppl", "test_ce_nats", "ms_per_token", "entropy_t1_nats",
                   "tail_diff_nats", "tail_diff_stderr_nats", "test_ce_diff_nats", "test_ce_diff_stderr_nats",
                   "zero_prob_fraction", "cost_ratio", "source")} for row in r["rows"]]},
-              entry_settings=("decoders_json",), uses=("decoders",))
+              uses=("decoders",))

@@ -5,6 +5,7 @@ tau-token windows.
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import time
 from pathlib import Path
@@ -18,11 +19,11 @@ from lmcal.core.memory import memory_summary
 from lmcal.errors import LmcalError
 from lmcal.models.awd_lstm import AWDLSTM
 from lmcal.models.step_lm import as_step_lm
+from lmcal.stages.configs import MemoryConfig
 from lmcal.stages.plots import memory_bound_figure
-from lmcal.stages.stage import Stage, pick, stage_context
+from lmcal.stages.stage import Result, Stage, pick
 from lmcal.stages.wandb_run import wandb_log
 from lmcal.utils.budget import tau_too_long
-from lmcal.utils.io import write_json_atomic
 from lmcal.utils.profiling import add_flops, flops_per_token, span
 
 log = logging.getLogger("lmcal")
@@ -105,24 +106,35 @@ def rows_where(rows: str, device: torch.device, nbytes: float) -> str:
     return rows
 
 
-def memory_stage(full_net, limited_net, valid_tokens: torch.Tensor, test_tokens: torch.Tensor, out_dir: str | Path,
-                 *, limited: str = "trained", tau: int | None = None, score_tokens: int | None = None,
-                 cluster_size: int = 2000, windows_per_batch: int = 512, store_dtype: str = "float32",
-                 jackknife: str = "onestep", rows: str = "auto", model_name: str = "model", corpus: str = "ptb",
-                 base_ckpt: str | None = None, ckpt: str | None = None, exact_mi_nats: float | None = None,
-                 logger=None, name: str = "memory") -> dict:
-    """The memory bound for one tau (Section 5) on the first `score_tokens` test tokens (all when null), read as one
-    stream: P^ (`full_net`) with its whole past, P~_tau with exactly the last tau tokens. limited="trained": P~ is
-    the trained tau-model `limited_net`; "window": the base model itself fed tau-token windows (no tau-model needed;
-    tau from the setting, else `limited_net`'s). Both nets may be AWDLSTMs or any StepLM.
+class MemoryResult(Result):
+    """The bound on I_tau for one tau, its parts and their standard errors."""
 
-    alpha* is fitted on the very rows the bound is reported on (so the bound is >= 0), with standard errors from a
-    delete-one-block jackknife over blocks of `cluster_size` positions that refits alpha per block (`jackknife`:
-    "onestep" or "exact"); also the bound cross-fitted over two halves of the blocks, ΔCE = CE(P~) - CE(P^), and the
-    two-parameter calibration P^^beta P~^alpha. The fit rereads its rows: 2 x N x V floats of `store_dtype`, kept
-    where `rows` says (rows_where), or streamed: recomputed, both models' forward, on each of the fit's passes.
-    `exact_mi_nats` (the source's true I_tau, on the Markov corpus) is stored beside. Writes `<name>.json`.
-    valid_tokens is not read (kept so that every stage takes the same texts)."""
+    def figure(self, path: Path) -> Path:
+        r = self.record
+        return memory_bound_figure(r, path, title=f"{r['model']} on {r['corpus']}, tau = {r['tau']} ({r['limited']}): "
+                                                  "the memory bound's parts")
+
+    def log_wandb(self, logger, name: str, images: dict[str, Path]) -> None:
+        r = self.record
+        wandb_log(logger, scalars={f"{name}/{k}": r[k] for k in (
+            "tau", "alpha", "ce_limited_nats", "mi_upper_bound_nats", "mi_upper_bound_crossfit_nats", "delta_ce_nats",
+            "entropy_calibrated_nats")},
+            tables={f"{name}/table": (MEMORY_COLUMNS, [[r.get(c) for c in MEMORY_COLUMNS]])}, images=images)
+
+    def line(self, name: str) -> str:
+        r, two = self.record, self.record["two_parameter"]
+        passes = r["rows_passes"]
+        return (f"{name} tau={r['tau']} ({r['limited']}): alpha* {r['alpha']:.5f} +- {r['alpha_stderr']:.5f}; "
+                f"CE(P||P~) {r['ce_limited_nats']:.4f}, ΔCE {r['delta_ce_nats']:.4f}; I_tau <= "
+                f"{r['mi_upper_bound_nats']:.4f} +- {r['mi_stderr_nats']:.4f} nats (cross-fit "
+                f"{r['mi_upper_bound_crossfit_nats']:.4f}; with the temperature, beta* {two['beta']:.4f}: "
+                f"{two['mi_upper_bound_nats']:.4f} +- {two['mi_stderr_nats']:.4f}) ({r['seconds']:.0f} s; "
+                f"rows {r['rows']}, {passes} forward pass{'es' if passes > 1 else ''})")
+
+
+def limited_model(full_net, limited_net, limited: str, tau: int | None):
+    """(P~, tau): the trained tau-model `limited_net` (limited="trained"), or the base model itself read on
+    tau-token windows ("window"; tau from the setting, else the tau-model's own)."""
     if limited not in ("trained", "window"):
         raise LmcalError(f"analysis.memory.limited={limited!r}: choose trained (the tau-model checkpoint as the "
                          "limited model) or window (the base model itself on tau-token windows).")
@@ -135,82 +147,83 @@ def memory_stage(full_net, limited_net, valid_tokens: torch.Tensor, test_tokens:
         if tau and int(tau) != own_tau:
             raise LmcalError(f"analysis.memory.tau={tau} but the tau-model was trained with memory_tau={own_tau}; "
                              "leave analysis.memory.tau unset with limited=trained (it is only for limited=window).")
-        tau, lim = own_tau, limited_net
-    else:
-        tau, lim = tau or own_tau, full_net
-        if not tau:
-            raise LmcalError("analysis.memory.limited=window needs the window length: set analysis.memory.tau=TAU "
-                             "(a positive integer).")
-    tau = int(tau)
+        return limited_net, int(own_tau)
+    if not (tau or own_tau):
+        raise LmcalError("analysis.memory.limited=window needs the window length: set analysis.memory.tau=TAU "
+                         "(a positive integer).")
+    return full_net, int(tau or own_tau)
+
+
+def check_pair(full_net, lim, tau: int, test: torch.Tensor) -> None:
+    """The two models read one vocabulary, and a tau-window fits the text and the model."""
     if lim.vocab_size != full_net.vocab_size:
         raise LmcalError(f"The base model's vocabulary ({full_net.vocab_size} words) differs from the "
                          f"tau-model's ({lim.vocab_size}): they were trained on different corpora.")
-    test = test_tokens[:score_tokens] if score_tokens else test_tokens
     if tau >= test.numel():
         raise LmcalError(tau_too_long("tau", tau, test.numel(), "test") + " Lower it, or score more tokens "
                          "(analysis.memory.score_tokens).")
-    full_net, lim = as_step_lm(full_net), as_step_lm(lim)
     if getattr(lim, "max_positions", None) and tau >= lim.max_positions:
         raise LmcalError(f"analysis.memory.tau={tau}: the model reads at most {lim.max_positions} tokens; a window "
                          f"must be shorter.")
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+
+
+def _stream_pass(full, lim, tau: int, test: torch.Tensor, s: MemoryConfig, desc: str, trim: bool, passes: list[int]):
+    """The fit's rows recomputed for one more pass (rows=stream); passes[0] counts them."""
+    passes[0] += 1
+    return _memory_rows(full, lim, tau, test, s.windows_per_batch, getattr(torch, s.store_dtype), None,
+                        f"{desc}, pass {passes[0]}", trim=trim)
+
+
+def fit_bound(full, lim, tau: int, test: torch.Tensor, s: MemoryConfig) -> dict:
+    """The bound fitted on the rows of both models along `test`, kept where s.rows says (rows_where) or streamed;
+    with where they were, the bytes held at once, the passes of both models over the text and their seconds."""
     t0 = time.perf_counter()
-    dtype, desc = getattr(torch, store_dtype), f"memory tau={tau} ({limited})"
-    row_bytes = 2 * full_net.vocab_size * dtype.itemsize  # one row of log P^ and log P~
-    device = torch.device(getattr(full_net, "device", "cpu"))
-    where = rows_where(rows, device, row_bytes * max(0, test.numel() - 1))
-    passes = [0]
-
-    def stream():  # every pass of the fit recomputes the rows
-        passes[0] += 1
-        return _memory_rows(full_net, lim, tau, test, windows_per_batch, dtype, None, f"{desc}, pass {passes[0]}",
-                            trim=device.type == "cpu")
-
-    if where == "stream":
-        kept, held = stream, row_bytes * min(windows_per_batch, max(0, test.numel() - 1))
+    dtype, desc = getattr(torch, s.store_dtype), f"memory tau={tau} ({s.limited})"
+    row_bytes = 2 * full.vocab_size * dtype.itemsize  # one row of log P^ and log P~
+    device = torch.device(getattr(full, "device", "cpu"))
+    where = rows_where(s.rows, device, row_bytes * max(0, test.numel() - 1))
+    passes = [1]
+    if where == "stream":  # every pass of the fit recomputes the rows
+        passes[0] = 0
+        kept = functools.partial(_stream_pass, full, lim, tau, test, s, desc, device.type == "cpu", passes)
+        held = row_bytes * min(s.windows_per_batch, max(0, test.numel() - 1))
     else:
-        kept = list(_memory_rows(full_net, lim, tau, test, windows_per_batch, dtype,
+        kept = list(_memory_rows(full, lim, tau, test, s.windows_per_batch, dtype,
                                  "cpu" if where == "cpu" else None, desc))
-        held, passes[0] = row_bytes * sum(c[2].numel() for c in kept), 1
+        held = row_bytes * sum(c[2].numel() for c in kept)
     t_rows = time.perf_counter() - t0
-    bound = memory_summary(kept, cluster_size=cluster_size, jackknife=jackknife)
-    del kept
-    ref = paper.MEMORY_PTB.get(tau) if corpus == "ptb" else None
-    result = {
-        "tau": tau, "limited": limited, "model": model_name, "corpus": corpus, **bound,
+    bound = memory_summary(kept, cluster_size=s.cluster_size, jackknife=s.jackknife)
+    return {"bound": bound, "rows": where, "rows_bytes": held, "rows_passes": passes[0], "rows_seconds": t_rows}
+
+
+def compute(target: dict, settings: MemoryConfig) -> MemoryResult:
+    """The memory bound for one tau (Section 5) on the first `score_tokens` test tokens (all when null), read as one
+    stream: P^ (target["base"], else the model itself) with its whole past, P~_tau with exactly the last tau tokens
+    (limited_model). alpha* is fitted on the very rows the bound is reported on (so the bound is >= 0), with
+    standard errors from a delete-one-block jackknife over blocks of `cluster_size` positions that refits alpha per
+    block (`jackknife`: onestep or exact); also the bound cross-fitted over two halves of the blocks, ΔCE =
+    CE(P~) - CE(P^), and the two-parameter calibration P^^beta P~^alpha. target["exact_mi"] (the source's true I_tau,
+    on the Markov corpus) is stored beside."""
+    s, t = settings, target
+    full_net = t["base"] if "base" in t else t.get("net", t["lm"])  # a full or HF model (window) is its own base
+    lim, tau = limited_model(full_net, t["net"] if t["kind"] == "tau" else None, s.limited, s.tau)
+    test = t["test"][:s.score_tokens] if s.score_tokens else t["test"]
+    check_pair(full_net, lim, tau, test)
+    full_net, lim = as_step_lm(full_net), as_step_lm(lim)
+    t0 = time.perf_counter()
+    fit = fit_bound(full_net, lim, tau, test, s)
+    ref = paper.MEMORY_PTB.get(tau) if t["corpus"] == "ptb" else None
+    return MemoryResult({
+        "tau": tau, "limited": s.limited, "model": t["name"], "corpus": t["corpus"], **fit.pop("bound"),
         "full_context": full_context_span(full_net, test.numel()),
-        "exact_mi_nats": exact_mi_nats,
+        "exact_mi_nats": t.get("exact_mi"),
         "paper": dict(zip(("ce_limited_nats", "mi_upper_bound_nats", "alpha"), ref, strict=True)) if ref else None,
         # where the fit's rows were (analysis.memory.rows resolved), the bytes held at once (streamed: one chunk) and
         # the passes of both models' forward over the text
-        "rows": where, "rows_bytes": held, "rows_passes": passes[0],
-        "base_ckpt": base_ckpt, "ckpt": ckpt, "rows_seconds": t_rows, "seconds": time.perf_counter() - t0,
-    }
-    png = memory_bound_figure(result, out / f"{name}.png",
-                              title=f"{model_name} on {corpus}, tau = {tau} ({limited}): the memory bound's parts")
-    write_json_atomic(out / f"{name}.json", result)  # last: its presence marks the stage done
-    wandb_log(logger, scalars={f"{name}/{k}": result[k] for k in (
-        "tau", "alpha", "ce_limited_nats", "mi_upper_bound_nats", "mi_upper_bound_crossfit_nats", "delta_ce_nats",
-        "entropy_calibrated_nats")},
-        tables={f"{name}/table": (MEMORY_COLUMNS, [[result.get(c) for c in MEMORY_COLUMNS]])},
-        images={f"{name}/figure": png})
-    two = result["two_parameter"]
-    log.info(f"{name} tau={tau} ({limited}): alpha* {result['alpha']:.5f} +- {result['alpha_stderr']:.5f}; "
-             f"CE(P||P~) {result['ce_limited_nats']:.4f}, ΔCE {result['delta_ce_nats']:.4f}; I_tau <= "
-             f"{result['mi_upper_bound_nats']:.4f} +- {result['mi_stderr_nats']:.4f} nats (cross-fit "
-             f"{result['mi_upper_bound_crossfit_nats']:.4f}; with the temperature, beta* {two['beta']:.4f}: "
-             f"{two['mi_upper_bound_nats']:.4f} +- {two['mi_stderr_nats']:.4f}) ({result['seconds']:.0f} s; "
-             f"rows {where}, {passes[0]} forward pass{'es' if passes[0] > 1 else ''})")
-    return result
-
-
-def _call(t, out, logger, earlier, **s):
-    # a tau-model is compared with its base; a full-context or Hugging Face model (limited=window) is its own base
-    base = t["base"] if "base" in t else t.get("net", t["lm"])
-    return memory_stage(base, t["net"] if t["kind"] == "tau" else None, t["valid"], t["test"], out,
-                        base_ckpt=t.get("base_ckpt"), ckpt=t.get("ckpt"), exact_mi_nats=t.get("exact_mi"),
-                        **stage_context(t, logger), **s)
+        "rows": fit["rows"], "rows_bytes": fit["rows_bytes"], "rows_passes": fit["rows_passes"],
+        "base_ckpt": t.get("base_ckpt"), "ckpt": t.get("ckpt"), "rows_seconds": fit["rows_seconds"],
+        "seconds": time.perf_counter() - t0,
+    })
 
 
 def _kinds(settings: dict) -> frozenset[str]:
@@ -222,7 +235,9 @@ def _kinds(settings: dict) -> frozenset[str]:
     return frozenset({"tau", "full", "hf"}) if limited == "window" else frozenset({"tau"})
 
 
-STAGE = Stage("memory", memory_stage, _call, frozenset({"tau"}),
+
+
+STAGE = Stage("memory", MemoryConfig, compute, frozenset({"tau"}),
               pick("alpha", "mi_upper_bound_nats", "mi_stderr_nats", "mi_upper_bound_crossfit_nats", "delta_ce_nats"),
               kinds_with=_kinds, kinds_note="or, with analysis.memory.limited=window analysis.memory.tau=TAU, on any "
                                             "model, fed tau-token windows")

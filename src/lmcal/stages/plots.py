@@ -43,6 +43,7 @@ def entropy_curve_figure(curves: dict[str, tuple[np.ndarray, np.ndarray]], path:
     horizon = max((len(m) for m, _ in curves.values()), default=1)
     covers = covered_curves({k: m for k, (m, _) in curves.items()})
     for label, (mean, se) in curves.items():
+        mean, se = np.asarray(mean, dtype=float), np.asarray(se, dtype=float)  # [T] each (a record's lists too)
         t = np.arange(1, len(mean) + 1)
         hides = covers.get(label)  # drawn over an earlier, equal curve: dashed, and the legend says which
         (line,) = ax.plot(t, mean, label=f"{label} (the same curve as {hides}, drawn over it)" if hides else label,

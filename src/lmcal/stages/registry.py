@@ -1,27 +1,30 @@
-"""The analysis stages, each declared once in `STAGES`: its plain function, the kinds of model it applies to, its
-settings node under conf/analysis/, and the summary it adds to metrics.json. `train` (through one Lightning callback),
-`evaluate` and `make reproduce` all run stages through `run_stages`.
+"""The analysis stages, each declared once in `STAGES`: its compute function, its settings' dataclass (the schema of
+analysis.<name>), the kinds of model it applies to, and the summary it adds to metrics.json. `train` (through one
+Lightning callback), `evaluate` and `make reproduce` all run stages through `run_stages`.
 
-Each stage is one module of lmcal.stages, named after it, holding its function and its `STAGE` entry: the function
-takes what it analyses, an output folder and keyword settings, writes its files and returns its result as a dict (no
-Lightning, no Hydra); its maths is the lmcal.core module of the same name.
+Each stage is one module of lmcal.stages, named after it, holding `compute(target, settings) -> Result` and its
+`STAGE` entry (no Lightning, no Hydra, no files: `publish` writes the result); its maths is the lmcal.core module of
+the same name, its settings a dataclass of lmcal.stages.configs.
 
-Adding a stage: one function, one `Stage` entry (listed below, or `register`ed from a plugin), and one node in
-conf/analysis/default.yaml.
+Adding a stage: a settings dataclass, a compute function returning a `Result`, one `Stage` entry (listed below, or
+`register`ed from a plugin).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
-import inspect
 import os
 import time
 from pathlib import Path
 
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
 from lmcal.errors import LmcalError
 from lmcal.stages import calibration, decoders, entropy_rate, future_entropy, memory, sequence_calibration
 from lmcal.stages.rows import method_label
-from lmcal.stages.stage import CONTEXT, KINDS, Stage
+from lmcal.stages.stage import KINDS, Stage, publish
 from lmcal.utils import profiling
 from lmcal.utils.rules import renamed_note
 
@@ -37,15 +40,15 @@ def register(stage: Stage) -> Stage:
 
 
 def settings_keys(stage: Stage) -> list[str]:
-    """The settings a stage takes: its function's keyword parameters (less what the target supplies) and the entry
-    points' own."""
-    params = inspect.signature(stage.fn).parameters.values()
-    return [p.name for p in params if p.kind == p.KEYWORD_ONLY and p.name not in CONTEXT] + list(stage.entry_settings)
+    """The settings a stage takes: the fields of its settings' dataclass."""
+    return [f.name for f in dataclasses.fields(stage.config)]
 
 
 def stage_kinds(name: str, settings: dict | None = None) -> frozenset[str]:
     """The kinds of model stage `name` applies to with its settings (analysis.<name>; None: its defaults)."""
     s = STAGES[name]
+    if dataclasses.is_dataclass(settings):
+        settings = dataclasses.asdict(settings)
     return s.kinds_with(settings or {}) if s.kinds_with else s.kinds
 
 
@@ -67,28 +70,51 @@ def check_stages(names: list[str], kind: str | None, settings: dict[str, dict] |
                          f" not apply to a {KINDS[kind]} ({needs}); the stages that do: {', '.join(fits)}.")
 
 
-def check_settings(name: str, settings: dict) -> dict:
-    """`settings` (the node analysis.<name>) checked against the stage's parameters: an unknown key is one paragraph
-    listing the valid ones."""
+def settings_of(name: str, settings):
+    """`settings` (the node analysis.<name> as a dict, or already the stage's settings) as an instance of the stage's
+    settings dataclass: an unknown key is one paragraph listing the valid ones, a value of the wrong type another."""
+    cls = STAGES[name].config
+    if isinstance(settings, cls):
+        return settings
     valid = settings_keys(STAGES[name])
     unknown = sorted(set(settings) - set(valid))
     if unknown:
         raise LmcalError(f"Unknown setting{'s' if len(unknown) > 1 else ''} "
                          f"{', '.join(f'analysis.{name}.{k}' for k in unknown)}; the {name} stage takes "
                          f"{', '.join(valid)}." + renamed_note(name, unknown))
-    return dict(settings)
+    try:
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(cls), settings))
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", None) or "?"
+        why = str(e).splitlines()[0]
+        raise LmcalError(f"analysis.{name}.{key}: {why}. See the {name} stage's settings "
+                         f"({cls.__module__}.{cls.__name__}).") from None
 
 
-def check_plan(names: list[str], kind: str | None, settings: dict[str, dict]) -> dict[str, dict]:
+def check_settings(name: str, settings) -> dict:
+    """`settings` checked as settings_of does, returned whole as a plain dict (every field, defaults filled in)."""
+    return dataclasses.asdict(settings_of(name, settings))
+
+
+def check_plan(names: list[str], kind: str | None, settings: dict) -> dict:
     """The checks every entry point makes before any work: the stages exist and apply to `kind`, and each one's
     settings (analysis.<name>) are its own. Returns {name: settings}."""
     check_stages(names, kind, settings)
     return {n: check_settings(n, settings.get(n) or {}) for n in names}
 
 
-def run_stages(names: list[str], target: dict, settings: dict[str, dict], out_dir: str | Path, logger=None) -> dict:
+def run_stage(name: str, target: dict, settings, out_dir: str | Path, logger=None, earlier: dict | None = None,
+              as_name: str | None = None) -> dict:
+    """Stage `name` on `target` with `settings` (its dataclass, or a dict of analysis.<name>): its result written
+    into out_dir (as `as_name`, the stage's name by default) and logged; returns its record."""
+    st = STAGES[name]
+    result = st.compute({**target, "earlier": earlier or target.get("earlier") or {}}, settings_of(name, settings))
+    return publish(result, out_dir, as_name or name, logger)
+
+
+def run_stages(names: list[str], target: dict, settings: dict, out_dir: str | Path, logger=None) -> dict:
     """Runs `names` on `target` in the registry's order, with `settings[name]` (all checked before any runs);
-    returns {name: result}."""
+    returns {name: record}."""
     checked = check_plan(names, target["kind"], settings)
     results: dict[str, dict] = {}
     if "lm" in target:  # every step of the model timed as "forward" (lmcal.utils.profiling)
@@ -97,7 +123,7 @@ def run_stages(names: list[str], target: dict, settings: dict[str, dict], out_di
         profiling.reset()
         t0 = time.perf_counter()
         with profiling.span(n):
-            results[n] = STAGES[n].call(target, Path(out_dir), logger, results, **checked[n])
+            results[n] = run_stage(n, target, checked[n], out_dir, logger, results)
         if isinstance(results[n], dict):  # where its time went: evaluation.json, and REPORT.md's profile table
             results[n]["profile"] = {"seconds": time.perf_counter() - t0, "spans": profiling.snapshot()}
     return results

@@ -48,11 +48,11 @@ def wants_test_ce(cfg: DictConfig) -> bool:
 def stage_settings(cfg: DictConfig) -> dict[str, dict]:
     """analysis.<stage> of every stage asked for, checked against the stage's parameters; `decoder=NAME` (one
     method, e.g. for a sweep of its setting) replaces analysis.decoders.methods."""
-    settings = check_plan(list(cfg.stages), None, {n: OmegaConf.to_container(cfg.analysis[n], resolve=True)
-                                                   for n in cfg.stages if n in cfg.analysis})
-    if cfg.get("decoder") and "decoders" in settings:
-        settings["decoders"]["methods"] = [OmegaConf.to_container(cfg.decoder, resolve=True)]
-    return settings
+    given = {n: OmegaConf.to_container(cfg.analysis[n], resolve=True) for n in cfg.stages if n in cfg.analysis}
+    if cfg.get("decoder") and "decoders" in cfg.stages:  # before the check: the method is checked as the others
+        one = [OmegaConf.to_container(cfg.decoder, resolve=True)]
+        given["decoders"] = {**given.get("decoders", {}), "methods": one}
+    return check_plan(list(cfg.stages), None, given)
 
 
 def hf_target(cfg: DictConfig, settings: dict[str, dict] | None = None, check_sizes=None) -> dict:

@@ -14,8 +14,8 @@ from lmcal.errors import LmcalError
 from lmcal.models.awd_lstm import evaluate_ce, limited_context_ce
 from lmcal.models.checkpoint import load_base_net, load_net
 from lmcal.models.step_lm import as_step_lm
-from lmcal.stages.entropy_rate import entropy_rate_stage
-from lmcal.stages.registry import run_stages
+from lmcal.stages.registry import run_stage, run_stages
+from lmcal.stages.stage import target
 from lmcal.stages.wandb_run import wandb_log
 from lmcal.utils.io import write_json_atomic
 from lmcal.utils.numbers import exp_or_inf
@@ -102,8 +102,9 @@ class EpochEntropyRateCallback(pl.Callback):
     """The entropy-rate stage on the current (averaged, if NT-ASGD switched) weights every `every_n_epochs` epochs,
     into entropy_rate_epochs/ (analysis.entropy_rate.every_n_epochs)."""
 
-    def __init__(self, out_dir: str | Path, every_n_epochs: int, **settings):
+    def __init__(self, out_dir: str | Path, every_n_epochs: int, model_name: str, corpus: str, **settings):
         self.out_dir, self.every_n_epochs, self.settings = Path(out_dir), every_n_epochs, settings
+        self.model_name, self.corpus = model_name, corpus
 
     def on_train_epoch_end(self, trainer, module):  # after the epoch's validation, so val_loss is fresh
         if trainer.sanity_checking or (trainer.current_epoch + 1) % self.every_n_epochs:
@@ -111,9 +112,10 @@ class EpochEntropyRateCallback(pl.Callback):
         val_ce = float(trainer.callback_metrics["val_loss"])
         was_training = module.net.training
         with module.averaged_weights():
-            entropy_rate_stage(as_step_lm(module.net), trainer.datamodule.tokens("valid"), val_ce,
-                               self.out_dir / "entropy_rate_epochs", logger=trainer.logger,
-                               name=f"entropy_rate_epoch{trainer.current_epoch}", **self.settings)
+            t = target(as_step_lm(module.net), valid=trainer.datamodule.tokens("valid"), test_ce=val_ce,
+                       name=self.model_name, corpus=self.corpus)
+            run_stage("entropy_rate", t, self.settings, self.out_dir / "entropy_rate_epochs", trainer.logger,
+                      as_name=f"entropy_rate_epoch{trainer.current_epoch}")
         module.net.train(was_training)
 
 

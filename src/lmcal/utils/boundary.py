@@ -83,6 +83,9 @@ def _hydra_error(e: Exception) -> str | None:
     if not isinstance(e, CompactHydraException) or isinstance(e, InstantiationException):
         return None
     why = " ".join(str(e).split())
+    cause = e.__cause__ and " ".join(_first_line(e.__cause__).split())  # e.g. the schema's word on a value's type
+    if cause and cause not in why:
+        why = f"{why.rstrip('.')}: {cause}"
     return (f"{why.rstrip('.')}. Check the command line's overrides (key=value, +key=value to add a key, "
             "group=option to choose a config; --help lists the groups and their options).")
 

@@ -140,6 +140,20 @@ def matmul_flops(n: int = 1024, seconds: float = 1.0, device: str | None = None)
     return 2.0 * n**3 * reps / (time.perf_counter() - t0)
 
 
+def peak_flops(device: str | None = None, n: int = 2048) -> float:
+    """The best of three float32 matmul rates of `device` (n x n products): a shared machine's rate varies by a third,
+    and a benchmark's MFU is against what the machine can do (None: CUDA when present, as matmul_flops)."""
+    return max(matmul_flops(n, 0.5, device) for _ in range(3))
+
+
+def machine_line(device: str | None = None, n: int = 2048) -> str:
+    """The line a benchmark prints beside its figures: threads (or GPU), torch and peak_flops, so that the figures are
+    read against this machine's rate, on any machine."""
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    where = torch.cuda.get_device_name(device) if device.startswith("cuda") else f"{torch.get_num_threads()} threads"
+    return f"{where}, torch {torch.__version__}; float32 matmul {peak_flops(device, n) / 1e9:.1f} GFLOP/s ({n}^3)"
+
+
 def best_of(fn, repeats: int) -> float:
     """The shortest of `repeats` timed calls of fn() in seconds, after one untimed warm-up call (the benchmarks)."""
     fn()

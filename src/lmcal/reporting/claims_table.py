@@ -1,0 +1,122 @@
+"""The claims table: each claim of the paper one row, claim | paper | lmcal | ± se | shown at 2 se | figure, from the
+Claims of lmcal.reporting.claims (their verdicts decide the 'shown' column). REPORT.md opens with it and
+docs/RESULTS.md gathers every run's rows into one."""
+
+from __future__ import annotations
+
+import math
+
+from lmcal import paper
+from lmcal.reporting.claim import Claim, finite, paper_calibration_nats
+from lmcal.reporting.claims import results_claims, within
+
+HEADER = ["| claim | paper | lmcal | ± se | shown at 2 se | figure |", "|---|---|---|---|---|---|"]
+# the verdicts that show a row's claim; a verdict listed under UNDECIDED neither shows nor refutes it
+YES = {"lowers", "flattens", "more", "within", "approximation"}
+UNDECIDED = {"untested", "undecided", "not_shown", "consistent", "flat_not_excluded", "no_trend"}
+FIGURES = {"calibration": "figure3_calibration.png", "limit": "figure_dose_response.png",
+           "temperature": "figure_decoders.png", "head": "figure_future_entropy.png",
+           "sequence": "figure_sequence_calibration.png", "memory": "memory_ptb.png",
+           "table1": "figure2_entropy_rate.png"}
+
+
+def shown(verdict: str, yes: set[str] = YES) -> str:
+    """'yes', 'no' or 'undecided', with the verdict word the test gave."""
+    yn = "yes" if verdict in yes else "undecided" if verdict in UNDECIDED else "no"
+    return f"{yn} ({verdict.replace('_', ' ')})"
+
+
+def _f(x, spec: str, scale: float = 1.0) -> str:
+    """x (times scale) in format spec, or a dash for a number not recorded."""
+    return format(x * scale, spec) if finite(x) else "–"
+
+
+def _fig(name: str, rel: str) -> str:
+    f = FIGURES[name]
+    return f"[{f.removesuffix('.png')}]({rel}{f})"
+
+
+def claim_row(c: Claim, rel: str = "") -> tuple[str, ...] | None:
+    """(claim, paper, lmcal, ± se, shown, figure) of one of a reproduction's claims, or None for a claim that is a flag
+    rather than a claim of the paper (the memory flags: lmcal.reporting.claims_table.flags_table)."""
+    n, p = c.numbers, f"{paper_calibration_nats():+.2f}"
+    if c.key in ("calibration_tail", "calibration_vs_paper"):
+        what = "lowers the last tenth's entropy" if c.key == "calibration_tail" else "moves it by the paper's amount"
+        row = f"Calibration {what} (nats)", p, _f(n["d"], "+.3f"), _f(n["se"], ".3f"), "calibration"
+    elif c.key == "calibration_drift":
+        row = ("Calibration flattens the drift (change of the rise, nats)", "flattens", _f(n["reduction"], "+.3f"),
+               _f(n["reduction_se"], ".3f"), "calibration")
+    elif c.key == "calibration_limit":
+        row = ("The candidate rule, not the model, limits calibration (exact lookahead's shift of next-word entropy "
+               f"at α*, nats; top rule keeps {n['kept']:.0%})", "exact", _f(n["exact_shift"], "+.4f"),
+               _f(n["exact_shift_se"], ".4f"), "limit")
+    elif c.key == "calibration_vs_temperature":
+        row = ("Calibration beats the fitted temperature (difference, nats)", "–", _f(n["d"] - n["d_t"], "+.3f"),
+               _f(n["se"] + n["se_t"], ".3f") + " (se + se)", "temperature")
+    elif c.key == "heads_vs_temperature":
+        row = ("A future-entropy head beats the fitted temperature (heads that do)", "–",
+               f"{n['more']} of {n['heads']}", "–", "head")
+    elif c.key.endswith("_within"):
+        who = {"best_head_within": "The best future-entropy head", "sequence_goal_within": "Algorithm 1's goal row",
+               "sequence_twisted_within": "Algorithm 1, fewest twisted particles"}[c.key]
+        level = math.exp(n["level_nats"])
+        row = (f"{who}: last tenth within 10% of the test perplexity {n['ref_ppl']:.1f}",
+               "equal (Algorithm 1)" if c.key.startswith("sequence") else "–", f"{level:.1f}",
+               _f(n["se"], ".1f", level), "sequence" if c.key.startswith("sequence") else "head")
+    else:
+        return None
+    return (*row[:4], shown(c.verdict), _fig(row[4], rel))
+
+
+def claim_rows(r: dict, rel: str = "") -> list[tuple[str, ...]]:
+    """The claims table's rows of one reproduction's results.json (figures linked under `rel`): Table 1's level, each
+    claim of lmcal.reporting.claims, the memory bounds beside the paper's, and the scale sweep's exponents."""
+    from lmcal.reporting.scale_text import group_claims
+
+    rows = []
+    e = r.get("entropy_rate") or {}
+    if "tail_stderr_nats" in e:
+        c = within("", e["tail_nats"], e["tail_stderr_nats"], e["test_ppl"])
+        level = math.exp(e["tail_nats"])
+        rows.append(("Generations' entropy rate within 10% of the test perplexity (Table 1)",
+                     f"{paper.AWD_LSTM_PTB['entrate_ppl']} vs {paper.AWD_LSTM_PTB['test_ppl']}",
+                     f"{level:.1f} vs {e['test_ppl']:.1f}", _f(e["tail_stderr_nats"], ".1f", level), shown(c.verdict),
+                     _fig("table1", rel)))
+    rows += [row for c in results_claims(r) if (row := claim_row(c, rel))]
+    for m in r.get("memory", []):
+        if m.get("model", "awd_lstm") == "awd_lstm" and m.get("limited") == "trained" and m["tau"] in paper.MEMORY_PTB:
+            rows.append((f"Memory bound I_τ, τ = {m['tau']} (nats)", f"{paper.MEMORY_PTB[m['tau']][1]:.4f}",
+                         f"{m['mi_upper_bound_nats']:.4f}", _f(m.get("mi_stderr_nats"), ".4f"),
+                         "– (no paper se)", _fig("memory", rel)))
+    for g in r.get("groups", []):
+        for c in group_claims(g):
+            n = c.numbers
+            if "ref" in n:
+                axis = c.key.removeprefix("scale_exponent_")
+                rows.append((f"{g['label']}: gap ~ {axis}^b", f"{n['ref']:+.3f} (CVL)", f"{n['b']:+.3f}",
+                             f"[{n['lo']:+.3f}, {n['hi']:+.3f}] (interval)",
+                             f"{shown(c.verdict, {'falls', 'rises'})}; against CVL's: "
+                             f"{n.get('against_ref', 'untested')}",
+                             f"[scale]({rel}scale.png)"))
+    return rows
+
+
+def claims_table(rows: list[tuple[str, ...]], where: str = "") -> list[str]:
+    """The claims table's Markdown lines; `where` prefixes each claim (RESULTS.md: the run it comes from)."""
+    return [*HEADER, *(f"| {where}{' | '.join(row)} |" for row in rows)]
+
+
+def flags_table(claims: list[Claim]) -> list[str]:
+    """The memory flags (lmcal.reporting.claims.memory_flags) as a table: model, τ, P̃, what is flagged, the numbers."""
+    if not claims:
+        return []
+    what = {"negative": "ΔCE < 0 beyond 2 se", "negative_not_shown": "ΔCE < 0, within 2 se",
+            "far": "β* more than 0.2 from 1"}
+    lines = ["| model | τ | P̃ | flag | numbers |", "|---|---|---|---|---|"]
+    for c in claims:
+        n = c.numbers
+        nums = (f"β* = {n['beta']:.3f}, α* = {n['alpha']:.3f}" if "beta" in n
+                else f"ΔCE = {n['d']:+.4f} ± {n['se']:.4f}")
+        lines.append(f"| {n['model'] or 'awd_lstm'} | {n['tau']} | {n['limited'] or 'trained'} | {what[c.verdict]} | "
+                     f"{nums} |")
+    return [*lines, ""]
