@@ -28,6 +28,7 @@ from lmcal.pipeline.scale_sweep import check_sweeps, grid, plan_sweeps
 from lmcal.reporting.docs import render, snapshot
 from lmcal.reporting.scale_claims import effect_trend, scale_exponent
 from lmcal.reporting.scale_report import collect_scale, log_scale_wandb, scale_report
+from lmcal.reporting.scale_text import fit_row, group_markdown, trend_row
 from lmcal.stages.scale_record import RECORD, scale_record, write_scale_record
 from tests.conftest import DATA_ROOT, HAVE_PTB
 from tests.test_wandb import runs_under
@@ -304,7 +305,11 @@ def test_the_report_writes_the_table_figure_fit_and_sentences(tmp_path):
     assert set(ptb["fits"]) == {"params", "train_tokens", "test_ce_nats", "params+train_tokens"}
     assert ptb["verdicts"]["scale_exponent_params"] == "falls" and "trend_calibration" in ptb["verdicts"]
     md = (out / "REPORT.md").read_text()
-    assert all(s in md for s in ptb["claims"]) and "the law that generates is the law that is scored" in md
+    assert "the law that generates is the law that is scored" in md and "| setting | value |" in md
+    section = md.split("## AWD-LSTM on ptb")[1].split("\n## ")[0]  # its fits and trends as rows with their verdicts
+    row = f"| gap ~ parameters^b | {ptb['fits']['params']['exponents']['params']:+.3f} |"
+    assert row in section and "| yes (falls) |" in section and "| -0.050 (fit for text) |" in section
+    assert all(f"({v.replace('_', ' ')})" in section for v in ptb["verdicts"].values())
     assert md.count("| AWD-LSTM ") == 12 and "![gap against parameters" in md
     assert "tail_nats_per_prefix" not in json.dumps(rep["runs"])  # kept in each scale.json only
     # `make docs RUNS=<out>` snapshots it into docs/runs/scale, and RESULTS.md carries its section
@@ -312,7 +317,18 @@ def test_the_report_writes_the_table_figure_fit_and_sentences(tmp_path):
     (docs / "bench").mkdir(parents=True)
     assert snapshot(out, docs) == docs / "runs" / "scale" and (docs / "runs" / "scale" / "scale.png").is_file()
     text = render(docs)
-    assert "## Reproduction, profile `scale`" in text and ptb["claims"][0] in text and "runs/scale/scale.png" in text
+    assert "## Reproduction, profile `scale`" in text and row in text and "runs/scale/scale.png" in text
+    assert "`scale`: AWD-LSTM on ptb: gap ~ params^b | -0.050 (CVL)" in text  # the claims table's row
+
+
+def test_a_fit_that_failed_or_an_untested_trend_is_a_row_of_dashes():
+    g = {"label": "x", "runs": 1, "fits": {}, "trends": {}}
+    assert group_markdown(g, [])[-2] == "One run: nothing to fit."
+    row = fit_row(g, {"axes": ["params", "train_tokens"], "error": "too few runs", "sign": -1.0})
+    assert row == "| -gap against parameters and training tokens | not fitted (too few runs) |" + " – |" * 7
+    assert row.count("|") == 10  # as many cells as the header's nine
+    assert trend_row(g, "calibration", {"slope": math.nan, "stderr": math.nan, "runs": 3}) == \
+        "| lookahead calibration | – | – | 3 | undecided (untested) |"
 
 
 def test_a_file_that_is_not_a_record_is_one_paragraph(tmp_path):

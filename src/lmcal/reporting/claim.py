@@ -31,3 +31,14 @@ def paper_calibration_nats() -> float:
     """The paper's calibration effect in nats: log((93.1 - 20) / 93.1) = -0.24."""
     base = paper.AWD_LSTM_PTB["entrate_ppl"]
     return math.log((base - paper.CALIBRATION_PPL_DROP) / base)
+
+
+# the verdicts that show a claim; a verdict listed under UNDECIDED neither shows nor refutes it
+YES = {"lowers", "flattens", "more", "within", "approximation"}
+UNDECIDED = {"untested", "undecided", "not_shown", "consistent", "flat_not_excluded", "no_trend"}
+
+
+def shown(verdict: str, yes: set[str] = YES) -> str:
+    """'yes', 'no' or 'undecided', with the verdict word the test gave."""
+    yn = "yes" if verdict in yes else "undecided" if verdict in UNDECIDED else "no"
+    return f"{yn} ({verdict.replace('_', ' ')})"

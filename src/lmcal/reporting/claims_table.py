@@ -7,23 +7,14 @@ from __future__ import annotations
 import math
 
 from lmcal import paper
-from lmcal.reporting.claim import Claim, finite, paper_calibration_nats
+from lmcal.reporting.claim import Claim, finite, paper_calibration_nats, shown
 from lmcal.reporting.claims import results_claims, within
 
 HEADER = ["| claim | paper | lmcal | ± se | shown at 2 se | figure |", "|---|---|---|---|---|---|"]
-# the verdicts that show a row's claim; a verdict listed under UNDECIDED neither shows nor refutes it
-YES = {"lowers", "flattens", "more", "within", "approximation"}
-UNDECIDED = {"untested", "undecided", "not_shown", "consistent", "flat_not_excluded", "no_trend"}
 FIGURES = {"calibration": "figure3_calibration.png", "limit": "figure_dose_response.png",
            "temperature": "figure_decoders.png", "head": "figure_future_entropy.png",
            "sequence": "figure_sequence_calibration.png", "memory": "memory_ptb.png",
            "table1": "figure2_entropy_rate.png"}
-
-
-def shown(verdict: str, yes: set[str] = YES) -> str:
-    """'yes', 'no' or 'undecided', with the verdict word the test gave."""
-    yn = "yes" if verdict in yes else "undecided" if verdict in UNDECIDED else "no"
-    return f"{yn} ({verdict.replace('_', ' ')})"
 
 
 def _f(x, spec: str, scale: float = 1.0) -> str:

@@ -14,9 +14,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from lmcal.errors import LmcalError
-from lmcal.reporting.claim import Z
+from lmcal.reporting.claim import Z, shown
 from lmcal.reporting.claims import within
-from lmcal.reporting.claims_table import claim_rows, claims_table, shown
+from lmcal.reporting.claims_table import claim_rows, claims_table
 from lmcal.reporting.provenance import ROOT, machine, provenance, provenance_line, versions  # noqa: F401
 from lmcal.utils.io import file_name, inside, temp_path, write_text_atomic
 

@@ -3,6 +3,7 @@ them, the stages' own json): tables first, a few short notes under each."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from lmcal import paper
@@ -109,6 +110,27 @@ def decoders_markdown(rows: list[dict]) -> list[str]:
             "![decoders](figure_decoders.png)", ""]
 
 
+def goal_rows_markdown(rows: list[tuple[str, dict | None]]) -> list[str]:
+    """The goal rows: each chosen on one seed's generations, then measured again on other prefixes and seeds (the
+    number its claim reports), with what α*'s own standard error would move it by, where fitted."""
+    rows = [(what, g) for what, g in rows if g and "tail_nats" in g]
+    if not rows:
+        return []
+    lines = ["| goal row | chosen among | chosen on seed | measured on | exp H, last tenth | ± from α* (nats) | "
+             "test ppl |", "|---|---|---|---|---|---|---|"]
+    for what, g in rows:
+        where = g.get("reported_on") or (f"{g['prefixes']} fresh prefixes" if g.get("prefixes") else "")
+        spread = g.get("tail_alpha_stderr_nats")
+        se = g.get("tail_ppl_stderr", g["tail_ppl"] * g["tail_stderr_nats"])
+        label = g.get("label") or f"{g['method']} ({format_params(g.get('params') or {}, drop=('stderr',))})"
+        lines.append(f"| {what}: {label} | {len(g.get('candidates') or []) or '–'} | {g['chosen_on_seed']} | "
+                     f"{where}{', ' if where else ''}seed {g['reported_on_seed']} | "
+                     f"{g['tail_ppl']:.1f} ± {se:.1f} | {'–' if spread is None else f'±{spread:.3f}'} | "
+                     + (f"{g['test_ppl']:.1f} |" if g.get("test_ppl") else "– |"))
+    return [*lines, "", "A goal row is chosen on one seed's generations, then measured again where it was not chosen.",
+            ""]
+
+
 def future_entropy_markdown(r: dict, fe: dict | None) -> list[str]:
     """The future-entropy heads' table (from future_entropy.json `fe`, else results.json's rows) and their R²."""
     rows = (fe or {}).get("rows") or r.get("future_entropy")
@@ -129,6 +151,9 @@ def future_entropy_markdown(r: dict, fe: dict | None) -> list[str]:
                   f"({fe['rollout_examples']:,} examples).", ""]
     if fit:
         lines += ["The heads' held-out R² on rollouts they did not learn from:", "", fit.rstrip("\n"), ""]
+    best = (fe or {}).get("best_head") or r.get("future_entropy_best_head")
+    ref_ppl = (fe or {}).get("reference_test_ppl") or (math.exp(ref) if ref is not None else None)
+    lines += goal_rows_markdown([("closest head", best and {"test_ppl": ref_ppl, **best})])
     return [*lines, "![future entropy](figure_future_entropy.png)", ""]
 
 
@@ -154,6 +179,9 @@ def sequence_markdown(r: dict, sc: dict | None) -> list[str]:
     lines += ["", "P̂_α(w_1..L) ∝ P̂(w_1..L)^(1+α), by SMC at each particle count, twisted or not, or soft-value heads.",
               "exp H, last tenth: each row's law's entropy per word there; Δ is paired with the model's generations.",
               "A row is Algorithm 1 only where its sampler is shown to converge.", ""]
+    lines += goal_rows_markdown([("closest row", (sc or {}).get("goal") or r.get("sequence_calibration_goal")),
+                                 ("fewest twisted particles", (sc or {}).get("twisted_check")
+                                  or r.get("sequence_calibration_twisted_check"))])
     if sc:
         from lmcal.stages.sequence_table import sequence_table
 

@@ -1,5 +1,6 @@
 """The scale sweep's results.json and REPORT.md (lmcal.reporting.scale_report), written from the fits and the runs'
-records; every sentence that states an effect comes from lmcal.reporting.claims."""
+records. Every claim comes from lmcal.reporting.scale_claims: results.json keeps its sentence and verdict, REPORT.md
+shows each fit and trend as a table row with its verdict, beneath a setup table."""
 
 from __future__ import annotations
 
@@ -7,8 +8,10 @@ import math
 import time
 
 from lmcal import paper
+from lmcal.reporting.claim import Claim, Z, finite, shown
 from lmcal.reporting.provenance import provenance, provenance_line
 from lmcal.reporting.scale_claims import effect_trend, scale_exponent
+from lmcal.reporting.setup_text import generations
 
 AXES = {"params": "parameters", "train_tokens": "training tokens", "data_tokens": "distinct training tokens",
         "test_ce_nats": "test CE"}
@@ -17,20 +20,26 @@ METHODS = {"fitted_temperature": "the fitted temperature", "calibration": "looka
 BIG = ("tail_nats_per_prefix", "curve_nats", "stderr_nats")  # kept in each run's scale.json, not in results.json
 
 
+def fit_claim(label: str, f: dict) -> Claim | None:
+    """The claim of one single-axis fit, beside its reference; None for a joint fit or one that failed."""
+    if "error" in f or len(f["axes"]) > 1:
+        return None
+    axis = f["axes"][0]
+    return scale_exponent(label, AXES[axis], f["exponents"][axis], tuple(f["ci"][axis]), f["level"], f["n_runs"],
+                          f.get("reference"), f.get("reference_text", ""), key=f"scale_exponent_{axis}",
+                          quantity=_quantity(f))
+
+
+def trend_claim(label: str, m: str, t: dict) -> Claim:
+    """The claim of one method's trend with the models' strength."""
+    return effect_trend(f"{METHODS[m][0].upper()}{METHODS[m][1:]} ({label})", t["slope"], t["stderr"], t["runs"],
+                        key=f"trend_{m}")
+
+
 def group_claims(g: dict) -> list:
     """The sentences of a group's fits (each single-axis fit, beside its reference) and trends."""
-    out = []
-    for f in g["fits"].values():
-        if "error" in f or len(f["axes"]) > 1:
-            continue
-        axis = f["axes"][0]
-        out.append(scale_exponent(g["label"], AXES[axis], f["exponents"][axis], tuple(f["ci"][axis]), f["level"],
-                                  f["n_runs"], f.get("reference"), f.get("reference_text", ""),
-                                  key=f"scale_exponent_{axis}", quantity=_quantity(f)))
-    for m, t in g["trends"].items():
-        out.append(effect_trend(f"{METHODS[m][0].upper()}{METHODS[m][1:]} ({g['label']})", t["slope"], t["stderr"],
-                                t["runs"], key=f"trend_{m}"))
-    return out
+    fits = [c for f in g["fits"].values() if (c := fit_claim(g["label"], f))]
+    return fits + [trend_claim(g["label"], m, t) for m, t in g["trends"].items()]
 
 
 def _pm(x, se, digits=3) -> str:
@@ -43,28 +52,27 @@ def _count(n) -> str:
     return f"{n / 1e6:.2f}M" if isinstance(n, (int, float)) and n >= 1e5 else f"{n:,}" if isinstance(n, int) else "–"
 
 
+def _effect(r: dict, m: str) -> str:
+    """A method's paired change of the last tenth, with its test CE in brackets."""
+    e = r["effects"].get(m)
+    return f"{_pm(e['tail_diff_nats'], e['tail_diff_stderr_nats'])} ({e['test_ce_nats']:.4f})" if e else "–"
+
+
 def scale_table(rows: list[dict]) -> str:
     """One line per run: size, tokens, test CE, the last tenth, the gap, and each fitted method's paired change of the
     last tenth with its test CE (on the stages' scored test tokens, beside the plain model's there)."""
     lines = ["| model | parameters | training tokens (distinct) | test CE | last tenth | gap | T* (test CE) | "
              "calibration (test CE) | plain (test CE) | wall |", "|---|---|---|---|---|---|---|---|---|---|"]
-    def effect(r, m):
-        e = r["effects"].get(m)
-        return f"{_pm(e['tail_diff_nats'], e['tail_diff_stderr_nats'])} ({e['test_ce_nats']:.4f})" if e else "–"
-
     for r in rows:
         eff = r["effects"]
-
         wall = f"{r['wall_seconds'] / 60:.1f} min" if r.get("wall_seconds") else "–"
         distinct = f" ({_count(r['data_tokens'])})" if r.get("data_tokens") else ""
         lines.append(f"| {r['model']} | {_count(r['params'])} | {_count(r['train_tokens'])}{distinct} | "
                      f"{_pm(r['test_ce_nats'], r.get('test_ce_stderr_nats'), 4)} | "
                      f"{_pm(r['tail_nats'], r['tail_stderr_nats'])} | {_pm(r['gap_nats'], r['gap_stderr_nats'])} | "
-                     f"{effect(r, 'fitted_temperature')} | {effect(r, 'calibration')} | "
+                     f"{_effect(r, 'fitted_temperature')} | {_effect(r, 'calibration')} | "
                      f"{_pm((eff.get('model') or {}).get('test_ce_nats'), None, 4)} | {wall} |")
     return "\n".join(lines) + "\n"
-
-
 
 
 def results_json(groups: list[tuple[dict, list[dict]]], rows: list[dict], commands: list[str], n_boot: int,
@@ -87,64 +95,136 @@ def results_json(groups: list[tuple[dict, list[dict]]], rows: list[dict], comman
     }
 
 
-def setup_markdown(rows: list[dict]) -> list[str]:
-    """How every run was measured, from its records: generations, prefixes, horizon, and what the gap is."""
-    r0 = rows[0]
-    gens = sorted({(r["num_prefixes"], r["samples_per_prefix"], r["prefix_len"], r["horizon"]) for r in rows})
-    how = "; ".join(f"{n} validation points x {s} generations, {p} tokens of prefix, {h} generated"
-                    for n, s, p, h in gens)
-    return [
-        f"Each run's generations are sampled from the model itself, and its test cross-entropy is that same model's "
-        f"on the test text: the law that generates is the law that is scored. The gap is the mean entropy of the "
-        f"next-token distribution over the last tenth of each generation's horizon minus the test cross-entropy "
-        f"(nats per {r0['unit']}), as {paper.CVL} define entropy miscalibration (they average the whole generation, "
-        f"here its last tenth, where the drift has happened). Generations: {how}. Its standard error combines the "
-        "last tenth's, clustered by validation point, and the test cross-entropy's, from blocks of 100 consecutive "
-        "test tokens. The fitted temperature's and lookahead calibration's changes of the last tenth are paired with "
-        "the plain model's (the same points and uniforms); each is sampled from, and scored as, the fitted model. "
-        "Exponents are least squares of log gap on log x (CVL's fit), with percentile intervals from a bootstrap "
-        "that resamples the runs and, within each, its validation points (and redraws its test CE within its "
-        "standard error); runs whose gap is not positive have no logarithm and are left out, and named.", ""]
-
-
 def _quantity(f: dict) -> str:
     """What a fit is of: the gap, or (every gap of the group negative) the entropy deficit -gap."""
     return "the gap" if f.get("sign", 1.0) > 0 else "the entropy deficit (-gap; every run's gap is negative)"
 
 
-def _fit_line(name: str, f: dict) -> str:
-    if "error" in f:
-        return f"- against {name.replace('+', ' and ')}: not fitted ({f['error']})"
-    one = len(f["axes"]) == 1
-    parts = [f"b{'' if one else '_' + a} = {f['exponents'][a]:+.3f} [{f['ci'][a][0]:+.3f}, {f['ci'][a][1]:+.3f}]"
-             for a in f["axes"]]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# REPORT.md: a setup table, then each group's runs, fits and trends as tables
+# ---------------------------------------------------------------------------------------------------------------------
+
+FIT_HEADER = ["| fit | b | interval | runs | bootstrap replicates (failed) | left out | CVL's exponent | "
+              "trend shown by the interval | against CVL's |", "|---|---|---|---|---|---|---|---|---|"]
+TREND_HEADER = [f"| method | slope (nats per unit of log test CE) | ± se | runs | trend shown at {Z:g} se |",
+                "|---|---|---|---|---|"]
+AGAINST = {"consistent": "consistent (inside the interval)", "faster": "falls faster (CVL's above the interval)",
+           "slower": "falls more slowly (CVL's below the interval)"}
+
+
+def _hours(seconds) -> str:
+    return f"{seconds / 3600:.2f} h" if seconds else "not recorded"
+
+
+def setup_markdown(report: dict, groups: list[tuple[dict, list[dict]]]) -> list[str]:
+    """How every run was measured, from its records, as a setting | value table, and the notes beneath it."""
+    rows = [r for _, v in groups for r in v]
+    gens = sorted({(r["num_prefixes"], r["samples_per_prefix"], r["prefix_len"], r["horizon"]) for r in rows})
+    levels = sorted({f["level"] for g, _ in groups for f in g["fits"].values() if "level" in f})
+    table = [
+        ("runs", f"{len(rows)} in {len(groups)} group(s)"),
+        ("prefixes", "; ".join(f"{n} validation points × {p} tokens" for n, _, p, _ in gens)),
+        ("generations", "; ".join(f"{generations({'num_prefixes': n, 'samples_per_prefix': s})}, {h} tokens each"
+                                  for n, s, _, h in gens)),
+        ("gap", f"mean next-token entropy over the last tenth of the horizon − test CE (nats per {rows[0]['unit']})"),
+        ("gap's standard error", "the last tenth's, clustered by validation point, with the test CE's, from blocks "
+                                 "of 100 consecutive test tokens"),
+        ("T* and calibration", "paired with the plain model (the same points and uniforms); each sampled from, and "
+                               "scored as, the fitted model"),
+        ("exponents", "least squares of log gap on log x (CVL's fit)"),
+        ("intervals", f"{', '.join(f'{100 * x:g}%' for x in levels) or '–'} percentile bootstrap over the runs and, "
+                      "within each, its validation points (its test CE redrawn within its standard error)"),
+        ("trend slopes", "weighted by each run's standard error; the error widened by the runs' scatter where larger"),
+        ("the sweep's wall time", f"{_hours(report['wall_seconds'])}, the sum of its runs' ({report['runs_timed']} "
+                                  "timed: training and analysis)"),
+    ]
+    if report.get("pipeline_wall_seconds"):
+        table.append(("the pipeline's wall time", f"{_hours(report['pipeline_wall_seconds'])}, from its first run's "
+                                                  "start to its last run's end"))
+    notes = ["Each run samples its generations from the model itself and scores that model on the test text.",
+             "So the law that generates is the law that is scored.",
+             f"{paper.CVL} average the whole generation; the gap here takes its last tenth, where the drift has "
+             "happened.",
+             "A run whose gap is not positive has no logarithm: its fits leave it out, and name it.",
+             *_reference_notes(groups)]
+    if report.get("pipeline_wall_seconds"):
+        notes.append("Runs that were done before and skipped count in the pipeline's time as they ran then.")
+    return ["## Setup", "", "| setting | value |", "|---|---|", *(f"| {k} | {v} |" for k, v in table), "",
+            *notes, "", *TABLE_NOTES, ""]
+
+
+TABLE_NOTES = ["In the runs tables, entropies and cross-entropies are in nats; ± is one standard error.",
+               "T* and calibration give the paired change of the last tenth against the plain model.",
+               "Beside it, in brackets: its test CE on the stages' scored test tokens (plain: the model's own there).",
+               "A trend grows when the change becomes more negative as the models strengthen (lower test CE).",
+               "It shrinks when the change becomes less negative."]
+
+
+def _reference_notes(groups: list[tuple[dict, list[dict]]]) -> list[str]:
+    """What each kind of reference exponent in the fits tables is."""
+    kinds = {g.get("tail_exponent") is None for g, _ in groups
+             if any(f.get("reference") is not None for f in g["fits"].values())}  # True: text, False: the power law
+    text = [f"CVL's exponent for text is their fit ({paper.CVL_SIZES})."]
+    power = ["For the power-law source it is the exponent their simplified setting predicts for s: -(1 - 1/s).",
+             "That is our reading of it: the missing mass of the law."]
+    return [*(text if True in kinds else []), *(power if False in kinds else [])]
+
+
+def _reference(g: dict, f: dict) -> str:
+    if f.get("reference") is None:
+        return "–"
+    s = g.get("tail_exponent")
+    return f"{f['reference']:+.3f} " + (f"(predicted for s = {s:g})" if s is not None else "(fit for text)")
+
+
+def fit_row(g: dict, f: dict) -> str:
+    """One fit of a group as a row: law, exponent(s), interval(s), runs, replicates, runs left out, CVL's exponent,
+    and the claim's verdicts (a joint fit states none)."""
     y = "gap" if f.get("sign", 1.0) > 0 else "-gap"
-    note = f"; left out ({y} <= 0): {', '.join(f['excluded'])}" if f["excluded"] else ""
-    ref = f"; {f['reference_text']}: {f['reference']:+.3f}" if f.get("reference") is not None else ""
-    law = " x ".join(f"{AXES[a]}^b{'' if one else '_' + a}" for a in f["axes"])
-    return (f"- {y} ~ {law}: {', '.join(parts)} ({100 * f['level']:g}% intervals; {f['n_runs']} runs; "
-            f"{f['replicates']} bootstrap replicates, {f['failed_replicates']} that could not fit{note}){ref}")
+    if "error" in f:
+        return f"| {y} against {' and '.join(AXES[a] for a in f['axes'])} | not fitted ({f['error']}) |" + " – |" * 7
+    one = len(f["axes"]) == 1
+    name = {a: "b" if one else f"b_{a}" for a in f["axes"]}
+    law = " x ".join(f"{AXES[a]}^{name[a]}" for a in f["axes"])
+    b = "; ".join(f"{'' if one else name[a] + ' = '}{f['exponents'][a]:+.3f}" for a in f["axes"])
+    ci = "; ".join(f"[{f['ci'][a][0]:+.3f}, {f['ci'][a][1]:+.3f}]" for a in f["axes"])
+    c = fit_claim(g["label"], f)
+    verdict = shown(c.verdict, {"falls", "rises"}) if c else "–"
+    against = AGAINST.get(c.numbers.get("against_ref"), "–") if c else "–"
+    out = "; ".join(f["excluded"]) + f" ({y} <= 0)" if f["excluded"] else "–"
+    return (f"| {y} ~ {law} | {b} | {ci} | {f['n_runs']} | {f['replicates']} ({f['failed_replicates']}) | {out} | "
+            f"{_reference(g, f)} | {verdict} | {against} |")
+
+
+def trend_row(g: dict, m: str, t: dict) -> str:
+    """One method's trend with the models' strength as a row, with the claim's verdict."""
+    slope = format(t["slope"], "+.3f") if finite(t["slope"]) else "–"
+    se = format(t["stderr"], ".3f") if finite(t["stderr"]) else "–"
+    return (f"| {METHODS[m]} | {slope} | {se} | {t['runs']} | "
+            f"{shown(trend_claim(g['label'], m, t).verdict, {'grows', 'shrinks'})} |")
+
+
+def group_markdown(g: dict, runs: list[dict]) -> list[str]:
+    """A group's section: its runs table, its fits table and its trends table."""
+    lines = [f"## {g['label']}", "", scale_table(runs)]
+    if g["runs"] < 2:
+        return [*lines, "One run: nothing to fit.", ""]
+    if g["fits"]:
+        lines += [*FIT_HEADER, *(fit_row(g, f) for f in g["fits"].values()), ""]
+        if any(f.get("sign", 1.0) < 0 for f in g["fits"].values()):
+            lines += ["Every run's gap here is negative, so the fits are of the entropy deficit, -gap.", ""]
+    if g["trends"]:
+        lines += [*TREND_HEADER, *(trend_row(g, m, t) for m, t in g["trends"].items()), ""]
+    return lines
 
 
 def report_markdown(report: dict, groups: list[tuple[dict, list[dict]]], figure: str) -> str:
-    rows = [r for _, v in groups for r in v]
-    wall = report["wall_seconds"]
+    """REPORT.md of the sweep: its provenance, the setup table, the figure, then each group's tables."""
     lines = ["# Entropy miscalibration against scale", "", provenance_line(report["provenance"]), "",
-             *setup_markdown(rows),
-             f"{len(rows)} runs in {len(groups)} group(s); the sweep's wall time, the sum of its runs' "
-             f"({report['runs_timed']} timed: training and analysis), is "
-             + (f"{wall / 3600:.2f} h." if wall else "not recorded.")
-             + (f" The pipeline ran for {report['pipeline_wall_seconds'] / 3600:.2f} h, from its first run's start to "
-                "its last run's end (runs that were done before and skipped count as they ran then)."
-                if report.get("pipeline_wall_seconds") else ""), "",
+             *setup_markdown(report, groups),
              f"![gap against parameters, training tokens and test CE]({figure})", ""]
-    for (g, v), gj in zip(groups, report["groups"], strict=True):
-        lines += [f"## {g['label']}", "", scale_table(v),
-                  "Entropies and cross-entropies in nats; ± one standard error. T* and calibration: the paired change "
-                  "of the last tenth against the plain model, with the test CE of each on the stages' scored test "
-                  "tokens (plain: the model's own there).", ""]
-        lines += [_fit_line(n, f) for n, f in g["fits"].items()] + [""]
-        lines += [x for s in gj["claims"] for x in (s, "")]
-        if g["runs"] < 2:
-            lines += ["One run: nothing to fit.", ""]
+    for g, v in groups:
+        lines += group_markdown(g, v)
     return "\n".join(lines).rstrip() + "\n"
