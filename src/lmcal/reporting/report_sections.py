@@ -9,14 +9,10 @@ from pathlib import Path
 from lmcal import paper
 from lmcal.reporting.claims import memory_flags
 from lmcal.reporting.claims_table import flags_table
+from lmcal.reporting.results import tail_ppl
 from lmcal.reporting.setup_text import tail_level
 from lmcal.utils.io import read_json
 from lmcal.utils.numbers import exp_or_inf, format_ce, format_params
-
-
-def _tail_ppl(curve: list[float]) -> float:
-    m = max(1, len(curve) // 10)
-    return exp_or_inf(sum(curve[-m:]) / m)
 
 
 def table1_markdown(r: dict, profile: str) -> list[str]:
@@ -30,7 +26,7 @@ def table1_markdown(r: dict, profile: str) -> list[str]:
     if "entropy_rate" in t:
         te = t["entropy_rate"]
         lines.append(f"| Transformer (ours, PTB): {t['base']['model']} | ptb | {te['test_ppl']:.1f} | "
-                     f"{te['entrate_ppl']:.1f} | {_tail_ppl(te['curve_nats']):.1f} |")
+                     f"{te['entrate_ppl']:.1f} | {tail_ppl(te['curve_nats']):.1f} |")
     lines += [f"| AWD-LSTM (paper) | ptb | {paper.AWD_LSTM_PTB['test_ppl']} | {paper.AWD_LSTM_PTB['entrate_ppl']} | |",
               f"| GPT-2 (paper) | WebText | {paper.GPT2['test_ppl']} | {paper.GPT2['entrate_ppl']} | |", ""]
     if "tail_nats" in er:

@@ -85,8 +85,8 @@ def _memory_rows(root: Path, taus, windows: bool) -> list[dict]:
             for kind in ("", "window_")[:1 + bool(windows)]]
 
 
-def _tail_ppl(curve: list[float]) -> float:
-    """exp of the mean entropy over the last tenth of the horizon."""
+def tail_ppl(curve: list[float]) -> float:
+    """exp of the mean entropy over the last tenth of the horizon (REPORT.md's last column of Table 1)."""
     return exp_or_inf(sum(curve[-max(1, len(curve) // 10):]) / max(1, len(curve) // 10))
 
 
@@ -107,20 +107,20 @@ def _table1_results(cfg: DictConfig, base: dict, er: dict) -> dict:
     return {"base": {k: base[k] for k in ("val_ppl", "test_ppl", "test_ce_nats", "model", "epochs", "params")},
             "entropy_rate": {k: er[k] for k in ("horizon", "num_generations", "curve_nats", "stderr_nats",
                                                 "entrate_ppl", "test_ppl")}
-            | {"entrate_tail_ppl": _tail_ppl(er["curve_nats"])}
+            | {"entrate_tail_ppl": tail_ppl(er["curve_nats"])}
             | _present(er, "num_prefixes", "samples_per_prefix", "prefix_len", "seed", "tail_nats",
                        "tail_stderr_nats")}
 
 
 def _calibration_results(ptb: Path, cal: dict, dec: dict) -> dict:
     return {"calibration": {k: cal[k] for k in CALIBRATION_KEYS}
-            | {"entrate_tail_ppl_before": _tail_ppl(cal["curve_nats_before"]),
-               "entrate_tail_ppl_after": _tail_ppl(cal["curve_nats"])}
+            | {"entrate_tail_ppl_before": tail_ppl(cal["curve_nats_before"]),
+               "entrate_tail_ppl_after": tail_ppl(cal["curve_nats"])}
             | _present(cal, *SETTINGS, "epsilon", "tail_nats_before", "tail_stderr_nats_before", "tail_nats",
                        "tail_stderr_nats", "mass_outside_topk", "true_word_outside_topk", "coverage_positions",
                        "cover", "cover_max", "rule", "candidates_mean", "approximation")
             | calibration_dose(cal, dose_row_files(ptb / "calibration")),
-            "decoders": [{k: r[k] for k in DECODER_KEYS} | {"entrate_tail_ppl": _tail_ppl(r["curve_nats"])}
+            "decoders": [{k: r[k] for k in DECODER_KEYS} | {"entrate_tail_ppl": tail_ppl(r["curve_nats"])}
                          | _present(r, "tail_nats", "tail_stderr_nats") for r in dec["rows"]],
             "decoders_setup": _present(dec, *SETTINGS, "fit_tokens", "test_tokens", "calibration_reused")}
 

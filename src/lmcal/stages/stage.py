@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from lmcal.errors import LmcalError
+from lmcal.stages.wandb_run import wandb_log
 from lmcal.utils.io import write_json_atomic, write_text_atomic
 
 log = logging.getLogger("lmcal")
@@ -62,8 +63,6 @@ class Result:
 
     def log_wandb(self, logger, name: str, images: dict[str, Path]) -> None:
         """Logs the result to the run behind `logger` (a no-op without one), with the figures drawn."""
-        from lmcal.stages.wandb_run import wandb_log
-
         wandb_log(logger, images=images)
 
     def line(self, name: str) -> str:
