@@ -41,6 +41,7 @@ import time
 import torch
 
 from lmcal.core.calibration import calibrated, fit_lookahead_calibration, lookahead_statistics
+from lmcal.core.lookahead_law import make_rule
 from lmcal.core.sampling import random_prefixes
 from lmcal.data.batching import batchify
 from lmcal.models.step_lm import as_step_lm
@@ -61,7 +62,7 @@ ALPHAS = (-0.2, -0.1, -0.05, 0.0, 0.05, 0.1, 0.2)
 
 def fit_timed(lm, tokens, topk, m, seed, args):
     t = time.perf_counter()
-    fit = fit_lookahead_calibration(lm, tokens, topk=topk, tail_samples=m, min_context=args.min_context,
+    fit = fit_lookahead_calibration(lm, tokens, make_rule(topk, tail_samples=m), min_context=args.min_context,
                                     seed=seed, cluster_size=args.cluster_size, progress=args.progress)
     return fit, time.perf_counter() - t
 

@@ -3,13 +3,13 @@
     python bench/scale_sweep.py [--profile scale] [--sweeps awd_lstm ...] [--slice 20000] [--fraction 0.2]
         [--out docs/bench/scale_sweep.md]
 
-For each distinct model of the profile's grids (its jobs differ in their training tokens only, which leave the speed
-alone) this trains the job's own model and recipe on --slice training tokens for one epoch, times a validation pass,
-and runs the job's analysis stages (entropy_rate, calibration, decoders) on that checkpoint with --fraction of their
-validation points and fit and test tokens. Each job's time is then its epochs over its training and validation tokens
-at the measured rates, plus the final scoring and the record's pass over the test text, plus its stages' times
-scaled by 1 / fraction. Printed beside the machine's float32 matmul rate, measured before and after: on a machine
-that others share the estimate is as good as that rate is steady.
+For each distinct model of the profile's grids (its jobs differ in their training tokens and training seed only, which
+leave the speed alone: one seed a cell is timed) this trains the job's own model and recipe on --slice training tokens
+for one epoch, times a validation pass, and runs the job's analysis stages (entropy_rate, calibration, decoders) on that
+checkpoint with --fraction of their validation points and fit and test tokens. Each job's time is then its epochs over
+its training and validation tokens at the measured rates, plus the final scoring and the record's pass over the test
+text, plus its stages' times scaled by 1 / fraction. Printed beside the machine's float32 matmul rate, measured before
+and after: on a machine that others share the estimate is as good as that rate is steady.
 """
 
 from __future__ import annotations
@@ -81,6 +81,15 @@ def piece(overrides: list[str], slice_tokens: int, fraction: float, tmp: Path) -
             "stages_s": stage_s, "other_s": time.perf_counter() - t0 - sum(stage_s.values())}
 
 
+# overrides that leave a job's speed alone: its jobs share one timed piece (the seeds of a cell would triple the cost)
+SPEED_FREE = ("data.max_train_tokens=", "seed=")
+
+
+def piece_key(sweep: str, overrides: list[str]) -> tuple:
+    """The jobs that one timed piece stands for: the same sweep and overrides, whatever their tokens and seed."""
+    return sweep, tuple(o for o in overrides if not o.startswith(SPEED_FREE))
+
+
 def job_seconds(p: dict, epochs: int, train_tokens: int, valid_tokens: int, test_tokens: int, fraction: float) -> tuple:
     """(training, analysis) seconds of one job from its model's pieces."""
     train = epochs * (train_tokens / p["train_tps"] + valid_tokens / p["eval_tps"])
@@ -106,7 +115,7 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for st in jobs:
             ov = [o for o in st["cmd"][3:] if not o.startswith(("hydra.", "logger"))]
-            key = (st["sweep"], tuple(o for o in ov if not o.startswith("data.max_train_tokens=")))
+            key = piece_key(st["sweep"], ov)
             if key not in pieces:
                 print(f"timing {st['name']} ...", flush=True)
                 pieces[key] = piece(ov, args.slice, args.fraction, Path(tmp) / str(len(pieces)))

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import math
 import time
+from dataclasses import replace
 
 import torch
 
@@ -28,9 +29,9 @@ from lmcal.core.sequence_exact import (
     stationary_prefixes,
     true_text,
 )
-from lmcal.core.sequence_fit import fit_sequence_alpha
+from lmcal.core.sequence_fit import RootSearch, fit_sequence_alpha
 from lmcal.core.smc import smc_generate
-from lmcal.core.soft_value import soft_value_twist, train_soft_value
+from lmcal.core.soft_value import SoftValueTraining, TwistAtAlpha
 from lmcal.data.markov import make_markov_chain, sample_markov
 from lmcal.models.oracles import DelayedDriftOracle, MarkovOracle
 from lmcal.reporting.docs import add_out_option, save_bench, tee
@@ -59,11 +60,12 @@ def main(argv: list[str] | None = None) -> None:
     plain = -generation(fs, 0.0, L, start).base_logp[last].mean().item()
     data = torch.as_tensor(sample_markov(chain.probs, 8, 1, B * (L + 1), 5)).view(B, L + 1)
     t0 = time.perf_counter()
-    head, _ = train_soft_value(orc, a, torch.as_tensor(sample_markov(chain.probs, 8, 1, 400, 4)).view(400, 1),
-                               iterations=10, steps=20, backup_steps=10, hidden=64, rank=16)
+    heads = SoftValueTraining(iterations=10, steps=20, backup_steps=10, hidden=64, rank=16)
+    twist_at = TwistAtAlpha(orc, torch.as_tensor(sample_markov(chain.probs, 8, 1, 400, 4)).view(400, 1), L, a,
+                            training=heads, retrain=replace(heads, iterations=3))
     head_s = time.perf_counter() - t0
     twists = {"untwisted": (None, None), "exact twist": (exact_twist(orc, a, L), lambda x: exact_twist(orc, x, L)),
-              "soft-value head": (soft_value_twist(orc, head), None)}
+              "soft-value head (finite horizon, trained at each α)": (twist_at(a), twist_at)}
     emit(f"Delayed drifting oracle, law over {L} words read over {T}; exact α* = {a:.4f}; exact last-tenth surprisal "
          f"{exact:.3f} nats (the plain model's {plain:.3f}); {B} prefixes and {B} fit continuations; the head trained "
          f"in {head_s:.0f} s; {machine_line('cpu')}\n")
@@ -72,9 +74,9 @@ def main(argv: list[str] | None = None) -> None:
     emit("|---|---|---|---|---|---|---|")
     for name, (tw, tw_at) in twists.items():
         for k in args.particles:
-            fit = fit_sequence_alpha(orc, data[:, :1], data[:, 1:], particles=k, seed=0, xtol=1e-4,
+            fit = fit_sequence_alpha(orc, data[:, :1], data[:, 1:], particles=k, seed=0, search=RootSearch(xtol=1e-4),
                                      **({"twist_at": tw_at} if tw_at else {"twist": tw}))
-            r = smc_generate(orc, prefixes, a, L, particles=k, seed=0, twist=tw)
+            r = smc_generate(orc, prefixes, a, L, particles=k, seed=0, twist=tw_at(a) if tw_at else tw)
             s = -r.base_logp[:, last].mean(1)
             se = s.std().item() / math.sqrt(B)
             emit(f"| {name} | {k} | {fit.alpha:.4f} ± {fit.alpha_stderr:.4f} | {s.mean():.3f} ± {se:.3f} | "

@@ -115,7 +115,7 @@ def lightning_throughput(net: AWDLSTM, steps: int, batch: int, bptt: int, device
     from pytorch_lightning.loggers import CSVLogger
 
     from lmcal.training.callbacks import progress_bar
-    from lmcal.training.module import LMDataModule, LMModule
+    from lmcal.training.module import LMDataModule, LMModule, OptimConfig
 
     class Clock(pl.Callback):
         t0 = t1 = v0 = 0.0
@@ -151,7 +151,7 @@ def lightning_throughput(net: AWDLSTM, steps: int, batch: int, bptt: int, device
                        words(1000))
     cfg = {"_target_": "lmcal.models.awd_lstm.AWDLSTM", "emb_size": net.emb_size, "hidden_size": net.hidden_size,
            "num_layers": net.num_layers, "memory_tau": memory_tau, **PEER_DROPOUTS}
-    module = LMModule(net=cfg, vocab_size=V, lr=1.0, bptt=bptt)
+    module = LMModule(net=cfg, vocab_size=V, optim=OptimConfig(lr=1.0), bptt=bptt)
     clock = Clock()
     with tempfile.TemporaryDirectory() as tmp:
         trainer = pl.Trainer(max_epochs=1, limit_train_batches=steps + warm, limit_val_batches=val_batches,

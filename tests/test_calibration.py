@@ -9,6 +9,7 @@ from lmcal.core.calibration import calibrated, fit_lookahead_calibration, score,
 from lmcal.core.entropy_rate import clustered_mean, generation_entropy_curve, paired_tail_difference
 from lmcal.core.expfit import calibration_objective, fit_alpha, newton_minimize, objective, sandwich_stderr
 from lmcal.core.lookahead import entropy, lookahead_entropies, mix_uniform
+from lmcal.core.lookahead_law import Rule, make_rule
 from lmcal.core.sampling import random_prefixes
 from lmcal.data.batching import batchify
 from lmcal.data.markov import make_markov_chain, markov_entropy_rate, sample_markov
@@ -75,7 +76,7 @@ def test_topk_atoms_are_the_tail_draws_then_the_top_words(lm, text, epsilon):
     word is the atom of its column when among the top k, else in the rest (slot -1), as generation treats it."""
     k, m = 2, 3
     ex = fit_lookahead_calibration(lm, text, epsilon=epsilon)  # exact: atoms are the rows in vocabulary order
-    fit = fit_lookahead_calibration(lm, text, topk=k, epsilon=epsilon, tail_samples=m, seed=5)
+    fit = fit_lookahead_calibration(lm, text, make_rule(topk=k, tail_samples=m), epsilon=epsilon, seed=5)
     assert fit.logw.shape == fit.h.shape == (ex.n_tokens, m + k) and fit.tail_samples == m
     assert fit.candidates_mean == k and ex.candidates_mean == V
     top = ex.logw.topk(k, -1).indices  # [n, k]
@@ -99,7 +100,7 @@ def test_topk_at_the_edge_of_the_vocabulary_is_exact(lm, text):
     """k = V - 1 leaves at most one word over (the draws all pick it), k = V none: both are exact mode."""
     exact = fit_lookahead_calibration(lm, text)
     for k in (V - 1, V):
-        fit = fit_lookahead_calibration(lm, text, topk=k, tail_samples=3)
+        fit = fit_lookahead_calibration(lm, text, make_rule(topk=k, tail_samples=3))
         assert fit.logw.double().logsumexp(-1).abs().max() < 1e-5  # the atoms carry all the mass
         for a in (-0.5, 0.7):
             assert fit.ce_derivatives(a) == pytest.approx(exact.ce_derivatives(a), rel=1e-5, abs=1e-6)
@@ -174,7 +175,7 @@ def test_fit_statistics_match_direct_scoring(lm, text, epsilon):
 @pytest.mark.parametrize("epsilon", [0.0, 0.05])
 def test_topk_fit_before_is_the_exact_ce(lm, text, epsilon):
     """In top-k mode Z^(0) = 1, so CE(0) is the base model's exact cross-entropy; the calibrated StepLM scores."""
-    fit = fit_lookahead_calibration(lm, text, topk=5, epsilon=epsilon, tail_samples=4)
+    fit = fit_lookahead_calibration(lm, text, make_rule(topk=5, tail_samples=4), epsilon=epsilon)
     assert fit.n_tokens == (text.size(0) - 1) * text.size(1)
     assert fit.ce_before == pytest.approx(score(calibrated(lm, 0.0, epsilon=epsilon), text)[0], abs=2e-6)
     ce, n = score(calibrated(lm, fit.alpha, topk=5, epsilon=epsilon, tail_samples=4), text)
@@ -197,7 +198,7 @@ def test_topk_tail_is_unbiased_against_exact_mode():
     exact = fit_lookahead_calibration(lm, text)
     alphas, R = (-1.0, -0.3, 0.0, 0.3, 1.0), 100
     est = torch.tensor([[[t.mean().item() for t in _z_terms(fit, a)] for a in alphas]
-                        for fit in (fit_lookahead_calibration(lm, text, topk=3, tail_samples=4, seed=s)
+                        for fit in (fit_lookahead_calibration(lm, text, make_rule(topk=3, tail_samples=4), seed=s)
                                     for s in range(R))], dtype=torch.float64)  # [R, alphas, (Z, Z')]
     mean, se = est.mean(0), est.std(0) / math.sqrt(R)
     for i, a in enumerate(alphas):
@@ -211,8 +212,8 @@ def test_topk_tail_is_unbiased_against_exact_mode():
 
 
 def test_min_context_skips_positions_and_draws_follow_the_history(lm, text):
-    full = fit_lookahead_calibration(lm, text, topk=3, tail_samples=2, seed=1)
-    ctx = fit_lookahead_calibration(lm, text, topk=3, tail_samples=2, seed=1, min_context=5)
+    full = fit_lookahead_calibration(lm, text, make_rule(topk=3, tail_samples=2), seed=1)
+    ctx = fit_lookahead_calibration(lm, text, make_rule(topk=3, tail_samples=2), seed=1, min_context=5)
     B = text.size(1)
     assert ctx.n_tokens == (text.size(0) - 5) * B and full.n_tokens == (text.size(0) - 1) * B
     for a, b in ((ctx.logw, full.logw), (ctx.h, full.h), (ctx.logq_y, full.logq_y), (ctx.slot, full.slot)):
@@ -223,9 +224,10 @@ def test_min_context_skips_positions_and_draws_follow_the_history(lm, text):
 
 
 def test_fit_is_deterministic_for_a_seed(lm, text):
-    a = fit_lookahead_calibration(lm, text, topk=3, tail_samples=4, seed=7)
-    b = fit_lookahead_calibration(lm, text, topk=3, tail_samples=4, seed=7, chunk=5)  # other batching of candidates
-    c = fit_lookahead_calibration(lm, text, topk=3, tail_samples=4, seed=8)
+    rule = make_rule(topk=3, tail_samples=4)
+    a = fit_lookahead_calibration(lm, text, rule, seed=7)
+    b = fit_lookahead_calibration(lm, text, rule, seed=7, chunk=5)  # other batching of candidates
+    c = fit_lookahead_calibration(lm, text, rule, seed=8)
     assert torch.equal(a.logw, b.logw) and a.alpha == pytest.approx(b.alpha, abs=1e-5)
     torch.testing.assert_close(a.h, b.h)
     assert not torch.equal(a.h[:, :4], c.h[:, :4])  # other draws (the 4 tail atoms come first)
@@ -234,10 +236,12 @@ def test_fit_is_deterministic_for_a_seed(lm, text):
 
 def test_bad_tail_settings_are_one_paragraph_errors(lm, text):
     with pytest.raises(LmcalError, match="tail_samples=0"):
-        fit_lookahead_calibration(lm, text, topk=3, tail_samples=0)
+        fit_lookahead_calibration(lm, text, Rule(topk=3, tail_samples=0))  # a Rule built directly is checked too
+    with pytest.raises(LmcalError, match="rule=3"):
+        fit_lookahead_calibration(lm, text, 3)  # the candidate rule is a Rule, not a bare topk
     with pytest.raises(LmcalError, match="topk=0"):
         calibrated(lm, 0.1, topk=0)
-    fit_lookahead_calibration(lm, text, tail_samples=0)  # exact mode draws nothing
+    fit_lookahead_calibration(lm, text, make_rule(tail_samples=0))  # exact mode draws nothing
 
 
 def test_block_stderr_clusters_consecutive_positions_of_each_stream():
@@ -264,7 +268,7 @@ def test_paired_tail_difference_of_a_model_with_itself_is_zero(lm, text):
 def test_derivatives_and_moment_matching(lm, text, rule):
     """CE' and CE'' of the law's objective are the derivatives of its CE (finite differences), CE'(a*) = 0 at a
     minimum, and the moments match there; exact mode is convex (CE'' > 0)."""
-    fit = fit_lookahead_calibration(lm, text, **rule)
+    fit = fit_lookahead_calibration(lm, text, make_rule(**rule))
     d = 1e-4
     for alpha in (-1.0, -0.2, 0.3):
         _, d1, d2 = fit.ce_derivatives(alpha)

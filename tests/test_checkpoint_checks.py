@@ -98,3 +98,19 @@ def test_evaluate_refuses_a_network_on_another_corpus_in_one_paragraph(tmp_path)
             tmp_path)
     assert_one_paragraph(r, str(path), "10,000 words")
     assert not (tmp_path / "ev").exists()
+
+
+def test_resuming_a_checkpoint_without_its_optimiser_settings_grouped_is_refused_in_one_paragraph(tmp_path):
+    """Training reads hyper_parameters.optim: a checkpoint that keeps the optimiser settings elsewhere is refused by
+    name before Lightning sees it; analysis, which reads only the network and data settings, still loads it."""
+    from lmcal.training.checkpoint_io import check_resume
+    from lmcal.training.module import OptimConfig
+
+    flat = _ckpt(tmp_path / "flat.ckpt", edit=lambda c: c["hyper_parameters"].update(lr=30.0, clip=0.25))
+    with pytest.raises(LmcalError, match=r"hyper_parameters\.optim") as e:
+        check_resume(str(flat), NET, 60)
+    assert "\n" not in str(e.value) and str(flat) in str(e.value)
+    load_net(flat)
+    grouped = _ckpt(tmp_path / "grouped.ckpt",
+                    edit=lambda c: c["hyper_parameters"].update(optim=OptimConfig().as_dict()))
+    check_resume(str(grouped), NET, 60)

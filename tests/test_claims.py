@@ -6,6 +6,7 @@ import math
 import pytest
 
 from lmcal.reporting import claims as C
+from lmcal.reporting.claims_table import claim_row
 
 
 def test_effect_verdict_branches():
@@ -163,81 +164,152 @@ def test_against_the_papers_size():
     assert C.against_paper("X", -0.1, math.nan).verdict == "untested"
 
 
-def _limit_inputs(kept_shift, lost_se, vs, vs_se, tail_at_star, se_star=0.05, exact=(-0.03, 0.002)):
-    """An approximation table (exact and top-16 at a* and 3a*) and a dose-response (top-16 and cover 0.95 at a*
-    and 3a*) with these numbers; alpha* < 0."""
-    e, e_se = exact
-    ap = {"alpha": -0.05, "multiples": [1, 3], "rows": [
-        {"rule": "exact", "shift_nats": [e, 3 * e], "shift_stderr_nats": [e_se, e_se], "lost_nats": [0, 0],
-         "lost_stderr_nats": [0, 0], "kept": [1, 1]},
-        {"rule": "top-16", "shift_nats": [kept_shift, 3 * kept_shift], "shift_stderr_nats": [e_se, e_se],
-         "lost_nats": [kept_shift - e, 3 * (kept_shift - e)], "lost_stderr_nats": [lost_se, lost_se],
-         "kept": [kept_shift / e, kept_shift / e]}]}
-    row = lambda rule, k, d, v: {"rule": rule, "multiple": k, "tail_diff_nats": d, "tail_diff_stderr_nats": se_star,
-                                 "vs_first_nats": v, "vs_first_stderr_nats": vs_se}
-    dr = {"rules": ["top-16", "cover 0.95"], "rows": [
-        row("top-16", 1, tail_at_star[0], 0.0), row("cover 0.95", 1, tail_at_star[1], vs[0]),
-        row("top-16", 3, 0.0, 0.0), row("cover 0.95", 3, vs[1], vs[1])]}
-    return ap, dr
+def _cal(vs=(-0.1, 0.04), exact=(-0.1, 0.04), ce=(-0.002, 0.001), fit=True, rule="top-16", stage=(0.02, 0.04)):
+    """A calibration record (alpha* = -0.05, its law `rule`) with a dose-response (top-16 and cover 0.95 at 1 and
+    10 alpha*) and a GPU run's rows beside it: top-16 and exact at exact's own alpha* = -0.07 (500 generations; exact
+    paired with top-16 there, `vs`, and against the model, `exact`, its test CE `ce`) and exact at the stage's
+    alpha*; `fit`: whether that run fitted exact's own alpha*."""
+    def row(r, a, d, se, v=(0.0, 0.0), c=(0.0, 0.001), n=20, **kw):
+        return {"rule": r, "multiple": round(a / -0.05, 4), "alpha": a, "generations": n, "vs_rule": "top-16",
+                "tail_nats": 5.2 + d, "tail_diff_nats": d, "tail_diff_stderr_nats": se, "vs_first_nats": v[0],
+                "vs_first_stderr_nats": v[1], "test_ce_diff_nats": c[0], "test_ce_diff_stderr_nats": c[1], **kw}
+
+    gpu = {"device": "H200"}
+    dr = {"alpha": -0.05, "multiples": [1, 10], "rules": ["top-16", "cover 0.95"], "generations": 20,
+          "rows": [row("top-16", -0.05, -0.1, 0.15), row("cover 0.95", -0.05, -0.05, 0.12, (0.05, 0.1)),
+                   row("top-16", -0.5, -0.4, 0.2), row("cover 0.95", -0.5, -1.1, 0.2, (-0.7, 0.3), (0.06, 0.02))],
+          "extra_rows": [row("top-16", -0.07, 0.0, 0.04, n=500, **gpu),
+                         row("exact", -0.07, *exact, vs, ce, n=500, **gpu),
+                         row("exact", -0.05, -0.07, 0.17, (-0.2, 0.14), **gpu)],
+          "extra_fits": [{"rule": "exact", "device": "H200", "alpha": -0.0700001, "alpha_stderr": 0.01}] if fit else []}
+    return {"rule": rule, "alpha": -0.05, "tail_diff_nats": stage[0], "tail_diff_stderr_nats": stage[1],
+            "tail_ppl_before": 200.0, "num_prefixes": 100, "samples_per_prefix": 3, "test_ppl_before": 116.0,
+            "test_ppl_after": 115.9, "dose_response": dr}
 
 
-def test_which_limit_lookahead_calibration_meets():
-    # top-16 keeps a fifth of the exact shift, and cover 0.95 lowers the tail beyond top-16 at 3 alpha*: the
-    # approximation
-    ap, dr = _limit_inputs(-0.006, 0.001, vs=(-0.05, -0.2), vs_se=0.04, tail_at_star=(0.01, -0.06))
-    c = C.calibration_limit(ap, dr)
-    assert c.verdict == "approximation" and c.sentence.startswith("The approximation is the limit here: at α* = -0.05,"
-                                                                  " exact lookahead shifts the expected entropy")
-    assert "top-16 keeps 20% (-0.0060; it loses +0.0240 ± 0.0010)" in c.sentence
-    assert "cover 0.95 at 3α* changes it by -0.200 ± 0.040 nats beyond top-16 (paired)" in c.sentence
-    assert c.numbers["goal_rows"] == 0 and c.sentence.endswith(
-        "No rule beyond top-16 moves the last tenth beyond 2 standard errors with a test CE not above the model's; "
-        "those that move it: cover 0.95 at 3α*, -0.200 ± 0.050 nats, no test CE.")
-    # the goal: a rule beyond the cheapest that moves the last tenth with a test CE not shown above the model's; a
-    # move that costs test CE (beyond 2 se) does not meet it, and is named with its test CE
-    ce = lambda r, d: r | {"test_ce_diff_nats": d, "test_ce_diff_stderr_nats": 0.001}
-    gpu = {"rule": "exact", "multiple": 1.4, "tail_diff_nats": -0.3, "tail_diff_stderr_nats": 0.1, "device": "H200"}
-    dr["rows"][3] = ce(dr["rows"][3] | {"tail_diff_nats": -0.2, "tail_diff_stderr_nats": 0.05}, 0.05)
-    c = C.calibration_limit(ap, dr, [ce(gpu, 0.0015)])
-    assert c.numbers["goal_rows"] == 1 and c.sentence.endswith(
-        "Beyond top-16, exact (H200) at 1.4α*, -0.300 ± 0.100 nats, test CE +0.0015 ± 0.0010 moves the last tenth "
-        "beyond 2 standard errors with a test CE not above the model's (0.6 standard errors from the paper's -0.24).")
-    # two rows meet it: the verb agrees, and each row's distance from the paper's effect is given
-    two = [ce(gpu, 0.0015), ce(gpu | {"rule": "cover 0.99", "tail_diff_nats": -0.1, "tail_diff_stderr_nats": 0.02}, 0)]
-    c = C.calibration_limit(ap, dr, two)
-    assert c.numbers["goal_rows"] == 2 and c.sentence.endswith(
-        "-0.100 ± 0.020 nats, test CE +0.0000 ± 0.0010 move the last tenth beyond 2 standard errors with a test CE not "
-        "above the model's (0.6, 7.1 standard errors from the paper's -0.24).")
-    c = C.calibration_limit(ap, dr, [ce(gpu, 0.0025)])
-    assert c.numbers["goal_rows"] == 0 and c.sentence.endswith(
-        "those that move it: cover 0.95 at 3α*, -0.200 ± 0.050 nats, test CE +0.0500 ± 0.0010; "
-        "exact (H200) at 1.4α*, -0.300 ± 0.100 nats, test CE +0.0025 ± 0.0010.")
-    # the rules keep the exact shift and nothing moves at alpha*: the model
-    ap, dr = _limit_inputs(-0.028, 0.001, vs=(0.0, -0.03), vs_se=0.04, tail_at_star=(0.01, -0.02))
-    c = C.calibration_limit(ap, dr)
-    assert c.verdict == "model" and c.sentence.startswith("The model is the limit here:")
-    assert "no rule changes the last tenth at α* beyond 2 standard errors (top-16 +0.010 ± 0.050; cover 0.95 " \
-           "-0.020 ± 0.050 nats)" in c.sentence
-    # an extra row (exact lookahead on a GPU) that shows an effect at alpha* keeps it from "model"
-    gpu = {"rule": "exact", "multiple": 1, "tail_diff_nats": -0.2, "tail_diff_stderr_nats": 0.05, "device": "H100"}
-    assert C.calibration_limit(ap, dr, [gpu]).verdict == "undecided"
-    # the rules lose the shift but more candidates move nothing: undecided, saying what is missing
-    ap, dr = _limit_inputs(-0.006, 0.001, vs=(0.0, -0.03), vs_se=0.04, tail_at_star=(0.01, -0.02))
-    c = C.calibration_limit(ap, dr)
-    assert c.verdict == "undecided" and "no more covering rule moves the last tenth beyond top-16's" in c.sentence
-    # the exact shift itself not measured: undecided
-    ap, dr = _limit_inputs(-0.001, 0.001, vs=(0.0, 0.0), vs_se=0.04, tail_at_star=(0.0, 0.0), exact=(-0.002, 0.002))
-    c = C.calibration_limit(ap, dr)
-    assert c.verdict == "undecided" and "the exact shift is not measured (-0.0020 ± 0.0020 nats)" in c.sentence
+def _sentences(text):
+    return [x for x in text.split(". ") if x]
 
 
-def test_an_smc_goal_rows_verdict_says_what_its_alpha_s_noise_would_move_it_by():
-    # the verdict is on the law at the fitted α* (the model built); α*'s own standard error, times the level's slope,
-    # is said beside it, and changes no verdict
-    check = {"label": "twisted SMC, 16 particles", "reported_on_seed": 1, "prefixes": 600, "tail_nats": math.log(110),
-             "tail_stderr_nats": 0.03, "test_ppl": 115.8, "tail_alpha_stderr_nats": 0.034}
-    (c,) = C.sequence_goal_claims({"twisted_check": check})
-    (bare,) = C.sequence_goal_claims({"twisted_check": {**check, "tail_alpha_stderr_nats": None}})
-    assert c.verdict == bare.verdict == "undecided" and c.numbers["alpha_spread_nats"] == 0.034
-    assert c.sentence == bare.sentence[:-1] + ("; that is the law at its fitted α*, and α*'s standard error would move "
-                                               "its level by ±0.034 nats (±3%) more.")
+def test_algorithm_2s_headline_is_exact_lookahead_at_its_own_alpha():
+    from lmcal.reporting.calibration_limit import headline, law_rows
+
+    cal = _cal()
+    rows = law_rows(cal)
+    # exact lookahead at its own alpha* heads the rows; each other rule once: top-16 by the stage's own record (more
+    # generations than its dose row), cover 0.95 at the stage's alpha* (no fit of its own)
+    assert [(r["rule"], r["own"], r["generations"]) for r in rows] == [
+        ("exact", True, 500), ("top-16", True, 300), ("cover 0.95", False, 20)]
+    assert headline(cal) is not None and headline(cal)["alpha"] == -0.07
+    claims = {c.key: c for c in C.calibration_claims({"calibration": _cal_with_curves(cal)})}
+    tail = claims["calibration_tail"]
+    assert tail.verdict == "lowers" and (tail.numbers["d"], tail.numbers["se"]) == (-0.1, 0.04)
+    assert tail.sentence.endswith("The law: exact lookahead at its own α* = -0.07, H200, 500 generations.")
+    assert claims["calibration_vs_paper"].numbers["d"] == -0.1
+    assert claims["calibration_drift"].numbers["law"] == "top-16 at its own α* = -0.05, 300 generations"
+    # without a fit of exact's own alpha*, the stage's law is the headline, and exact at the stage's alpha* is beside it
+    cal = _cal(fit=False)
+    assert headline(cal)["stage"] and [r["rule"] for r in law_rows(cal)] == ["top-16", "cover 0.95", "exact"]
+    tail = next(c for c in C.calibration_claims({"calibration": _cal_with_curves(cal)}) if c.key == "calibration_tail")
+    assert tail.verdict == "no_change" and tail.numbers["d"] == 0.02
+    # a stage whose law is exact lookahead (a small vocabulary) is its own headline
+    assert headline(_cal(rule="exact"))["stage"]
+
+
+def _cal_with_curves(cal):
+    flat = [5.0] * 20
+    return cal | {"curve_nats_before": flat, "stderr_nats_before": [0.01] * 20, "curve_nats": flat,
+                  "stderr_nats": [0.01] * 20, "tail_steps": 2, "diff_curve_nats": [0.0] * 20,
+                  "diff_stderr_nats": [0.01] * 20}
+
+
+def test_why_calibrations_effect_is_small_each_branch():
+    # exact lowers the last tenth beyond top-16 (2.5 paired se), its test CE not worse: the approximation
+    c = C.calibration_limit(_cal())
+    assert claim_row(c)[2:5] == ("-0.100", "0.040", "yes (approximation)")
+    assert c.verdict == "approximation" and c.sentence == (
+        "The approximation is the limit: exact lookahead lowers the last tenth 0.100 ± 0.040 nats below top-16 "
+        "(paired, 2.5 standard errors). Its test CE moves -0.0020 ± 0.0010 nats, not worse than the model's. The "
+        "comparison, fixed in advance: exact lookahead against top-16 at the same α, paired, on the last tenth. Its "
+        "row: exact lookahead at its own α* = -0.07, H200, 500 generations.")
+    assert (c.numbers["d"], c.numbers["se"], c.numbers["alpha"]) == (-0.1, 0.04, -0.07)
+    # the same, at a test CE worse beyond 2 se: undecided
+    c = C.calibration_limit(_cal(ce=(0.01, 0.002)))
+    assert c.verdict == "undecided" and "its lower entropy costs test CE: +0.0100 ± 0.0020 nats" in c.sentence
+    # exact shows no change of its own, 7.7 se short of the paper's, and none beyond top-16: the model
+    c = C.calibration_limit(_cal(vs=(-0.01, 0.04), exact=(-0.01, 0.03)))
+    assert c.verdict == "model" and c.sentence.startswith(
+        "The model is the limit: exact lookahead changes the last tenth by -0.010 ± 0.030 nats, within 2 standard "
+        "errors of no change and 7.7 standard errors short of the paper's -0.24.")
+    # exact shows no change, but the paper's effect is within 2 se of it: undecided, and how many generations
+    # would tell the two apart
+    c = C.calibration_limit(_cal(vs=(-0.01, 0.04), exact=(-0.1, 0.08)))
+    assert c.verdict == "undecided" and "about 637 generations of exact would tell its change from the paper's" \
+        in c.sentence
+    # a paired difference within 2 se: undecided, saying how many paired generations would resolve one this size
+    c = C.calibration_limit(_cal(vs=(-0.05, 0.04), exact=(-0.08, 0.035)))
+    assert c.verdict == "undecided" and c.sentence.startswith(
+        "Whether the approximation or the model limits calibration here is undecided: exact minus top-16 is -0.050 ± "
+        "0.040 nats, paired; exact against the model is -0.080 ± 0.035 nats, 4.6 standard errors from the paper's "
+        "-0.24; about 1,280 paired generations would resolve a difference this size.")
+    # exact beyond top-16 but no change against the model (top-16 raised it): both tests pass, so undecided
+    c = C.calibration_limit(_cal(vs=(-0.1, 0.04), exact=(0.0, 0.03)))
+    assert c.verdict == "undecided" and "both tests pass, for exact lies below top-16 yet not below the model" \
+        in c.sentence
+    # exact lookahead at its own alpha* not in the record: undecided, saying what would decide it
+    c = C.calibration_limit(_cal(fit=False))
+    assert c.verdict == "undecided" and c.sentence == (
+        "Whether the approximation or the model limits calibration here is undecided: exact lookahead at its own α* is "
+        "not in the record. Its rows, paired with top-16's at the same α, would decide it.")
+    # a stage whose law is exact: no approximation to limit it, the model test alone
+    c = C.calibration_limit(_cal(rule="exact", stage=(-0.01, 0.03)))
+    assert c.verdict == "model" and c.sentence.endswith("against the model, on the last tenth. Its row: exact "
+                                                        "lookahead at its own α* = -0.05, 300 generations.")
+    assert claim_row(c)[2:5] == ("-0.010", "0.030", "no (model)")
+    c = C.calibration_limit(_cal(rule="exact", stage=(-0.1, 0.03)))
+    assert c.verdict == "undecided" and "the stage's law is exact lookahead, so no approximation limits it" \
+        in c.sentence
+
+
+def test_why_small_is_fixed_before_the_dose_response_is_read():
+    """The comparison is fixed in advance: a dose-response row at 10 alpha* (or exact at the stage's alpha*, not its
+    own), however strong, changes neither the verdict nor its sentence."""
+    for kw in ({}, {"vs": (-0.05, 0.04), "exact": (-0.08, 0.035)}, {"vs": (-0.01, 0.04), "exact": (-0.01, 0.03)},
+               {"fit": False}):
+        before = C.calibration_limit(_cal(**kw))
+        cal = _cal(**kw)
+        dr = cal["dose_response"]
+        for r in [*dr["rows"], *dr["extra_rows"]]:
+            if r["multiple"] == 10 or (r["rule"] == "exact" and r["multiple"] == 1):
+                r.update(tail_diff_nats=-3.0, tail_diff_stderr_nats=0.01, vs_first_nats=-2.9,
+                         vs_first_stderr_nats=0.01, test_ce_diff_nats=-0.01, test_ce_diff_stderr_nats=0.001)
+        dr["extra_rows"].append({**dr["extra_rows"][1], "alpha": -0.7, "multiple": 14.0, "tail_diff_nats": -3.0,
+                                 "vs_first_nats": -2.9, "vs_first_stderr_nats": 0.01})
+        after = C.calibration_limit(cal)
+        assert (after.verdict, after.sentence) == (before.verdict, before.sentence), kw
+
+
+def test_why_small_sentences_are_short():
+    cases = [{}, {"ce": (0.01, 0.002)}, {"vs": (-0.01, 0.04), "exact": (-0.01, 0.03)},
+             {"vs": (-0.05, 0.04), "exact": (-0.08, 0.035)}, {"vs": (-0.1, 0.04), "exact": (0.0, 0.03)},
+             {"fit": False}, {"rule": "exact", "stage": (-0.1, 0.03)}]
+    words = [len(s.split()) for kw in cases for s in _sentences(C.calibration_limit(_cal(**kw)).sentence)]
+    assert max(words) <= 60 and sum(words) / len(words) <= 25, words
+
+
+def test_an_smc_goal_rows_verdict_counts_alpha_s_error_and_says_what_it_leaves_out():
+    # the level's interval counts the generations' noise and α*'s standard error times the level's slope: a row shown
+    # within 10% on its generations alone is undecided once α*'s error is counted; the run-to-run spread, where a
+    # second training seed measured it, is counted too, and where not, the sentence says so
+    check = {"method": "smc", "label": "twisted SMC, 16 particles", "reported_on_seed": 1, "prefixes": 600,
+             "tail_nats": math.log(115.8), "tail_stderr_nats": 0.02, "test_ppl": 115.8, "tail_alpha_stderr_nats": None}
+    (bare,) = C.sequence_goal_claims({"twisted_check": check})
+    (c,) = C.sequence_goal_claims({"twisted_check": {**check, "tail_alpha_stderr_nats": 0.05}})
+    (both,) = C.sequence_goal_claims({"twisted_check": {**check, "tail_alpha_stderr_nats": 0.01,
+                                                        "run_to_run_stderr_nats": 0.06}})
+    assert bare.verdict == "within" and c.verdict == "undecided" and both.verdict == "undecided"
+    assert c.numbers["se"] == pytest.approx(math.hypot(0.02, 0.05)) and c.numbers["alpha_spread_nats"] == 0.05
+    assert "Counted: the generations' noise, α*'s (±0.050 nats). Not counted: the run-to-run spread" in c.sentence
+    assert "Not counted: α*'s error; the run-to-run spread" in bare.sentence
+    assert both.numbers["se"] == pytest.approx(math.sqrt(0.02 ** 2 + 0.01 ** 2 + 0.06 ** 2))
+    assert "Not counted" not in both.sentence

@@ -134,3 +134,8 @@ def test_a_benchmark_summary_is_tested_as_a_goal_row(tmp_path):
     assert "| bench: [A row](bench/study.md): last tenth within 10% of the test perplexity 100.0 | " \
            "equal (Algorithm 1) | 100.0 | 1.0 | yes (within) | – |" in text
     assert "- [Study](bench/study.md): close." in text
+    # α*'s error and the spread between seeds are counted where the summary records them
+    (bench / "study.json").write_text(json.dumps({"label": "A row", "tail_nats": math.log(100.0),
+                                                  "tail_stderr_nats": 0.01, "tail_alpha_stderr_nats": 0.05,
+                                                  "run_to_run_stderr_nats": 0.02, "test_ppl": 100.0}))
+    assert "| equal (Algorithm 1) | 100.0 | 5.5 | undecided (undecided) | – |" in render(tmp_path / "docs")

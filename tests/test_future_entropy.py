@@ -13,6 +13,7 @@ from lmcal.core.entropy_rate import generation_entropy_curve
 from lmcal.core.future_entropy import (
     FutureCalibratedLM,
     FutureEntropyHead,
+    HeadTraining,
     fit_future_calibration,
     fit_rows,
     head_rows,
@@ -119,7 +120,7 @@ def test_rollouts_with_a_stride_keep_the_same_examples_at_every_stride_th_word()
 def test_k1_head_gives_the_alpha_of_exact_one_step_lookahead(oracle):
     orc = _oracle() if oracle == "delayed" else DriftingOracle(CHAIN, T=50, noise_vocab=32)
     ex = rollout_examples(orc, _text(20000, 0), [(1, 1.0)], contexts=1000, prefix_len=5, steps=30, seed=0)
-    head, stats = train_head(ex, 0, orc.vocab_size, hidden=128, rank=orc.vocab_size, epochs=6)
+    head, stats = train_head(ex, 0, orc.vocab_size, settings=HeadTraining(hidden=128, rank=orc.vocab_size, epochs=6))
     assert stats["r2"] > 0.999  # exact targets: the head learns H_next itself
     by = stats["r2_by_step"]  # ... at every stage of the free run, words 1-30 in five ranges
     assert [b["steps"] for b in by] == [[1, 6], [7, 12], [13, 18], [19, 24], [25, 30]]
@@ -127,7 +128,7 @@ def test_k1_head_gives_the_alpha_of_exact_one_step_lookahead(oracle):
     fit_text = batchify(_text(20000, 1), 20)
     logp, f, y = fit_rows(orc, fit_text, min_context=5)
     fit = fit_future_calibration(logp, head_rows(head, f), y, streams=20, cluster_size=100)
-    exact = fit_lookahead_calibration(orc, fit_text, topk=None, min_context=5, cluster_size=100)
+    exact = fit_lookahead_calibration(orc, fit_text, min_context=5, cluster_size=100)
     assert abs(fit.alpha - exact.alpha) < exact.alpha_stderr, (fit.alpha, exact.alpha, exact.alpha_stderr)
     assert fit.alpha_stderr == pytest.approx(exact.alpha_stderr, rel=0.1)
     assert fit.ce_after <= fit.ce_before
@@ -143,7 +144,7 @@ def test_a_long_horizon_head_closes_the_drift_one_step_lookahead_cannot():
     plain_ce = -target_log_probs(orc, test).mean().item()
     curves, ces = {}, {}
     for j, name in enumerate(["K=20", "K=1"]):
-        head, _ = train_head(ex, j, orc.vocab_size, hidden=128, rank=32, epochs=6)
+        head, _ = train_head(ex, j, orc.vocab_size, settings=HeadTraining(hidden=128, rank=32, epochs=6))
         fit = fit_future_calibration(logp, head_rows(head, f), y, streams=20, cluster_size=100)
         assert fit.ce_after <= fit.ce_before
         curves[name] = _exact_curve(orc, head, fit, horizon)
@@ -152,7 +153,7 @@ def test_a_long_horizon_head_closes_the_drift_one_step_lookahead_cannot():
         if name == "K=20":  # the StepLM generates what the exact curve says
             mc = generation_entropy_curve(model, random_prefixes(_text(5000, 3), 40, 5, seed=0), 40, 10, seed=0)
             assert np.abs((mc.mean - curves[name][:40]) / mc.stderr).max() < 4.5
-    exact_one = fit_lookahead_calibration(orc, fit_text, topk=None, min_context=5)
+    exact_one = fit_lookahead_calibration(orc, fit_text, min_context=5)
     states = orc.augmented_states()
     law = orc._law(orc.markov.tables[1][states[0][0]], states[1])
     hnext = torch.as_tensor(orc.future_entropies(1))

@@ -84,7 +84,7 @@ def test_a_cuda_training_step_never_waits_for_the_device_between_reads(tmp_path)
     from pytorch_lightning.loggers import CSVLogger
 
     from lmcal.training.callbacks import progress_bar
-    from lmcal.training.module import LMDataModule, LMModule
+    from lmcal.training.module import LMDataModule, LMModule, OptimConfig
     from tests.test_module import NET
 
     class Steps(pl.Callback):
@@ -99,7 +99,7 @@ def test_a_cuda_training_step_never_waits_for_the_device_between_reads(tmp_path)
     steps, syncs = Steps(), []
     dm = LMDataModule(name="synthetic", batch_size=4, eval_batch_size=2, bptt=12, seed=3,
                       corpus_kwargs={"vocab_size": 20, "n_train": 3000, "n_valid": 400, "n_test": 400})
-    module = LMModule(net=NET, vocab_size=dm.vocab_size, lr=5.0, bptt=12)
+    module = LMModule(net=NET, vocab_size=dm.vocab_size, optim=OptimConfig(lr=5.0), bptt=12)
     trainer = pl.Trainer(max_epochs=2, accelerator="gpu", devices=1, logger=CSVLogger(tmp_path), log_every_n_steps=10,
                          enable_checkpointing=False, reload_dataloaders_every_n_epochs=1, num_sanity_val_steps=0,
                          default_root_dir=tmp_path, callbacks=[steps, progress_bar()])

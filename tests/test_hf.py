@@ -11,6 +11,7 @@ transformers = pytest.importorskip("transformers")
 from lmcal.core.calibration import fit_lookahead_calibration  # noqa: E402
 from lmcal.core.entropy_rate import generation_entropy_curve  # noqa: E402
 from lmcal.core.lookahead import entropy, lookahead_entropies  # noqa: E402
+from lmcal.core.lookahead_law import make_rule  # noqa: E402
 from lmcal.core.sampling import random_prefixes  # noqa: E402
 from lmcal.data.corpora import hf_text_tokens, ptb_text_file  # noqa: E402
 from lmcal.errors import DataError, LmcalError  # noqa: E402
@@ -169,7 +170,7 @@ def test_generation_entropy_curve_and_calibration_run_unchanged(lm):
     np.testing.assert_allclose(c1.per_prefix, c3.per_prefix, atol=1e-4)  # one prefix per chunk: same generations
     tokens = stream[:24].view(6, 4)  # [S, B] time-major
     for topk in (None, 5):
-        fit = fit_lookahead_calibration(lm, tokens, topk=topk)
+        fit = fit_lookahead_calibration(lm, tokens, make_rule(topk=topk))
         assert all(math.isfinite(v) for v in (fit.alpha, fit.ce_before, fit.ce_after))
         assert fit.ce_after <= fit.ce_before + 1e-9
 

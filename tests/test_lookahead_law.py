@@ -63,7 +63,7 @@ def test_the_fitted_ce_is_the_ce_of_the_law_that_generates(oracle, text, rule):
     word: the law fitted is the law scored and sampled. With the true word's own tilt in the fit (the law before
     issue 40) the two differ wherever it falls outside the candidates, and this test fails."""
     lm, _ = oracle
-    fit = fit_lookahead_calibration(lm, text, seed=3, **rule)
+    fit = fit_lookahead_calibration(lm, text, make_rule(**rule), seed=3)
     for a in (-0.7, 0.0, 0.4, fit.alpha):
         cal = calibrated(lm, a, seed=3, **rule)
         torch.testing.assert_close(fit.per_position_ce(a), -target_log_probs(cal, text), rtol=0, atol=2e-6)
@@ -76,7 +76,7 @@ def test_the_old_fit_differs_from_the_generating_law(oracle, text):
     """The check above can fail: the objective before issue 40 gave a true word outside the candidates its own tilt
     e^{a H(y)} where generation gives it the shared T(a); that CE is not the CE of the law that generates."""
     lm, _ = oracle
-    fit = fit_lookahead_calibration(lm, text, topk=3, tail_samples=4, seed=3)
+    fit = fit_lookahead_calibration(lm, text, make_rule(topk=3, tail_samples=4), seed=3)
     h_y = fit_lookahead_calibration(lm, text).h.gather(1, text[1:].reshape(-1, 1))[:, 0]  # y's own H_next
     a, rest = -0.7, fit.slot < 0
     log_t = (a * fit.h[:, :4].double()).logsumexp(1) - math.log(4)
@@ -91,7 +91,7 @@ def test_cover_one_is_exact_lookahead(oracle, text):
     lookahead's; as cover grows to 1 the fitted CE(a) comes to exact mode's."""
     lm, _ = oracle
     exact = fit_lookahead_calibration(lm, text)
-    full = fit_lookahead_calibration(lm, text, cover=1.0, tail_samples=3, seed=1)
+    full = fit_lookahead_calibration(lm, text, make_rule(cover=1.0, tail_samples=3), seed=1)
     assert full.candidates_mean == 16 and (full.slot >= 0).all()
     for a in (-0.8, 0.3):
         assert full.ce_derivatives(a) == pytest.approx(exact.ce_derivatives(a), rel=1e-9, abs=1e-12)
@@ -99,8 +99,8 @@ def test_cover_one_is_exact_lookahead(oracle, text):
     logp, state, keys = after(lm, text[:5])
     torch.testing.assert_close(calibrated(lm, -0.8, cover=1.0).step(text[5], (state, keys))[0],
                                calibrated(lm, -0.8).step(text[5], (state, keys))[0], rtol=0, atol=1e-12)
-    gaps = [abs(fit_lookahead_calibration(lm, text, cover=c, tail_samples=3, seed=1).ce_at(-0.8) - exact.ce_at(-0.8))
-            for c in (0.5, 0.9, 0.999)]
+    gaps = [abs(fit_lookahead_calibration(lm, text, make_rule(cover=c, tail_samples=3), seed=1).ce_at(-0.8)
+                - exact.ce_at(-0.8)) for c in (0.5, 0.9, 0.999)]
     assert gaps[-1] < gaps[0] and gaps[-1] < 1e-3
 
 
@@ -320,7 +320,7 @@ def test_the_law_on_cuda_is_the_cpus():
             for t in range(5):
                 logp, state = cal.step(text[t], state)
             rows.append(logp.cpu())
-            rows.append(torch.tensor([fit_lookahead_calibration(lm, text, seed=3, **rule).ce_at(-0.4)]))
+            rows.append(torch.tensor([fit_lookahead_calibration(lm, text, make_rule(**rule), seed=3).ce_at(-0.4)]))
         shifts = hnext_shifts(lm, text[:3].T, 4, [2, 4], [Rule(topk=8, tail_samples=4)], [-0.4], seed=2)
         out[device] = rows + [shifts["exact"], shifts["top-8"]]
     for a, b in zip(out["cpu"], out["cuda"], strict=True):

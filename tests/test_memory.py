@@ -122,7 +122,7 @@ def test_chunks_match_whole_tensors(alpha):
         r = memory_upper_bound(source, alpha=alpha, cluster_size=7)
         for k, v in vars(whole).items():
             assert getattr(r, k) == pytest.approx(v, rel=1e-9, abs=1e-12, nan_ok=True), k
-    r32 = memory_upper_bound(chunks(), alpha=alpha, store_dtype=torch.float32, cluster_size=7)
+    r32 = memory_upper_bound([(f.float(), q.float(), t) for f, q, t in chunks()], alpha=alpha, cluster_size=7)
     assert r32.mi_upper_bound == pytest.approx(whole.mi_upper_bound, abs=1e-5)
     with pytest.raises(TypeError):
         memory_upper_bound(chunks(), limited)

@@ -142,6 +142,7 @@ def test_device_map_and_bf16_keep_log_softmax_entropies_and_fits_in_float32(tmp_
     log-softmax, entropies, lookahead and fit all come out in float32."""
     pytest.importorskip("accelerate")
     from lmcal.core.calibration import fit_lookahead_calibration
+    from lmcal.core.lookahead_law import make_rule
     from lmcal.models.hf import load_hf_model
     from tests.test_hf import WORDS, tiny_folder
 
@@ -165,7 +166,7 @@ def test_device_map_and_bf16_keep_log_softmax_entropies_and_fits_in_float32(tmp_
     lm.shares_past = lambda state: False
     torch.testing.assert_close(L.lookahead_entropies(lm, state, lp[:, -1]), h, atol=0.05, rtol=0.02)
     del lm.shares_past
-    fit = fit_lookahead_calibration(lm, torch.randint(0, len(WORDS), (12, 4)), topk=4, tail_samples=2)
+    fit = fit_lookahead_calibration(lm, torch.randint(0, len(WORDS), (12, 4)), make_rule(topk=4, tail_samples=2))
     assert all(isinstance(v, float) and v == v for v in (fit.alpha, fit.ce_before, fit.ce_after))
 
 

@@ -3,7 +3,7 @@ import pytorch_lightning as pl
 import torch
 
 from lmcal.models.checkpoint import load_net
-from lmcal.training.module import LMDataModule, LMModule, nt_asgd_should_switch
+from lmcal.training.module import LMDataModule, LMModule, OptimConfig, nt_asgd_should_switch
 
 NET = {"_target_": "lmcal.models.awd_lstm.AWDLSTM", "emb_size": 8, "hidden_size": 16, "num_layers": 2}
 
@@ -34,7 +34,7 @@ class Recorder(pl.Callback):
 def fit(tmp_path, epochs=2, **kw):
     dm = LMDataModule(name="synthetic", batch_size=4, eval_batch_size=2, bptt=12, seed=3,
                       corpus_kwargs={"vocab_size": 20, "n_train": 3000, "n_valid": 400, "n_test": 400})
-    module = LMModule(net=NET, vocab_size=dm.vocab_size, lr=5.0, bptt=12, **kw)
+    module = LMModule(net=NET, vocab_size=dm.vocab_size, optim=OptimConfig(lr=5.0, **kw), bptt=12)
     rec = Recorder()
     trainer = pl.Trainer(max_epochs=epochs, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          reload_dataloaders_every_n_epochs=1, num_sanity_val_steps=0, default_root_dir=tmp_path,
@@ -101,6 +101,7 @@ def test_checkpoint_holds_averaged_weights_and_resume_restores_raw(tmp_path):
     # resuming: the average comes back from state_dict, the iterate from raw_state_dict
     fresh = LMModule(net=NET, vocab_size=20)
     loaded = torch.load(path, weights_only=True)
+    assert loaded["hyper_parameters"]["optim"] == OptimConfig().as_dict()  # plain values, read back without pickle
     fresh.on_load_checkpoint(loaded)
     fresh.load_state_dict(loaded["state_dict"])
     for n, p in fresh.net.named_parameters():
@@ -144,7 +145,7 @@ def test_average_update_after_the_module_moves_post_restore(tmp_path):
 
 
 def test_nt_asgd_switch_starts_averaging_once():
-    module = LMModule(net=NET, vocab_size=20, nonmono=5)
+    module = LMModule(net=NET, vocab_size=20, optim=OptimConfig(nonmono=5))
     losses = [5.0, 4.0, 3.0, 3.1, 3.2, 3.3, 3.4, 3.5]
     assert [module.record_validation(v) for v in losses] == [False] * 8
     assert module.avg is None and module.val_history == losses
@@ -152,7 +153,7 @@ def test_nt_asgd_switch_starts_averaging_once():
     assert module.avg is not None and module.n_avg == 1 and module.asgd_epoch == 0
     assert not module.record_validation(9.0)  # switched for good; no second start
     assert module.n_avg == 1
-    off = LMModule(net=NET, vocab_size=20, nonmono=5, asgd=False)
+    off = LMModule(net=NET, vocab_size=20, optim=OptimConfig(nonmono=5, asgd=False))
     assert not any(off.record_validation(v) for v in losses + [9.0])
     assert off.avg is None
 
@@ -203,7 +204,7 @@ def test_training_reads_the_device_only_every_log_every_n_steps(tmp_path, monkey
         monkeypatch.setattr(torch.Tensor, name, counted)
     dm = LMDataModule(name="synthetic", batch_size=4, eval_batch_size=2, bptt=12, seed=3,
                       corpus_kwargs={"vocab_size": 20, "n_train": 3000, "n_valid": 400, "n_test": 400})
-    module = LMModule(net=NET, vocab_size=dm.vocab_size, lr=5.0, bptt=12)
+    module = LMModule(net=NET, vocab_size=dm.vocab_size, optim=OptimConfig(lr=5.0), bptt=12)
     trainer = pl.Trainer(max_epochs=2, logger=CSVLogger(tmp_path), log_every_n_steps=10, enable_checkpointing=False,
                          reload_dataloaders_every_n_epochs=1, num_sanity_val_steps=0, default_root_dir=tmp_path,
                          callbacks=[reads, progress_bar()])

@@ -46,11 +46,15 @@ def check_effect_sentences(report: str, res: dict, run: Path | None = None) -> l
         line = "| " + " | ".join(row) + " |"
         assert line in report and f"({c.verdict.replace('_', ' ')})" in line, line
         lines.append(line)
-    prose = [ln for ln in report.splitlines() if not ln.startswith("|") and EFFECT.search(ln)]
+    written = {c.sentence for c in claims}  # prose may state an effect only in a sentence the claims module wrote
+    prose = [ln for ln in report.splitlines() if not ln.startswith("|") and EFFECT.search(ln) and ln not in written]
     assert not prose, f"an effect stated in REPORT.md's prose: {prose}"
-    # the verdicts, from the numbers themselves
+    # the verdicts, from the numbers themselves: the tail's are Algorithm 2's headline law's
+    from lmcal.reporting.calibration_limit import headline
+
     cal = res["calibration"]
-    d, se = cal["tail_diff_nats"], cal["tail_diff_stderr_nats"]
+    h = headline(cal)
+    d, se = h["tail_diff_nats"], h["tail_diff_stderr_nats"]
     tail = next(c for c in claims if c.key == "calibration_tail")
     assert tail.sentence.startswith("Calibration lowers") == (d < -Z * se)
     assert tail.sentence.startswith("Calibration raises") == (d > Z * se)
@@ -101,7 +105,8 @@ def test_report_built_from_the_cpu_results_claims_only_what_they_show(tmp_path):
     # issue 33's readings of this run, now written by code: the tail effect is 2.5 se, the drift is lowered but not
     # flattened, calibration is not shown to be better than the fitted temperature, and the best head is chosen on its
     # own data
-    assert "| Calibration lowers the last tenth's entropy (nats) | -0.24 | -0.102 | 0.040 | yes (lowers) |" in report
+    assert ("| Calibration lowers the last tenth's entropy (nats) | -0.24 | -0.102 (top-16 at its own α* = -0.0495) | "
+            "0.040 | yes (lowers) |") in report
     assert "| Calibration flattens the drift (change of the rise, nats) | flattens |" in report
     assert "| no (less drift) |" in report
     assert "beats the fitted temperature (difference, nats) | – |" in report and "| no (no better) |" in report
@@ -116,8 +121,9 @@ def test_report_built_from_the_cpu_results_claims_only_what_they_show(tmp_path):
 
 
 def test_report_states_which_limit_calibration_meets_with_the_tables_behind_it(tmp_path):
-    """Issue 40: with the calibration stage's approximation table and dose-response (and a row from a GPU run), the
-    calibration section states the verdict calibration_limit writes, the paper's size ruled out, and both tables."""
+    """Issue 75: with the calibration stage's approximation table and dose-response, and a GPU run's rows at exact
+    lookahead's own α* beside them, the claims table's headline is exact lookahead at its own α*, the section shows
+    each rule's law at its own α* with the sentence of the comparison fixed in advance, and both tables after it."""
 
     res = json.loads((ROOT / "tests" / "fixtures" / "cpu_results_2026-11-24.json").read_text())
     cal = res["calibration"]
@@ -135,24 +141,36 @@ def test_report_states_which_limit_calibration_meets_with_the_tables_behind_it(t
                                      "tail_diff_stderr_nats": 0.05, "vs_first_nats": vs, "vs_first_stderr_nats": 0.03,
                                      "test_ce_nats": 4.75, "test_ce_diff_nats": 0.001 * k * k,
                                      "test_ce_diff_stderr_nats": 0.0005, "candidates_mean": c, "ms_per_word": 1.5}
+    gpu = {"device": "NVIDIA H100", "generations": 500, "tail_nats": 5.1}
     cal["dose_response"] = {"alpha": -0.048, "multiples": [1, 3, 10], "rules": ["top-16", "cover 0.95 (at most 512)"],
                             "num_prefixes": 40, "samples_per_prefix": 1, "generations": 40, "horizon": 200,
                             "test_tokens": 1990, "cluster_size": 100,
                             "rows": [row("top-16", k, 0.0, 0.0, 16) for k in (1, 3, 10)]
                             + [row("cover 0.95 (at most 512)", k, -0.05 * k, -0.05 * k, 430.5) for k in (1, 3, 10)],
-                            "extra_rows": [row("exact", 1, -0.12, None, 10000) | {"device": "NVIDIA H100"}],
+                            "extra_rows": [row("exact", 1, -0.12, None, 10000) | {"device": "NVIDIA H100"},
+                                           row("top-16", 0.8583, 0.0, 0.0, 16) | gpu,
+                                           row("exact", 0.8583, -0.12, -0.09, 10000) | gpu],
                             "extra_fits": [{"rule": "exact", "device": "NVIDIA H100", "alpha": -0.0412,
                                             "alpha_stderr": 0.0071}]}
     report = _cpu_report(res, tmp_path)
     check_effect_sentences(report, res, tmp_path)
     limit = next(c for c in calibration_claims(res) if c.key == "calibration_limit")
-    assert limit.verdict == "approximation" and "| exact | -0.0200 | 0.0010 | yes (approximation) |" in report
-    assert "moves it by the paper's amount (nats) | -0.24 | -0.102 | 0.040 | no (rules out) |" in report
+    assert limit.verdict == "approximation" and limit.sentence in report.splitlines()
+    assert ("| The candidate rule, not the model, limits calibration (exact minus top-16 on the last tenth at exact's "
+            "own α*, paired, nats) | exact | -0.090 | 0.030 | yes (approximation) |") in report
+    assert ("| Calibration lowers the last tenth's entropy (nats) | -0.24 | -0.120 (exact lookahead at its own α* = "
+            "-0.0412, NVIDIA H100, 500 generations) | 0.050 | yes (lowers) |") in report
+    assert "moves it by the paper's amount (nats) | -0.24 | -0.120 (exact lookahead" in report
+    assert "| no (rules out) |" in report
+    assert "### Algorithm 2's law at its own α*" in report
+    assert ("| exact (NVIDIA H100), the headline | -0.0412 | its own | 500 | -0.120 ± 0.050 | +0.0007 ± 0.0005 | "
+            "yes (lowers) |") in report
+    assert "| cover 0.95 (at most 512) | -0.0480 | top-16's | 40 | -0.050 ± 0.050 |" in report
     assert "### What each candidate rule keeps of exact lookahead" in report and "### Dose-response" in report
     assert "| cover 0.95 (at most 512) | 430.5 | – |" in report
     gpu = "| 1α* = -0.0480 | exact (NVIDIA H100, its own plain generations) | 10,000.0 | -0.120 ± 0.050 | – |"
     assert gpu in report
-    assert "Each has 40 generations of 200 words" in report
+    assert "Each has 40 generations of 200 words" in report and "No verdict above is drawn from it" in report
     assert "One top-16 law fits, scores and generates" in report
     assert "figure_dose_response.png" in report
     assert "exact's own α* (NVIDIA H100): -0.0412 ± 0.0071." in report

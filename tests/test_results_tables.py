@@ -1,8 +1,9 @@
 """Results tables in the manner of lm-evaluation-harness: the table `evaluate` ends with (stage | metric | value | ± se)
 and its results file (config, versions, commit); runs.md sorting numbers as numbers and showing the user's own
-overrides, dataset, tau, whole status and wall time."""
+overrides, dataset, tau, whole status and wall time; the claims table's rows, with a dash for a number not fitted."""
 
 import json
+import math
 
 import yaml
 
@@ -74,3 +75,28 @@ def test_method_labels_keep_what_the_user_chose_and_drop_what_a_fit_chose():
     assert method_label("calibration", {"alpha": -0.6418, "alpha_stderr": 0.1, "topk": 8}) == "calibration"
     assert method_label("future_entropy", {"horizon_k": 5, "discount": 0.95, "alpha": 2.5}) == \
         "future_entropy (horizon_k=5, discount=0.95)"
+
+
+def test_the_claims_table_prints_a_dash_for_a_number_not_fitted_and_says_why():
+    """A scale fit that was not fitted (a gap <= 0, df < 2, or an earlier report that left runs out) has no exponent
+    or interval: its row shows dashes, not nan, and its verdict cell the fit's reason; a fitted one its t-interval."""
+    from lmcal.reporting.claim import Claim
+    from lmcal.reporting.claims_table import claim_row, claim_rows
+
+    why = "1 of 9 runs have gap <= 0: AWD-LSTM 2, seed 143"
+    fits = {"params": {"axes": ["params"], "error": why, "sign": 1.0, "n_runs": 9, "df": 7, "interval": "t",
+                       "reference": -0.05},
+            "data_tokens": {"axes": ["data_tokens"], "sign": -1.0, "n_runs": 9, "df": 7, "interval": "t",
+                            "level": 0.95, "exponents": {"data_tokens": -0.5}, "ci": {"data_tokens": [-0.7, -0.3]},
+                            "reference": -0.5},
+            "train_tokens": {"axes": ["train_tokens"], "sign": 1.0, "n_runs": 4, "exponents": {"train_tokens": 0.1},
+                             "ci": {"train_tokens": [0.0, 0.2]}, "level": 0.95, "excluded": ["T 2x128"],
+                             "reference": -0.05}}  # an earlier report's, fitted on the runs of positive gap
+    rows = claim_rows({"groups": [{"label": "T", "fits": fits}]})
+    assert rows[0][:5] == ("T: gap ~ params^b", "-0.050 (CVL)", "–", "–", f"undecided (not fitted: {why})")
+    assert rows[1][:5] == ("T: -gap ~ data_tokens^b", "-0.500 (CVL)", "-0.500", "[-0.700, -0.300] (95% t, 7 df)",
+                           "yes (falls); against CVL's: consistent")
+    assert rows[2][2:4] == ("–", "–") and rows[2][4].startswith("undecided (not fitted: 1 run(s) with gap <= 0")
+    assert not any("nan" in cell for row in rows for cell in row)
+    c = Claim("best_head_within", "untested", "", {"level_nats": math.nan, "se": math.nan, "ref_ppl": math.nan})
+    assert claim_row(c)[1:4] == ("–", "–", "–") and "nan" not in claim_row(c)[0]

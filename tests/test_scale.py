@@ -26,9 +26,9 @@ from lmcal.models.oracles import MarkovOracle
 from lmcal.pipeline.plan import load_profile
 from lmcal.pipeline.scale_sweep import check_sweeps, grid, plan_sweeps
 from lmcal.reporting.docs import render, snapshot
-from lmcal.reporting.scale_claims import effect_trend, scale_exponent
+from lmcal.reporting.scale_claims import ExponentFit, effect_trend, scale_exponent
 from lmcal.reporting.scale_report import collect_scale, log_scale_wandb, scale_report
-from lmcal.reporting.scale_text import fit_row, group_markdown, trend_row
+from lmcal.reporting.scale_text import FIT_HEADER, fit_row, group_markdown, trend_row
 from lmcal.stages.scale_record import RECORD, scale_record, write_scale_record
 from tests.conftest import DATA_ROOT, HAVE_PTB
 from tests.test_wandb import runs_under
@@ -52,41 +52,78 @@ def test_the_fit_recovers_a_known_exponent_and_its_interval_covers_it():
     f = fit_power_law({"params": n}, tails, ce, [0.0005] * 5, n_boot=400)
     assert f.exponents["params"] == pytest.approx(-0.3, abs=0.02)
     lo, hi = f.ci["params"]
-    assert lo < -0.3 < hi and hi - lo < 0.2 and f.n_runs == 5 and not f.excluded
-    assert f.replicates + f.failed_replicates == 400 and f.stderr["params"] > 0
+    assert lo < -0.3 < hi and hi - lo < 0.2 and f.n_runs == 5 and f.df == 3
+    assert f.replicates + f.failed_replicates == 400 and f.stderr["params"] > 0 and f.bootstrap_stderr["params"] > 0
+    blo, bhi = f.bootstrap_ci["params"]
+    assert blo < -0.3 < bhi
 
 
-def test_the_joint_fit_separates_parameters_from_tokens():
-    n = [1e5, 1e6, 1e7, 1e5, 1e6, 1e7]
-    d = [1e6, 1e6, 1e6, 1e7, 1e7, 1e7]
-    tails, ce, _ = runs_on_a_law(n, d, -0.3, -0.1, noise=0.0005)
-    f = fit_power_law({"params": n, "train_tokens": d}, tails, ce, [0.0] * 6, n_boot=300)
-    assert f.exponents["params"] == pytest.approx(-0.3, abs=0.02)
-    assert f.exponents["train_tokens"] == pytest.approx(-0.1, abs=0.02)
-    for k, b in (("params", -0.3), ("train_tokens", -0.1)):
-        assert f.ci[k][0] < b < f.ci[k][1]
+def test_the_t_interval_is_the_closed_form_and_scipys():
+    """Four runs, log gap = [0, 1, 0, 1] against log x = [0, 1, 2, 3]: b = Sxy / Sxx = 1 / 5, residuals
+    (-0.2, 0.6, -0.6, 0.2), s^2 = RSS / (n - 2) = 0.8 / 2, se(b) = sqrt(s^2 / Sxx) = sqrt(0.08), and the 95%
+    interval b -/+ t(0.975, 2) se, t(0.975, 2) = 4.302652729749464 (scipy.stats.linregress and t.ppf agree)."""
+    from scipy import stats
+
+    from lmcal.core.scaling import ols_t, signed_trend
+
+    logx, logg = np.array([0.0, 1.0, 2.0, 3.0]), np.array([0.0, 1.0, 0.0, 1.0])
+    tails = [np.full(8, 4.0 + math.exp(v)) for v in logg]  # gap = exp(log gap) exactly, every prefix alike
+    f = fit_power_law({"params": np.exp(logx).tolist()}, tails, [4.0] * 4, [0.0] * 4, n_boot=20)
+    se, t = math.sqrt(0.08), 4.302652729749464
+    assert f.exponents["params"] == pytest.approx(0.2) and f.intercept == pytest.approx(0.2)
+    assert f.stderr["params"] == pytest.approx(se) and f.df == 2 and f.t_crit == pytest.approx(t)
+    assert f.ci["params"] == pytest.approx((0.2 - t * se, 0.2 + t * se))
+    ref = stats.linregress(logx, logg)
+    assert f.stderr["params"] == pytest.approx(ref.stderr) and t == pytest.approx(stats.t.ppf(0.975, 2))
+    # the signed trend is the same least squares on the gap itself; a joint fit's df is n - K - 1
+    names, s = signed_trend({"params": np.exp(logx).tolist()}, logg)
+    assert names == ["params"] and s.coef == pytest.approx([0.2, 0.2]) and s.ci[1] == pytest.approx(f.ci["params"])
+    A = np.column_stack([np.ones(6), [0, 1, 2, 3, 4, 5], [0, 1, 0, 1, 0, 2]])
+    y = np.array([0.1, 0.9, 0.2, 1.4, 1.6, 2.9])
+    j = ols_t(A, y, level=0.9)
+    cov = j.sigma ** 2 * np.linalg.inv(A.T @ A)
+    assert j.df == 3 and j.stderr == pytest.approx(np.sqrt(np.diag(cov)))
+    assert j.ci[:, 1] - j.coef == pytest.approx(stats.t.ppf(0.95, 3) * j.stderr)
 
 
-def test_a_run_without_a_positive_gap_is_left_out_and_too_few_runs_are_refused():
-    n = [1e5, 1e6, 1e7]
-    tails, ce, _ = runs_on_a_law(n, [1] * 3, -0.3, 0.0)
-    tails.append(np.full(50, 3.9))  # its last tenth below its test CE of 4: a negative gap, no logarithm
-    f = fit_power_law({"params": [*n, 1e8]}, tails, [*ce, 4.0], [0.0] * 4, n_boot=100)
-    assert f.excluded == [3] and f.n_runs == 3 and f.exponents["params"] == pytest.approx(-0.3, abs=0.02)
-    with pytest.raises(ValueError, match="too few"):
-        fit_power_law({"params": [1e5, 1e6]}, tails[:1] + [np.full(5, 3.0)], [4.0, 4.0], [0.0, 0.0])
+def test_a_fit_with_fewer_than_two_residual_degrees_of_freedom_is_refused():
+    """The transformer's joint fit had 4 runs and 3 coefficients: 1 df, where t's 97.5% quantile is 12.7. No fit is
+    stated on fewer than 2."""
+    from lmcal.core.scaling import ols_t, signed_trend
 
-
-def test_runs_too_alike_in_x_or_too_few_for_a_residual_are_not_fitted():
-    """The scale profile's power-law groups trained every amount on one budget: 640,000 and 639,980 tokens seen
-    fitted an 'exponent' of +2,814 on two runs. An x must span a factor of 1.1, and a fit needs a residual."""
     tails, ce, _ = runs_on_a_law([1e5, 1e6, 1e7], [1] * 3, -0.3, 0.0)
-    with pytest.raises(ValueError, match="too alike"):
-        fit_power_law({"train_tokens": [640_000, 639_980, 640_010]}, tails, ce, [0.0] * 3)
-    with pytest.raises(ValueError, match="at least 3"):
-        fit_power_law({"params": [1e5, 1e6]}, tails[:2], ce[:2], [0.0] * 2)
-    with pytest.raises(ValueError, match="at least 4"):  # two exponents from three runs: no residual
-        fit_power_law({"params": [1e5, 1e6, 1e7], "train_tokens": [1e6, 1e7, 3e6]}, tails, ce, [0.0] * 3)
+    with pytest.raises(ValueError, match=r"df < 2: 3 runs and 2 coefficients leave 1 .*at least 4 runs"):
+        fit_power_law({"params": [1e5, 1e6, 1e7]}, tails, ce, [0.0] * 3)
+    with pytest.raises(ValueError, match=r"df < 2: 4 runs and 3 coefficients leave 1"):
+        fit_power_law({"params": [1e5, 1e6, 1e7, 1e5], "train_tokens": [1e6, 1e7, 3e6, 1e7]}, [*tails, tails[0]],
+                      [*ce, ce[0]], [0.0] * 4)
+    with pytest.raises(ValueError, match="df < 2"):
+        signed_trend({"params": [1e5, 1e6, 1e7]}, [0.1, -0.2, 0.3])
+    assert ols_t(np.column_stack([np.ones(4), [0, 1, 2, 3]]), [0, 1, 0, 1]).df == 2  # two: stated
+
+
+def test_a_run_with_a_negative_gap_is_not_dropped():
+    """A run whose last tenth is below its test CE has a negative gap and no logarithm. Leaving it out selects the
+    runs on the outcome: the power law refuses, naming it, and the signed trend takes every run."""
+    from lmcal.core.scaling import signed_trend
+
+    n = [1e5, 1e6, 1e7]
+    tails, ce, g = runs_on_a_law(n, [1] * 3, -0.3, 0.0)
+    tails.append(np.full(50, 3.9))  # its last tenth below its test CE of 4: a gap of -0.1
+    with pytest.raises(ValueError, match=r"runs \[3\] have gap <= 0 .*select on the outcome"):
+        fit_power_law({"params": [*n, 1e8]}, tails, [*ce, 4.0], [0.0] * 4, n_boot=100)
+    gaps = [t.mean() - 4.0 for t in tails]
+    names, f = signed_trend({"params": [*n, 1e8]}, gaps)
+    A = np.column_stack([np.ones(4), np.log([*n, 1e8])])
+    assert f.df == 2 and f.coef == pytest.approx(np.linalg.lstsq(A, gaps, rcond=None)[0])  # all four runs
+
+
+def test_runs_too_alike_in_x_are_not_fitted():
+    """The scale profile's power-law groups trained every amount on one budget: 640,000 and 639,980 tokens seen
+    fitted an 'exponent' of +2,814 on two runs. An x must span a factor of 1.1."""
+    tails, ce, _ = runs_on_a_law([1e5, 1e6, 1e7, 1e8], [1] * 4, -0.3, 0.0)
+    with pytest.raises(ValueError, match="too alike in train_tokens"):
+        fit_power_law({"train_tokens": [640_000, 639_980, 640_010, 640_005]}, tails, ce, [0.0] * 4)
 
 
 def test_weighted_trend_widens_its_error_by_the_scatter_and_floors_a_zero_error():
@@ -111,7 +148,7 @@ def test_a_family_whose_every_gap_is_negative_has_its_deficit_fitted():
     low = [2 * c - t for t, c in zip(tails, ce, strict=True)]  # the same law below the test CE: gap = -A n^b
     f = fit_power_law({"params": n}, low, ce, [0.0] * 5, n_boot=200, sign=-1.0)
     assert f.exponents["params"] == pytest.approx(-0.5, abs=0.02) and f.ci["params"][0] < -0.5 < f.ci["params"][1]
-    with pytest.raises(ValueError, match="positive -gap"):
+    with pytest.raises(ValueError, match="have -gap <= 0"):
         fit_power_law({"params": n}, tails, ce, [0.0] * 5, sign=-1.0)
 
 
@@ -249,12 +286,18 @@ def test_no_record_without_the_entropy_rate_stage(tmp_path):
 
 
 def test_the_exponent_and_trend_sentences_follow_the_numbers():
-    c = scale_exponent("AWD-LSTM on ptb", "parameters", -0.3, (-0.5, -0.1), 0.95, 6, -0.05, "CVL's")
+    c = scale_exponent("AWD-LSTM on ptb", "parameters", ExponentFit(-0.3, (-0.5, -0.1), 0.95, 6, 3), -0.05, "CVL's")
     assert c.verdict == "falls" and c.numbers["against_ref"] == "faster" and "falls faster here" in c.sentence
-    c = scale_exponent("x", "parameters", -0.04, (-0.2, 0.1), 0.95, 6, -0.05, "CVL's")
+    assert "95% t-interval on 3 df" in c.sentence and c.numbers["df"] == 3 and c.numbers["runs"] == 6
+    c = scale_exponent("x", "parameters", ExponentFit(-0.04, (-0.2, 0.1), 0.95, 6), -0.05, "CVL's")
     assert c.verdict == "flat_not_excluded" and c.numbers["against_ref"] == "consistent" and "holds 0" in c.sentence
-    assert scale_exponent("x", "tokens", 0.2, (0.1, 0.3), 0.95, 4, -0.5, "r").numbers["against_ref"] == "slower"
-    assert scale_exponent("x", "tokens", 0.2, (math.nan, math.nan), 0.95, 4).verdict == "untested"
+    assert scale_exponent("x", "tokens", ExponentFit(0.2, (0.1, 0.3), 0.95, 4), -0.5,
+                          "r").numbers["against_ref"] == "slower"
+    assert scale_exponent("x", "tokens", ExponentFit(0.2, (math.nan, math.nan), 0.95, 4)).verdict == "untested"
+    boot = scale_exponent("x", "tokens", ExponentFit(0.2, (0.1, 0.3), 0.9, 4, interval="bootstrap"))
+    assert "90% bootstrap interval" in boot.sentence and boot.numbers["interval"] == "bootstrap"
+    unfit = scale_exponent("x", "tokens", ExponentFit(0.2, (0.1, 0.3), 0.95, 4, why_not="df < 2"))
+    assert unfit.verdict == "untested" and "not fitted (df < 2)" in unfit.sentence
     assert effect_trend("Calibration", 0.5, 0.1, 6).verdict == "grows"
     assert effect_trend("Calibration", -0.5, 0.1, 6).verdict == "shrinks"
     assert effect_trend("Calibration", 0.1, 0.1, 6).verdict == "no_trend"
@@ -321,14 +364,101 @@ def test_the_report_writes_the_table_figure_fit_and_sentences(tmp_path):
     assert "`scale`: AWD-LSTM on ptb: gap ~ params^b | -0.050 (CVL)" in text  # the claims table's row
 
 
+def write_seeded_runs(root: Path, last_gap: float | None = None):
+    """3 sizes x 3 training seeds (each folder's .hydra/config.yaml names its seed) whose gaps follow 2 N^-0.3 with a
+    seed's scatter; `last_gap` sets the largest size's last seed's gap (a negative one: below its test CE)."""
+    n = [7e5, 1.7e6, 4.7e6]
+    rng = np.random.default_rng(3)
+    for i, (ni, seed) in enumerate((ni, seed) for ni in n for seed in (141, 142, 143)):
+        g = 2.0 * ni ** -0.3 * math.exp(0.05 * rng.standard_normal())
+        if last_gap is not None and i == 8:
+            g = last_gap
+        ce = 5.0 - 0.1 * math.log(ni / 1e6) + 0.01 * rng.standard_normal()
+        res = stage_results(seed=i)
+        res["entropy_rate"]["tail_nats_per_generation"] = (ce + g + 0.01 * rng.standard_normal((20, 3))).tolist()
+        rec = scale_record(res, model=f"AWD-LSTM {i // 3}", family="AWD-LSTM", corpus="ptb", params=int(ni),
+                           train_tokens=348_480 + 7 * seed, data_tokens=116_199, test_ce=ce, test_ce_stderr=0.002)
+        run = root / f"job{i}"
+        (run / ".hydra").mkdir(parents=True)
+        (run / RECORD).write_text(json.dumps(rec))
+        (run / ".hydra" / "config.yaml").write_text(f"seed: {seed}\ntask_name: scale\n")
+
+
+def test_the_seeds_of_a_cell_are_runs_of_their_own_in_the_fit(tmp_path):
+    """9 runs, 3 cells of 3 seeds: the power law is fitted over all 9 (2 coefficients: 7 df), its t-interval covers
+    the exponent, and the tables give each run's seed, the fit's cells beside its runs, and its df."""
+    write_seeded_runs(tmp_path / "sweep")
+    rep = scale_report([tmp_path / "sweep"], tmp_path / "out", n_boot=100)
+    (g,) = rep["groups"]
+    assert g["runs"] == 9 and g["cells"] == 3 and g["seeds_per_cell"] == [3, 3]
+    assert sorted(r["train_seed"] for r in rep["runs"]) == [141] * 3 + [142] * 3 + [143] * 3
+    f = g["fits"]["params"]
+    assert f["df"] == 7 and f["n_runs"] == 9 and f["cells"] == 3 and f["interval"] == "t" and f["excluded"] == []
+    assert f["ci"]["params"][0] < -0.3 < f["ci"]["params"][1] and f["signed"]["df"] == 7
+    assert "train_tokens" not in g["fits"]  # one budget: the seeds' BPTT windows differ by a few tokens, no axis
+    md = (tmp_path / "out" / "REPORT.md").read_text()
+    assert "| 9 in 1 group(s); 3 cells, 3 seed(s) each |" in md and "| AWD-LSTM 0 | 142 | 0.70M |" in md
+    lo, hi = f["ci"]["params"]
+    assert f"| gap ~ parameters^b | {f['exponents']['params']:+.3f} | [{lo:+.3f}, {hi:+.3f}] | 7 | 9 (3) |" in md
+
+
+def test_a_run_with_a_negative_gap_is_named_and_its_group_fitted_by_the_signed_trend(tmp_path):
+    """The largest model's last seed generates below its test CE. The power law cannot take it and is not fitted,
+    naming it; the signed trend is fitted over all 9 runs, with that one in it."""
+    write_seeded_runs(tmp_path / "sweep", last_gap=-0.05)
+    rep = scale_report([tmp_path / "sweep"], tmp_path / "out", n_boot=50)
+    (g,) = rep["groups"]
+    f = g["fits"]["params"]
+    assert "exponents" not in f and f["nonpositive"] == ["AWD-LSTM 2, 0.12M tokens, seed 143"]
+    assert f["error"].startswith("1 of 9 runs have gap <= 0: AWD-LSTM 2, 0.12M tokens, seed 143")
+    gaps = [r["gap_nats"] for r in sorted(rep["runs"], key=lambda r: (r["params"], r["train_seed"]))]
+    A = np.column_stack([np.ones(9), np.log(np.repeat([7e5, 1.7e6, 4.7e6], 3))])
+    assert f["signed"]["n_runs"] == 9 and f["signed"]["slopes"]["params"] == pytest.approx(
+        np.linalg.lstsq(A, gaps, rcond=None)[0][1])
+    assert g["verdicts"]["scale_exponent_params"] == "untested" and "scale_trend_params" in g["verdicts"]
+    md = (tmp_path / "out" / "REPORT.md").read_text()
+    assert "| gap ~ parameters^b | not fitted (1 of 9 runs have gap <= 0: AWD-LSTM 2, 0.12M tokens, seed 143;" in md
+    assert "| gap = a + b log parameters |" in md and "No run is left out for the sign of its gap" in md
+    assert md.count("| AWD-LSTM 2 | 143 |") == 1  # its row in the runs table
+
+
 def test_a_fit_that_failed_or_an_untested_trend_is_a_row_of_dashes():
     g = {"label": "x", "runs": 1, "fits": {}, "trends": {}}
     assert group_markdown(g, [])[-2] == "One run: nothing to fit."
     row = fit_row(g, {"axes": ["params", "train_tokens"], "error": "too few runs", "sign": -1.0})
-    assert row == "| -gap against parameters and training tokens | not fitted (too few runs) |" + " – |" * 7
-    assert row.count("|") == 10  # as many cells as the header's nine
+    assert row == "| -gap ~ parameters^b_params x training tokens^b_train_tokens | not fitted (too few runs) | " \
+                  "– | – | – | – | – | – | – |"
+    assert row.count("|") == 10 and FIT_HEADER[0].count("|") == 10  # as many cells as the header's nine
+    one = {"axes": ["params"], "error": "df < 2: 3 runs and 2 coefficients leave 1", "sign": 1.0, "n_runs": 3,
+           "df": 1, "interval": "t", "reference": -0.05}
+    assert fit_row(g, one) == "| gap ~ parameters^b | not fitted (df < 2: 3 runs and 2 coefficients leave 1) | – | " \
+                              "1 | 3 | – | -0.050 (fit for text) | undecided (untested) | – |"
     assert trend_row(g, "calibration", {"slope": math.nan, "stderr": math.nan, "runs": 3}) == \
-        "| lookahead calibration | – | – | 3 | undecided (untested) |"
+        "| lookahead calibration | – | – | 3 | 1 | undecided (untested) |"
+    assert trend_row(g, "calibration", {"slope": 5.0, "stderr": 0.1, "runs": 3, "df": 1}) == \
+        "| lookahead calibration | +5.000 | 0.100 | 3 | 1 | undecided (untested) |"  # df < 2: not stated
+
+
+def test_an_earlier_reports_fits_are_read_with_their_df_and_without_the_runs_they_left_out():
+    """docs/runs/scale was fitted by a bootstrap over the runs of positive gap, one seed a cell, with no df: its
+    transformer's joint fit (4 runs, 3 coefficients, 1 df) excluded 0 at -2.35 [-3.79, -1.26], and its single fits
+    left out the 2 runs of negative gap. Read again, both are not fitted and undecided; a fit on 6 runs keeps its
+    bootstrap interval, labelled as the bootstrap's, on 4 df."""
+    from lmcal.reporting.scale_text import current, fit_claim
+
+    joint = {"axes": ["params", "train_tokens"], "sign": 1.0, "exponents": {"params": -2.35, "train_tokens": -1.16},
+             "ci": {"params": [-3.79, -1.26], "train_tokens": [-2.06, -0.93]}, "level": 0.95, "n_runs": 4,
+             "excluded": [], "replicates": 762, "failed_replicates": 1238}
+    assert current(joint)["error"].startswith("df < 2") and current(joint)["df"] == 1
+    left_out = {**joint, "axes": ["params"], "excluded": ["Transformer 2x128"], "reference": -0.05}
+    c = fit_claim("T", left_out)
+    assert c.verdict == "untested" and "left out by an earlier report: Transformer 2x128" in c.sentence
+    six = {**left_out, "excluded": [], "n_runs": 6, "exponents": {"params": -0.21}, "ci": {"params": [-0.59, 0.14]}}
+    assert current(six)["interval"] == "bootstrap" and current(six)["df"] == 4
+    c = fit_claim("A", six)
+    assert c.verdict == "flat_not_excluded" and "bootstrap interval" in c.sentence and c.numbers["df"] == 4
+    g = {"label": "A", "runs": 6, "fits": {"params": six}, "trends": {}}
+    assert "| gap ~ parameters^b | -0.210 | – | 4 | 6 | [-0.590, +0.140] (1238 of 2000) |" in fit_row(g, six)
 
 
 def test_a_file_that_is_not_a_record_is_one_paragraph(tmp_path):
@@ -359,14 +489,29 @@ def test_the_report_logs_one_wandb_run_in_the_sweeps_group(tmp_path):
 # ---------------------------------------------------------------------------------------------------------------------
 
 
+SEEDS = ("141", "142", "143")
+
+
 def test_the_sweep_presets_expand_to_their_grids():
+    """Every cell of the cpu grids is trained with 3 seeds (train.yaml's `seed`), so that each fit has residual
+    degrees of freedom of its own; the budget the cpu profile drops is the GPU grid's."""
     jobs = grid(["experiment=scale"])
     sizes = ("awd_lstm_xs", "awd_lstm_s", "awd_lstm_small")
-    assert [v for _, v in jobs] == [{"model": m, "data.max_train_tokens": t} for m in sizes for t in ("116199", "null")]
-    assert grid(["experiment=scale", "model=awd_lstm_xs", "data.max_train_tokens=1000,2000"])[1][1] == \
-        {"model": "awd_lstm_xs", "data.max_train_tokens": "2000"}  # a command-line list replaces the preset's
+    assert [v for _, v in jobs] == [{"model": m, "data.max_train_tokens": "116199", "seed": s} for m in sizes
+                                    for s in SEEDS]
+    assert [v["model"] for _, v in grid(["experiment=scale_transformer"])] == [
+        m for m in ("transformer_xs", "transformer_s", "transformer_small") for _ in SEEDS]
+    one = grid(["experiment=scale", "model=awd_lstm_xs", "data.max_train_tokens=1000,2000", "seed=7"])
+    assert [v for _, v in one] == \
+        [{"model": "awd_lstm_xs", "data.max_train_tokens": t, "seed": "7"} for t in ("1000", "2000")]  # as Hydra
+    assert one[0][0] == ["experiment=scale"]  # a command line's value or list replaces the preset's
     syn = grid(["experiment=scale_powerlaw"])
-    assert len(syn) == 10 and {v["data.corpus_kwargs.tail_exponent"] for _, v in syn} == {"1.1", "2.0"}
+    assert len(syn) == 18 and {v["data.corpus_kwargs.tail_exponent"] for _, v in syn} == {"1.1", "2.0"}
+    assert {v["data.max_train_tokens"] for _, v in syn} == {"20000", "80000", "320000"}
+    for exp in ("scale_gpu", "scale_transformer_gpu"):  # the full grid, with seeds
+        jobs = grid([f"experiment={exp}"])
+        assert len(jobs) == 18 and {v["seed"] for _, v in jobs} == set(SEEDS)
+        assert {v["data.max_train_tokens"] for _, v in jobs} == {"232397", "null"}
 
 
 def test_every_amount_of_the_power_law_sweep_trains_on_one_budget():
@@ -383,14 +528,16 @@ def test_every_amount_of_the_power_law_sweep_trains_on_one_budget():
 def test_the_gpu_sweep_is_checked_by_the_plan_check(tmp_path):
     cfg = load_profile(["profile=scale_gpu", f"out={tmp_path}", "sweeps.powerlaw=null"])
     stages = plan_sweeps(cfg)
-    assert len(stages) == 13 and stages[-1]["name"] == "report"
+    assert len(stages) == 37 and stages[-1]["name"] == "report"  # 2 families x 3 sizes x 2 budgets x 3 seeds
     text = check_sweeps(cfg)
-    assert "awd_lstm_awd_lstm-null: awd_lstm, 24,221,600 parameters" in text  # the paper's size at the top
-    assert "transformer_transformer-null: transformer, 30,602,240 parameters, context 512" in text
+    assert "awd_lstm_awd_lstm-null-143: awd_lstm, 24,221,600 parameters" in text  # the paper's size at the top
+    assert "transformer_transformer-null-141: transformer, 30,602,240 parameters, context 512" in text
+    full = plan_sweeps(load_profile(["profile=scale_gpu", f"out={tmp_path}"]))
+    assert len(full) == 67 and "powerlaw_2.0-160000-142" in {st["name"] for st in full}  # all 5 amounts
     assert "ESTIMATE" in text and "every stream within its model's context" in text
     bad = load_profile(["profile=scale_gpu", f"out={tmp_path}", "sweeps.powerlaw=null", "sweeps.awd_lstm=null",
                         "sweeps.transformer=[experiment=scale_transformer_gpu,analysis.entropy_rate.horizon=500]"])
-    with pytest.raises(LmcalError, match=r"transformer_transformer_small-232397.*context of 512.*prefix_len \+ "
+    with pytest.raises(LmcalError, match=r"transformer_transformer_small-232397-141.*context of 512.*prefix_len \+ "
                                          r"horizon = 100 \+ 500"):
         check_sweeps(bad)
 
@@ -398,15 +545,35 @@ def test_the_gpu_sweep_is_checked_by_the_plan_check(tmp_path):
 def test_the_cpu_sweep_profile_plans_every_job_with_one_wandb_group(tmp_path):
     cfg = load_profile(["profile=scale", f"out={tmp_path / 'scale'}"])
     stages = plan_sweeps(cfg)
-    assert len(stages) == 23 and [s["sweep"] for s in stages[:-1]].count("powerlaw") == 10
+    assert len(stages) == 37 and [s["sweep"] for s in stages[:-1]].count("powerlaw") == 18
     cmd = stages[0]["cmd"]
-    assert cmd[2:5] == ["lmcal.train", "experiment=scale", "model=awd_lstm_xs"]
-    assert "logger.group=reproduce-scale" in cmd
-    assert f"hydra.run.dir={tmp_path / 'scale' / 'awd_lstm' / 'awd_lstm_xs-116199'}" in cmd
-    # W&B names told apart by the swept values (the model is in the name already): ...-ptb-116199
-    assert "logger.name_suffix=116199" in cmd and "logger.name_suffix=2.0-320000" in stages[-2]["cmd"]
+    assert cmd[2:6] == ["lmcal.train", "experiment=scale", "model=awd_lstm_xs", "data.max_train_tokens=116199"]
+    assert "seed=141" in cmd and "seed=142" in stages[1]["cmd"] and "logger.group=reproduce-scale" in cmd
+    # each seed its own fixed folder (a rerun resumes it) and W&B name (the model is in the name already)
+    dirs = [st["dir"] for st in stages[:-1]]
+    assert len(set(dirs)) == len(dirs) and dirs[1] == tmp_path / "scale" / "awd_lstm" / "awd_lstm_xs-116199-142"
+    assert f"hydra.run.dir={tmp_path / 'scale' / 'awd_lstm' / 'awd_lstm_xs-116199-141'}" in cmd
+    assert "logger.name_suffix=116199-141" in cmd and "logger.name_suffix=2.0-320000-143" in stages[-2]["cmd"]
+    assert composed_seed(stages[2]["cmd"]) == 143  # the override is train.yaml's own key
     csv = plan_sweeps(load_profile(["profile=scale", f"out={tmp_path / 'scale'}", "logger=csv"]))
     assert not any(o.startswith("logger.name_") for st in csv[:-1] for o in st["cmd"])
+
+
+def composed_seed(cmd: list[str]) -> int:
+    from lmcal.utils.settings import composed
+
+    return composed("lmcal.train", [o for o in cmd[3:] if not o.startswith(("hydra.", "logger"))]).seed
+
+
+def test_a_seeds_run_takes_its_cells_time_from_a_snapshot_of_one_seed():
+    """docs/runs/scale ran one seed a cell, its jobs named without one: the plan's estimate and the ETAs take each
+    seed's job at its cell's time."""
+    from lmcal.pipeline.scale_sweep import cell_reference
+
+    ref = {"awd_lstm_awd_lstm_xs-116199": 120.0, "powerlaw_1.1-20000": 60.0, "report": 0.0}
+    names = ["awd_lstm_awd_lstm_xs-116199-141", "awd_lstm_awd_lstm_xs-116199-142", "powerlaw_1.1-20000-141",
+             "powerlaw_1.1-20000", "transformer_transformer_xs-116199-141"]
+    assert cell_reference(ref, names) == {names[0]: 120.0, names[1]: 120.0, names[2]: 60.0, names[3]: 60.0}
 
 
 def test_a_sweep_members_run_name_ends_with_its_swept_values(tmp_path):
@@ -449,7 +616,7 @@ def test_a_multirun_of_tiny_models_ends_with_the_table_and_the_fit(tmp_path):
     r = run(["lmcal.train", "-m", "experiment=scale_powerlaw", "model.hidden_size=16,48",
              "data.max_train_tokens=3000,12000", "data.corpus_kwargs.vocab_size=12",
              "data.corpus_kwargs.n_train=12000", "data.corpus_kwargs.n_valid=2000", "data.corpus_kwargs.n_test=2000",
-             "data.corpus_kwargs.tail_exponent=1.5",
+             "data.corpus_kwargs.tail_exponent=1.5", "seed=141",  # one of the preset's seeds: 4 jobs
              "model.emb_size=16", "trainer.max_epochs=2", "trainer.enable_progress_bar=false",
              f"hydra.sweep.dir={sweep}", "hydra.sweep.subdir=job${hydra.job.num}", *TINY_ANALYSIS], tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -505,8 +672,8 @@ def trained_gpt2(folder: Path, width: int, layers: int, ids: torch.Tensor, steps
 def test_a_hugging_face_family_gives_the_same_record(tmp_path):
     """python -m lmcal.evaluate -m model=hf model.name_or_path=A,B,C stages=[entropy_rate] on three tiny GPT-2 models
     built and briefly trained here on a repeated sentence (no download): each job's scale.json, its parameters read
-    from the model; then the table and the fit. Trained alike, the larger models fit the sentence better and wander
-    less once their generations leave it: the gap falls with size."""
+    from the model; then the table, and no fit (3 runs leave 1 degree of freedom). Trained alike, the larger models
+    fit the sentence better and wander less once their generations leave it: the gap falls with size."""
     transformers = pytest.importorskip("transformers")
     from tests.test_hf import WORDS
 
@@ -532,9 +699,13 @@ def test_a_hugging_face_family_gives_the_same_record(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     rep = json.loads((tmp_path / "report" / "scale_report.json").read_text())
     (grp,) = rep["groups"]
-    assert grp["label"] == "gpt2 on valid (per model token)" and grp["fits"]["params"]["n_runs"] == 3
-    assert grp["fits"]["params"]["exponents"]["params"] < 0 and grp["fits"]["params"]["reference"] == -0.05
-    assert "| gpt-64 | 0.10M | 10,560 |" in (tmp_path / "report" / "scale.md").read_text()
+    f = grp["fits"]["params"]
+    assert grp["label"] == "gpt2 on valid (per model token)" and f["n_runs"] == 3 and f["reference"] == -0.05
+    assert f["df"] == 1 and f["error"].startswith("df < 2")  # three models, two coefficients: no fit is stated
+    assert grp["verdicts"]["scale_exponent_params"] == "untested"
+    gaps = [r["gap_nats"] for r in sorted(rep["runs"], key=lambda r: r["params"])]
+    assert gaps[0] > gaps[-1]  # the gap falls with size
+    assert "| gpt-64 | – | 0.10M | 10,560 |" in (tmp_path / "report" / "scale.md").read_text()  # no training seed
     (wb,) = [w for w in runs_under(tmp_path / "report") if w["job_type"] == "report"]
     assert wb["group"] == "scale-hf"
 
@@ -552,11 +723,11 @@ def test_make_reproduce_profile_scale_runs_its_sweeps_and_resumes(tmp_path):
                            "data.corpus_kwargs.n_train=12000", "data.corpus_kwargs.n_valid=2000",
                            "data.corpus_kwargs.n_test=2000", "model.hidden_size=32", "model.emb_size=16",
                            "optim.lr=0.01", "trainer.max_epochs=3", "trainer.enable_progress_bar=false",
-                           *TINY_ANALYSIS]
+                           "seed=141", *TINY_ANALYSIS]  # one of the preset's seeds
     res = reproduce_sweeps(OmegaConf.create(OmegaConf.to_container(cfg)))
     assert [g["label"] for g in res["groups"]] == ["AWD-LSTM on powerlaw, tail exponent s = 1.1",
                                                     "AWD-LSTM on powerlaw, tail exponent s = 2"]
-    assert len(res["runs"]) == 4 and set(res["stages"]) == {*(f"powerlaw_{s}-{n}" for s in ("1.1", "2.0")
+    assert len(res["runs"]) == 4 and set(res["stages"]) == {*(f"powerlaw_{s}-{n}-141" for s in ("1.1", "2.0")
                                                               for n in (3000, 12000)), "report"}
     assert res["provenance"]["command"].startswith("python -m lmcal.reproduce")
     t = {p: p.stat().st_mtime for p in (tmp_path / "scale").rglob(RECORD)}

@@ -4,6 +4,7 @@ the soft-value heads (lmcal.core.soft_value), and the delayed drift that one-ste
 
 import itertools
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -27,10 +28,12 @@ from lmcal.core.sequence_exact import (
     true_log_probs,
     true_text,
 )
-from lmcal.core.sequence_fit import fit_sequence_alpha
+from lmcal.core.sequence_fit import RootSearch, fit_sequence_alpha, paired_alpha_gap, reference_check
 from lmcal.core.smc import entropy_rate, reweighted, smc_generate, smc_tail_entropy
 from lmcal.core.soft_value import (
     FeatureStateLM,
+    SoftValueTraining,
+    TwistAtAlpha,
     fit_soft_value,
     new_head,
     soft_value_lm,
@@ -46,6 +49,7 @@ from tests.test_memory import _Generic  # a StepLM without state_features (as a 
 CHAIN = make_markov_chain(vocab_size=8, order=1, support=3, smoothing=0.05, seed=1)
 TRUTH = MarkovOracle.from_chain(CHAIN)
 H = markov_entropy_rate(CHAIN.probs, 8, 1)
+HEADS = SoftValueTraining(iterations=10, steps=20, backup_steps=10, hidden=64, rank=16)  # the oracles' heads
 
 
 def _tempered(power=0.7):
@@ -305,8 +309,10 @@ def test_alpha_fitted_at_k_and_2k_particles_converges_to_the_exact_root():
     a = exact_alpha(fs, _text(orc), HARD_T)
     data = _windows(200, HARD_T + 1, 5)
     xtol = 1e-4
-    fits = {k: fit_sequence_alpha(orc, data[:, :1], data[:, 1:], particles=k, seed=0, xtol=xtol) for k in (8, 16, 32)}
-    fits["twisted 4"] = fit_sequence_alpha(orc, data[:, :1], data[:, 1:], particles=4, seed=0, xtol=xtol,
+    search = RootSearch(xtol=xtol)
+    fits = {k: fit_sequence_alpha(orc, data[:, :1], data[:, 1:], particles=k, seed=0, search=search)
+            for k in (8, 16, 32)}
+    fits["twisted 4"] = fit_sequence_alpha(orc, data[:, :1], data[:, 1:], particles=4, seed=0, search=search,
                                            twist_at=lambda x: exact_twist(orc, x, HARD_T))
     for f in fits.values():  # CE(α*) - EntRate(α*) = (1+α*) moment gap / T, the gap within the tolerance's reach
         assert abs(f.ce_minus_entropy_rate) <= (1 + f.alpha) * f.slope * xtol / HARD_T + 1e-9, f
@@ -331,8 +337,7 @@ def test_a_soft_value_head_is_a_twist_and_features_travel_with_a_state_that_lack
     assert torch.equal(lp, lp2) and torch.equal(wrapped.state_features(st2), orc.state_features(st))
     assert torch.equal(wrapped.state_features(wrapped.select(st2, torch.tensor([2, 0])))[0],
                        orc.state_features(st)[2])
-    head, _ = train_soft_value(orc, a, _windows(400, 1, 4), iterations=10, steps=20, backup_steps=10, hidden=64,
-                               rank=16)
+    head, _ = train_soft_value(orc, a, _windows(400, 1, 4), HEADS)
     twist = soft_value_twist(orc, head)
     assert twist.lm is orc  # the oracle's state holds its features
     assert soft_value_twist(wrapped.lm, head).lm is orc and isinstance(soft_value_twist(_Generic(orc), head).lm,
@@ -340,6 +345,74 @@ def test_a_soft_value_head_is_a_twist_and_features_travel_with_a_state_that_lack
     r = smc_generate(twist.lm, prefixes, a, 2 * HARD_T, particles=4, seed=0, twist=twist)
     plain = smc_generate(orc, prefixes, a, 2 * HARD_T, particles=4, seed=0)
     assert abs(_last_tenth_z(r, g)) < 4.5 and (r.ess.mean() > plain.ess.mean())
+
+
+LAW_T = 200  # the issue's hard regime: the delayed drift's law over 200 words, exact α* = 0.03161
+
+
+def _law(B: int, seed: int):
+    """The oracle, its tables, the exact α* over LAW_T words, B true windows (prefix [B, 1], continuation [B, LAW_T])
+    and heads' rollout prefixes."""
+    orc = _delayed()
+    fs = finite_state_lm(orc)
+    win = _windows(B, LAW_T + 1, seed)
+    return orc, fs, exact_alpha(fs, _text(orc), LAW_T), win[:, :1], win[:, 1:], _windows(400, 1, 4)
+
+
+def _exact_moments(fs, alpha, prefixes):
+    """[B] E_P̂α[log P̂(W) | prefix_b] over LAW_T words, exactly."""
+    states = torch.nn.functional.one_hot(prefixes[:, 0], fs.num_states).double()
+    return torch.tensor([generation(fs, alpha, LAW_T, s).moment for s in states])
+
+
+@pytest.mark.slow  # about a minute: heads trained over 200-word horizons
+def test_a_horizon_head_made_for_its_alpha_fits_the_exact_alpha_and_the_infinite_one_does_not():
+    """At 16 particles over 200 words: the head of the infinite horizon, trained at α* itself, keeps its value of the
+    future to the last words and biases α̂ low (the weights do not correct it: ESS stays near 1); a finite-horizon
+    head trained at 2α* and retrained at each α the fit runs at (TwistAtAlpha) fits α* within 10%, and the paths it
+    returns follow the exact law at the α it fitted, to the horizon's end."""
+    orc, fs, a, pre, cont, starts = _law(400, 11)
+    assert a == pytest.approx(0.03161, abs=1e-5)
+    infinite, _ = train_soft_value(orc, a, starts, HEADS)
+    fit = fit_sequence_alpha(orc, pre, cont, particles=16, seed=0, twist=soft_value_twist(orc, infinite),
+                             search=RootSearch(xtol=1e-4))
+    assert fit.alpha < 0.9 * a and fit.mean_ess > 0.95, fit.alpha  # biased, and no diagnostic of its own says so
+    twist_at = TwistAtAlpha(orc, starts, LAW_T, 2 * a, training=HEADS, retrain=replace(HEADS, iterations=4),
+                            tol=1e-3)
+    fit = fit_sequence_alpha(orc, pre, cont, particles=16, seed=0, twist_at=twist_at, search=RootSearch(xtol=1e-4))
+    assert fit.settled and abs(fit.alpha - a) < 0.1 * a, (fit.alpha, twist_at.trainings)
+    assert abs(twist_at.alpha - fit.alpha) <= 1e-3  # the twist was made for the α it sampled at
+    r = smc_generate(orc, pre, fit.alpha, LAW_T, particles=16, seed=3, twist=twist_at(fit.alpha))
+    g = generation(fs, fit.alpha, LAW_T, _start(fs, pre[:, 0]))
+    for words in (slice(0, 150), slice(150, LAW_T)):  # the middle, and the last quarter where the old twist failed
+        s = -r.base_logp[:, words].sum(1)
+        assert abs(s.mean() + g.base_logp[words].sum()) < 4 * s.std() / math.sqrt(len(s)), words
+
+
+@pytest.mark.slow  # about a minute: heads trained over 200-word horizons
+def test_the_reference_check_fails_a_mismatched_twist_and_passes_a_matched_one():
+    """reference_check against untwisted SMC at 256 particles on the same prefixes (unbiased here: its moment is the
+    exact one within its error): the infinite-horizon head, trained at 2α*, is shown biased beyond the fit's own
+    standard error; the horizon head at α* is shown within it; and two fits on the same windows differ in α* by less
+    than the independent standard errors say, the true text cancelling (paired_alpha_gap)."""
+    orc, fs, a, pre, cont, starts = _law(200, 12)
+    bad, _ = train_soft_value(orc, 2 * a, starts, HEADS)
+    good = TwistAtAlpha(orc, starts, LAW_T, a, training=HEADS)
+    fits = {}
+    for name, tw in (("bad", soft_value_twist(orc, bad)), ("good", good(a))):
+        fits[name] = fit_sequence_alpha(orc, pre, cont, particles=16, seed=0, twist=tw, search=RootSearch(xtol=1e-4))
+    ref_check = {name: reference_check(orc, pre, f.result, f.alpha, particles=256, tolerance=f.alpha_stderr, seed=5)
+                 for name, f in fits.items()}
+    assert ref_check["bad"].verdict == "fail" and ref_check["good"].verdict == "pass", ref_check
+    assert ref_check["bad"].alpha_shift < 0  # its fit sits below the reference's root
+    ref = smc_generate(orc, pre, a, LAW_T, particles=256, seed=5)
+    d = reweighted(ref, a)[0] - _exact_moments(fs, a, pre)
+    assert abs(d.mean()) < 3 * d.std() / math.sqrt(len(d))  # the reference itself is unbiased here
+    g, b = fits["good"], fits["bad"]
+    gap, se = paired_alpha_gap(g.moment_by_prefix, g.slope_by_prefix, g.alpha, b.moment_by_prefix,
+                               b.slope_by_prefix, b.alpha)
+    assert gap == pytest.approx(g.alpha - b.alpha) and se < math.hypot(g.alpha_stderr, b.alpha_stderr) / 2
+    assert abs(gap) > 4 * se  # the bias is plain once the true text's noise cancels
 
 
 def test_soft_value_heads_reach_the_perron_fixed_point():
@@ -363,7 +436,8 @@ def test_soft_value_heads_reach_the_perron_fixed_point():
         fit_soft_value(head, ex.features, ex.words, pl.log_vector[fs.next_state[state, ex.words]], epochs=10)
     assert tv(head) < 2e-3
     # relative value iteration from scratch, one-step soft Bellman targets
-    head, history = train_soft_value(model, alpha, prefixes, iterations=12, steps=20, hidden=64, rank=8)
+    head, history = train_soft_value(model, alpha, prefixes,
+                                     SoftValueTraining(iterations=12, steps=20, hidden=64, rank=8))
     assert tv(head) < 2e-3
     assert history[-1]["rho"] == pytest.approx(pl.log_lambda, abs=2e-3)
 
@@ -380,7 +454,7 @@ def test_delayed_drift_closes_under_smc_and_soft_values_but_not_one_step_lookahe
                 + true_log_probs(f, text, T).mean().item())
 
     assert gap(fs.log_law) > 1.0
-    fit = fit_lookahead_calibration(orc, batchify(_windows(1, 20000, 1)[0], 20), topk=None, min_context=5)
+    fit = fit_lookahead_calibration(orc, batchify(_windows(1, 20000, 1)[0], 20), min_context=5)
     one_step = (fs.log_law + fit.alpha * lookahead_entropies(orc, all_states(orc), fs.log_law)).log_softmax(-1)
     assert gap(one_step) > 1.0  # a trigger looks harmless one word ahead
 
@@ -406,8 +480,7 @@ def test_delayed_drift_closes_under_smc_and_soft_values_but_not_one_step_lookahe
     assert abs(g.base_logp[last].mean().item() + ce0) < 0.1
 
     # the soft-value heads, average-reward, at the same α: P ∝ P̂^(1+α) e^Q is flat from the first word
-    head, history = train_soft_value(orc, a, _windows(400, 1, 4), iterations=10, steps=20, backup_steps=10,
-                                     hidden=64, rank=16)
+    head, history = train_soft_value(orc, a, _windows(400, 1, 4), HEADS)
     assert history[-1]["rho"] == pytest.approx(perron_limit(fs, a).log_lambda, abs=5e-3)
     with torch.no_grad():
         law = ((1 + a) * fs.log_law + head(orc.state_features(all_states(orc))).double()).log_softmax(-1)
@@ -556,8 +629,12 @@ def test_convergence_must_be_shown_not_merely_not_refuted():
         base = rng.normal(4.6, 0.3, 20)
         noise = rng.normal(0.0, 1.0, 20)
         noise = (noise - noise.mean()) / noise.std(ddof=1)  # exactly mean 0, sd 1: the paired se is spread / sqrt(20)
+        # the fits' per-window moments differ by noise whose paired α* standard error is 0.0028 (slope 100)
+        moments = -180.0 + 0.002 * math.sqrt(2) * math.sqrt(20) * 100 * noise
         return [{"variant": "twisted", "params": {"particles": k, "alpha": 0.01, "alpha_stderr": 0.002},
-                 "fit": {"settled": True, "ce_minus_entropy_rate_nats": 0.0, "ce_minus_entropy_rate_stderr_nats": 0.1},
+                 "fit": {"settled": True, "ce_minus_entropy_rate_nats": 0.0, "ce_minus_entropy_rate_stderr_nats": 0.1,
+                         "moment_by_prefix": (moments if k == 8 else np.full(20, -180.0)).tolist(),
+                         "slope_by_prefix": [100.0] * 20},
                  "tail_nats_per_generation": [[x] for x in base + (spread * noise + shift if k == 8 else 0.0)],
                  "tail_ppl": 100.0, "tail_ppl_stderr": 5.0, "ess_per_particle": 0.8, "log_z_mean": -20.0,
                  "test_ce_nats": 4.78, "test_ce_bias_nats": -0.001, "ms_per_token": 0.1, "cost_ratio": 2.0}

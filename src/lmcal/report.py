@@ -14,11 +14,14 @@ stages=[decoders] decoder=top_p decoder.p=0.8,0.9,0.95`) goes into one table per
 Every training run under them (a folder with `metrics.json`, or a failed sweep job's `failed.json`) goes into one
 table, `runs.md` and `runs.json`: its overrides (or folder), validation and test perplexity, status and folder.
 
-Every `scale.json` under them (a run whose stages included entropy_rate: `python -m lmcal.train -m experiment=scale`,
-or `python -m lmcal.evaluate -m model=hf model.name_or_path=A,B,C stages=[entropy_rate]`) goes into the scale table,
-`scale.md`, the log-log figure `scale.png` of the gap against parameters, training tokens and test CE, and the fitted
-exponents with bootstrap intervals beside Cao, Valiant & Liang's (`scale_report.json`; also as results.json and
-REPORT.md, which `make docs RUNS=<--out folder>` snapshots into docs/runs/scale), logged to W&B in the runs' group.
+Every `scale.json` under them (a run whose stages included entropy_rate: `python -m lmcal.train -m experiment=scale`, or
+`python -m lmcal.evaluate -m model=hf model.name_or_path=A,B,C stages=[entropy_rate]`) goes into the scale table,
+`scale.md`, the log-log figure `scale.png` of the gap against parameters, training tokens and test CE, and the fits
+(`scale_report.json`; also as results.json and REPORT.md, which `make docs RUNS=<--out folder>` snapshots into
+docs/runs/scale), logged to W&B in the runs' group. Each fit takes every run; each seed of a cell is a run. The power
+law's exponent has a t-interval on its residual degrees of freedom, beside Cao, Valiant & Liang's. It is not fitted
+below 2 df, or when a run's gap is <= 0; the signed trend, gap = a + b log x, takes every run. A bootstrap is kept as a
+cross-check.
 """
 
 from __future__ import annotations
@@ -46,7 +49,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--wandb", default="offline", choices=["offline", "online", "disabled"])
     ap.add_argument("--project", default="lmcal")
     ap.add_argument("--group")
-    ap.add_argument("--bootstrap", type=int, default=2000, help="bootstrap replicates of the scale fits")
+    ap.add_argument("--bootstrap", type=int, default=2000, help="bootstrap replicates of the scale fits' cross-check "
+                    "interval (their stated intervals are t-intervals)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     with boundary():

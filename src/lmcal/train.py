@@ -86,9 +86,9 @@ def _module(cfg: DictConfig, dm) -> LMModule:
     if tau and tau >= n_train:
         raise LmcalError(tau_too_long("model.memory_tau", int(tau), n_train, "training") + " Lower it, or train on "
                          "more text (data.max_train_tokens).")
-    return LMModule(net=OmegaConf.to_container(cfg.model, resolve=True), vocab_size=dm.vocab_size, bptt=cfg.data.bptt,
-                    data_cfg=OmegaConf.to_container(cfg.data, resolve=True), seed=cfg.seed,
-                    **OmegaConf.to_container(cfg.optim, resolve=True))
+    return LMModule(net=OmegaConf.to_container(cfg.model, resolve=True), vocab_size=dm.vocab_size,
+                    optim=OmegaConf.to_container(cfg.optim, resolve=True), bptt=cfg.data.bptt,
+                    data_cfg=OmegaConf.to_container(cfg.data, resolve=True), seed=cfg.seed)
 
 
 def _analysis_plan(cfg: DictConfig, dm) -> tuple[list[str], dict, str | None]:

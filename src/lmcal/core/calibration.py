@@ -210,18 +210,17 @@ def lookahead_statistics(lm, tokens: torch.Tensor, topk: int | None = None, epsi
 
 
 @timed("fit")
-def fit_lookahead_calibration(lm, tokens: torch.Tensor, topk: int | None = None, epsilon: float = 0.0, *,
-                              tail_samples: int = 16, min_context: int = 0, seed: int = 0, cluster_size: int = 100,
-                              chunk: int | None = None, bound: float = 100.0, progress: bool = False,
-                              cover: float | None = None, cover_max: int | None = None) -> CalibrationFit:
+def fit_lookahead_calibration(lm, tokens: torch.Tensor, rule: Rule | None = None, epsilon: float = 0.0, *,
+                              min_context: int = 0, seed: int = 0, cluster_size: int = 100, chunk: int | None = None,
+                              bound: float = 100.0, progress: bool = False) -> CalibrationFit:
     """Fit a* on held-out time-major streams tokens [S, B]: each stream starts from lm.init_state(B) and its first
     max(1, min_context) tokens are context only, so (S - max(1, min_context)) * B next words are scored
     ((S - 1) * B with min_context 0).
 
-    The candidate rule (lmcal.core.lookahead_law): topk and cover None, exact lookahead; topk k, the k most likely
-    words; cover c, the smallest set holding c of the mass (at most cover_max words); the rest sharing one tilt from
-    `tail_samples` draws (seeded by `seed`). alpha_stderr: the sandwich standard error with blocks of `cluster_size`
-    consecutive positions of a stream as the independent units.
+    rule: the candidate rule (lmcal.core.lookahead_law.Rule, e.g. make_rule(topk=8) or make_rule(cover=0.95,
+    cover_max=64)); None, exact lookahead over every word. The words outside the candidates share one tilt from the
+    rule's `tail_samples` draws (seeded by `seed`). alpha_stderr: the sandwich standard error with blocks of
+    `cluster_size` consecutive positions of a stream as the independent units.
 
     Cost: one model step per token plus the lookahead, V (exact) or |C| + m steps per scored position; memory: the
     statistics, 8 * n * K bytes on CPU. The fit itself runs on the stored statistics and never touches the model
@@ -229,7 +228,11 @@ def fit_lookahead_calibration(lm, tokens: torch.Tensor, topk: int | None = None,
     """
     if tokens.dim() != 2 or tokens.size(0) < 2:
         raise ValueError(f"tokens must be time-major [S, B] with S >= 2, got shape {tuple(tokens.shape)}")
-    rule = make_rule(topk, cover, cover_max, tail_samples)
+    if rule is not None and not isinstance(rule, Rule):
+        raise LmcalError(f"rule={rule!r}: the lookahead's candidate rule is a lmcal.core.lookahead_law.Rule (e.g. "
+                         "make_rule(topk=8)), or None for exact lookahead.")
+    # A Rule built directly skips make_rule's checks: check it here, as every rule the fit uses is.
+    rule = make_rule() if rule is None else make_rule(rule.topk, rule.cover, rule.cover_max, rule.tail_samples)
     if not (isinstance(min_context, int) and min_context >= 0) or tokens.size(0) <= max(1, min_context):
         raise LmcalError(f"min_context={min_context!r}: each fit stream reads that many tokens before any position "
                          f"counts, but the streams are {tokens.size(0)} tokens long. Use a non-negative min_context "
@@ -237,8 +240,9 @@ def fit_lookahead_calibration(lm, tokens: torch.Tensor, topk: int | None = None,
     if isinstance(cluster_size, bool) or not isinstance(cluster_size, int) or cluster_size < 1:
         raise LmcalError(f"cluster_size={cluster_size!r}: positions per block of the standard error must be a "
                          "positive integer.")
-    stats, size = lookahead_statistics(lm, tokens, topk, epsilon, tail_samples=tail_samples, min_context=min_context,
-                                       seed=seed, chunk=chunk, progress=progress, cover=cover, cover_max=cover_max)
+    stats, size = lookahead_statistics(lm, tokens, rule.topk, epsilon, tail_samples=rule.tail_samples,
+                                       min_context=min_context, seed=seed, chunk=chunk, progress=progress,
+                                       cover=rule.cover, cover_max=rule.cover_max)
     alpha, ce_before, ce_after, stderr, n = _fit_law(stats, rule.draws, bound, tokens.size(1), cluster_size)
     return CalibrationFit(alpha, ce_before, ce_after, n, stderr, rule.topk, epsilon, *stats,
                           tail_samples=rule.draws, min_context=min_context, cluster_size=cluster_size, seed=seed,

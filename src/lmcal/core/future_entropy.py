@@ -226,26 +226,44 @@ def regress(head: nn.Module, features: torch.Tensor, words: torch.Tensor, y: tor
     head.eval()
 
 
-def train_head(ex: Examples, column: int, vocab_size: int, words: torch.Tensor | None = None, *, hidden: int = 256,
-               rank: int = 64, epochs: int = 8, batch_size: int = 512, lr: float = 3e-3, weight_decay: float = 1e-4,
-               valid_fraction: float = 0.1, seed: int = 0, step_bins: int = 5) -> tuple[FutureEntropyHead, dict]:
+@dataclass(frozen=True)
+class HeadTraining:
+    """A head's size and its regression (train_head): the width of gelu(A f + a) and the rank of its word map; AdamW
+    with a one-cycle rate over `epochs` passes; the share of rollout rows held out, and the ranges of the generated
+    word's index its held-out R² is reported over."""
+
+    hidden: int = 256
+    rank: int = 64
+    epochs: int = 8
+    batch_size: int = 512
+    lr: float = 3e-3
+    weight_decay: float = 1e-4
+    valid_fraction: float = 0.1
+    seed: int = 0  # the held-out rows, the head's initial weights and the minibatches' order
+    step_bins: int = 5
+
+
+def train_head(ex: Examples, column: int, vocab_size: int, words: torch.Tensor | None = None,
+               settings: HeadTraining | None = None) -> tuple[FutureEntropyHead, dict]:
     """The head for horizon ex.horizons[column], by Adam on the squared error of standardised targets; the rollout
-    rows of `valid_fraction` are held out. Returns (head in eval mode, {"r2", "rmse_nats", "valid_examples", ...,
-    "r2_by_step": the held-out R² over `step_bins` equal ranges of the generated word's index, when ex has steps})."""
+    rows of `settings.valid_fraction` are held out. Returns (head in eval mode, {"r2", "rmse_nats", "valid_examples",
+    ..., "r2_by_step": the held-out R² over `settings.step_bins` equal ranges of the generated word's index, when ex
+    has steps})."""
+    s = settings or HeadTraining()
     k, d = ex.horizons[column]
-    g = torch.Generator().manual_seed(seed)
-    torch.manual_seed(seed)  # the head's initial weights
+    g = torch.Generator().manual_seed(s.seed)
+    torch.manual_seed(s.seed)  # the head's initial weights
     n_groups = int(ex.group.max()) + 1
-    valid_groups = torch.randperm(n_groups, generator=g)[:max(1, int(round(valid_fraction * n_groups)))]
+    valid_groups = torch.randperm(n_groups, generator=g)[:max(1, int(round(s.valid_fraction * n_groups)))]
     is_valid = torch.isin(ex.group, valid_groups)
     tr, va = (~is_valid).nonzero()[:, 0], is_valid.nonzero()[:, 0]
     y = ex.targets[:, column].float()
-    head = FutureEntropyHead(ex.features.size(1), vocab_size, hidden=hidden, rank=rank, words=words, horizon=k,
+    head = FutureEntropyHead(ex.features.size(1), vocab_size, hidden=s.hidden, rank=s.rank, words=words, horizon=k,
                              discount=d)
     head.shift.fill_(y[tr].mean())
     head.scale.fill_(y[tr].std().clamp_min(1e-6))
-    regress(head, ex.features, ex.words, y, tr, epochs=epochs, batch_size=batch_size, lr=lr, weight_decay=weight_decay,
-            generator=g, scale=head.scale)
+    regress(head, ex.features, ex.words, y, tr, epochs=s.epochs, batch_size=s.batch_size, lr=s.lr,
+            weight_decay=s.weight_decay, generator=g, scale=head.scale)
     with torch.no_grad():
         pred = torch.cat([head(ex.features[i], ex.words[i]) for i in va.split(4096)])
         err = (pred - y[va]).double()
@@ -255,7 +273,7 @@ def train_head(ex: Examples, column: int, vocab_size: int, words: torch.Tensor |
              "r2": 1 - err.pow(2).mean().item() / var if var > 0 else None,
              "target_mean_nats": y.mean().item(), "target_std_nats": y.std().item()}
     if ex.step is not None:
-        stats["r2_by_step"] = r2_by_step(err, y[va].double(), ex.step[va], step_bins)
+        stats["r2_by_step"] = r2_by_step(err, y[va].double(), ex.step[va], s.step_bins)
     return head, stats
 
 

@@ -256,10 +256,9 @@ def _crossfit(chunks: Iterable, temperature: bool, n: int, cluster_size: int, bo
 @torch.no_grad()
 def memory_upper_bound(full_log_probs, limited_log_probs: torch.Tensor | None = None,
                        targets: torch.Tensor | None = None, alpha: float | None = None, *, cluster_size: int = 1,
-                       bound: float = 100.0, store_dtype: torch.dtype | None = None, store_device="cpu",
-                       elements: int | None = None, temperature: bool = False, beta: float | None = None,
-                       jackknife: str = "onestep", crossfit: bool = True, start: list[float] | None = None
-                       ) -> MemoryBound:
+                       bound: float = 100.0, elements: int | None = None, temperature: bool = False,
+                       beta: float | None = None, jackknife: str = "onestep", crossfit: bool = True,
+                       start: list[float] | None = None) -> MemoryBound:
     """The calibration upper bound on I_tau from log-probability rows.
 
     Inputs: log P^ [N, V], log P~ [N, V] (natural log, rows normalised) and targets [N] long, or, as the only
@@ -277,10 +276,11 @@ def memory_upper_bound(full_log_probs, limited_log_probs: torch.Tensor | None = 
     batch means, the parameters held fixed.
 
     Memory: the fit needs CE at several parameters (log Z_t is no finite statistic of a row), so chunks from an
-    iterable are kept (on `store_device`, in `store_dtype` if given): 2 * N * V elements (6.6 GB of float32 for the
-    PTB test set; float16 rounds log-probs near -20 by up to ~0.008 nats). Tensors and lists are used in place; a
-    function is called once per pass (each Newton step, each check) and nothing is kept. The reductions run in
-    float64, about `elements` row entries at a time. The two-parameter fit needs P~ > 0 wherever P^ > 0.
+    iterable are kept on the CPU as they come: 2 * N * V elements (6.6 GB of float32 for the PTB test set; float16
+    rounds log-probs near -20 by up to ~0.008 nats). Tensors and lists are used in place (rows to keep on a GPU, or in
+    another dtype: a list of them); a function is called once per pass (each Newton step, each check) and nothing is
+    kept. The reductions run in float64, about `elements` row entries at a time. The two-parameter fit needs P~ > 0
+    wherever P^ > 0.
     """
     chunks = _chunks_of(full_log_probs, limited_log_probs, targets)
     if cluster_size < 1:
@@ -292,8 +292,7 @@ def memory_upper_bound(full_log_probs, limited_log_probs: torch.Tensor | None = 
         raise ValueError("with temperature=True, a given alpha needs a given beta too")
     if fitted:
         if not isinstance(chunks, list | _Passes):  # one pass over the source; the fits reread the kept rows
-            keep = lambda t, dtype: t.detach().to(device=store_device, dtype=dtype)
-            chunks = [(keep(f, store_dtype), keep(q, store_dtype), keep(y, None)) for f, q, y in chunks]
+            chunks = [tuple(t.detach().cpu() for t in chunk) for chunk in chunks]
         groups = _Passes(lambda: _groups(chunks, temperature))
         if not any(g[1][1].numel() for g in groups):
             raise ValueError("no rows")

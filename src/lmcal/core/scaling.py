@@ -7,9 +7,11 @@ For one model, the gap (Cao, Valiant & Liang, NeurIPS 2025, "entropy calibration
 
 with the last tenth's mean taken per prefix (generations from one prefix are a cluster) and the test cross-entropy's
 own error from blocks of consecutive test tokens. Across models the gap is fitted as gap = A x^b, x the parameters,
-the training tokens or the test cross-entropy, by least squares on log gap against log x (as CVL fit it), and b's
-confidence interval comes from a bootstrap that resamples the runs and, within each, its prefixes (and redraws its
-test cross-entropy within its standard error).
+the training tokens or the test cross-entropy, by least squares on log gap against log x (as CVL fit it) over every
+run, with b's t-interval on the fit's residual degrees of freedom (n runs - coefficients; none stated below MIN_DF).
+A run whose gap is <= 0 has no logarithm: rather than leave it out (a selection on the outcome) no power law is fitted
+then, and the signed gap's trend, gap = a + b log x, takes every run. A bootstrap over the runs and, within each, its
+prefixes (its test cross-entropy redrawn within its standard error) is kept as a cross-check.
 
 Everything here is plain numbers and tensors: no files, no frameworks.
 """
@@ -67,30 +69,78 @@ def stream_ce(lm, tokens: torch.Tensor, max_len: int = 1000, cluster_size: int =
     return ce, se, int(total)
 
 
+MIN_SPREAD = 1.1  # the least ratio of largest to smallest x an exponent is read off (test CEs span ~1.3)
+MIN_DF = 2  # the fewest residual degrees of freedom a fit is stated with (on 1, t's 97.5% quantile is 12.7)
+
+
+@dataclass
+class LinearFit:
+    """Ordinary least squares of y [n] on a design [n, p]: each coefficient's standard error, from the residuals,
+    and its t-interval on df = n - p residual degrees of freedom."""
+
+    coef: np.ndarray  # [p]
+    stderr: np.ndarray  # [p]
+    ci: np.ndarray  # [p, 2]: coef -/+ t_crit stderr
+    df: int
+    t_crit: float  # t's (1 + level) / 2 quantile on df degrees of freedom
+    level: float
+    sigma: float  # the residuals' standard deviation, sqrt(RSS / df)
+
+
+def ols_t(A: np.ndarray, y: np.ndarray, level: float = 0.95) -> LinearFit:
+    """Least squares of y [n] on the columns of A [n, p] with t-intervals at `level`; ValueError when the runs leave
+    fewer than MIN_DF residual degrees of freedom or A's columns are collinear."""
+    from scipy import stats
+
+    A, y = np.asarray(A, dtype=np.float64), np.asarray(y, dtype=np.float64)
+    n, p = A.shape
+    df = n - p
+    if df < MIN_DF:
+        raise ValueError(f"df < {MIN_DF}: {n} runs and {p} coefficients leave {df} residual degree(s) of freedom; "
+                         f"it needs at least {p + MIN_DF} runs")
+    if np.linalg.matrix_rank(A) < p:
+        raise ValueError(f"the {n} runs' x are collinear: {p} coefficients cannot be told apart")
+    pinv = np.linalg.pinv(A)  # [p, n]
+    coef = pinv @ y
+    resid = y - A @ coef
+    sigma = math.sqrt(float(resid @ resid) / df)
+    se = sigma * np.sqrt((pinv ** 2).sum(axis=1))  # sqrt(diag(sigma^2 (A'A)^-1)), as (A'A)^-1 = pinv pinv'
+    t = float(stats.t.ppf((1 + level) / 2, df))
+    return LinearFit(coef, se, np.column_stack([coef - t * se, coef + t * se]), df, t, level, sigma)
+
+
+def check_spread(X: np.ndarray, names: list[str]) -> None:
+    """ValueError when an x [n, K] > 0 spans less than a factor of MIN_SPREAD (runs that saw 640,000 and 639,980
+    tokens gave an 'exponent' of +2,814): no axis to read a trend off."""
+    flat = [k for k, s in zip(names, np.ptp(np.log(X), axis=0), strict=True) if s < math.log(MIN_SPREAD)]
+    if flat:
+        raise ValueError(f"the runs are too alike in {', '.join(flat)} (less than a factor of {MIN_SPREAD:g} "
+                         "apart) to fit a trend against it")
+
+
 @dataclass
 class PowerLawFit:
-    """gap = exp(intercept) prod_k x_k^exponents[k], fitted on log gap against the log x_k; each exponent's interval
-    is the bootstrap's."""
+    """gap = exp(intercept) prod_k x_k^exponents[k], fitted on log gap against the log x_k over every run; each
+    exponent's interval is OLS's t-interval on df residual degrees of freedom, the bootstrap's a cross-check."""
 
     exponents: dict[str, float]
     intercept: float
-    ci: dict[str, tuple[float, float]]
-    stderr: dict[str, float]  # the bootstrap replicates' standard deviation of each exponent
+    ci: dict[str, tuple[float, float]]  # the t-interval at `level`
+    stderr: dict[str, float]  # OLS's, from the residuals
     level: float  # the intervals' coverage, e.g. 0.95
-    n_runs: int  # the runs the point estimate used (gap > 0)
-    excluded: list[int] = field(default_factory=list)  # runs left out of the point fit: gap <= 0 (no log)
+    n_runs: int  # every run: none is left out
+    df: int  # n_runs - (exponents + 1)
+    t_crit: float
+    bootstrap_ci: dict[str, tuple[float, float]] = field(default_factory=dict)  # percentile, at `level`
+    bootstrap_stderr: dict[str, float] = field(default_factory=dict)  # the replicates' standard deviation
     replicates: int = 0  # bootstrap replicates that gave exponents
-    failed_replicates: int = 0  # replicates whose runs of positive gap could not determine them (too few, collinear)
-
-
-MIN_SPREAD = 1.1  # the least ratio of largest to smallest x an exponent is read off (test CEs span ~1.3)
+    failed_replicates: int = 0  # replicates that could not: a drawn gap <= 0, too few distinct runs, collinear
 
 
 def log_linear_fit(xs: np.ndarray, y: np.ndarray) -> np.ndarray | None:
     """Least squares of log y on [1, log x_1, ..., log x_K]: (intercept, exponents) [K + 1], or None when the runs
     cannot determine them: fewer than K + 2 (a line through K + 1 points has no residual to judge it by), an x that
-    spans less than a factor of MIN_SPREAD (runs that saw 640,000 and 639,980 tokens gave an 'exponent' of +2,814),
-    or x's collinear. xs [n, K] > 0, y [n] > 0."""
+    spans less than a factor of MIN_SPREAD, or x's collinear. xs [n, K] > 0, y [n] > 0. The bootstrap's fit."""
     logx = np.log(np.asarray(xs, dtype=np.float64))  # [n, K]
     A = np.column_stack([np.ones(len(y)), logx])  # [n, K + 1]
     if len(y) < A.shape[1] + 1 or (np.ptp(logx, axis=0) < math.log(MIN_SPREAD)).any():
@@ -100,54 +150,77 @@ def log_linear_fit(xs: np.ndarray, y: np.ndarray) -> np.ndarray | None:
     return np.linalg.lstsq(A, np.log(y), rcond=None)[0]
 
 
+def design(x: dict[str, list[float]]) -> tuple[list[str], np.ndarray]:
+    """(names, X [R, K]) of the x's, each > 0 and spanning a factor of MIN_SPREAD."""
+    names = list(x)
+    X = np.column_stack([np.asarray(x[k], dtype=np.float64) for k in names])  # [R, K]
+    if not (X > 0).all():
+        raise ValueError(f"a trend against log x needs x > 0; got {x}")
+    check_spread(X, names)
+    return names, X
+
+
 def fit_power_law(x: dict[str, list[float]], tails: list[np.ndarray], test_ce: list[float],
                   test_ce_stderr: list[float | None], n_boot: int = 2000, level: float = 0.95,
                   seed: int = 0, sign: float = 1.0) -> PowerLawFit:
     """The power law gap = A prod_k x_k^b_k over runs i: x {name: [R] values > 0} (one exponent each: parameters,
     training tokens, ...), tails[i] [N_i] run i's last-tenth entropy per prefix, test_ce [R] and its standard errors
-    [R] (None or nan: none known).
+    [R] (None or nan: none known). sign = -1 fits the entropy deficit -gap instead (a family whose generations are
+    all less entropic than its test CE), in the same way.
 
-    The point estimate fits the runs' own gaps; runs with gap <= 0 have no logarithm and are left out (`excluded`).
-    Each bootstrap replicate draws R runs with replacement, within each its N_i prefixes with replacement, and its
-    test cross-entropy from a normal of its standard error, then fits the replicate's runs of positive gap (a
-    replicate whose runs cannot determine every exponent counts as failed). The intervals are the replicates'
-    percentile intervals at `level`. sign = -1 fits the entropy deficit -gap instead (a family whose generations are
-    all less entropic than its test CE), in the same way."""
-    names = list(x)
-    X = np.column_stack([np.asarray(x[k], dtype=np.float64) for k in names])  # [R, K]
-    R = X.shape[0]
-    if not (X > 0).all():
-        raise ValueError(f"a power law needs x > 0; got {x}")
+    Every run enters: OLS of log gap on [1, log x] over all R runs (the seeds of one cell each a run: see
+    lmcal.reporting.scale_report.fit_group), each exponent with its t-interval on R - K - 1 degrees of freedom. A run
+    whose gap is <= 0 has no logarithm, and leaving it out would select the runs on the outcome: then no power law
+    is fitted (ValueError; signed_trend takes every run), nor with fewer than MIN_DF degrees of freedom. The bootstrap
+    (a cross-check) draws R runs with replacement, within each its N_i prefixes with replacement, and its test CE
+    from a normal of its standard error; a replicate with a drawn gap <= 0, or whose runs cannot determine every
+    exponent, fails."""
+    names, X = design(x)
     tails = [np.asarray(t, dtype=np.float64) for t in tails]
     ce = np.asarray(test_ce, dtype=np.float64)
     ce_se = np.array([s if s is not None and math.isfinite(s) else 0.0 for s in test_ce_stderr], dtype=np.float64)
-    g = sign * (np.array([t.mean() for t in tails]) - ce)
-    pos = g > 0
-    coef = log_linear_fit(X[pos], g[pos])
-    if coef is None:
+    g = sign * (np.array([t.mean() for t in tails]) - ce)  # [R]
+    if (g <= 0).any():
         y = "gap" if sign > 0 else "-gap"
-        raise ValueError(f"{int(pos.sum())} of {R} runs have a positive {y} ({y}s {np.round(g, 4).tolist()} nats): "
-                         f"too few (at least {len(names) + 2}), or too alike in {', '.join(names)} (less than a "
-                         f"factor of {MIN_SPREAD:g} apart), to fit {len(names)} exponent(s)")
+        raise ValueError(f"runs {np.flatnonzero(g <= 0).tolist()} have {y} <= 0 ({y}s {np.round(g, 4).tolist()} "
+                         "nats): a power law cannot take them, and leaving them out would select on the outcome")
+    ols = ols_t(np.column_stack([np.ones(len(g)), np.log(X)]), np.log(g), level)
+    boot, failed = bootstrap_exponents(X, tails, ce, ce_se, sign, n_boot, seed)
+    lo_q, hi_q = (1 - level) / 2, (1 + level) / 2
+    return PowerLawFit(
+        {k: float(ols.coef[j + 1]) for j, k in enumerate(names)}, float(ols.coef[0]),
+        {k: (float(ols.ci[j + 1, 0]), float(ols.ci[j + 1, 1])) for j, k in enumerate(names)},
+        {k: float(ols.stderr[j + 1]) for j, k in enumerate(names)}, level, len(g), ols.df, ols.t_crit,
+        {k: tuple(float(v) for v in np.quantile(boot[:, j], [lo_q, hi_q])) if len(boot) else (math.nan, math.nan)
+         for j, k in enumerate(names)},
+        {k: float(boot[:, j].std(ddof=1)) if len(boot) > 1 else math.nan for j, k in enumerate(names)},
+        len(boot), failed)
+
+
+def bootstrap_exponents(X: np.ndarray, tails: list[np.ndarray], ce: np.ndarray, ce_se: np.ndarray, sign: float,
+                        n_boot: int, seed: int) -> tuple[np.ndarray, int]:
+    """(exponents [replicates, K], failed replicates) of fit_power_law's bootstrap over runs and their prefixes."""
     rng = np.random.default_rng(seed)
+    R = X.shape[0]
     boot, failed = [], 0
     for _ in range(n_boot):
         runs = rng.integers(0, R, R)  # [R]
         gb = np.array([tails[i][rng.integers(0, tails[i].size, tails[i].size)].mean() for i in runs])
         gb = sign * (gb - ce[runs] - ce_se[runs] * rng.standard_normal(R))
-        ok = gb > 0
-        c = log_linear_fit(X[runs][ok], gb[ok])
+        c = log_linear_fit(X[runs], gb) if (gb > 0).all() else None
         if c is None:
             failed += 1
         else:
             boot.append(c[1:])
-    boot = np.asarray(boot).reshape(-1, len(names))  # [replicates, K]
-    lo_q, hi_q = (1 - level) / 2, (1 + level) / 2
-    ci = {k: tuple(float(v) for v in np.quantile(boot[:, j], [lo_q, hi_q])) if len(boot) else (math.nan, math.nan)
-          for j, k in enumerate(names)}
-    sd = {k: float(boot[:, j].std(ddof=1)) if len(boot) > 1 else math.nan for j, k in enumerate(names)}
-    return PowerLawFit({k: float(coef[j + 1]) for j, k in enumerate(names)}, float(coef[0]), ci, sd, level,
-                       int(pos.sum()), [int(i) for i in np.flatnonzero(~pos)], len(boot), failed)
+    return np.asarray(boot).reshape(-1, X.shape[1]), failed
+
+
+def signed_trend(x: dict[str, list[float]], y: list[float], level: float = 0.95) -> tuple[list[str], LinearFit]:
+    """(names, fit) of the signed gap's trend y = a + sum_k b_k log x_k over every run, whatever its sign: OLS with
+    t-intervals (coef [1 + K]: a, then b_k in nats per unit of log x_k). ValueError as ols_t, or when an x spans less
+    than a factor of MIN_SPREAD."""
+    names, X = design(x)
+    return names, ols_t(np.column_stack([np.ones(X.shape[0]), np.log(X)]), y, level)
 
 
 def weighted_trend(x: np.ndarray, y: np.ndarray, y_se: np.ndarray) -> tuple[float, float]:

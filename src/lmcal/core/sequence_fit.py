@@ -59,6 +59,8 @@ class SequenceFit:
     evaluations: int  # smc_generate runs
     settled: bool  # the last run's root moved less than the tolerance from where it ran (else max_runs ran out)
     result: SMCResult | None = None  # the last run (at α* up to the tolerance, when settled)
+    moment_by_prefix: torch.Tensor | None = None  # [B] E_P̂α*[log P̂(W) | prefix_b], the last run reweighted to α*
+    slope_by_prefix: torch.Tensor | None = None  # [B] Var_P̂α*[log P̂(W) | prefix_b]: d/dα of each moment
 
 
 @torch.no_grad()
@@ -109,25 +111,38 @@ def reach(r: SMCResult, min_ess: float = 0.5, cap: float = 4.0) -> tuple[float, 
     return max(ends[0], -1 + 1e-6), ends[1]
 
 
+@dataclass(frozen=True)
+class RootSearch:
+    """How fit_sequence_alpha searches for α*: its first run at α0 = `start`; settled once the root moves by at most
+    max(xtol, a quarter of α*'s standard error), at most `max_runs` runs; `bracket`: where the search starts
+    widening from when a run's particles cannot be reweighted (one particle)."""
+
+    bracket: tuple[float, float] = (-0.5, 1.0)
+    xtol: float = 1e-3
+    start: float = 0.0
+    max_runs: int = 12
+
+
 def fit_sequence_alpha(lm, prefixes: torch.Tensor, continuations: torch.Tensor, *, particles: int = 64,
-                       seed: int = 0, bracket=(-0.5, 1.0), xtol: float = 1e-3, max_batch: int = 4096,
+                       seed: int = 0, search: RootSearch = RootSearch(), max_batch: int = 4096,
                        twist: Twist | None = None, twist_at: Callable[[float], Twist | None] | None = None,
-                       start: float = 0.0, max_runs: int = 12, progress: bool = False) -> SequenceFit:
+                       progress: bool = False) -> SequenceFit:
     """α* on held-out prefixes [B, P] and their true continuations [B, T] (module docstring): smc_generate(lm,
-    prefixes, α0, T, particles=particles, seed=seed, twist=...) from α0 = `start`; the root of its reweighted moment
-    within the run's reach (`reach`: where its particles keep half their ESS), or the edge of that reach towards the
-    root, and a run there, until the root moves by at most max(xtol, a quarter of α*'s standard error; the draws of
-    each run move the root by about a standard error), at most `max_runs` runs (the runs' own moments bracket the
-    root, and a step outside that bracket bisects it instead). twist: one twist for every α; twist_at(α): the twist
-    for the run at α (e.g. the exact time-to-go values at that α). `bracket`: where the search starts widening from
-    when a run's particles cannot be reweighted (one particle). `progress`: a bar for each run."""
+    prefixes, α0, T, particles=particles, seed=seed, twist=...) from α0 = search.start; the root of its reweighted
+    moment within the run's reach (`reach`: where its particles keep half their ESS), or the edge of that reach
+    towards the root, and a run there, until the root moves by at most max(search.xtol, a quarter of α*'s standard
+    error; the draws of each run move the root by about a standard error), at most search.max_runs runs (the runs'
+    own moments bracket the root, and a step outside that bracket bisects it instead). twist: one twist for every α;
+    twist_at(α): the twist for the run at α (e.g. the exact time-to-go values at that α). `progress`: a bar for each
+    run."""
     B, T = continuations.shape
     if B < 2 or prefixes.size(0) != B:
         raise ValueError(f"need at least 2 prefixes, one per continuation; got {prefixes.size(0)} and {B}")
     if twist is not None and twist_at is not None:
         raise ValueError("give twist or twist_at, not both")
     y = sequence_log_probs(lm, prefixes, continuations, max_batch)  # [B]
-    a0, r, runs, settled = float(start), None, 0, False
+    xtol, widen, max_runs = search.xtol, search.bracket[1], search.max_runs
+    a0, r, runs, settled = float(search.start), None, 0, False
     below, above = -1.0, math.inf  # the root lies between: runs whose own moment fell short of y, or passed it
     while runs < max_runs:
         r = smc_generate(lm, prefixes, a0, T, particles=particles, seed=seed, max_batch=max_batch,
@@ -143,7 +158,7 @@ def fit_sequence_alpha(lm, prefixes: torch.Tensor, continuations: torch.Tensor, 
         else:  # to the edge of the reach towards the root
             a1 = hi if gap(a0) < 0 else lo
         if not below < a1 < above or a1 == a0:  # outside what the runs bracket (or stuck): bisect it, or widen
-            a1, inside = (below + above) / 2 if math.isfinite(above) else max(bracket[1], 2 * a0 + 1, below + 1), False
+            a1, inside = (below + above) / 2 if math.isfinite(above) else max(widen, 2 * a0 + 1, below + 1), False
         if inside and abs(a1 - a0) <= max(xtol, _stderr(r, a1, y) / 4):
             settled = True
             break
@@ -163,4 +178,55 @@ def fit_sequence_alpha(lm, prefixes: torch.Tensor, continuations: torch.Tensor, 
     return SequenceFit(alpha, se(gap) / slope if slope > 0 else math.inf, float(ce_b.mean()), se(ce_b),
                        float(ent_b.mean()), se(ent_b), float(base_b.mean()), se(base_b), se(ce_b - base_b), slope,
                        float(gap.mean()), float((ce_b - ent_b).mean()), se(ce_b - ent_b), float(log_z.mean()),
-                       float((r.ess / particles).mean()), T, B, int(particles), runs, settled, r)
+                       float((r.ess / particles).mean()), T, B, int(particles), runs, settled, r, m, var)
+
+
+def paired_alpha_gap(m1: torch.Tensor, v1: torch.Tensor, a1: float, m2: torch.Tensor, v2: torch.Tensor,
+                     a2: float) -> tuple[float, float]:
+    """α*1 - α*2 of two fits on the same held-out continuations, and its standard error with the prefixes paired:
+    each fit's per-prefix moments m [B] and slopes v [B] at its own root, carried linearly to the midpoint α. The true
+    text's log-probabilities are the same in both fits and cancel from the difference, which only the two samplers'
+    noise moves: the standard error is that of mean_b (m1_b - m2_b) at one α, over the mean slope."""
+    mid = (a1 + a2) / 2
+    d = (m1 + v1 * (mid - a1)) - (m2 + v2 * (mid - a2))  # [B]
+    slope = float((v1 + v2).mean()) / 2
+    se = float(d.std() / math.sqrt(d.numel())) / slope if slope > 0 and d.numel() > 1 else math.inf
+    return a1 - a2, se
+
+
+@dataclass
+class ReferenceCheck:
+    """A sampler's fitted law against untwisted SMC at many particles on the same held-out prefixes."""
+
+    particles: int  # the reference's
+    prefixes: int
+    moment_gap: float  # mean_b of the run's E[log P̂(W) | prefix_b] minus the reference's, at α (nats a sequence)
+    moment_gap_stderr: float
+    alpha_shift: float  # -moment_gap / slope: where the run's root sits against the reference's
+    alpha_shift_stderr: float
+    tolerance: float  # |alpha_shift| must be shown within this (the fit's own standard error)
+    verdict: str  # pass: shown within the tolerance at 2 se; fail: shown beyond it; else undecided
+
+
+@torch.no_grad()
+def reference_check(lm, prefixes: torch.Tensor, run: SMCResult, alpha: float, *, particles: int, tolerance: float,
+                    seed: int = 0, max_batch: int = 4096, progress: bool = False) -> ReferenceCheck:
+    """Checks the moment α* is fitted on, E_P̂α[log P̂(W) | prefix], of a run (a fit's last run, smc_generate on
+    prefixes [B, P] and more) against untwisted SMC at `particles` on those B prefixes, at α. A twist that is wrong
+    near the horizon, or made for another α, biases the run's moment by more than its weights correct at its particle
+    count; so does a sampler with too few particles, twisted or not. The difference in moments, over the slope, is
+    how far the run's α* sits from the reference's: the check passes where that shift's 2-standard-error interval lies
+    within ±tolerance, fails where it lies beyond, and is undecided otherwise (the reference's own bias, of order
+    1 / particles, is not counted: use many)."""
+    B = prefixes.size(0)
+    ref = smc_generate(lm, prefixes, alpha, run.tokens.size(1), particles=particles, seed=seed, max_batch=max_batch,
+                       progress=progress and f"reference check, untwisted SMC, {particles} particles")
+    m_ref, _, var = reweighted(ref, alpha)  # [B] each
+    d = reweighted(run, alpha)[0][:B] - m_ref  # [B]: paired by prefix
+    gap, gap_se = float(d.mean()), float(d.std() / math.sqrt(B)) if B > 1 else math.inf
+    slope = float(var.mean())
+    shift, shift_se = (-gap / slope, gap_se / slope) if slope > 0 else (math.nan, math.inf)
+    tol = float(tolerance)
+    verdict = ("pass" if abs(shift) + 2 * shift_se <= tol else "fail" if abs(shift) - 2 * shift_se > tol
+               else "undecided")
+    return ReferenceCheck(int(particles), B, gap, gap_se, shift, shift_se, tol, verdict)

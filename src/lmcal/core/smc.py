@@ -11,14 +11,15 @@ so the final target is the untwisted law whatever the twist. Each particle propo
     q_t(w | h) = P̂(w | h)^(1+α) e^{ψ_t(h, w)} / G_t(h),     G_t(h) = sum_w P̂(w | h)^(1+α) e^{ψ_t(h, w)},
 
 and its incremental weight γ_t / (γ_{t-1} q_t) = G_t(h) / e^{ψ_{t-1}(h', w')} (w' the word it drew before, from h')
-depends only on the past: the particles are weighted before they propose (fully adapted), resampled (systematic)
-when the effective sample size falls below half, and only then extended. No twist (ψ = 0) is the plain fully adapted
+depends only on the past: the particles are weighted before they propose (fully adapted), resampled (systematic) when
+the effective sample size falls below half, and only then extended. No twist (ψ = 0) is the plain fully adapted
 filter, G = sum_w P̂(w | h)^(1+α). The exact twist (the time-to-go values log b_{T-t-1}(next(s, w)) of a finite-state
 model: lmcal.core.sequence_exact.exact_twist) makes every weight 1: one particle is an exact draw. A soft-value head
-(lmcal.core.soft_value.soft_value_twist) is the amortised guess; the weights correct what it gets wrong, and their
-effective sample size says how wrong it is. After the last word the answer is one particle drawn from the final
-weights, with its ancestral path: a draw from P̂_α as the number of particles grows, with a bias of order 1 / particles
-that a good twist makes small.
+of the law's finite horizon, trained at the α sampled at (lmcal.core.soft_value.TwistAtAlpha), is the amortised guess;
+the weights correct what it gets wrong, but at few particles their effective sample size can stay near 1 while the
+law drawn is biased (lmcal.core.sequence_fit.reference_check tells). After the last word the
+answer is one particle drawn from the final weights, with its ancestral path: a draw from P̂_α as the number of
+particles grows, with a bias of order 1 / particles that a good twist makes small.
 
     Ẑ = prod over resampling epochs of (mean of the particles' weights accumulated since the last resampling)
 

@@ -5,6 +5,8 @@ themselves (files, checksums, vocabularies) are lmcal.data.corpora.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from lmcal.data.corpora import Corpus, load_ptb, load_wikitext2, synthetic_corpus
@@ -70,22 +72,39 @@ def epoch_generator(seed: int, epoch: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed * 1_000_003 + epoch)
 
 
+@dataclass(frozen=True)
+class DataConfig:
+    """A data config (conf/data) as CorpusData reads it: which corpus and where its files are, its batches, and the
+    token limits that training applied."""
+
+    name: str = "ptb"
+    root: str | None = None
+    download: bool = False
+    batch_size: int = 20
+    eval_batch_size: int = 10
+    test_batch_size: int = 1
+    bptt: int = 70
+    seed: int = 141
+    max_train_tokens: int | None = None
+    max_eval_tokens: int | None = None
+    corpus_kwargs: dict | None = None  # the generated corpora's settings (markov, powerlaw, synthetic)
+    memory_tau: int | None = None  # windows start on tau boundaries for limited-memory models
+    variable_length: bool = True  # False: training windows of exactly bptt (transformers)
+
+
 class CorpusData:
     """A corpus and its splits as a data config (conf/data) describes them: the batch settings, and the token limits
     that training applied. training.module.LMDataModule adds Lightning's loaders; the analysis entry points use this
-    alone, so that they never import Lightning."""
+    alone, so that they never import Lightning. Each setting is an attribute (dm.bptt, dm.batch_size, ...)."""
 
-    def __init__(self, name: str = "ptb", root: str | None = None, download: bool = False, batch_size: int = 20,
-                 eval_batch_size: int = 10, test_batch_size: int = 1, bptt: int = 70, seed: int = 141,
-                 max_train_tokens: int | None = None, max_eval_tokens: int | None = None,
-                 corpus_kwargs: dict | None = None, memory_tau: int | None = None, variable_length: bool = True):
-        self.name, self.root, self.download = name, root, download
-        self.batch_size, self.eval_batch_size, self.test_batch_size = batch_size, eval_batch_size, test_batch_size
-        self.bptt, self.seed = bptt, seed
-        self.max_train_tokens, self.max_eval_tokens = max_train_tokens, max_eval_tokens
-        self.corpus_kwargs = dict(corpus_kwargs or {})
-        self.memory_tau = memory_tau  # windows start on tau boundaries for limited-memory models
-        self.variable_length = variable_length  # False: training windows of exactly bptt (transformers)
+    def __init__(self, cfg: DataConfig | None = None):
+        cfg = cfg or DataConfig()
+        self.name, self.root, self.download = cfg.name, cfg.root, cfg.download
+        self.batch_size, self.eval_batch_size = cfg.batch_size, cfg.eval_batch_size
+        self.test_batch_size, self.bptt, self.seed = cfg.test_batch_size, cfg.bptt, cfg.seed
+        self.max_train_tokens, self.max_eval_tokens = cfg.max_train_tokens, cfg.max_eval_tokens
+        self.corpus_kwargs = dict(cfg.corpus_kwargs or {})
+        self.memory_tau, self.variable_length = cfg.memory_tau, cfg.variable_length
         self.corpus: Corpus | None = None
 
     def prepare(self) -> Corpus:

@@ -10,11 +10,12 @@ import logging
 import os
 import pickle
 import re
+from dataclasses import fields
 from pathlib import Path
 
 import torch
 
-from lmcal.data.batching import CorpusData
+from lmcal.data.batching import CorpusData, DataConfig
 from lmcal.errors import LmcalError
 from lmcal.models.awd_lstm import AWDLSTM
 from lmcal.models.step_lm import LSTMStepLM
@@ -34,9 +35,9 @@ def model_name(model_cfg) -> str:
     return str(model_cfg.get("_target_"))
 
 
-# what a checkpoint's data settings may hold: CorpusData's keys, less where the files are (root, download), which
+# what a checkpoint's data settings may hold: DataConfig's keys, less where the files are (root, download), which
 # come from this run's settings, never from the machine that trained it
-DATA_KEYS = frozenset(inspect.signature(CorpusData).parameters) - {"root", "download"}
+DATA_KEYS = frozenset(f.name for f in fields(DataConfig)) - {"root", "download"}
 
 
 def default_data_root() -> str:
@@ -50,7 +51,7 @@ def default_data_root() -> str:
 def checkpoint_data(ckpt: dict, data_root: str | None = None, path: str | Path = "the checkpoint") -> CorpusData:
     """The corpus a checkpoint was trained on, with the batch settings training used, read from this run's data root
     (`data_root`, else default_data_root()) and downloaded only where this project's config of that corpus says so:
-    a checkpoint's own `root` and `download` (another machine's) are never used. Data settings with keys CorpusData
+    a checkpoint's own `root` and `download` (another machine's) are never used. Data settings with keys DataConfig
     does not take, or values that are not plain, are refused, naming them."""
     data_cfg = ckpt["hyper_parameters"].get("data_cfg")
     if data_cfg is None:  # python -m lmcal.train records it: the analysis reads the text the model was trained on
@@ -66,7 +67,7 @@ def checkpoint_data(ckpt: dict, data_root: str | None = None, path: str | Path =
                          f"{', '.join(sorted(DATA_KEYS))}). The file was edited or comes from another program; it was "
                          "not loaded. Use a checkpoint written by python -m lmcal.train.")
     name = data_cfg.get("name", "ptb")
-    return CorpusData(**data_cfg, root=data_root or default_data_root(), download=_downloads(name))
+    return CorpusData(DataConfig(**data_cfg, root=data_root or default_data_root(), download=_downloads(name)))
 
 
 def _downloads(name: str) -> bool:

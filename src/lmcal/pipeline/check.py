@@ -119,7 +119,14 @@ def model_steps(name: str, a: dict, m: Model, memory_tau: int | None = None) -> 
         smc += 2 * 3 * min(counts) * goal * window
         sv = (a["sv_iterations"] * (1 + a.get("sv_refits", 0) / 2) * a["sv_rollouts"] * (a["sv_prefix"] + a["sv_steps"])
               if a.get("soft_value") else 0)
-        return smc + sv + score + gen
+        # each row's reference check (untwisted SMC at check_particles on the fit windows), and the twist's
+        # finite-horizon head: trained once over the law's horizon, then retrained at ~3 of each twisted row's α
+        checks = len(counts) * a.get("check_particles", 256) * min(a.get("check_prefixes") or a["fit_prefixes"],
+                                                                  a["fit_prefixes"]) * window
+        twisted = len(a["particles"]) if a.get("twist") and a.get("soft_value") else 0
+        heads = bool(twisted) * a["sv_iterations"] * a["sv_rollouts"] * (window + a["sv_prefix"]) * (
+            1 + 3 * twisted / 2)
+        return smc + sv + checks + heads + score + gen
     if name == "memory":  # both models on every test token; a tau-window (or a tau-model, exactly) tau steps a token
         return score * (1 + (a.get("tau") or memory_tau or 1))
     return 0.0

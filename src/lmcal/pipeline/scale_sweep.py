@@ -40,8 +40,8 @@ def is_sweep_profile(cfg: DictConfig) -> bool:
 
 def grid(overrides: list[str]) -> list[tuple[list[str], dict[str, str]]]:
     """The jobs `python -m lmcal.train -m <overrides>` would run: (the overrides every job shares, {swept key: this
-    job's value}) each, in Hydra's order: the preset's hydra.sweeper.params, a comma list on the command line
-    replacing the preset's list for its key."""
+    job's value}) each, in Hydra's order: the preset's hydra.sweeper.params, a comma list or a single value on the
+    command line replacing the preset's list for its key (seed=141: one seed), as Hydra's basic sweeper does."""
     from hydra import compose, initialize_config_dir
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
@@ -63,6 +63,11 @@ def grid(overrides: list[str]) -> list[tuple[list[str], dict[str, str]]]:
         (o,) = parser.parse_overrides([f"{k}={v}"])
         params[k] = list(o.sweep_string_iterator()) if o.is_sweep_override() else [o.get_value_element_as_str()]
     params.update(swept)
+    for o in parser.parse_overrides(fixed):  # a value for a swept key: that key's one value
+        if o.get_key_element() in params:
+            params[o.get_key_element()] = [o.get_value_element_as_str()]
+    fixed = [line for line, o in zip(fixed, parser.parse_overrides(fixed), strict=True)
+             if o.get_key_element() not in params]
     keys = list(params)
     return [(fixed, dict(zip(keys, values, strict=True))) for values in itertools.product(*params.values())]
 
@@ -177,15 +182,35 @@ def check_sweeps(cfg: DictConfig) -> str:
     return "\n".join([f"Plan of the {cfg.profile} profile: {len(stages) - 1} runs in "
                       f"{sum(o is not None for o in cfg.sweeps.values())} sweep(s) and the report; every run composed "
                       "and within its ranges, every stream within its model's context.", "", *lines, "",
-                      when + reference_note(cfg.profile)])
+                      when + reference_note(cfg.profile, [st["name"] for st in stages[:-1]])])
 
 
-def reference_note(profile: str) -> str:
+def cell_reference(ref: dict[str, float], names: list[str]) -> dict[str, float]:
+    """Each stage's time in the reference run: its own, or, where that run had one seed a cell and so no seed in its
+    jobs' names, its cell's (the name less its last swept value, the seed: awd_lstm_awd_lstm_xs-116199-142 at
+    awd_lstm_awd_lstm_xs-116199's)."""
+    out = {}
+    for n in names:
+        cell = re.sub(r"-\d+$", "", n)
+        if n in ref or cell in ref:
+            out[n] = ref[n] if n in ref else ref[cell]
+    return out
+
+
+def reference_note(profile: str, names: list[str]) -> str:
+    """The snapshotted reproduction's time, and these runs' at its times of their cells where it had every cell."""
     from lmcal.pipeline.schedule import clock, reference_seconds
 
     ref, machine = reference_seconds(profile)
-    return (f" The {profile} reproduction snapshotted in docs/runs/{profile} took {clock(sum(ref.values()))} on "
-            f"{machine}." if ref else "")
+    if not ref:
+        return ""
+    runs = sum(n != "report" for n in ref)
+    cells = cell_reference(ref, names)
+    return (f" The {profile} reproduction snapshotted in docs/runs/{profile} took {clock(sum(ref.values()))} for its "
+            f"{runs} runs on {machine}." + (f" At its times of their cells, these {len(names)} runs would take "
+                                            f"{clock(sum(cells.values()))}: an estimate until measured."
+                                            if names and len(cells) == len(names)
+                                            and set(names) != set(ref) - {"report"} else ""))
 
 
 def reproduce_sweeps(cfg: DictConfig) -> dict:
@@ -219,6 +244,7 @@ def reproduce_sweeps(cfg: DictConfig) -> dict:
         ref, machine = reference_seconds(cfg.profile)
         if ref:
             print(f"ETAs from the {cfg.profile} reproduction in docs/runs/{cfg.profile} ({machine}).", flush=True)
+            ref = {**ref, **cell_reference(ref, [st["name"] for st in stages])}  # a seed's run at its cell's time
         t0 = time.perf_counter()
         schedule(stages, cfg, out, current, max(1, int(cfg.get("jobs", 1))), ref)
         print(f"Finished in {time.perf_counter() - t0:.0f} s: {out / 'REPORT.md'}", flush=True)

@@ -11,10 +11,12 @@ The tests, all at Z = 2 standard errors:
 - a level is within 10% of a reference perplexity when the whole level ± Z se lies within 10% of it, not within when
   none of it does, and undecided otherwise;
 - a change of the last tenth rules out the paper's (-0.24 nats) when the two are more than Z se apart;
-- lookahead calibration is limited by its approximation or by the model as lmcal.reporting.calibration_limit says,
-  from the noise-free approximation table and the dose-response (never from one step's EntRate, whose standard error
-  is several times the effects here), and a rule beyond the cheapest meets the goal when it moves the last tenth
-  beyond Z se with a test CE not shown above the model's.
+- Algorithm 2's tail effect and its distance from the paper's are those of its headline law, exact lookahead at its own
+  α* where the record has it, else the stage's law (lmcal.reporting.calibration_limit); the drift and the fitted
+  temperature's test are the stage's law's, whose curves and decoders' row the record keeps;
+- why calibration's effect is small (its approximation or the model) is decided by lmcal.reporting.calibration_limit's
+  one comparison fixed in advance, at α* (never from the dose-response at other multiples of α*, nor from one step's
+  EntRate, whose standard error is several times the effects here).
 Sizes are stated in nats and in perplexity points (exp of the level after minus before), beside the paper's figure
 (lmcal.paper). Every function is pure: numbers in, a Claim out.
 """
@@ -24,7 +26,7 @@ from __future__ import annotations
 import math
 
 from lmcal import paper
-from lmcal.reporting.calibration_limit import calibration_limit
+from lmcal.reporting.calibration_limit import calibration_limit, headline, law_text, stage_row, stage_rule
 from lmcal.reporting.claim import Claim, Z, paper_calibration_nats
 from lmcal.reporting.claim import finite as _finite
 
@@ -161,28 +163,38 @@ def _row(rows: list[dict] | None, method: str) -> dict | None:
     return next((d for d in rows or [] if d.get("method") == method), None)
 
 
+def _with_law(c: Claim, row: dict, stage: str) -> Claim:
+    """A calibration claim with the law its numbers come from said at its end and kept in its numbers."""
+    law = law_text(row, stage)
+    return Claim(c.key, c.verdict, f"{c.sentence} The law: {law}.", {**c.numbers, "law": law, "rule": row["rule"],
+                                                                      "alpha": row["alpha"]})
+
+
 def calibration_claims(r: dict) -> list[Claim]:
-    """The calibration section's claims from results.json: the tail effect beside the paper's, the drift, whether
-    the paper's size is ruled out, which limit the approximation table and the dose-response show (where the stage
-    made them), and the calibration against the fitted temperature of the decoders stage (paired on the same
-    generations where that stage took calibration's, as its rows say)."""
+    """The calibration section's claims from results.json: the headline law's tail effect beside the paper's and
+    whether it rules out the paper's size (lmcal.reporting.calibration_limit.headline), the stage's law's drift,
+    why the effect is small (where the stage made a dose-response or an approximation table), and the stage's law
+    against the fitted temperature of the decoders stage (paired on the same generations where that stage took
+    calibration's, as its rows say)."""
     cal = r["calibration"]
-    out = [tail_effect("Calibration", cal["tail_diff_nats"], cal["tail_diff_stderr_nats"],
-                       math.log(cal["tail_ppl_before"]), paper_calibration(), key="calibration_tail"),
-           drift("Calibration", (cal["curve_nats_before"], cal["stderr_nats_before"]),
-                 (cal["curve_nats"], cal["stderr_nats"]), cal["tail_steps"],
-                 (cal["tail_diff_nats"] - cal["diff_curve_nats"][0],
-                  cal["tail_diff_stderr_nats"] + cal["diff_stderr_nats"][0]), key="calibration_drift")]
-    out.append(against_paper("Calibration", cal["tail_diff_nats"], cal["tail_diff_stderr_nats"]))
-    if cal.get("approximation") and cal.get("dose_response"):
-        out.append(calibration_limit(cal["approximation"], cal["dose_response"],
-                                     cal["dose_response"].get("extra_rows")))
+    h, own, stage = headline(cal), stage_row(cal), stage_rule(cal)
+    base = h["base_nats"] if _finite(h["base_nats"]) else own["base_nats"]  # a row without its level: the stage's
+    out = [_with_law(tail_effect("Calibration", h["tail_diff_nats"], h["tail_diff_stderr_nats"], base,
+                                 paper_calibration(), key="calibration_tail"), h, stage),
+           _with_law(drift("Calibration", (cal["curve_nats_before"], cal["stderr_nats_before"]),
+                           (cal["curve_nats"], cal["stderr_nats"]), cal["tail_steps"],
+                           (cal["tail_diff_nats"] - cal["diff_curve_nats"][0],
+                            cal["tail_diff_stderr_nats"] + cal["diff_stderr_nats"][0]), key="calibration_drift"),
+                     own, stage),
+           _with_law(against_paper("Calibration", h["tail_diff_nats"], h["tail_diff_stderr_nats"]), h, stage)]
+    if cal.get("approximation") or cal.get("dose_response"):
+        out.append(calibration_limit(cal))
     temp, c = _row(r.get("decoders"), "fitted_temperature"), _row(r.get("decoders"), "calibration")
     if temp and c:
-        out.append(against_temperature("Calibration", c["tail_diff_nats"], c["tail_diff_stderr_nats"],
-                                       temp["tail_diff_nats"], temp["tail_diff_stderr_nats"],
-                                       temp["params"].get("temperature"), c["test_ce_nats"], temp["test_ce_nats"],
-                                       key="calibration_vs_temperature"))
+        out.append(_with_law(against_temperature("Calibration", c["tail_diff_nats"], c["tail_diff_stderr_nats"],
+                                                 temp["tail_diff_nats"], temp["tail_diff_stderr_nats"],
+                                                 temp["params"].get("temperature"), c["test_ce_nats"],
+                                                 temp["test_ce_nats"], key="calibration_vs_temperature"), own, stage))
     return out
 
 
@@ -273,26 +285,38 @@ def sequence_goal_claims(sc: dict | None) -> list[Claim]:
                f"{g['chosen_on_seed']} ({g.get('label', g['method'])}, among {len(g['candidates'])} rows that are "
                f"Algorithm 1 or per-word samplers with a test CE not above the model's), measured again on {where}"
                f"seed {g['reported_on_seed']},")
-        out.append(_alpha_spread(within(who, g["tail_nats"], g["tail_stderr_nats"], g["test_ppl"],
-                                        key="sequence_goal_within"), g))
+        out.append(_every_error(who, g, "sequence_goal_within"))
     c = (sc or {}).get("twisted_check")
     if c and "tail_nats" in c:
         who = (f"The twisted row with the fewest particles ({c['label']}), on {c.get('prefixes', 'the same')} fresh "
                f"prefixes and seed {c['reported_on_seed']},")
-        out.append(_alpha_spread(within(who, c["tail_nats"], c["tail_stderr_nats"], c["test_ppl"],
-                                        key="sequence_twisted_within"), c))
+        out.append(_every_error(who, c, "sequence_twisted_within"))
     return out
 
 
-def _alpha_spread(claim: Claim, row: dict) -> Claim:
-    """An SMC goal row's verdict is on the law at its fitted α*, the calibrated model that was built; what α*'s own
-    standard error would move the level by, had it been fitted on other continuations, is said beside it."""
-    spread = row.get("tail_alpha_stderr_nats")
-    if not _finite(spread):
-        return claim
-    sentence = (f"{claim.sentence[:-1]}; that is the law at its fitted α*, and α*'s standard error would move its "
-                f"level by ±{spread:.3f} nats (±{100 * math.expm1(spread):.0f}%) more.")
-    return Claim(claim.key, claim.verdict, sentence, {**claim.numbers, "alpha_spread_nats": spread})
+def _every_error(who: str, row: dict, key: str) -> Claim:
+    """A goal row against the test perplexity, at Z standard errors that count every error it has: its generations'
+    noise; α*'s, carried into the level by its slope (an SMC row's law is the one at its fitted α*, and α* fitted on
+    other continuations would move it); and the run-to-run spread where a second training seed measured it. What is
+    not counted is said."""
+    spread, seeds = row.get("tail_alpha_stderr_nats"), row.get("run_to_run_stderr_nats")
+    parts = [x for x in (row["tail_stderr_nats"], spread, seeds) if _finite(x)]
+    se = math.sqrt(sum(x * x for x in parts)) if _finite(row["tail_stderr_nats"]) else None
+    claim = within(who, row["tail_nats"], se, row["test_ppl"], key=key)
+    counted = "the generations' noise" + (f", α*'s (±{spread:.3f} nats)" if _finite(spread) else "") + (
+        f", the run-to-run spread (±{seeds:.3f} nats)" if _finite(seeds) else "")
+    missing = [] if _finite(seeds) else ["the run-to-run spread (a second training seed would measure it)"]
+    if row.get("method") == "smc" and not _finite(spread):
+        missing.insert(0, "α*'s error")
+    note = f" Counted: {counted}." + (f" Not counted: {'; '.join(missing)}." if missing else "")
+    ident = row.get("identity") or {}
+    if _finite(ident.get("entropy_rate_nats")) and _finite(ident.get("validation_ce_nats")):
+        note += (f" The identity α* sets is another comparison: the law's entropy rate over all its words, "
+                 f"{ident['entropy_rate_nats']:.3f} nats, against the validation CE, "
+                 f"{ident['validation_ce_nats']:.3f}.")
+    return Claim(claim.key, claim.verdict, claim.sentence + note,
+                 {**claim.numbers, "alpha_spread_nats": spread, "run_to_run_nats": seeds,
+                  "generations_se": row["tail_stderr_nats"]})
 
 
 def memory_flags(rows: list[dict], beta_far: float = 0.2, z: float = Z) -> list[Claim]:

@@ -31,19 +31,22 @@ def claim_row(c: Claim, rel: str = "") -> tuple[str, ...] | None:
     """(claim, paper, lmcal, ± se, shown, figure) of one of a reproduction's claims, or None for a claim that is a flag
     rather than a claim of the paper (the memory flags: lmcal.reporting.claims_table.flags_table)."""
     n, p = c.numbers, f"{paper_calibration_nats():+.2f}"
+    law = f" ({n['law']})" if n.get("law") else ""  # the law a calibration row's numbers come from
     if c.key in ("calibration_tail", "calibration_vs_paper"):
         what = "lowers the last tenth's entropy" if c.key == "calibration_tail" else "moves it by the paper's amount"
-        row = f"Calibration {what} (nats)", p, _f(n["d"], "+.3f"), _f(n["se"], ".3f"), "calibration"
+        row = f"Calibration {what} (nats)", p, _f(n["d"], "+.3f") + law, _f(n["se"], ".3f"), "calibration"
     elif c.key == "calibration_drift":
-        row = ("Calibration flattens the drift (change of the rise, nats)", "flattens", _f(n["reduction"], "+.3f"),
-               _f(n["reduction_se"], ".3f"), "calibration")
+        row = ("Calibration flattens the drift (change of the rise, nats)", "flattens",
+               _f(n["reduction"], "+.3f") + law, _f(n["reduction_se"], ".3f"), "calibration")
+    elif c.key == "calibration_limit" and n["rule"] == "exact":  # the stage's law is exact: the model test alone
+        row = ("The candidate rule, not the model, limits calibration (exact lookahead at its own α* against the "
+               "model, last tenth, nats)", "exact", _f(n["exact_d"], "+.3f"), _f(n["exact_se"], ".3f"), "limit")
     elif c.key == "calibration_limit":
-        row = ("The candidate rule, not the model, limits calibration (exact lookahead's shift of next-word entropy "
-               f"at α*, nats; top rule keeps {n['kept']:.0%})", "exact", _f(n["exact_shift"], "+.4f"),
-               _f(n["exact_shift_se"], ".4f"), "limit")
+        row = (f"The candidate rule, not the model, limits calibration (exact minus {n['rule']} on the last tenth at "
+               "exact's own α*, paired, nats)", "exact", _f(n["d"], "+.3f"), _f(n["se"], ".3f"), "limit")
     elif c.key == "calibration_vs_temperature":
-        row = ("Calibration beats the fitted temperature (difference, nats)", "–", _f(n["d"] - n["d_t"], "+.3f"),
-               _f(n["se"] + n["se_t"], ".3f") + " (se + se)", "temperature")
+        row = ("Calibration beats the fitted temperature (difference, nats)", "–",
+               _f(n["d"] - n["d_t"], "+.3f") + law, _f(n["se"] + n["se_t"], ".3f") + " (se + se)", "temperature")
     elif c.key == "heads_vs_temperature":
         row = ("A future-entropy head beats the fitted temperature (heads that do)", "–",
                f"{n['more']} of {n['heads']}", "–", "head")
@@ -51,8 +54,8 @@ def claim_row(c: Claim, rel: str = "") -> tuple[str, ...] | None:
         who = {"best_head_within": "The best future-entropy head", "sequence_goal_within": "Algorithm 1's goal row",
                "sequence_twisted_within": "Algorithm 1, fewest twisted particles"}[c.key]
         level = math.exp(n["level_nats"])
-        row = (f"{who}: last tenth within 10% of the test perplexity {n['ref_ppl']:.1f}",
-               "equal (Algorithm 1)" if c.key.startswith("sequence") else "–", f"{level:.1f}",
+        row = (f"{who}: last tenth within 10% of the test perplexity {_f(n['ref_ppl'], '.1f')}",
+               "equal (Algorithm 1)" if c.key.startswith("sequence") else "–", _f(level, ".1f"),
                _f(n["se"], ".1f", level), "sequence" if c.key.startswith("sequence") else "head")
     else:
         return None
@@ -62,8 +65,6 @@ def claim_row(c: Claim, rel: str = "") -> tuple[str, ...] | None:
 def claim_rows(r: dict, rel: str = "") -> list[tuple[str, ...]]:
     """The claims table's rows of one reproduction's results.json (figures linked under `rel`): Table 1's level, each
     claim of lmcal.reporting.claims, the memory bounds beside the paper's, and the scale sweep's exponents."""
-    from lmcal.reporting.scale_text import group_claims
-
     rows = []
     e = r.get("entropy_rate") or {}
     if "tail_stderr_nats" in e:
@@ -71,25 +72,41 @@ def claim_rows(r: dict, rel: str = "") -> list[tuple[str, ...]]:
         level = math.exp(e["tail_nats"])
         rows.append(("Generations' entropy rate within 10% of the test perplexity (Table 1)",
                      f"{paper.AWD_LSTM_PTB['entrate_ppl']} vs {paper.AWD_LSTM_PTB['test_ppl']}",
-                     f"{level:.1f} vs {e['test_ppl']:.1f}", _f(e["tail_stderr_nats"], ".1f", level), shown(c.verdict),
-                     _fig("table1", rel)))
+                     f"{_f(level, '.1f')} vs {_f(e['test_ppl'], '.1f')}", _f(e["tail_stderr_nats"], ".1f", level),
+                     shown(c.verdict), _fig("table1", rel)))
     rows += [row for c in results_claims(r) if (row := claim_row(c, rel))]
     for m in r.get("memory", []):
         if m.get("model", "awd_lstm") == "awd_lstm" and m.get("limited") == "trained" and m["tau"] in paper.MEMORY_PTB:
             rows.append((f"Memory bound I_τ, τ = {m['tau']} (nats)", f"{paper.MEMORY_PTB[m['tau']][1]:.4f}",
-                         f"{m['mi_upper_bound_nats']:.4f}", _f(m.get("mi_stderr_nats"), ".4f"),
+                         _f(m["mi_upper_bound_nats"], ".4f"), _f(m.get("mi_stderr_nats"), ".4f"),
                          "– (no paper se)", _fig("memory", rel)))
     for g in r.get("groups", []):
-        for c in group_claims(g):
-            n = c.numbers
-            if "ref" in n:
-                axis = c.key.removeprefix("scale_exponent_")
-                rows.append((f"{g['label']}: gap ~ {axis}^b", f"{n['ref']:+.3f} (CVL)", f"{n['b']:+.3f}",
-                             f"[{n['lo']:+.3f}, {n['hi']:+.3f}] (interval)",
-                             f"{shown(c.verdict, {'falls', 'rises'})}; against CVL's: "
-                             f"{n.get('against_ref', 'untested')}",
-                             f"[scale]({rel}scale.png)"))
+        rows += [row for f in g["fits"].values() if (row := scale_row(g["label"], f, rel))]
     return rows
+
+
+def scale_row(label: str, fit: dict, rel: str = "") -> tuple[str, ...] | None:
+    """The claims table's row of one scale fit (lmcal.reporting.scale_text.fit_claim) with a reference exponent, or
+    None (a joint fit, or none to compare with). A fit that was not fitted shows dashes and its reason."""
+    from lmcal.reporting.scale_text import current, fit_claim
+
+    fit = current(fit)  # an earlier report's fit as this code reads it: its df, and why it is not fitted
+    c = fit_claim(label, fit)
+    if c is None or "ref" not in c.numbers:
+        return None
+    n, axis = c.numbers, c.key.removeprefix("scale_exponent_")
+    y = "gap" if fit.get("sign", 1.0) > 0 else "-gap"
+    if finite(n["lo"]) and finite(n["hi"]):
+        kind = f"t, {n['df']} df" if n["interval"] == "t" else "bootstrap"
+        interval = f"[{n['lo']:+.3f}, {n['hi']:+.3f}] ({100 * fit.get('level', 0.95):g}% {kind})"
+    else:
+        interval = "–"
+    if fit.get("error"):  # a table cell: its reason without the column separator
+        verdict = f"undecided (not fitted: {fit['error'].replace('|', '/')})"
+    else:
+        verdict = f"{shown(c.verdict, {'falls', 'rises'})}; against CVL's: {n.get('against_ref', 'untested')}"
+    return (f"{label}: {y} ~ {axis}^b", f"{n['ref']:+.3f} (CVL)", _f(n["b"], "+.3f"), interval, verdict,
+            f"[scale]({rel}scale.png)")
 
 
 def claims_table(rows: list[tuple[str, ...]], where: str = "") -> list[str]:

@@ -158,13 +158,16 @@ def paper_rows(r: dict, rel: str = "") -> list[tuple[str, ...]]:
 
 
 def bench_rows(docs: Path) -> list[tuple[str, ...]]:
-    """The claims table's rows of the benchmarks' summaries (bench/<page>.json: a study's level, tail_nats ±
-    tail_stderr_nats, against its model's test_ppl), each tested as lmcal.reporting.claims.within tests a
-    reproduction's goal row."""
+    """The claims table's rows of the benchmarks' summaries (bench/<page>.json: a study's level, tail_nats, against its
+    model's test_ppl), each tested as lmcal.reporting.claims.within tests a reproduction's goal row, at a standard
+    error that counts every error the summary records: tail_stderr_nats (the generations'), tail_alpha_stderr_nats
+    (α*'s, carried into the level) and run_to_run_stderr_nats (the spread between training seeds)."""
     rows = []
     for f in sorted((docs / "bench").glob("*.json")):
         s = json.loads(f.read_text())
-        level, se = math.exp(s["tail_nats"]), s["tail_stderr_nats"]
+        errors = [s.get(k) for k in ("tail_stderr_nats", "tail_alpha_stderr_nats", "run_to_run_stderr_nats")]
+        se = math.sqrt(sum(x * x for x in errors if isinstance(x, (int, float))))
+        level = math.exp(s["tail_nats"])
         rows.append((f"bench: [{s['label']}](bench/{f.stem}.md): last tenth within 10% of the test perplexity "
                      f"{s['test_ppl']:.1f}", "equal (Algorithm 1)", f"{level:.1f}", f"{level * se:.1f}",
                      shown(within("", s["tail_nats"], se, s["test_ppl"]).verdict), "–"))
@@ -189,9 +192,11 @@ def render(docs: Path = DOCS) -> str:
              "snapshotted under [runs/](runs) and the benchmark pages under [bench/](bench). Each section names the "
              "command, date and machine that made it. Do not edit by hand: rerun the run, then `make docs`.", "",
              "## The paper against lmcal", "",
-             f"Each claim's verdict at {Z:g} standard errors, as lmcal.reporting.claims tests it (the scale sweep's "
-             "exponents: their bootstrap interval against the reference's). Nats are changes of the mean entropy "
-             "over the last tenth of the horizon; the paper's calibration figure is its -20 points from 93.1.", ""]
+             f"Each claim's verdict at {Z:g} standard errors, as lmcal.reporting.claims tests it. A scale exponent "
+             "is tested by its 95% interval against the reference's: a t-interval over every run, or an earlier "
+             "report's bootstrap interval. Below 2 degrees of freedom, or with a gap ≤ 0, it is not fitted and "
+             "undecided. Nats are changes of the mean entropy over the last tenth of the horizon; the paper's "
+             "calibration figure is its -20 points from 93.1.", ""]
     sections, rows = [], []
     for folder in runs:
         try:

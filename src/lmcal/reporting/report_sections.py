@@ -7,7 +7,9 @@ import math
 from pathlib import Path
 
 from lmcal import paper
-from lmcal.reporting.claims import memory_flags
+from lmcal.reporting.calibration_limit import calibration_limit, law_name, law_rows, stage_rule
+from lmcal.reporting.claim import shown
+from lmcal.reporting.claims import effect_verdict, memory_flags
 from lmcal.reporting.claims_table import flags_table
 from lmcal.reporting.results import tail_ppl
 from lmcal.reporting.setup_text import tail_level
@@ -57,11 +59,35 @@ def calibration_markdown(r: dict) -> list[str]:
         lines += [f"Outside the candidates (over {cal['coverage_positions']:,} test positions), the calibrated model "
                   f"puts {cal['mass_outside_topk']:.3f} of its mass, and {100 * cal['true_word_outside_topk']:.1f}% "
                   "of the true next words fall there.", ""]
-    return [*lines, "![Figure 3](figure3_calibration.png)", "", *calibration_limit_markdown(cal)]
+    return [*lines, "![Figure 3](figure3_calibration.png)", "", *law_rows_markdown(cal),
+            *calibration_limit_markdown(cal)]
+
+
+def law_rows_markdown(cal: dict) -> list[str]:
+    """Algorithm 2's law at its own α*, the headline first and each other rule beside it, with the sentence of the
+    comparison fixed in advance that says why the effect is small (lmcal.reporting.calibration_limit): where the
+    stage made a dose-response or an approximation table."""
+    if not (cal.get("dose_response") or cal.get("approximation")):
+        return []
+    stage = stage_rule(cal)
+    lines = ["### Algorithm 2's law at its own α*", "",
+             "| rule | α | whose α* | generations | Δ last tenth vs model (nats, paired) | Δ test CE vs model (nats) | "
+             "shown at 2 se |", "|---|---|---|---|---|---|---|"]
+    for i, r in enumerate(law_rows(cal)):
+        ce, ce_se = r["test_ce_diff_nats"], r["test_ce_diff_stderr_nats"]
+        ce_text = "–" if ce is None else f"{ce:+.4f}" + (f" ± {ce_se:.4f}" if ce_se is not None else " (no se)")
+        who = law_name(r) + (", the headline" if i == 0 else "") + (", the stage's law" if r["stage"] else "")
+        whose = "its own" if r["own"] else f"{stage}'s"
+        lines.append(f"| {who} | {r['alpha']:.4f} | {whose} | "
+                     f"{r['generations'] or '–'} | {r['tail_diff_nats']:+.3f} ± {r['tail_diff_stderr_nats']:.3f} | "
+                     f"{ce_text} | {shown(effect_verdict(r['tail_diff_nats'], r['tail_diff_stderr_nats']))} |")
+    return [*lines, "", "The headline is exact lookahead at its own α* where a run measured it, else the stage's law.",
+            "Each other rule stands at its own α* where one was fitted, else at the stage's.",
+            "Each Δ is paired with its own run's plain generations.", "", calibration_limit(cal).sentence, ""]
 
 
 def calibration_limit_markdown(cal: dict) -> list[str]:
-    """The approximation table and the dose-response behind the calibration's limit (lmcal.stages.dose_response)."""
+    """The approximation table and the dose-response beside Algorithm 2's law (lmcal.stages.dose_response)."""
     lines = []
     if cal.get("approximation") or cal.get("dose_response"):
         from lmcal.stages.dose_response import approximation_markdown, dose_markdown
@@ -75,6 +101,8 @@ def calibration_limit_markdown(cal: dict) -> list[str]:
         dr = cal["dose_response"]
         extra = dr.get("extra_rows") or []
         lines += ["### Dose-response", "", dose_markdown(dr, extra).rstrip("\n"), "",
+                  "A dose-response: each law at multiples of α*, to see how its effect grows with α.",
+                  "No verdict above is drawn from it: those are at α* alone.",
                   f"Each row is its own generating law at α = k α* (α* = {dr['alpha']:.4g}).",
                   f"Each has {dr['generations']} generations of {dr['horizon']} words, on the same prefixes and seeds.",
                   f"Δ is paired with the plain model's generations; the vs column with {dr['rules'][0]}'s at the same "
@@ -113,7 +141,7 @@ def goal_rows_markdown(rows: list[tuple[str, dict | None]]) -> list[str]:
     if not rows:
         return []
     lines = ["| goal row | chosen among | chosen on seed | measured on | exp H, last tenth | ± from α* (nats) | "
-             "test ppl |", "|---|---|---|---|---|---|---|"]
+             "median exp H (share < 2 nats) | test ppl |", "|---|---|---|---|---|---|---|---|"]
     for what, g in rows:
         where = g.get("reported_on") or (f"{g['prefixes']} fresh prefixes" if g.get("prefixes") else "")
         spread = g.get("tail_alpha_stderr_nats")
@@ -122,9 +150,16 @@ def goal_rows_markdown(rows: list[tuple[str, dict | None]]) -> list[str]:
         lines.append(f"| {what}: {label} | {len(g.get('candidates') or []) or '–'} | {g['chosen_on_seed']} | "
                      f"{where}{', ' if where else ''}seed {g['reported_on_seed']} | "
                      f"{g['tail_ppl']:.1f} ± {se:.1f} | {'–' if spread is None else f'±{spread:.3f}'} | "
-                     + (f"{g['test_ppl']:.1f} |" if g.get("test_ppl") else "– |"))
+                     f"{_median_cell(g)} | " + (f"{g['test_ppl']:.1f} |" if g.get("test_ppl") else "– |"))
     return [*lines, "", "A goal row is chosen on one seed's generations, then measured again where it was not chosen.",
             ""]
+
+
+def _median_cell(g: dict) -> str:
+    """The median generation's last tenth as exp, and the share of generations below 2 nats: what the mean hides."""
+    if g.get("tail_median_nats") is None:
+        return "–"
+    return f"{math.exp(g['tail_median_nats']):.1f} ({100 * g['tail_below_2_nats_share']:.1f}%)"
 
 
 def future_entropy_markdown(r: dict, fe: dict | None) -> list[str]:

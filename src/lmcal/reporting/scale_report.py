@@ -1,8 +1,9 @@
 """The scale sweep's table and fit (the logic of `python -m lmcal.report` on folders holding scale.json records):
 one table of the runs, a log-log figure of the gap against parameters, training tokens and test cross-entropy, and
-the fitted exponents with bootstrap intervals beside Cao, Valiant & Liang's, with the sentences about them written
-by lmcal.reporting.claims. Written into the output folder as scale.md, scale.png and scale_report.json, and as
-results.json and REPORT.md (profile `scale`), so that `make docs RUNS=<that folder>` snapshots it into
+the fitted exponents with t-intervals on their residual degrees of freedom (every seed a run, no run dropped by its
+gap's sign; the signed gap's trend beside each power law) beside Cao, Valiant & Liang's, with the sentences about
+them written by lmcal.reporting.claims. Written into the output folder as scale.md, scale.png and scale_report.json,
+and as results.json and REPORT.md (profile `scale`), so that `make docs RUNS=<that folder>` snapshots it into
 docs/runs/scale; logged to W&B as one report run per group, with the table and the scatter as W&B plots.
 """
 
@@ -11,14 +12,15 @@ from __future__ import annotations
 import json
 import logging
 import shlex
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
 
 from lmcal import paper
-from lmcal.core.scaling import MIN_SPREAD, fit_power_law, weighted_trend
+from lmcal.core.scaling import MIN_SPREAD, fit_power_law, signed_trend, weighted_trend
 from lmcal.errors import LmcalError
-from lmcal.reporting.scale_text import AXES, METHODS, report_markdown, results_json, scale_table
+from lmcal.reporting.scale_text import AXES, METHODS, report_markdown, results_json, run_label, scale_table
 from lmcal.stages.scale_record import RECORD
 from lmcal.utils.io import inside, write_json_atomic, write_text_atomic
 
@@ -29,8 +31,8 @@ NEEDED = ("model", "family", "corpus", "unit", "params", "train_tokens", "test_c
 
 
 def collect_scale(dirs: list[str | Path]) -> list[dict]:
-    """Every scale.json under `dirs`, with its path and its run's wall time (metrics.json's, or the stages' of
-    evaluation.json); a file that is not a record is one paragraph naming it."""
+    """Every scale.json under `dirs`, with its path, its run's wall time (metrics.json's, or the stages' of
+    evaluation.json) and training seed; a file that is not a record is one paragraph naming it."""
     rows = []
     for d in map(Path, dirs):
         for path in sorted(d.rglob(RECORD)):
@@ -44,6 +46,7 @@ def collect_scale(dirs: list[str | Path]) -> list[dict]:
                                  "run's analysis (stages=[entropy_rate,...]).") from None
             r["path"] = str(path)
             r["wall_seconds"] = run_seconds(path.parent)
+            r["train_seed"] = run_seed(path.parent)
             rows.append(r)
     return rows
 
@@ -64,6 +67,18 @@ def run_seconds(run: Path) -> float | None:
     return None
 
 
+def run_seed(run: Path) -> int | None:
+    """A run's training seed, from the config Hydra saved in its folder; None where there is none (a record written
+    outside Hydra, or an evaluation, which trains nothing)."""
+    import yaml
+
+    try:
+        seed = (yaml.safe_load((run / ".hydra" / "config.yaml").read_text()) or {}).get("seed")
+    except (OSError, yaml.YAMLError, AttributeError):
+        return None
+    return seed if isinstance(seed, int) and not isinstance(seed, bool) else None
+
+
 def group_label(key: tuple) -> str:
     corpus, s, family, unit = key
     return f"{family} on {corpus}" + (f", tail exponent s = {s:g}" if s is not None else "") + \
@@ -82,12 +97,10 @@ def reference(key: tuple, axis: str) -> tuple[float | None, str]:
     return None, ""
 
 
-def fit_group(key: tuple, rows: list[dict], n_boot: int = 2000, seed: int = 0) -> dict:
+def fit_group(key: tuple, rows: list[dict], n_boot: int = 2000, seed: int = 0, level: float = 0.95) -> dict:
     """The fits of one group of runs: the gap against each of parameters and training tokens that varies (each
-    alone, as CVL fit it, and both at once when both vary), and against test CE; the paired effects' trends."""
-    tails = [np.asarray(r["tail_nats_per_prefix"]) for r in rows]
-    ce = [r["test_ce_nats"] for r in rows]
-    ce_se = [r.get("test_ce_stderr_nats") for r in rows]
+    alone, as CVL fit it, and both at once when both vary), and against test CE, each as a power law and as the
+    signed gap's trend; the paired effects' trends; the group's cells (design points) and seeds per cell."""
     varying = [k for k in ("params", "train_tokens", "data_tokens")  # spanning a factor of MIN_SPREAD: one budget
                if all(isinstance(r.get(k), (int, float)) and r[k] > 0 for r in rows)  # seen (640,000 and 639,980
                and max(r[k] for r in rows) >= MIN_SPREAD * min(r[k] for r in rows)]  # tokens) is not an axis
@@ -97,32 +110,83 @@ def fit_group(key: tuple, rows: list[dict], n_boot: int = 2000, seed: int = 0) -
         varying.remove("data_tokens")
     tokens = [k for k in varying if k != "params"][:1]  # the distinct tokens where the runs saw as many in all
     joint = ["params", *tokens] if "params" in varying and tokens else []
-    fits = {}
     # a family whose every gap is negative (generations less entropic than its test CE) has its deficit fitted
-    sign = -1.0 if all(t.mean() <= c for t, c in zip(tails, ce, strict=True)) else 1.0
-    for axes in [[k] for k in varying + ["test_ce_nats"]] + ([joint] if joint else []):
-        name = "+".join(axes)
-        try:
-            f = fit_power_law({k: [r[k] for r in rows] for k in axes}, tails, ce, ce_se, n_boot=n_boot, seed=seed,
-                              sign=sign)
-        except ValueError as e:
-            fits[name] = {"axes": axes, "error": str(e), "sign": sign}
-            continue
-        fits[name] = {"axes": axes, "sign": sign, "exponents": f.exponents, "ci": {k: list(v) for k, v in f.ci.items()},
-                      "stderr": f.stderr, "intercept": f.intercept, "level": f.level, "n_runs": f.n_runs,
-                      "excluded": [rows[i]["model"] for i in f.excluded], "replicates": f.replicates,
-                      "failed_replicates": f.failed_replicates}
-        if len(axes) == 1:
-            fits[name]["reference"], fits[name]["reference_text"] = reference(key, axes[0])
+    tails = [np.asarray(r["tail_nats_per_prefix"]) for r in rows]
+    sign = -1.0 if all(t.mean() <= r["test_ce_nats"] for t, r in zip(tails, rows, strict=True)) else 1.0
+    fits = {"+".join(axes): fit_axes(key, axes, rows, sign, n_boot, seed, level)
+            for axes in [[k] for k in varying + ["test_ce_nats"]] + ([joint] if joint else [])}
+    cells = Counter(cell_of(r, i, ["params", "train_tokens"]) for i, r in enumerate(rows))
+    return {"label": group_label(key), "corpus": key[0], "tail_exponent": key[1], "family": key[2], "unit": key[3],
+            "runs": len(rows), "fits": fits, "trends": effect_trends(rows),
+            "token_axis": (tokens or ["train_tokens"])[0],
+            "cells": len(cells), "seeds_per_cell": [min(cells.values()), max(cells.values())]}
+
+
+def cell_of(r: dict, i: int, axes: list[str]) -> tuple:
+    """Run i's design point on `axes`, which its seeds share: the training tokens seen vary a little with a seed's
+    BPTT windows, so the distinct ones (data_tokens) stand for them; a test CE is each run's own."""
+    return tuple(i if a == "test_ce_nats" else (r.get("data_tokens") or r[a]) if a == "train_tokens" else r[a]
+                 for a in axes)
+
+
+def fit_axes(key: tuple, axes: list[str], rows: list[dict], sign: float, n_boot: int, seed: int,
+             level: float) -> dict:
+    """One fit of a group against `axes`: the power law of sign * gap with its t-interval and bootstrap, or why not,
+    and the signed trend ('signed'), each over every run.
+
+    Every run enters, the seeds of a cell each as a run, not the cells' means: the seeds are independent trainings,
+    OLS over them has the point estimate of the cell means weighted by their seed counts, and its residuals hold
+    both the seeds' scatter within a cell and the cells' scatter about the law, so the interval is learned from every
+    training (cell means would drop the scatter within cells and leave cells - coefficients df: 0 or 1 with 2 or 3
+    cells). It assumes the law holds at the cells beyond seed noise; with as few cells as coefficients nothing tests
+    that, so the table gives the cells beside the runs."""
+    x = {k: [r[k] for r in rows] for k in axes}
+    g = sign * np.array([np.mean(r["tail_nats_per_prefix"]) - r["test_ce_nats"] for r in rows])  # [R]
+    out = {"axes": axes, "sign": sign, "level": level, "interval": "t", "n_runs": len(rows), "excluded": [],
+           "cells": len({cell_of(r, i, axes) for i, r in enumerate(rows)}), "signed": signed_fit(x, g, level)}
+    if len(axes) == 1:
+        out["reference"], out["reference_text"] = reference(key, axes[0])
+    bad = [run_label(r) for r, gi in zip(rows, g, strict=True) if gi <= 0]
+    y = "gap" if sign > 0 else "-gap"
+    if bad:
+        return {**out, "df": len(rows) - len(axes) - 1, "nonpositive": bad,
+                "error": f"{len(bad)} of {len(rows)} runs have {y} <= 0: {'; '.join(bad)}; a power law cannot take "
+                         "them, and leaving them out would select on the outcome: the signed trend takes every run"}
+    try:
+        f = fit_power_law(x, [np.asarray(r["tail_nats_per_prefix"]) for r in rows], [r["test_ce_nats"] for r in rows],
+                          [r.get("test_ce_stderr_nats") for r in rows], n_boot=n_boot, level=level, seed=seed,
+                          sign=sign)
+    except ValueError as e:
+        return {**out, "df": len(rows) - len(axes) - 1, "error": str(e)}
+    return {**out, "exponents": f.exponents, "ci": {k: list(v) for k, v in f.ci.items()}, "stderr": f.stderr,
+            "intercept": f.intercept, "df": f.df, "t_crit": f.t_crit,
+            "bootstrap_ci": {k: list(v) for k, v in f.bootstrap_ci.items()}, "bootstrap_stderr": f.bootstrap_stderr,
+            "replicates": f.replicates, "failed_replicates": f.failed_replicates}
+
+
+def signed_fit(x: dict[str, list[float]], g: np.ndarray, level: float) -> dict:
+    """The signed trend g = a + sum_k b_k log x_k over every run (whatever its sign), with t-intervals; or why not."""
+    try:
+        names, f = signed_trend(x, g, level)
+    except ValueError as e:
+        return {"error": str(e), "df": len(g) - len(x) - 1, "n_runs": len(g)}
+    return {"slopes": {k: float(f.coef[j + 1]) for j, k in enumerate(names)}, "intercept": float(f.coef[0]),
+            "stderr": {k: float(f.stderr[j + 1]) for j, k in enumerate(names)},
+            "ci": {k: [float(v) for v in f.ci[j + 1]] for j, k in enumerate(names)}, "df": f.df,
+            "t_crit": f.t_crit, "level": level, "n_runs": len(g)}
+
+
+def effect_trends(rows: list[dict]) -> dict:
+    """Each fitted method's paired effect against log test CE, where every run has it and the test CEs differ."""
+    ce = [r["test_ce_nats"] for r in rows]
     trends = {}
     for m in METHODS:
         eff = [r["effects"].get(m) for r in rows]
         if all(eff) and len({round(c, 9) for c in ce}) > 1:
             slope, se = weighted_trend(np.log(ce), [e["tail_diff_nats"] for e in eff],
                                        [e["tail_diff_stderr_nats"] for e in eff])
-            trends[m] = {"slope": slope, "stderr": se, "runs": len(rows)}
-    return {"label": group_label(key), "corpus": key[0], "tail_exponent": key[1], "family": key[2], "unit": key[3],
-            "runs": len(rows), "fits": fits, "trends": trends, "token_axis": (tokens or ["train_tokens"])[0]}
+            trends[m] = {"slope": slope, "stderr": se, "runs": len(rows), "df": len(rows) - 2}
+    return trends
 
 
 def scale_figure(groups: list[tuple[dict, list[dict]]], path: Path) -> Path:
@@ -140,8 +204,12 @@ def scale_figure(groups: list[tuple[dict, list[dict]]], path: Path) -> Path:
         color = f"C{i}"
         sign = next((f.get("sign", 1.0) for f in g["fits"].values()), 1.0)  # -1: the deficit, open markers
         for ax, axis in zip(axes, ("params", g.get("token_axis", "train_tokens"), "test_ce_nats"), strict=True):
-            pts = [(r[axis], sign * r["gap_nats"], r["gap_stderr_nats"]) for r in rows
-                   if isinstance(r.get(axis), (int, float)) and r[axis] > 0 and sign * r["gap_nats"] > 0]
+            on_axis = [r for r in rows if isinstance(r.get(axis), (int, float)) and r[axis] > 0]
+            pts = [(r[axis], sign * r["gap_nats"], r["gap_stderr_nats"]) for r in on_axis if sign * r["gap_nats"] > 0]
+            if len(pts) < len(on_axis):  # a log axis cannot show them: say so where they are missing
+                ax.annotate(f"{g['label']}: {len(on_axis) - len(pts)} run(s) with {'gap' if sign > 0 else '-gap'}"
+                            " <= 0 not drawn", (0.02, 0.02 + 0.05 * i), xycoords="axes fraction", fontsize=6,
+                            color=color)
             if not pts:
                 continue
             x, y, se = (np.asarray(v, dtype=float) for v in zip(*pts, strict=True))
@@ -152,7 +220,8 @@ def scale_figure(groups: list[tuple[dict, list[dict]]], path: Path) -> Path:
             if f and "exponents" in f and len(x) > 1:
                 xs = np.geomspace(x.min(), x.max(), 20)
                 ax.plot(xs, np.exp(f["intercept"]) * xs ** f["exponents"][axis], color=color, lw=1,
-                        label=f"b = {f['exponents'][axis]:+.3f} [{f['ci'][axis][0]:+.2f}, {f['ci'][axis][1]:+.2f}]")
+                        label=f"b = {f['exponents'][axis]:+.3f} [{f['ci'][axis][0]:+.2f}, {f['ci'][axis][1]:+.2f}], "
+                              f"{f['df']} df")
     from matplotlib import ticker
 
     for ax, axis in zip(axes, ("params", "train_tokens", "test_ce_nats"), strict=True):
@@ -173,7 +242,8 @@ def scale_figure(groups: list[tuple[dict, list[dict]]], path: Path) -> Path:
         if ax.has_data():
             ax.legend(fontsize=6)
     axes[0].set_ylabel("gap = last tenth's entropy - test CE (nats)\nopen: -gap, where every gap of a group is < 0")
-    fig.suptitle("Entropy miscalibration against scale (bars ±1 se; lines: log-log least squares)", fontsize=10)
+    fig.suptitle("Entropy miscalibration against scale (bars ±1 se; lines: log-log least squares over every run, "
+                 "with t-intervals)", fontsize=10)
     fig.tight_layout()
     with atomic_path(path) as tmp:
         fig.savefig(tmp, format="png")

@@ -8,9 +8,10 @@ import math
 import time
 
 from lmcal import paper
+from lmcal.core.scaling import MIN_DF
 from lmcal.reporting.claim import Claim, Z, finite, shown
 from lmcal.reporting.provenance import provenance, provenance_line
-from lmcal.reporting.scale_claims import effect_trend, scale_exponent
+from lmcal.reporting.scale_claims import ExponentFit, effect_trend, scale_exponent, signed_gap_trend
 from lmcal.reporting.setup_text import generations
 
 AXES = {"params": "parameters", "train_tokens": "training tokens", "data_tokens": "distinct training tokens",
@@ -20,26 +21,66 @@ METHODS = {"fitted_temperature": "the fitted temperature", "calibration": "looka
 BIG = ("tail_nats_per_prefix", "curve_nats", "stderr_nats")  # kept in each run's scale.json, not in results.json
 
 
+def current(f: dict) -> dict:
+    """A fit as this code writes it. A fit of an earlier report (no 'interval': a bootstrap over the runs of positive
+    gap) is read with its df from its runs and coefficients, as not fitted where it left runs out (a selection on the
+    outcome) or had df < MIN_DF, and otherwise with its bootstrap interval as the only one it has."""
+    if "interval" in f or "error" in f:
+        return f
+    k, n = len(f["axes"]), f["n_runs"]
+    df = n - k - 1
+    if f.get("excluded"):
+        return {**f, "df": df, "nonpositive": f["excluded"],
+                "error": f"{len(f['excluded'])} run(s) with {_y(f)} <= 0 were left out by an earlier report: "
+                         f"{'; '.join(f['excluded'])}"}
+    if df < MIN_DF:
+        return {**f, "df": df, "error": f"df < {MIN_DF}: {n} runs and {k + 1} coefficients leave {df}"}
+    return {**f, "df": df, "interval": "bootstrap", "bootstrap_ci": f["ci"]}
+
+
 def fit_claim(label: str, f: dict) -> Claim | None:
-    """The claim of one single-axis fit, beside its reference; None for a joint fit or one that failed."""
-    if "error" in f or len(f["axes"]) > 1:
+    """The claim of one single-axis power law, beside its reference (not fitted: undecided); None for a joint fit."""
+    f = current(f)
+    if len(f["axes"]) > 1:
         return None
     axis = f["axes"][0]
-    return scale_exponent(label, AXES[axis], f["exponents"][axis], tuple(f["ci"][axis]), f["level"], f["n_runs"],
-                          f.get("reference"), f.get("reference_text", ""), key=f"scale_exponent_{axis}",
-                          quantity=_quantity(f))
+    b, ci = (math.nan, (math.nan, math.nan)) if "error" in f else (f["exponents"][axis], tuple(f["ci"][axis]))
+    fit = ExponentFit(b, ci, f.get("level", 0.95), f.get("n_runs"), f.get("df"), f.get("interval", "t"),
+                      f.get("error", ""))
+    return scale_exponent(label, AXES[axis], fit, f.get("reference"), f.get("reference_text", ""),
+                          key=f"scale_exponent_{axis}", quantity=_quantity(f))
+
+
+def signed_claim(label: str, f: dict) -> Claim | None:
+    """The claim of one single-axis signed trend (every run, whatever its gap's sign); None for a joint fit or a
+    fit of an earlier report, which had none."""
+    s = f.get("signed")
+    if s is None or len(f["axes"]) > 1:
+        return None
+    axis = f["axes"][0]
+    b, ci = (math.nan, (math.nan, math.nan)) if "error" in s else (s["slopes"][axis], tuple(s["ci"][axis]))
+    return signed_gap_trend(label, AXES[axis], b, ci, s.get("level", 0.95), s.get("df"), s["n_runs"],
+                            key=f"scale_trend_{axis}", quantity=_quantity(f), why_not=s.get("error", ""))
 
 
 def trend_claim(label: str, m: str, t: dict) -> Claim:
     """The claim of one method's trend with the models' strength."""
     return effect_trend(f"{METHODS[m][0].upper()}{METHODS[m][1:]} ({label})", t["slope"], t["stderr"], t["runs"],
-                        key=f"trend_{m}")
+                        key=f"trend_{m}", df=t.get("df"))
 
 
 def group_claims(g: dict) -> list:
-    """The sentences of a group's fits (each single-axis fit, beside its reference) and trends."""
-    fits = [c for f in g["fits"].values() if (c := fit_claim(g["label"], f))]
+    """The sentences of a group's fits (each single-axis power law, beside its reference, and signed trend) and of
+    its methods' trends."""
+    fits = [c for f in g["fits"].values() for c in (fit_claim(g["label"], f), signed_claim(g["label"], f)) if c]
     return fits + [trend_claim(g["label"], m, t) for m, t in g["trends"].items()]
+
+
+def run_label(r: dict) -> str:
+    """A run as the fits name it: its model, its distinct training tokens and its training seed where known."""
+    seed = r.get("train_seed")
+    return f"{r['model']}, {_count(r.get('data_tokens') or r.get('train_tokens'))} tokens" + (
+        f", seed {seed}" if seed is not None else "")
 
 
 def _pm(x, se, digits=3) -> str:
@@ -59,15 +100,18 @@ def _effect(r: dict, m: str) -> str:
 
 
 def scale_table(rows: list[dict]) -> str:
-    """One line per run: size, tokens, test CE, the last tenth, the gap, and each fitted method's paired change of the
-    last tenth with its test CE (on the stages' scored test tokens, beside the plain model's there)."""
-    lines = ["| model | parameters | training tokens (distinct) | test CE | last tenth | gap | T* (test CE) | "
-             "calibration (test CE) | plain (test CE) | wall |", "|---|---|---|---|---|---|---|---|---|---|"]
+    """One line per run: its training seed, size, tokens, test CE, the last tenth, the gap, and each fitted method's
+    paired change of the last tenth with its test CE (on the stages' scored test tokens, beside the plain model's
+    there)."""
+    lines = ["| model | seed | parameters | training tokens (distinct) | test CE | last tenth | gap | T* (test CE) | "
+             "calibration (test CE) | plain (test CE) | wall |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         eff = r["effects"]
         wall = f"{r['wall_seconds'] / 60:.1f} min" if r.get("wall_seconds") else "–"
         distinct = f" ({_count(r['data_tokens'])})" if r.get("data_tokens") else ""
-        lines.append(f"| {r['model']} | {_count(r['params'])} | {_count(r['train_tokens'])}{distinct} | "
+        seed = r.get("train_seed")
+        lines.append(f"| {r['model']} | {'–' if seed is None else seed} | {_count(r['params'])} | "
+                     f"{_count(r['train_tokens'])}{distinct} | "
                      f"{_pm(r['test_ce_nats'], r.get('test_ce_stderr_nats'), 4)} | "
                      f"{_pm(r['tail_nats'], r['tail_stderr_nats'])} | {_pm(r['gap_nats'], r['gap_stderr_nats'])} | "
                      f"{_effect(r, 'fitted_temperature')} | {_effect(r, 'calibration')} | "
@@ -90,9 +134,14 @@ def results_json(groups: list[tuple[dict, list[dict]]], rows: list[dict], comman
                     "verdicts": {c.key: c.verdict for c in group_claims(g)}} for g, _ in groups],
         "runs": [{k: v for k, v in r.items() if k not in BIG} for r in rows],
         "wall_seconds": sum(walls) if walls else None, "runs_timed": len(walls),
-        "bootstrap_replicates": n_boot, "reference": {"paper": paper.CVL, "text_exponent": paper.CVL_TEXT_EXPONENT},
+        "bootstrap_replicates": n_boot, "min_df": MIN_DF,
+        "reference": {"paper": paper.CVL, "text_exponent": paper.CVL_TEXT_EXPONENT},
         "written_at": time.strftime("%Y-%m-%d %H:%M %Z"),
     }
+
+
+def _y(f: dict) -> str:
+    return "gap" if f.get("sign", 1.0) > 0 else "-gap"
 
 
 def _quantity(f: dict) -> str:
@@ -106,10 +155,11 @@ def _quantity(f: dict) -> str:
 # REPORT.md: a setup table, then each group's runs, fits and trends as tables
 # ---------------------------------------------------------------------------------------------------------------------
 
-FIT_HEADER = ["| fit | b | interval | runs | bootstrap replicates (failed) | left out | CVL's exponent | "
-              "trend shown by the interval | against CVL's |", "|---|---|---|---|---|---|---|---|---|"]
-TREND_HEADER = [f"| method | slope (nats per unit of log test CE) | ± se | runs | trend shown at {Z:g} se |",
-                "|---|---|---|---|---|"]
+FIT_HEADER = ["| fit | b | t-interval | df | runs (cells) | bootstrap cross-check (failed of replicates) | "
+              "CVL's exponent | trend shown by the t-interval | against CVL's |",
+              "|---|---|---|---|---|---|---|---|---|"]
+TREND_HEADER = [f"| method | slope (nats per unit of log test CE) | ± se | runs | df | trend shown at {Z:g} se |",
+                "|---|---|---|---|---|---|"]
 AGAINST = {"consistent": "consistent (inside the interval)", "faster": "falls faster (CVL's above the interval)",
            "slower": "falls more slowly (CVL's below the interval)"}
 
@@ -123,8 +173,10 @@ def setup_markdown(report: dict, groups: list[tuple[dict, list[dict]]]) -> list[
     rows = [r for _, v in groups for r in v]
     gens = sorted({(r["num_prefixes"], r["samples_per_prefix"], r["prefix_len"], r["horizon"]) for r in rows})
     levels = sorted({f["level"] for g, _ in groups for f in g["fits"].values() if "level" in f})
+    pct = ", ".join(f"{100 * x:g}%" for x in levels) or "–"
+    earlier = any("interval" not in f for g, _ in groups for f in g["fits"].values())  # an earlier report's fits
     table = [
-        ("runs", f"{len(rows)} in {len(groups)} group(s)"),
+        ("runs", f"{len(rows)} in {len(groups)} group(s)" + _cells(groups)),
         ("prefixes", "; ".join(f"{n} validation points × {p} tokens" for n, _, p, _ in gens)),
         ("generations", "; ".join(f"{generations({'num_prefixes': n, 'samples_per_prefix': s})}, {h} tokens each"
                                   for n, s, _, h in gens)),
@@ -133,9 +185,13 @@ def setup_markdown(report: dict, groups: list[tuple[dict, list[dict]]]) -> list[
                                  "of 100 consecutive test tokens"),
         ("T* and calibration", "paired with the plain model (the same points and uniforms); each sampled from, and "
                                "scored as, the fitted model"),
-        ("exponents", "least squares of log gap on log x (CVL's fit)"),
-        ("intervals", f"{', '.join(f'{100 * x:g}%' for x in levels) or '–'} percentile bootstrap over the runs and, "
-                      "within each, its validation points (its test CE redrawn within its standard error)"),
+        ("exponents", "least squares of log gap on log x over every run, each seed a run (CVL's fit); and the signed "
+                      "gap's trend, gap = a + b log x, over every run whatever its sign"),
+        ("intervals", f"{pct} percentile bootstrap over the runs of positive gap and their validation points, by an "
+                      "earlier report that recorded no t-intervals; df = runs − coefficients" if earlier else
+                      f"{pct} t-intervals on df = runs − coefficients; a percentile bootstrap over the runs and "
+                      "their validation points (its test CE redrawn within its standard error) as a cross-check"),
+        ("fewest df", f"{MIN_DF}: a fit with fewer is not fitted, and its verdict undecided"),
         ("trend slopes", "weighted by each run's standard error; the error widened by the runs' scatter where larger"),
         ("the sweep's wall time", f"{_hours(report['wall_seconds'])}, the sum of its runs' ({report['runs_timed']} "
                                   "timed: training and analysis)"),
@@ -146,13 +202,32 @@ def setup_markdown(report: dict, groups: list[tuple[dict, list[dict]]]) -> list[
     notes = ["Each run samples its generations from the model itself and scores that model on the test text.",
              "So the law that generates is the law that is scored.",
              f"{paper.CVL} average the whole generation; the gap here takes its last tenth, where the drift has "
-             "happened.",
-             "A run whose gap is not positive has no logarithm: its fits leave it out, and name it.",
-             *_reference_notes(groups)]
+             "happened.", *SIGN_NOTES[earlier], *_reference_notes(groups)]
     if report.get("pipeline_wall_seconds"):
         notes.append("Runs that were done before and skipped count in the pipeline's time as they ran then.")
     return ["## Setup", "", "| setting | value |", "|---|---|", *(f"| {k} | {v} |" for k, v in table), "",
             *notes, "", *TABLE_NOTES, ""]
+
+
+SIGN_NOTES = {
+    False: ["No run is left out for the sign of its gap: a run with gap <= 0 has no logarithm, and leaving it out "
+            "would select the runs on the outcome.",
+            "So a power law is fitted only where every run's gap is positive; otherwise its row says which runs it "
+            "cannot take.",
+            "The signed trend, gap = a + b log x, takes every run; b is in nats per unit of log x."],
+    True: ["The fits here are an earlier report's: they left out runs whose gap was <= 0, and had no t-intervals.",
+           "A fit that left runs out, or had df < 2, is shown as not fitted; rerun the report on its runs for "
+           "t-intervals and the signed trends."],
+}
+
+
+def _cells(groups: list[tuple[dict, list[dict]]]) -> str:
+    """'; 9 cells, 3 seeds each' where the groups know their cells (an earlier report's do not)."""
+    gs = [g for g, _ in groups if "cells" in g]
+    if not gs:
+        return ""
+    lo, hi = min(g["seeds_per_cell"][0] for g in gs), max(g["seeds_per_cell"][1] for g in gs)
+    return f"; {sum(g['cells'] for g in gs)} cells, {lo if lo == hi else f'{lo}-{hi}'} seed(s) each"
 
 
 TABLE_NOTES = ["In the runs tables, entropies and cross-entropies are in nats; ± is one standard error.",
@@ -179,30 +254,65 @@ def _reference(g: dict, f: dict) -> str:
     return f"{f['reference']:+.3f} " + (f"(predicted for s = {s:g})" if s is not None else "(fit for text)")
 
 
-def fit_row(g: dict, f: dict) -> str:
-    """One fit of a group as a row: law, exponent(s), interval(s), runs, replicates, runs left out, CVL's exponent,
-    and the claim's verdicts (a joint fit states none)."""
-    y = "gap" if f.get("sign", 1.0) > 0 else "-gap"
-    if "error" in f:
-        return f"| {y} against {' and '.join(AXES[a] for a in f['axes'])} | not fitted ({f['error']}) |" + " – |" * 7
+def _law(f: dict, signed: bool = False) -> str:
+    """'gap ~ parameters^b' or 'gap = a + b log parameters' (joint fits: b_<axis> each)."""
     one = len(f["axes"]) == 1
     name = {a: "b" if one else f"b_{a}" for a in f["axes"]}
-    law = " x ".join(f"{AXES[a]}^{name[a]}" for a in f["axes"])
-    b = "; ".join(f"{'' if one else name[a] + ' = '}{f['exponents'][a]:+.3f}" for a in f["axes"])
-    ci = "; ".join(f"[{f['ci'][a][0]:+.3f}, {f['ci'][a][1]:+.3f}]" for a in f["axes"])
+    if signed:
+        return f"{_y(f)} = a + " + " + ".join(f"{name[a]} log {AXES[a]}" for a in f["axes"])
+    return f"{_y(f)} ~ " + " x ".join(f"{AXES[a]}^{name[a]}" for a in f["axes"])
+
+
+def _values(f: dict, coef: dict, ci: dict | None, digits: int = 3) -> tuple[str, str]:
+    """The coefficient(s) and their interval(s) as cells; '–' for no interval."""
+    one, d = len(f["axes"]) == 1, f"+.{digits}f"
+    b = "; ".join(f"{'' if one else f'b_{a} = '}{coef[a]:{d}}" for a in f["axes"])
+    return b, "; ".join(f"[{ci[a][0]:{d}}, {ci[a][1]:{d}}]" for a in f["axes"]) if ci else "–"
+
+
+def _runs(f: dict) -> str:
+    return f"{f.get('n_runs', '–')}" + (f" ({f['cells']})" if "cells" in f else "")
+
+
+def fit_row(g: dict, f: dict) -> str:
+    """One power law of a group as a row: law, exponent(s), t-interval(s), df, runs (cells), the bootstrap's
+    interval(s), CVL's exponent, and the claim's verdicts (a joint fit states none; one not fitted: undecided)."""
+    f = current(f)
     c = fit_claim(g["label"], f)
     verdict = shown(c.verdict, {"falls", "rises"}) if c else "–"
+    df = f.get("df", "–")
+    if "error" in f:
+        return (f"| {_law(f)} | not fitted ({f['error']}) | – | {df} | {_runs(f)} | – | {_reference(g, f)} | "
+                f"{verdict} | – |")
+    t = f.get("interval", "t") == "t"
+    b, ci = _values(f, f["exponents"], f["ci"] if t else None)
+    boot = f.get("bootstrap_ci") or {}
+    cross = (f"{_values(f, f['exponents'], boot)[1]} ({f['failed_replicates']} of "
+             f"{f['replicates'] + f['failed_replicates']})" if boot and "replicates" in f else "–")
     against = AGAINST.get(c.numbers.get("against_ref"), "–") if c else "–"
-    out = "; ".join(f["excluded"]) + f" ({y} <= 0)" if f["excluded"] else "–"
-    return (f"| {y} ~ {law} | {b} | {ci} | {f['n_runs']} | {f['replicates']} ({f['failed_replicates']}) | {out} | "
-            f"{_reference(g, f)} | {verdict} | {against} |")
+    return (f"| {_law(f)} | {b} | {ci} | {df} | {_runs(f)} | {cross} | {_reference(g, f)} | {verdict} | "
+            f"{against} |")
+
+
+def signed_row(g: dict, f: dict) -> str | None:
+    """The signed trend beside a power law as a row (every run, whatever its sign); None for an earlier report's."""
+    s = f.get("signed")
+    if s is None:
+        return None
+    c = signed_claim(g["label"], f)
+    verdict = shown(c.verdict, {"falls", "rises"}) if c else "–"
+    runs = _runs({**f, "n_runs": s["n_runs"]})
+    if "error" in s:
+        return f"| {_law(f, True)} | not fitted ({s['error']}) | – | {s['df']} | {runs} | – | – | {verdict} | – |"
+    b, ci = _values(f, s["slopes"], s["ci"], 4)  # nats per unit of log x: a few hundredths
+    return f"| {_law(f, True)} | {b} | {ci} | {s['df']} | {runs} | – | – | {verdict} | – |"
 
 
 def trend_row(g: dict, m: str, t: dict) -> str:
     """One method's trend with the models' strength as a row, with the claim's verdict."""
     slope = format(t["slope"], "+.3f") if finite(t["slope"]) else "–"
     se = format(t["stderr"], ".3f") if finite(t["stderr"]) else "–"
-    return (f"| {METHODS[m]} | {slope} | {se} | {t['runs']} | "
+    return (f"| {METHODS[m]} | {slope} | {se} | {t['runs']} | {t.get('df', t['runs'] - 2)} | "
             f"{shown(trend_claim(g['label'], m, t).verdict, {'grows', 'shrinks'})} |")
 
 
@@ -212,7 +322,11 @@ def group_markdown(g: dict, runs: list[dict]) -> list[str]:
     if g["runs"] < 2:
         return [*lines, "One run: nothing to fit.", ""]
     if g["fits"]:
-        lines += [*FIT_HEADER, *(fit_row(g, f) for f in g["fits"].values()), ""]
+        rows = [r for f in g["fits"].values() for r in (fit_row(g, f), signed_row(g, f)) if r]
+        earlier = any("interval" not in f for f in g["fits"].values())  # its verdicts are its bootstrap's
+        head = FIT_HEADER[0].replace("shown by the t-interval", "shown by the bootstrap interval") if earlier \
+            else FIT_HEADER[0]
+        lines += [head, FIT_HEADER[1], *rows, ""]
         if any(f.get("sign", 1.0) < 0 for f in g["fits"].values()):
             lines += ["Every run's gap here is negative, so the fits are of the entropy deficit, -gap.", ""]
     if g["trends"]:

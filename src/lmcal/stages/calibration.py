@@ -112,9 +112,8 @@ def compute(target: dict, settings: CalibrationConfig) -> CalibrationResult:
     dose_rules = rules_of(s.dose_response.rules if s.dose_response is not None else None,
                           "analysis.calibration.dose_response.rules", s.tail_samples or 16)
     t0 = time.perf_counter()
-    fit = fit_lookahead_calibration(lm, batchify(target["valid"][:s.fit_tokens], s.fit_streams), topk=s.topk,
-                                    epsilon=s.uniform_weight, tail_samples=s.tail_samples, min_context=s.min_context,
-                                    seed=s.seed, progress=True, cover=s.cover, cover_max=s.cover_max)
+    fit = fit_lookahead_calibration(lm, batchify(target["valid"][:s.fit_tokens], s.fit_streams), rule,
+                                    epsilon=s.uniform_weight, min_context=s.min_context, seed=s.seed, progress=True)
     t_fit = time.perf_counter() - t0
     plain = calibrated(lm, 0.0, epsilon=s.uniform_weight)  # the eps-mixed base model, bit for bit lm itself at w = 0
     cal = calibrated(lm, fit.alpha, topk=s.topk, epsilon=s.uniform_weight, tail_samples=s.tail_samples, seed=s.seed,

@@ -2,12 +2,15 @@
 in one sentence, and which runs are one study, whose rows may join.
 
 A row is Algorithm 1 only where it has converged: its last tenth and α* agree with those of the row with twice (or,
-for the largest count, half) its particles, at 2 standard errors (the last tenth paired by prefix: same prefixes and
-seeds), and both fits found their own root (lmcal.core.sequence_fit: settled). Agreement must also be shown, not
-merely not refuted: the paired difference's 2-standard-error interval lies within ±`tol` nats (0.1 by default, about
-the goal's 10% in perplexity). On 20 prefixes the nested-SMC last tenth's paired standard error is 0.16-0.26 nats, so
-an interval of ±0.5 nats proves nothing. Otherwise its label says it has not converged (they disagree) or that
-convergence is not shown (too few prefixes to tell).
+for the largest count, half) its particles, at 2 standard errors, both paired by prefix (the last tenth: same prefixes
+and seeds; α*: same validation windows, whose true text cancels from the difference), both fits found their own root
+(lmcal.core.sequence_fit: settled), and its reference check (untwisted SMC at many particles on the fit windows) does
+not show its fitted moment biased. Agreement must also be shown, not merely not refuted: the paired difference's
+2-standard-error interval lies within ±`tol` nats (0.1 by default, about the goal's 10% in perplexity). Otherwise its
+label says it has not converged (they disagree, or the reference check fails) or that convergence is not shown.
+
+K against 2K agreeing is not agreement with the K → ∞ law: beside it each row carries the 1/K extrapolation of the
+pair (level_∞ = 2 level_2K - level_K), as its difference from the row's own level, with its paired standard error.
 """
 
 from __future__ import annotations
@@ -15,17 +18,31 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import torch
 
 from lmcal.core.entropy_rate import clustered_mean
+from lmcal.core.sequence_fit import paired_alpha_gap
 from lmcal.stages.rows import GENERATION_KEYS
 
 Z = 2.0  # standard errors within which K and 2K particles agree
 
 
 def _alpha_gap(r: dict, other: dict) -> tuple[float, float]:
-    """Two SMC rows' α* difference and its standard error (independent fits)."""
-    a, b = r["params"], other["params"]
-    return a["alpha"] - b["alpha"], math.hypot(a["alpha_stderr"], b["alpha_stderr"])
+    """Two SMC rows' α* difference and its standard error, paired by validation window (paired_alpha_gap)."""
+    return paired_alpha_gap(*_fit_moments(r), *_fit_moments(other))
+
+
+def _fit_moments(r: dict) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """A row's fit: per-prefix moments [B] and slopes [B] at its α*, and α*."""
+    f = r["fit"]
+    as64 = lambda key: torch.as_tensor(f[key], dtype=torch.float64)  # noqa: E731
+    return as64("moment_by_prefix"), as64("slope_by_prefix"), r["params"]["alpha"]
+
+
+def _beyond(d: float, d_se: float, k: int, other: int) -> tuple[float, float]:
+    """The 1/K extrapolation of a pair's last tenths, minus row K's level, from d = level_K - level_other (paired):
+    level_∞ = 2 level_2K - level_K."""
+    return (-2 * d, 2 * d_se) if other > k else (d, d_se)
 
 
 def mark_convergence(rows: list[dict], tol: float | None = 0.1) -> None:
@@ -46,11 +63,16 @@ def mark_convergence(rows: list[dict], tol: float | None = 0.1) -> None:
             da, da_se = _alpha_gap(r, other)
             agree = bool(abs(d) <= Z * d_se and abs(da) <= Z * da_se and r["fit"]["settled"]
                          and other["fit"]["settled"])  # and both fits found their own root
+            biased = (r.get("reference_check") or {}).get("verdict") == "fail"
             shown = bool(tol is None or abs(d) + Z * d_se <= tol)
-            r["converged"] = agree and shown
-            r["convergence"] = "disagrees" if not agree else "agrees" if shown else "not shown"
+            r["converged"] = agree and shown and not biased
+            r["convergence"] = ("fails the reference check" if biased else "disagrees" if not agree else
+                                "agrees" if shown else "not shown")
             r["converged_against"], r["convergence_tol_nats"] = other["params"]["particles"], tol
             r["tail_against_nats"], r["tail_against_stderr_nats"] = float(d), float(d_se)
+            r["alpha_against"], r["alpha_against_stderr"] = float(da), float(da_se)
+            r["tail_beyond_nats"], r["tail_beyond_stderr_nats"] = _beyond(float(d), float(d_se), k,
+                                                                          other["params"]["particles"])
 
 
 def label(r: dict) -> str:
@@ -60,6 +82,8 @@ def label(r: dict) -> str:
         return f"Algorithm 1 ({tw}, {k} particles)"
     if r.get("convergence") == "not shown":
         return f"{tw}, {k} particles, convergence not shown"
+    if r.get("convergence") == "fails the reference check":
+        return f"{tw}, {k} particles, fails the reference check"
     if r.get("converged") is False:
         return f"{tw}, {k} particles, not converged"
     return f"{tw}, {k} particles, convergence not tested"

@@ -14,6 +14,7 @@ import torch
 from lmcal.core.calibration import calibrated, fit_lookahead_calibration, fit_temperature
 from lmcal.core.decoders import decoder_params, heldout_cost, make_decoder
 from lmcal.core.entropy_rate import generation_entropy_curve
+from lmcal.core.lookahead_law import make_rule
 from lmcal.core.sampling import random_prefixes
 from lmcal.data.batching import batchify
 from lmcal.errors import LmcalError
@@ -136,8 +137,8 @@ def _calibration_row(lm, fit_text: torch.Tensor, reuse: dict | None, prefixes: t
         return _row("calibration", {"alpha": reuse["alpha"], "alpha_stderr": reuse["alpha_stderr"], **rule},
                     reuse["curve_nats"], reuse["stderr_nats"], _reused_cost(reuse, "after"), 0.0,
                     reuse["tail_nats_per_generation"], plain_tail)
-    fit = fit_lookahead_calibration(lm, fit_text, topk=s.topk, tail_samples=s.tail_samples, min_context=s.min_context,
-                                    seed=s.seed, progress=True, cover=s.cover, cover_max=s.cover_max)
+    fit = fit_lookahead_calibration(lm, fit_text, make_rule(s.topk, s.cover, s.cover_max, s.tail_samples),
+                                    min_context=s.min_context, seed=s.seed, progress=True)
     rule = {"topk": s.topk, **{k: v for k, v in (("cover", s.cover), ("cover_max", s.cover_max)) if v is not None}}
     model = calibrated(lm, fit.alpha, topk=s.topk, tail_samples=s.tail_samples, seed=s.seed, cover=s.cover,
                        cover_max=s.cover_max)

@@ -19,6 +19,7 @@ from lmcal.core.entropy_rate import clustered_mean, generation_entropy_curve
 from lmcal.core.expfit import stream_block_sums
 from lmcal.core.future_entropy import (
     FutureCalibratedLM,
+    HeadTraining,
     check_horizons,
     fit_future_calibration,
     fit_rows,
@@ -156,11 +157,12 @@ def _fit_heads(lm, train_tokens: torch.Tensor, fit_text: torch.Tensor, heads_spe
     logp, feats, y = fit_rows(lm, fit_text, s.min_context, progress=True)
     words = word_vectors(lm)
     words = None if words is None else words.cpu()  # the heads train and fit on the CPU rows
+    training = HeadTraining(hidden=s.hidden, rank=s.rank, epochs=s.epochs, batch_size=s.batch_size, lr=s.lr,
+                            weight_decay=s.weight_decay, seed=s.seed)
     heads = []
     for j, (k, d) in enumerate(heads_spec):
         t = time.perf_counter()
-        head, stats = train_head(ex, j, lm.vocab_size, words, hidden=s.hidden, rank=s.rank, epochs=s.epochs,
-                                 batch_size=s.batch_size, lr=s.lr, weight_decay=s.weight_decay, seed=s.seed)
+        head, stats = train_head(ex, j, lm.vocab_size, words, training)
         stats["train_seconds"] = time.perf_counter() - t
         g = head_rows(head, feats)  # [n, V]
         fit = None
@@ -252,7 +254,7 @@ def compute(target: dict, settings: FutureEntropyConfig) -> FutureEntropyResult:
                                                         "fit_ce_after_nats": fit.ce_after, "fit_tokens": fit.n_tokens}))
     best_head = _best_head(rows[1:1 + len(heads)], head_lms, rows[0]["test_ce_nats"], b)
     if do_exact:
-        fit = fit_lookahead_calibration(lm, fit_text, topk=None, min_context=s.min_context, seed=s.seed, progress=True)
+        fit = fit_lookahead_calibration(lm, fit_text, min_context=s.min_context, seed=s.seed, progress=True)
         rows.append(_measure(b, "lookahead_exact", {"alpha": fit.alpha, "alpha_stderr": fit.alpha_stderr},
                              calibrated(lm, fit.alpha), {"fit_ce_before_nats": fit.ce_before,
                                                          "fit_ce_after_nats": fit.ce_after}))

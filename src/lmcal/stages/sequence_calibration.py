@@ -38,7 +38,7 @@ from lmcal.core.calibration import fit_temperature, target_log_probs
 from lmcal.core.decoders import make_decoder
 from lmcal.core.entropy_rate import clustered_mean, generation_entropy_curve, tail_steps
 from lmcal.core.sampling import random_prefixes, spread_windows
-from lmcal.core.soft_value import soft_value_lm, soft_value_twist
+from lmcal.core.soft_value import TwistAtAlpha, soft_value_lm
 from lmcal.data.batching import batchify
 from lmcal.errors import LmcalError
 from lmcal.stages.configs import SequenceCalibrationConfig
@@ -57,7 +57,7 @@ from lmcal.stages.rows import generation_settings, same_settings
 from lmcal.stages.sequence_table import row_label, sequence_table
 from lmcal.stages.smc_rows import StudySetup, extend_row, study_row
 from lmcal.stages.stage import Result, Stage, earlier_result, read_result
-from lmcal.stages.sv_heads import train_heads
+from lmcal.stages.sv_heads import horizon_twists, train_heads
 from lmcal.stages.wandb_run import log_config, log_curves, wandb_log
 from lmcal.utils.numbers import exp_or_inf
 
@@ -144,6 +144,9 @@ def _extendable(extend: dict, s: SequenceCalibrationConfig, seeds: list[int], ks
         raise LmcalError(f"analysis.{NAME}.smc_seeds={list(seeds)}: the earlier run drew at {twice} already; give "
                          f"seeds it has not drawn at (its smc_seeds are {before}).")
     twist = s.twist and s.soft_value
+    if twist and any(r.get("variant") == "twisted" and not r.get("twist_trainings") for r in rows):
+        raise LmcalError(f"analysis.{NAME}.extend_json: its twisted rows do not record the α their twist was trained "
+                         "at (twist_trainings), so their twist cannot be built again; run the study afresh.")
     have = (sorted(extend.get("particles") or []), bool(extend.get("untwisted")), bool(extend.get("twist")))
     if have != (ks, bool(s.untwisted), bool(twist)):
         raise LmcalError(f"analysis.{NAME}.extend_json: the earlier run's rows are particles={have[0]}, untwisted="
@@ -184,7 +187,7 @@ def _study_setup(b: Bench, L: int, n_smc: int, seeds: list[int], windows: tuple,
     return StudySetup(b.lm, b.prefixes[:n_smc].repeat_interleave(s.samples_per_prefix, 0), s.samples_per_prefix,
                       windows[0], windows[1], s.horizon, L, tail_steps(s.horizon), plain_tails, plain_ms,
                       b.prefixes[:s.timing_prefixes], s.timing_horizon, s.timing_repeats, s.seed, tuple(s.bracket),
-                      s.xtol, s.tail_particles, s.max_batch * 4, tuple(seeds))
+                      s.xtol, s.tail_particles, s.max_batch * 4, tuple(seeds), s.check_particles, s.check_prefixes)
 
 
 def _heads_alpha(sv) -> dict:
@@ -205,32 +208,35 @@ def _soft_value(b: Bench, train: torch.Tensor, alpha: float) -> tuple:
 
 
 def _study(setup: StudySetup, b: Bench, train: torch.Tensor, ks: list[int], extend: dict | None,
-           mine: dict) -> tuple[list[dict], tuple | None]:
-    """The SMC rows, untwisted (each count fitted for itself) then twisted by the soft-value heads, each marked
-    converged or not; an extended run's rows get more generations instead. Returns them and _soft_value's answer
-    (None without heads)."""
+           mine: dict) -> tuple[list[dict], tuple | None, dict[int, TwistAtAlpha] | None]:
+    """The SMC rows, untwisted (each count fitted for itself) then twisted by a finite-horizon head made for each
+    row's α, each marked converged or not; an extended run's rows get more generations instead. Returns them,
+    _soft_value's answer (None without heads) and each twisted row's twist by its particles (None without)."""
     s = b.s
     earlier = [r for r in extend["rows"] if r["method"] == "smc"] if extend else []
     if extend:
         study = [extend_row(setup, r, None) for r in earlier if r["variant"] == "untwisted"]
     else:
         study = [study_row(setup, k) for k in ks] if s.untwisted else []
-    heads = None
+    heads, twists = None, None
     if s.soft_value:
-        heads = _soft_value(b, train, study[-1]["params"]["alpha"] if s.sv_alpha is None else s.sv_alpha)
-        head, sv = heads[0], heads[1]
+        start = study[-1]["params"]["alpha"] if s.sv_alpha is None else s.sv_alpha
+        heads = _soft_value(b, train, start)
         if s.twist:
-            tw = soft_value_twist(b.lm, head)
-            if extend:  # the same heads twist the new generations as the earlier ones
-                mine["soft_value_alpha"] = _heads_alpha(sv)
+            base = horizon_twists(b.lm, train, s, setup.law_horizon, start)
+            if extend:  # the twist is made again for each earlier row's α
+                mine["soft_value_alpha"] = _heads_alpha(heads[1])
                 _same_study(mine, extend, ["soft_value_alpha"])
-                study += [extend_row(setup, r, tw) for r in earlier if r["variant"] == "twisted"]
+                rows = [r for r in earlier if r["variant"] == "twisted"]
+                twists = {r["params"]["particles"]: base.fork().replay(r["twist_trainings"]) for r in rows}
+                study += [extend_row(setup, r, twists[r["params"]["particles"]](r["params"]["alpha"])) for r in rows]
             else:
-                study += [study_row(setup, k, tw, start_alpha=sv.alpha) for k in ks]
+                twists = {k: base.fork() for k in ks}  # each row's own: a function of its own fit alone
+                study += [study_row(setup, k, twists[k], start_alpha=start) for k in ks]
     mark_convergence(study, s.converge_tol)
     for r in study:
         r["label"] = label(r)
-    return study, heads
+    return study, heads, twists
 
 
 def _earlier_rows(b: Bench, fe: dict | None, dec: dict | None, settings: dict,
@@ -332,8 +338,10 @@ def compute(target: dict, settings: SequenceCalibrationConfig) -> SequenceCalibr
                          f"nats) is not the earlier run's ({extend['rows'][0]['tail_nats']:.6f}): another model or "
                          "other draws, so its rows cannot get more generations here.")
     setup = _study_setup(b, L, n_smc, seeds, windows, rows[0]["ms_per_token"])
-    study, heads = _study(setup, b, target["train"], ks, extend, mine)
+    study, heads, twists = _study(setup, b, target["train"], ks, extend, mine)
     samplers = {} if heads is None else {"soft_value": heads[2]}  # method -> its per-word sampler, for the goal
+    if twists:
+        samplers["twists"] = twists  # the twisted rows' twists by particles, each made for its row's α
     rows += ([] if heads is None else [heads[3]]) + study
     more_rows, fe_reused, dec_reused = _earlier_rows(b, fe, dec, gen, samplers)
     rows += more_rows

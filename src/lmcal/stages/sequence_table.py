@@ -112,8 +112,8 @@ def sequence_table(result: dict) -> str:
 def study_table(rows: list[dict]) -> str:
     """The convergence table: particles x twisted/untwisted."""
     lines = ["| sampler | particles | α* | exp H, last tenth | ± from α*, nats | exp EntRate, all L words | vs 2K (or "
-             "K/2), nats | ESS / K | mean log Ẑ | fit: CE − EntRate | test CE (log Ẑ bias) | ms / word | × model | "
-             "converged |", "|" + "---|" * 14]
+             "K/2), nats | K → ∞ (1/K), nats | reference check: α* shift | ESS / K | mean log Ẑ | fit: CE − EntRate | "
+             "test CE (log Ẑ bias) | ms / word | × model | converged |", "|" + "---|" * 16]
     for r in sorted(rows, key=lambda r: (r.get("variant") != "twisted", r["params"]["particles"])):
         p, f = r["params"], r["fit"]
         against = ("–" if r.get("converged_against") is None else
@@ -121,7 +121,7 @@ def study_table(rows: list[dict]) -> str:
         lines.append(
             f"| {'twisted' if r.get('variant') == 'twisted' else 'untwisted'} | {p['particles']} | {p['alpha']:.4f} ± "
             f"{p['alpha_stderr']:.4f} | {r['tail_ppl']:.1f} ± {r['tail_ppl_stderr']:.1f} | {_from_alpha(r)} | "
-            f"{_rate_cell(r)} | {against} | "
+            f"{_rate_cell(r)} | {against} | {_beyond_cell(r)} | {_check_cell(r)} | "
             f"{r['ess_per_particle']:.2f} | {r['log_z_mean']:.2f} | {f['ce_minus_entropy_rate_nats']:+.2e} ± "
             f"{f['ce_minus_entropy_rate_stderr_nats']:.1e}{'' if f['settled'] else ' (no root: not settled)'} | "
             f"{r['test_ce_nats']:.4f} ({r['test_ce_bias_nats']:+.4f}) | "
@@ -129,11 +129,27 @@ def study_table(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _beyond_cell(r: dict) -> str:
+    """The pair's 1/K extrapolation to K → ∞, minus the row's level (convergence._beyond)."""
+    if r.get("tail_beyond_nats") is None:
+        return "–"
+    return f"{r['tail_beyond_nats']:+.3f} ± {r['tail_beyond_stderr_nats']:.3f}"
+
+
+def _check_cell(r: dict) -> str:
+    """The reference check: the shift of the row's α* against untwisted SMC at many particles, and its verdict."""
+    c = r.get("reference_check")
+    if not c:
+        return "–"
+    return (f"{c['alpha_shift']:+.4f} ± {c['alpha_shift_stderr']:.4f} within ±{c['tolerance']:.4f}: {c['verdict']} "
+            f"({c['particles']} particles, {c['prefixes']} windows)")
+
+
 def convergence_word(r: dict) -> str:
     """A row's verdict in a table's cell: yes, **no**, not shown (no disagreement, too wide to show agreement), or
     not tested (no row of twice or half its particles)."""
-    if r.get("convergence") == "not shown":
-        return "not shown"
+    if r.get("convergence") in ("not shown", "fails the reference check"):
+        return r["convergence"] if r["convergence"] == "not shown" else "**no** (reference check)"
     return {True: "yes", False: "**no**", None: "not tested"}[r.get("converged")]
 
 

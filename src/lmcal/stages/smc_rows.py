@@ -18,13 +18,13 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
 
 from lmcal.core.entropy_rate import clustered_mean
-from lmcal.core.sequence_fit import fit_sequence_alpha, sequence_log_probs
+from lmcal.core.sequence_fit import RootSearch, fit_sequence_alpha, reference_check, sequence_log_probs
 from lmcal.core.smc import entropy_rate, smc_generate, smc_tail_entropy
 from lmcal.utils.numbers import exp_or_inf
 
@@ -55,6 +55,8 @@ class StudySetup:
     tail_particles: int | None  # the nested runs' particles (None: the row's own count)
     max_batch: int
     smc_seeds: tuple[int, ...]  # the seeds of the SMC rows' generations, S a prefix at each
+    check_particles: int  # the reference check's untwisted SMC ...
+    check_prefixes: int | None  # ... on the first this many fit windows (None: all)
 
 
 def _paired(x: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
@@ -62,22 +64,60 @@ def _paired(x: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
     return float(d.mean()), float(d.std() / math.sqrt(d.numel())) if d.numel() > 1 else math.nan
 
 
-def study_row(s: StudySetup, k: int, twist=None, start_alpha: float = 0.0) -> dict:
-    """One row: SMC with k particles (twist: a SoftValueTwist, or None), end to end at that count."""
-    lm = twist.lm if twist is not None else s.lm
-    variant = "twisted" if twist is not None else "untwisted"
+def study_row(s: StudySetup, k: int, twist_at=None, start_alpha: float = 0.0) -> dict:
+    """One row: SMC with k particles, end to end at that count; twisted where twist_at (a TwistAtAlpha: the twist
+    made for each α) is given, every run of its fit and its generations with a twist trained at their own α."""
+    variant = "twisted" if twist_at is not None else "untwisted"
+    lm = twist_at(start_alpha).lm if twist_at is not None else s.lm
     t0 = time.perf_counter()
-    fit = fit_sequence_alpha(lm, *s.fit, particles=k, seed=s.seed, bracket=s.bracket, xtol=s.xtol,
-                             max_batch=s.max_batch, twist=twist, start=start_alpha, progress=True)
+    fit = fit_sequence_alpha(lm, *s.fit, particles=k, seed=s.seed,
+                             search=RootSearch(bracket=s.bracket, xtol=s.xtol, start=start_alpha),
+                             max_batch=s.max_batch, twist_at=twist_at, progress=True)
     a = fit.alpha
+    twist = twist_at(a) if twist_at is not None else None
     fit_s = time.perf_counter() - t0
     log.info(f"{variant} SMC, {k} particles: alpha* {a:.5f} +- {fit.alpha_stderr:.5f} on {fit.num_prefixes} validation "
              f"continuations ({fit.evaluations} runs{'' if fit.settled else ', not settled'}, {fit_s:.0f} s); CE "
              f"{fit.ce:.4f}, EntRate {fit.entropy_rate:.4f}, the plain model's CE {fit.ce_base:.4f} +- "
              f"{fit.ce_base_stderr:.4f} nats a word")
+    check = _reference_check(s, fit)
     gen = join_generations(*(generate(s, lm, k, a, twist, seed) for seed in s.smc_seeds))
-    # test CE at this count: log Ẑ on test continuations (biased low by about half its variance, estimated from two
-    # independent runs: E[(log Ẑ1 - log Ẑ2)^2] / 2 = Var log Ẑ)
+    row = {"method": "smc", "variant": variant,
+           "params": {"particles": k, "alpha": a, "alpha_stderr": fit.alpha_stderr,
+                      **({"twist_alpha": twist_at.alpha} if twist_at is not None else {})},
+           **_test_ce(s, lm, k, a, twist),
+           "fit": {"ce_nats": fit.ce, "ce_stderr_nats": fit.ce_stderr, "entropy_rate_nats": fit.entropy_rate,
+                   "ce_minus_entropy_rate_nats": fit.ce_minus_entropy_rate,
+                   "ce_minus_entropy_rate_stderr_nats": fit.ce_minus_entropy_rate_stderr,
+                   "ce_base_nats": fit.ce_base, "moment_gap": fit.moment_gap, "slope": fit.slope,
+                   "runs": fit.evaluations, "settled": fit.settled,
+                   "ess_per_particle": fit.mean_ess, "seconds": fit_s,
+                   "moment_by_prefix": fit.moment_by_prefix.tolist(), "slope_by_prefix": fit.slope_by_prefix.tolist()},
+           "reference_check": check, **gen}
+    if twist_at is not None:
+        row["twist_trainings"] = [dict(x) for x in twist_at.trainings]
+    ms = min(_ms(lm, s, a, k, twist) for _ in range(s.timing_repeats))
+    row |= {"ms_per_token": ms, "cost_ratio": ms / s.plain_ms}
+    row.update(generation_columns(row))  # α*'s own noise needs α*'s standard error
+    row["seconds"] = time.perf_counter() - t0
+    log.info(f"{variant} SMC, {k} particles: alpha* {a:.4f} +- {fit.alpha_stderr:.4f} ({fit.evaluations} runs), last "
+             f"tenth {row['tail_ppl']:.1f} +- {row['tail_ppl_stderr']:.1f}, ESS {row['ess_per_particle']:.2f} x K, "
+             f"reference check {check['verdict']}, {ms:.3f} ms a word, {row['seconds']:.0f} s")
+    return row
+
+
+def _reference_check(s: StudySetup, fit) -> dict:
+    """The row's fitted moment against untwisted SMC at s.check_particles on the first fit windows, at its α*, with
+    the fit's own standard error (at least its tolerance) as the bias allowed (lmcal.core.sequence_fit)."""
+    n = min(s.fit[0].size(0), s.check_prefixes or s.fit[0].size(0))
+    c = reference_check(s.lm, s.fit[0][:n], fit.result, fit.alpha, particles=s.check_particles,
+                        tolerance=max(fit.alpha_stderr, s.xtol), seed=s.seed + 5, max_batch=s.max_batch, progress=True)
+    return asdict(c)
+
+
+def _test_ce(s: StudySetup, lm, k: int, a: float, twist) -> dict:
+    """The row's test CE at its count: log Ẑ on test continuations, paired with the model on the same words (biased
+    low by about half log Ẑ's variance, estimated from two independent runs: E[(log Ẑ1 - log Ẑ2)^2] / 2 = Var log Ẑ)."""
     y = sequence_log_probs(s.lm, *s.test, s.max_batch)  # [B]
     runs = [smc_generate(lm, s.test[0], a, s.law_horizon, particles=k, seed=s.seed + j, twist=twist,
                          max_batch=s.max_batch, progress=f"test CE, run {j - 1} of 2, {k} particles").log_z
@@ -85,25 +125,8 @@ def study_row(s: StudySetup, k: int, twist=None, start_alpha: float = 0.0) -> di
     L = s.law_horizon
     ce = (-(1 + a) * y + runs[0]) / L  # [B]: per word
     ce_diff = _paired(ce, -y / L)
-    bias = -float((runs[0] - runs[1]).pow(2).mean()) / 4 / L  # -Var(log Ẑ) / 2, per word
-    ms = min(_ms(lm, s, a, k, twist) for _ in range(s.timing_repeats))
-    row = {"method": "smc", "variant": variant,
-           "params": {"particles": k, "alpha": a, "alpha_stderr": fit.alpha_stderr},
-           "test_ce_nats": float(ce.mean()), "test_ce_diff_nats": ce_diff[0], "test_ce_diff_stderr_nats": ce_diff[1],
-           "test_ce_bias_nats": bias, "test_ce_prefixes": int(y.numel()),
-           "fit": {"ce_nats": fit.ce, "entropy_rate_nats": fit.entropy_rate,
-                   "ce_minus_entropy_rate_nats": fit.ce_minus_entropy_rate,
-                   "ce_minus_entropy_rate_stderr_nats": fit.ce_minus_entropy_rate_stderr,
-                   "ce_base_nats": fit.ce_base, "moment_gap": fit.moment_gap, "slope": fit.slope,
-                   "runs": fit.evaluations, "settled": fit.settled,
-                   "ess_per_particle": fit.mean_ess, "seconds": fit_s},
-           "ms_per_token": ms, "cost_ratio": ms / s.plain_ms, **gen}
-    row.update(generation_columns(row))  # α*'s own noise needs α*'s standard error
-    row["seconds"] = time.perf_counter() - t0
-    log.info(f"{variant} SMC, {k} particles: alpha* {a:.4f} +- {fit.alpha_stderr:.4f} ({fit.evaluations} runs), last "
-             f"tenth {row['tail_ppl']:.1f} +- {row['tail_ppl_stderr']:.1f}, ESS {row['ess_per_particle']:.2f} x K, "
-             f"{ms:.3f} ms a word, {row['seconds']:.0f} s")
-    return row
+    return {"test_ce_nats": float(ce.mean()), "test_ce_diff_nats": ce_diff[0], "test_ce_diff_stderr_nats": ce_diff[1],
+            "test_ce_bias_nats": -float((runs[0] - runs[1]).pow(2).mean()) / 4 / L, "test_ce_prefixes": int(y.numel())}
 
 
 def _ms(lm, s: StudySetup, alpha: float, k: int, twist) -> float:
@@ -234,12 +257,18 @@ def law_tail(s: StudySetup, lm, prefixes: torch.Tensor, r, k: int, alpha: float,
     return tail.numpy().reshape(-1, s.samples_per_prefix)
 
 
-def remeasure(s: StudySetup, prefixes: torch.Tensor, k: int, twist, alpha: float, seed: int) -> tuple[float, float]:
-    """An SMC row's last tenth (level, standard error) on other prefixes [n, P] and seed, at its fitted α: S
-    generations from each prefix by SMC at k particles (twisted by `twist` or not), and their nested runs."""
+def remeasure(s: StudySetup, prefixes: torch.Tensor, k: int, twist, alpha: float, seed: int) -> np.ndarray:
+    """An SMC row's last tenths [n, S] on other prefixes [n, P] and seed, at its fitted α: S generations from each
+    prefix by SMC at k particles (twisted by `twist` or not), and their nested runs."""
     lm = twist.lm if twist is not None else s.lm
     p = prefixes.repeat_interleave(s.samples_per_prefix, 0)  # [n * S, P]
     r = smc_generate(lm, p, alpha, s.law_horizon, particles=k, seed=seed, twist=twist, max_batch=s.max_batch,
                      progress=f"SMC, {k} particles, fresh prefixes")
-    level, se = clustered_mean(law_tail(s, lm, p, r, k, alpha, twist, seed))  # of [n, S]
-    return float(level), float(se)
+    return law_tail(s, lm, p, r, k, alpha, twist, seed)
+
+
+def mixture(tail) -> dict:
+    """What a level's mean hides: the median generation's last tenth, and the share of generations below 2 nats
+    (a generation stuck repeating itself), from per-generation last tenths [n, S]."""
+    t = np.asarray(tail, dtype=np.float64)
+    return {"tail_median_nats": float(np.median(t)), "tail_below_2_nats_share": float((t < 2.0).mean())}

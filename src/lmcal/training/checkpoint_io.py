@@ -32,6 +32,12 @@ def check_resume(path: str, model_cfg: dict, vocab_size: int) -> None:
     """Resuming continues the checkpoint's own network: a run folder resumed with other model settings (a size, tau)
     stops here with the differences, not with a size-mismatch traceback from deep inside Lightning."""
     hp = read_checkpoint(path)["hyper_parameters"]
+    if not isinstance(hp.get("optim"), dict):  # the optimiser's settings, which training reads, are grouped there
+        raise LmcalError(f"Cannot resume from {path}: it was written by an earlier lmcal, whose checkpoints keep the "
+                         "optimiser settings ungrouped rather than as hyper_parameters.optim, and training continues "
+                         "only checkpoints of this layout. Its network is still read for analysis (python -m "
+                         "lmcal.evaluate ckpt=...); to train, start a new run in another folder (hydra.run.dir=...) "
+                         "or set ckpt_path= to a checkpoint written by this version. Nothing was changed.")
     was, now = {**hp["net"], "vocab_size": hp["vocab_size"]}, {**model_cfg, "vocab_size": vocab_size}
     diff = [f"model.{k} is {was.get(k)} there, {now.get(k)} now" for k in sorted(set(was) | set(now))
             if was.get(k) != now.get(k)]

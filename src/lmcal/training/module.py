@@ -9,6 +9,7 @@ import logging
 import math
 import time
 from contextlib import contextmanager
+from dataclasses import asdict, dataclass
 
 import pytorch_lightning as pl
 import torch
@@ -46,9 +47,9 @@ class LMDataModule(D.CorpusData, pl.LightningDataModule):
     rebuild the train loader each epoch (trainer.reload_dataloaders_every_n_epochs=1).
     """
 
-    def __init__(self, **kwargs):
+    def __init__(self, **kwargs):  # a data config's keys, as Hydra instantiates conf/data
         pl.LightningDataModule.__init__(self)
-        D.CorpusData.__init__(self, **kwargs)
+        D.CorpusData.__init__(self, D.DataConfig(**kwargs))
 
     def setup(self, stage=None):
         self.prepare()
@@ -78,20 +79,48 @@ def nt_asgd_should_switch(history: list[float], val_loss: float, nonmono: int) -
     return len(history) > nonmono and val_loss > min(history[:-nonmono])
 
 
+@dataclass(frozen=True)
+class OptimConfig:
+    """The optimiser settings of a training run (conf/train.yaml's `optim`); the checkpoint keeps them as the plain
+    mapping `hyper_parameters.optim`."""
+
+    optimizer: str = "sgd"  # sgd | adam | adamw
+    betas: tuple[float, float] = (0.9, 0.999)  # adam, adamw
+    lr: float = 30.0
+    weight_decay: float = 1.2e-6
+    clip: float | None = 0.25  # gradient-norm clipping (0 or None: none)
+    ar_weight: float = 2.0  # activation regularisation (AR)
+    tar_weight: float = 1.0  # temporal activation regularisation (TAR)
+    asgd: bool = True  # NT-ASGD: switch to averaged SGD when validation stalls
+    nonmono: int = 5
+    schedule: str | None = None  # None: constant lr; cosine: decay to 0 over trainer.max_epochs
+    warmup_steps: int = 0  # linear warm-up of the lr over the first N steps
+    divergence_factor: float | None = 3.0  # stop when the training CE exceeds this x log(V) (None: non-finite only)
+
+    def __post_init__(self):
+        object.__setattr__(self, "betas", tuple(self.betas))  # a list from YAML
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "betas": list(self.betas)}
+
+
 class LMModule(pl.LightningModule):
     """AWD-LSTM training: variable-length BPTT with the lr scaled by seq_len/bptt, AR/TAR,
     gradient clipping, SGD switching to averaged SGD (NT-ASGD); validation on the averaged
     weights after the switch. Checkpoints hold the averaged weights in `state_dict` and the
     raw ones in `raw_state_dict`, so every consumer of a checkpoint gets the model that was
-    validated, and resuming still continues from the raw iterate."""
+    validated, and resuming still continues from the raw iterate. `net`: the network's settings (conf/model);
+    `optim`: an OptimConfig or its mapping (conf/train.yaml's optim); `bptt`: the data's window length, which the lr
+    is scaled by."""
 
-    def __init__(self, net: dict, vocab_size: int, lr: float = 30.0, weight_decay: float = 1.2e-6,
-                 clip: float = 0.25, ar_weight: float = 2.0, tar_weight: float = 1.0, bptt: int = 70, nonmono: int = 5,
-                 optimizer: str = "sgd", asgd: bool = True, schedule: str | None = None,
-                 divergence_factor: float | None = 3.0, data_cfg: dict | None = None, seed: int = 141,
-                 warmup_steps: int = 0, betas: tuple[float, float] = (0.9, 0.999)):
+    def __init__(self, net: dict, vocab_size: int, optim: OptimConfig | dict | None = None, bptt: int = 70,
+                 data_cfg: dict | None = None, seed: int = 141):
         super().__init__()
-        self.save_hyperparameters()  # data_cfg too: analysis of a checkpoint reloads the corpus it was trained on
+        self.optim = optim if isinstance(optim, OptimConfig) else OptimConfig(**(optim or {}))
+        # plain values only: checkpoints are read back with weights_only=True, which unpickles no dataclass; data_cfg
+        # too, since analysis of a checkpoint reloads the corpus it was trained on
+        self.save_hyperparameters({"net": net, "vocab_size": vocab_size, "optim": self.optim.as_dict(), "bptt": bptt,
+                                   "data_cfg": data_cfg, "seed": seed})
         self.net = instantiate(net, vocab_size=vocab_size)
         self.automatic_optimization = False
         self.val_history: list[float] = []
@@ -106,18 +135,18 @@ class LMModule(pl.LightningModule):
 
     # -- optimisation ---------------------------------------------------------------------------
     def configure_optimizers(self):
-        hp = self.hparams
+        hp = self.optim
         if hp.optimizer == "sgd":
             return torch.optim.SGD(self.net.parameters(), lr=hp.lr, weight_decay=hp.weight_decay)
         if hp.optimizer == "adam":
             return torch.optim.Adam(self.net.parameters(), lr=hp.lr, weight_decay=hp.weight_decay,
-                                    betas=tuple(hp.betas))
+                                    betas=hp.betas)
         if hp.optimizer == "adamw":  # decoupled weight decay on the matrices only (not biases, norms, positions' bias)
             named = [(n, p) for n, p in self.net.named_parameters() if p.requires_grad]
             decay = [p for n, p in named if p.dim() >= 2]
             rest = [p for n, p in named if p.dim() < 2]
             return torch.optim.AdamW([{"params": decay, "weight_decay": hp.weight_decay},
-                                      {"params": rest, "weight_decay": 0.0}], lr=hp.lr, betas=tuple(hp.betas),
+                                      {"params": rest, "weight_decay": 0.0}], lr=hp.lr, betas=hp.betas,
                                      fused=True)  # one kernel per step instead of a chain of foreach ops
         raise ValueError(f"optim.optimizer must be 'sgd', 'adam' or 'adamw', got {hp.optimizer!r}")
 
@@ -142,10 +171,10 @@ class LMModule(pl.LightningModule):
 
     def training_step(self, batch, batch_idx):
         x, y = batch  # [T, B] each
-        hp = self.hparams
+        hp = self.optim
         opt = self.optimizers()
         for g in opt.param_groups:  # longer windows take proportionally larger steps
-            g["lr"] = hp.lr * self.lr_factor(batch_idx) * x.size(0) / hp.bptt
+            g["lr"] = hp.lr * self.lr_factor(batch_idx) * x.size(0) / self.hparams.bptt
         output, raw = self.forward_window(x, "_hidden", detach=True)
         ce = F.cross_entropy(self.net.logits(output).flatten(0, 1), y.flatten())
         loss = ce + ar_tar(output, raw, hp.ar_weight, hp.tar_weight)
@@ -183,7 +212,7 @@ class LMModule(pl.LightningModule):
         """Records on the device, without a host read, the first step whose loss is not finite or whose
         cross-entropy is beyond `divergence_factor` x log(V) (a uniform guess costs log(V); a run that far above it
         has diverged). `check_divergence` reads the record every `read_every` steps and before every validation."""
-        factor = self.hparams.divergence_factor
+        factor = self.optim.divergence_factor
         bad = ~torch.isfinite(loss)
         if factor:
             bad = bad | (ce > factor * math.log(self.hparams.vocab_size))
@@ -200,8 +229,8 @@ class LMModule(pl.LightningModule):
         flag, batch_idx, ce_value, loss_value = self._watch.tolist()
         if not flag:
             return
-        hp, factor = self.hparams, self.hparams.divergence_factor
-        limit = factor * math.log(hp.vocab_size) if factor else None
+        hp, factor = self.optim, self.optim.divergence_factor
+        limit = factor * math.log(self.hparams.vocab_size) if factor else None
         why = (f"the training loss is {loss_value} (cross-entropy {ce_value})" if not math.isfinite(loss_value)
                else f"the training cross-entropy is {ce_value:.4g} nats, beyond {factor:g} x log(V) = {limit:.1f}")
         raise LmcalError(
@@ -227,7 +256,7 @@ class LMModule(pl.LightningModule):
         """The schedule's multiplier: 1 (the AWD recipe), or a cosine decay to 0 over max_epochs
         (`optim.schedule=cosine`, for fixed short budgets); times a linear warm-up over the first
         `optim.warmup_steps` steps (transformers)."""
-        sched, warm = self.hparams.schedule, self.hparams.get("warmup_steps") or 0
+        sched, warm = self.optim.schedule, self.optim.warmup_steps
         factor = min(1.0, (self.global_step + 1) / warm) if warm else 1.0
         if sched is None:
             return factor
@@ -327,7 +356,7 @@ class LMModule(pl.LightningModule):
             raise LmcalError(
                 f"Validation at epoch {self.current_epoch} gave a loss of {val_loss}: the model diverged. It was "
                 f"not saved; the checkpoints hold only models validated before. Lower the learning rate "
-                f"(optim.lr={self.hparams.lr:g} now) or clip gradients harder (optim.clip={self.hparams.clip} now).")
+                f"(optim.lr={self.optim.lr:g} now) or clip gradients harder (optim.clip={self.optim.clip} now).")
         self.log_dict({"val/loss": val_loss, "val/ppl": exp_or_inf(val_loss)}, prog_bar=True)
         self.log("val_loss", val_loss, prog_bar=False, logger=False)
         if self.trainer.sanity_checking:
@@ -337,14 +366,14 @@ class LMModule(pl.LightningModule):
                  f"{self.train_tokens:,} training tokens at {tps:,.0f} tokens/s")
         if self.record_validation(val_loss):
             log.info(f"NT-ASGD: validation loss {val_loss:.4f} is worse than the best before the last "
-                  f"{self.hparams.nonmono} epochs; averaging the weights from epoch {self.current_epoch} on.")
+                  f"{self.optim.nonmono} epochs; averaging the weights from epoch {self.current_epoch} on.")
         self.log("asgd", float(self.avg is not None))
 
     def record_validation(self, val_loss: float) -> bool:
         """NT-ASGD bookkeeping after one validation; True when averaging starts now."""
         if self.avg is not None:
             return False
-        if self.hparams.asgd and nt_asgd_should_switch(self.val_history, val_loss, self.hparams.nonmono):
+        if self.optim.asgd and nt_asgd_should_switch(self.val_history, val_loss, self.optim.nonmono):
             self.start_averaging()
             return True
         self.val_history.append(val_loss)

@@ -1,0 +1,130 @@
+"""Algorithm 1 on the cpu profile's PTB model at two training seeds: the sequence_calibration stage run on each
+checkpoint with the cpu settings, its rows side by side, the run-to-run spread, and the goal rows' verdicts counting
+every error (the generations' noise, α*'s, and the spread between seeds).
+
+    python bench/sequence_calibration.py --ckpt A/checkpoints/best.ckpt --ckpt B/checkpoints/best.ckpt \
+        --work outputs/bench/sequence_calibration [--out docs/bench/sequence_calibration.md]
+    python bench/sequence_calibration.py --runs DIR_A DIR_B --out ...    # render runs that finished
+
+Each checkpoint is `python -m lmcal.train data=ptb experiment=cpu 'analysis.stages=[]' logger=none seed=<seed>`.
+A finished stage run is kept (its folder holds sequence_calibration.json) and not run again. What the page decides
+was fixed before the runs: each seed's goal row and fewest-particle twisted row within 10% of the test perplexity,
+at 2 standard errors counting every error; the two seeds' rows against their own noise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from lmcal.reporting.claims import sequence_goal_claims
+from lmcal.reporting.claims_table import claim_row, claims_table
+from lmcal.reporting.docs import add_out_option, save_bench, tee
+from lmcal.reporting.seed_pairs import seed_spread, spread_table, with_spread
+from lmcal.stages.sequence_table import study_table
+from lmcal.utils.io import write_text_atomic
+from lmcal.utils.profiling import machine_line
+
+STAGE = "sequence_calibration"
+
+
+def run_stage(ckpt: str, folder: Path, extra: list[str]) -> Path:
+    """The stage on one checkpoint, in `folder` (kept when it finished before)."""
+    if not (folder / f"{STAGE}.json").exists():
+        cmd = [sys.executable, "-m", "lmcal.evaluate", f"ckpt={ckpt}", f"stages=[{STAGE}]", "analysis=cpu",
+               "logger=none", "device=cpu", f"hydra.run.dir={folder}", *extra]
+        print(" ".join(cmd), flush=True)
+        subprocess.run(cmd, check=True)
+    return folder
+
+
+def _seed(folder: Path) -> str:
+    """The training seed of the checkpoint a stage folder ran on, from the checkpoint's run config."""
+    cfg = folder / ".hydra" / "overrides.yaml"
+    text = cfg.read_text() if cfg.exists() else ""
+    ckpt = next((line.split("ckpt=", 1)[1] for line in text.splitlines() if "ckpt=" in line), None)
+    train_cfg = Path(ckpt).parent.parent / ".hydra" / "config.yaml" if ckpt else None
+    if train_cfg and train_cfg.exists():
+        for line in train_cfg.read_text().splitlines():
+            if line.startswith("seed:"):
+                return line.split(":", 1)[1].strip()
+    return folder.name
+
+
+def setup_table(results: list[dict], seeds: list[str]) -> list[str]:
+    lines = ["| training seed | model test ppl | law over | fit windows | SMC prefixes × generations | particles | "
+             "reference check | seconds |", "|---|---|---|---|---|---|---|---|"]
+    for s, r in zip(seeds, results, strict=True):
+        check = next((x["reference_check"]["particles"] for x in r["rows"] if x.get("reference_check")), "–")
+        lines.append(f"| {s} | {r['reference_test_ppl']:.1f} | {r['law_horizon']} words | {r['fit_prefixes']} | "
+                     f"{r['smc_prefixes']} × {r.get('samples_per_prefix', '–')} | {r['particles']} | untwisted, "
+                     f"{check} particles | {r['seconds']:.0f} |")
+    return lines
+
+
+def page(results: list[dict], seeds: list[str]) -> tuple[str, str]:
+    """The page's body and its one-line result."""
+    spread = seed_spread(results[0], results[1])
+    claims = [(s, c) for s, r in zip(seeds, results, strict=True) for c in sequence_goal_claims(with_spread(r, spread))]
+    rows = [(f"seed {s}: {row[0]}", *row[1:5]) for s, c in claims if (row := claim_row(c))]
+    body = ["### Setup", "", *setup_table(results, seeds), "",
+            "The law that generates is the one fitted and scored: P̂_α ∝ P̂^(1+α) over the law's words, α* fitted "
+            "at each row's particle count and twist; twisted rows use a finite-horizon head trained at their own α.",
+            "",
+            "### Claims", "", *claims_table(rows), "", *[f"- seed {s}: {c.sentence}" for s, c in claims], "",
+            "### The two seeds", "", *spread_table(spread, tuple(seeds)), ""]
+    for s, r in zip(seeds, results, strict=True):
+        body += [f"### Rows, seed {s}", "", study_table([x for x in r["rows"] if x["method"] == "smc"]).rstrip(),
+                 "", r["convergence"], ""]
+    verdicts = ", ".join(f"seed {s} {c.verdict}" for s, c in claims)
+    return "\n".join(body), f"Algorithm 1's goal rows against the test perplexity, every error counted: {verdicts}."
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ckpt", action="append", default=[], help="a checkpoint (give two: two training seeds)")
+    ap.add_argument("--work", default="outputs/bench/sequence_calibration", help="where the stage runs go")
+    ap.add_argument("--runs", nargs=2, help="two finished stage folders to render instead")
+    ap.add_argument("--set", action="append", default=[], help="an override of the stage's run (analysis.*=...)")
+    add_out_option(ap, STAGE)
+    args = ap.parse_args(argv)
+    if args.runs:
+        folders = [Path(x) for x in args.runs]
+    elif len(args.ckpt) == 2:
+        folders = [run_stage(c, Path(args.work) / f"run_{i}", args.set) for i, c in enumerate(args.ckpt)]
+    else:
+        ap.error("give two --ckpt (two training seeds) or --runs DIR_A DIR_B")
+    results = [json.loads((f / f"{STAGE}.json").read_text()) for f in folders]
+    seeds = [_seed(f) for f in folders]
+    emit, lines = tee()
+    body, result = page(results, seeds)
+    emit(machine_line("cpu"))
+    emit(body)
+    command = (f"python bench/sequence_calibration.py --ckpt <seed {seeds[0]}>/checkpoints/best.ckpt --ckpt <seed "
+               f"{seeds[1]}>/checkpoints/best.ckpt, each checkpoint from python -m lmcal.train data=ptb experiment=cpu "
+               "'analysis.stages=[]' logger=none seed=<seed>")
+    save_bench(args.out, "Algorithm 1 (sequence-level calibration) on the cpu model at two training seeds",
+               "\n".join(lines), command=command, result=result)
+    if args.out:
+        summary = summary_row(results[0], seed_spread(results[0], results[1]), seeds[0])
+        if summary:
+            write_text_atomic(Path(args.out).with_suffix(".json"), json.dumps(summary, indent=1) + "\n")
+
+
+def summary_row(result: dict, spread: list[dict], seed: str) -> dict | None:
+    """The first seed's goal row (else its fewest-particle twisted row), with every error it has, as RESULTS.md's
+    claims table reads a benchmark's summary (lmcal.reporting.docs.bench_rows)."""
+    g = with_spread(result, spread).get("goal") or with_spread(result, spread).get("twisted_check")
+    if not g:
+        return None
+    keys = ("tail_nats", "tail_stderr_nats", "tail_alpha_stderr_nats", "run_to_run_stderr_nats", "test_ppl",
+            "prefixes", "generations", "tail_median_nats", "tail_below_2_nats_share")
+    return {"label": f"{g['label']}, training seed {seed}, on {g['prefixes']} fresh prefixes", "made_by":
+            "bench/sequence_calibration.py", "params": g["params"], **{k: g.get(k) for k in keys}}
+
+
+if __name__ == "__main__":
+    main()
