@@ -79,7 +79,7 @@ def page(results: list[dict], seeds: list[str]) -> tuple[str, str]:
     for s, r in zip(seeds, results, strict=True):
         body += [f"### Rows, seed {s}", "", study_table([x for x in r["rows"] if x["method"] == "smc"]).rstrip(),
                  "", r["convergence"], ""]
-    verdicts = ", ".join(f"seed {s} {c.verdict}" for s, c in claims)
+    verdicts = ", ".join(f"seed {s} {c.verdict.replace('_', ' ')}" for s, c in claims)
     return "\n".join(body), f"Algorithm 1's goal rows against the test perplexity, every error counted: {verdicts}."
 
 
@@ -115,9 +115,9 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def summary_row(result: dict, spread: list[dict], seed: str) -> dict | None:
-    """The first seed's goal row (else its fewest-particle twisted row), with every error it has, as RESULTS.md's
-    claims table reads a benchmark's summary (lmcal.reporting.docs.bench_rows)."""
-    g = with_spread(result, spread).get("goal") or with_spread(result, spread).get("twisted_check")
+    """The first seed's fewest-particle twisted row (an SMC row of Algorithm 1's law; else its goal row), with every
+    error it has, as RESULTS.md's claims table reads a benchmark's summary (lmcal.reporting.docs.bench_rows)."""
+    g = with_spread(result, spread).get("twisted_check") or with_spread(result, spread).get("goal")
     if not g:
         return None
     keys = ("tail_nats", "tail_stderr_nats", "tail_alpha_stderr_nats", "run_to_run_stderr_nats", "test_ppl",
