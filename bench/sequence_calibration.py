@@ -7,7 +7,10 @@ every error (the generations' noise, α*'s, and the spread between seeds).
     python bench/sequence_calibration.py --runs DIR_A DIR_B --out ...    # render runs that finished
 
 Each checkpoint is `python -m lmcal.train data=ptb experiment=cpu 'analysis.stages=[]' logger=none seed=<seed>`.
-A finished stage run is kept (its folder holds sequence_calibration.json) and not run again. What the page decides
+A finished stage run is kept (its folder holds sequence_calibration.json) and not run again. On the cpu budget α*'s
+error from 20 fit windows leaves the verdicts undecided; what would decide them is the same run on a GPU on all 184
+disjoint validation windows and more prefixes: `--device cuda --set analysis.sequence_calibration.fit_prefixes=184
+--set analysis.sequence_calibration.smc_prefixes=100`. What the page decides
 was fixed before the runs: each seed's goal row and fewest-particle twisted row within 10% of the test perplexity,
 at 2 standard errors counting every error; the two seeds' rows against their own noise.
 """
@@ -31,11 +34,11 @@ from lmcal.utils.profiling import machine_line
 STAGE = "sequence_calibration"
 
 
-def run_stage(ckpt: str, folder: Path, extra: list[str]) -> Path:
+def run_stage(ckpt: str, folder: Path, extra: list[str], device: str = "cpu") -> Path:
     """The stage on one checkpoint, in `folder` (kept when it finished before)."""
     if not (folder / f"{STAGE}.json").exists():
         cmd = [sys.executable, "-m", "lmcal.evaluate", f"ckpt={ckpt}", f"stages=[{STAGE}]", "analysis=cpu",
-               "logger=none", "device=cpu", f"hydra.run.dir={folder}", *extra]
+               "logger=none", f"device={device}", f"hydra.run.dir={folder}", *extra]
         print(" ".join(cmd), flush=True)
         subprocess.run(cmd, check=True)
     return folder
@@ -101,12 +104,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--work", default="outputs/bench/sequence_calibration", help="where the stage runs go")
     ap.add_argument("--runs", nargs=2, help="two finished stage folders to render instead")
     ap.add_argument("--set", action="append", default=[], help="an override of the stage's run (analysis.*=...)")
+    ap.add_argument("--device", default="cpu", help="where the stage runs (cpu, cuda)")
     add_out_option(ap, STAGE)
     args = ap.parse_args(argv)
     if args.runs:
         folders = [Path(x) for x in args.runs]
     elif len(args.ckpt) == 2:
-        folders = [run_stage(c, Path(args.work) / f"run_{i}", args.set) for i, c in enumerate(args.ckpt)]
+        folders = [run_stage(c, Path(args.work) / f"run_{i}", args.set, args.device) for i, c in enumerate(args.ckpt)]
     else:
         ap.error("give two --ckpt (two training seeds) or --runs DIR_A DIR_B")
     results = [json.loads((f / f"{STAGE}.json").read_text()) for f in folders]
