@@ -133,7 +133,8 @@ def main(argv: list[str] | None = None) -> None:
 def summary_row(result: dict, spread: list[dict], seed: str) -> dict | None:
     """The first seed's fewest-particle twisted row (an SMC row of Algorithm 1's law; else its goal row), with every
     error it has, as RESULTS.md's claims table reads a benchmark's summary (lmcal.reporting.docs.bench_rows)."""
-    g = with_spread(result, spread).get("twisted_check") or with_spread(result, spread).get("goal")
+    counted = with_spread(result, spread)
+    g = counted.get("twisted_check") or counted.get("goal")
     if not g:
         return None
     keys = ("tail_nats", "tail_stderr_nats", "tail_alpha_stderr_nats", "run_to_run_stderr_nats", "test_ppl",

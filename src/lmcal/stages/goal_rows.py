@@ -52,12 +52,11 @@ def _measure_again(b: Bench, setup: StudySetup, samplers: dict, r: dict, fresh: 
         k = r["params"]["particles"]
         tw = samplers["twists"][k](r["params"]["alpha"]) if r["variant"] == "twisted" else None
         tail = remeasure(setup, fresh[:n], k, tw, r["params"]["alpha"], s.seed + 1)  # [n, S]
-        level, se = clustered_mean(tail)
-        return {"tail_nats": float(level), "tail_stderr_nats": float(se), **mixture(tail)}
-    curve = generation_entropy_curve(samplers[r["method"]], fresh[:n], s.horizon, s.samples_per_prefix,
-                                     seed=s.seed + 1, max_batch=s.max_batch, progress=True)
-    level, se = clustered_mean(curve.tail)  # [n, S]: prefixes as clusters, as every per-word row's level
-    return {"tail_nats": float(level), "tail_stderr_nats": float(se), **mixture(curve.tail)}
+    else:
+        tail = generation_entropy_curve(samplers[r["method"]], fresh[:n], s.horizon, s.samples_per_prefix,
+                                        seed=s.seed + 1, max_batch=s.max_batch, progress=True).tail  # [n, S]
+    level, se = clustered_mean(tail)  # prefixes as clusters, as every row's level
+    return {"tail_nats": float(level), "tail_stderr_nats": float(se), **mixture(tail)}
 
 
 def _verdict(r: dict, measured: dict, s: SequenceCalibrationConfig, n: int, test_nats: float) -> dict:
