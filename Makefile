@@ -4,25 +4,38 @@ PYTHON ?= python3
 VENV ?= .venv
 # The torch requirement installed before the package; override for another build, e.g.
 #   make install TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu126"
-TORCH ?= torch==2.13.0
+TORCH_DEFAULT := torch==2.13.0
+TORCH ?= $(TORCH_DEFAULT)
 PROFILE ?= auto
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# The torch requirement the venv holds (written with the stamp; a venv from before it: the default). Another TORCH
+# makes the stamp out of date, and the install swaps torch alone (uninstalled, then installed), keeping the venv.
+TORCH_FILE := $(VENV)/.torch
+TORCH_WAS := $(or $(strip $(shell cat $(TORCH_FILE) 2>/dev/null)),$(TORCH_DEFAULT))
+ifneq ($(TORCH_WAS),$(strip $(TORCH)))
+TORCH_CHANGED := $(wildcard $(PY))
+endif
 
 .DEFAULT_GOAL := help
-.PHONY: help install test test-slow test-all lint bench smoke reproduce docs clean gpu-check gpu-wheels test-slurm
+.PHONY: help install torch-changed test test-slow test-all lint bench smoke reproduce docs clean gpu-check gpu-wheels test-slurm
 
 help: ## list the targets
 	@awk 'BEGIN{FS=":.*## "} /^[a-zA-Z_-]+:.*## /{printf "  make %-10s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
-	@echo "  variables: TORCH='$(TORCH)' PROFILE=$(PROFILE) (auto|paper|paper_full|cpu|smoke|scale|scale_gpu) LMCAL_DATA_ROOT=<folder holding ptb/>"
+	@echo "  variables: TORCH='$(TORCH)' PROFILE=$(PROFILE) (auto|paper|paper_mini|paper_full|cpu|smoke|scale|scale_gpu) LMCAL_DATA_ROOT=<folder holding ptb/>"
 	@echo "             ARGS='out=DIR taus=[5,10] ...' (reproduce: overrides of conf/reproduce/<profile>.yaml)"
 	@echo "             FORCE=1 (reproduce: redo the stages whose settings changed, and those downstream)"
 
-$(STAMP): pyproject.toml
-	$(PYTHON) -m venv $(VENV)
+$(STAMP): pyproject.toml $(if $(TORCH_CHANGED),torch-changed)
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(if $(TORCH_CHANGED),$(PY) -m pip uninstall --quiet --yes torch)
 	$(PY) -m pip install --quiet $(TORCH)
 	$(PY) -m pip install --quiet -e ".[dev,hf]"
+	@printf '%s\n' '$(TORCH)' > $(TORCH_FILE)
 	@touch $(STAMP)
+
+# a prerequisite of the stamp only when TORCH differs from the torch the venv holds
+torch-changed: ;
 
 install: $(STAMP) ## create .venv: pinned torch first, then lmcal with its dependencies
 
@@ -46,7 +59,7 @@ bench: $(STAMP) ## training throughput and FLOP utilisation (prints a Markdown t
 
 # On a GPU machine as it comes (a Python with a CUDA torch, no registry): `make gpu-check PY=python3` uses that Python
 # and its torch, no venv; what it lacks of Hydra and OmegaConf travels as wheels from `make gpu-wheels` (.whl/).
-gpu-check: $(if $(filter $(VENV)/bin/python,$(PY)),$(STAMP)) ## the CUDA path in <= 9 min: gpu tests, Lightning steps, lookahead, CPU against CUDA (PY=python3 on a bare GPU machine; report in outputs/gpu-check/)
+gpu-check: $(if $(filter $(VENV)/bin/python,$(PY)),$(STAMP)) ## the CUDA path in <= 18 min: gpu tests, PROFILE=paper_mini timed against its plan, Lightning steps, lookahead, CPU against CUDA (PY=python3 on a bare GPU machine; report in outputs/gpu-check/)
 	$(PY) tools/gpu_check.py $(GPU_ARGS)
 
 GPU_PYTHON ?= 3.12

@@ -254,10 +254,10 @@ def test_a_stage_with_an_out_of_range_setting_stops_before_any_stage_runs(tmp_pa
 def test_a_failing_stage_names_itself_its_log_and_the_command(tmp_path):
     r = subprocess.run(_cmd(tmp_path / "bad", f"base=[experiment=smoke,data.root={tmp_path / 'nowhere'},"
                             "data.download=false]"), env=_env(), capture_output=True, text=True, timeout=300)
-    assert r.returncode == 2 and "Traceback" not in r.stderr
-    assert "Stage 'base' failed" in r.stderr and str(tmp_path / "bad" / "logs" / "base.log") in r.stderr
-    assert "python -m lmcal.train" in r.stderr
-    assert json.loads((tmp_path / "bad" / "stages" / "base.json").read_text())["status"] == "started"
+    assert r.returncode == 1 and "Traceback" not in r.stderr  # a failed stage: the table, exit 1
+    assert "| base | exit status" in r.stderr and str(tmp_path / "bad" / "logs" / "base.log") in r.stderr
+    assert "python -m lmcal.train" in r.stderr and "not run: needs base" in r.stderr
+    assert json.loads((tmp_path / "bad" / "stages" / "base.json").read_text())["status"] == "failed"
 
 
 def test_profiles_share_one_wandb_group_and_auto_picks_by_device():

@@ -1,7 +1,8 @@
 """`make gpu-check`: what proves the CUDA path, in a few minutes, as one Markdown report, on a GPU machine as it comes.
 
-    python tools/gpu_check.py [--out outputs/gpu-check/REPORT.md] [--budget-min 9]
-                              [--parts tests,train,lookahead,compare] [--compare-devices cpu,cuda] [--dry-run]
+    python tools/gpu_check.py [--out outputs/gpu-check/REPORT.md] [--budget-min 18]
+                              [--parts tests,mini,train,lookahead,compare] [--compare-devices cpu,cuda] [--dry-run]
+    make gpu-check GPU_ARGS='--parts tests,mini --budget-min 9'   # the gpu tests and the paper profile's miniature
     make gpu-check PY=python3      # a machine's own Python and its CUDA torch: no venv, nothing from a registry
 
 It runs with the Python that starts it (`PY=` in make) and its torch: it installs nothing from a registry. It prints
@@ -11,12 +12,15 @@ can travel as wheels fetched beforehand on a machine with a registry (`make gpu-
 check installs them from there alone (`pip install --no-index`) into outputs/gpu-check/site. Without CUDA it writes the
 report saying so and exits 1.
 
-The parts, each a subprocess with its own timeout, within a total budget (--budget-min, default 9 minutes); the report
+The parts, each a subprocess with its own timeout, within a total budget (--budget-min, default 18 minutes); the report
 (REPORT.md, and results.json beside it) is rewritten after each part, so a part that fails or runs out of time leaves
 the others' results and says what happened to it:
 - tests: tests/test_gpu.py (the weight-dropped LSTM in training mode on cuDNN against the CPU with the same masks, a
   training step that never waits for the device between reads, a resume after the NT-ASGD switch, the lookahead's
   paths, a bf16 head, a Hugging Face model's shared past);
+- mini: `make reproduce PROFILE=paper_mini` end to end (tools/paper_mini.py): every stage's measured seconds beside
+  the plan check's estimate, the GPU's utilisation once a second, the FLOP rates measured (gpu_rates.json beside the
+  report: copy it to docs/bench/ and the plan check uses it in place of its assumed rate);
 - train: the paper-size AWD-LSTM (400/1150/3, V = 10,000, batch 20, BPTT 70) through the real Lightning path
   (bench/train_throughput.py's lightning_throughput): 200 steps reading the device every 20, then every step, then
   with deterministic algorithms; the tau-models' step (tau = 5, 30); a plain cuDNN nn.LSTM stack's bare loop; ms a
@@ -47,9 +51,9 @@ except ImportError:  # a Python without torch at all: say so in one line, as for
              "whose torch is a CUDA build (make gpu-check PY=...), or make install first.")
 
 ROOT = Path(__file__).resolve().parents[1]
-PARTS = ("tests", "train", "lookahead", "compare")
+PARTS = ("tests", "mini", "train", "lookahead", "compare")
 MARK = "<!-- gpu-check part -->"  # a part's own lines for the report follow this line of its output
-PART_MAX_S = {"tests": 240, "train": 240, "lookahead": 150, "compare": 420}
+PART_MAX_S = {"tests": 240, "mini": 540, "train": 240, "lookahead": 150, "compare": 420}
 NEEDS = ("hydra", "omegaconf", "pytorch_lightning", "scipy", "matplotlib", "pytest")  # what the parts import
 # PTB's training split (tokens with the end-of-sentence marks) and validation windows of the paper profile
 PTB_TRAIN_TOKENS, PTB_VALID_TOKENS = 929_589, 73_760
@@ -365,7 +369,7 @@ def devices_section(devices: list[str], work: Path, timeout: float | None = None
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="outputs/gpu-check/REPORT.md")
-    ap.add_argument("--budget-min", type=float, default=9.0, help="the whole check's time budget in minutes")
+    ap.add_argument("--budget-min", type=float, default=18.0, help="the whole check's time budget in minutes")
     ap.add_argument("--parts", default=",".join(PARTS), help=f"which parts, comma-separated, of {','.join(PARTS)}")
     ap.add_argument("--compare-devices", default=None, metavar="A,B",
                     help="the two devices of the side-by-side part (default cpu,cuda); without CUDA, cpu,cpu runs "
@@ -438,6 +442,16 @@ def main(argv: list[str] | None = None) -> int:
             report.add(name, [title, "", f"_{status(r, f'the part had {timeout:.0f} s')}_: "
                               f"`{last_line(r['stdout'])}`", "", *(["```", *tail, "```", ""] if tail else [])],
                        {"rc": r["rc"], "summary": last_line(r["stdout"]), "seconds": r["seconds"]})
+            ok &= r["rc"] == 0
+        elif name == "mini":
+            mini = [sys.executable, str(ROOT / "tools" / "paper_mini.py"), "--out", str(out.parent / "paper_mini"),
+                    "--timeout", f"{max(30.0, timeout - 30):.0f}", *(["--tiny"] if args.dry_run else [])]
+            r = run_part(mini, timeout)
+            lines = r["stdout"].strip().splitlines()
+            lines = lines[lines.index(MARK) + 1:] if MARK in lines else lines
+            result = json.loads(lines.pop()) if lines and lines[-1].startswith("{") else None
+            report.add(name, ["### The paper profile's miniature (make reproduce PROFILE=paper_mini)", "",
+                              f"_{status(r, f'the part had {timeout:.0f} s')}_", "", *lines, ""], result)
             ok &= r["rc"] == 0
         elif name == "compare":
             lines, agree, result = devices_section((args.compare_devices or "cpu,cuda").split(","),

@@ -37,7 +37,7 @@ from lmcal.stages.wandb_run import (
     wandb_run,
 )
 from lmcal.utils.boundary import boundary, run_hydra
-from lmcal.utils.device import apply_precision_policy, resolve_device
+from lmcal.utils.device import TF32, apply_precision_policy, deterministic_cublas, precision_policy, resolve_device
 from lmcal.utils.io import write_json_atomic
 from lmcal.utils.lock import run_lock, sweep_temp_files
 from lmcal.utils.quiet import quiet_third_party
@@ -69,11 +69,13 @@ def check_settings(cfg: DictConfig) -> dict[str, dict]:
 
 def evaluate(cfg: DictConfig) -> dict:
     """Runs the stages on the checkpoint or Hugging Face model, writes evaluation.json. Settings are checked first,
-    then the run folder is locked for this process."""
+    then the run folder is locked for this process. cuBLAS's deterministic workspace comes first, before any CUDA
+    work (an analysis repeats for its seed), then the TF32 flags (the `tf32` key)."""
+    deterministic_cublas()
     settings = check_settings(cfg)
     with open_dict(cfg):  # the one device every model of the run goes to (not one of the recorded settings)
         cfg.device = resolve_device(cfg.get("device"))
-    apply_precision_policy()  # TF32 off, set explicitly (lmcal.utils.device)
+    apply_precision_policy(cfg.get("tf32", TF32))
     out = Path(cfg.paths.output_dir)
     with run_lock(out, "evaluation"):
         sweep_temp_files(out)  # what a killed run of this folder left half written
@@ -95,7 +97,8 @@ def _evaluate(cfg: DictConfig, out: Path, settings: dict[str, dict]) -> dict:
         rows = result_rows(results)
         results.update(table=[{"stage": st, "metric": k, "value": v, "stderr": se} for st, k, v, se in rows],
                        config=OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False),
-                       versions=versions(), provenance=provenance())  # what ran it: command, date, machine, commit
+                       versions=versions(),  # what ran it: command, date, machine, commit, TF32 flags
+                       provenance={**provenance(), "precision": precision_policy()})
         write_json_atomic(out / "evaluation.json", results)
         wandb_log(logger, summary={f"{st}/{k}": v for st, k, v, _ in rows},
                   tables={"results": (["stage", "metric", "value", "stderr"], [list(r) for r in rows])})

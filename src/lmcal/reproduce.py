@@ -1,6 +1,7 @@
 """`make reproduce`: every result of the paper this project reproduces, in one resumable pipeline.
 
-    python -m lmcal.reproduce [profile=auto|paper|paper_full|cpu|smoke|scale|scale_gpu] [out=DIR] [key=value ...]
+    python -m lmcal.reproduce [profile=auto|paper|paper_mini|paper_full|cpu|smoke|scale|scale_gpu] [out=DIR]
+                            [key=value ...]
 
 The profile (conf/reproduce/<profile>.yaml; `auto` is `paper` with CUDA, else `cpu`) names the overrides of each
 stage; `key=value` pairs override the profile (OmegaConf dot-list, e.g. `taus=[5,10]`). Stages, in order:

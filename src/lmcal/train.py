@@ -46,7 +46,7 @@ from lmcal.training.scale_run import record_training
 from lmcal.training.wandb_logger import finish_logger, make_logger
 from lmcal.utils.boundary import explain, fail, run_hydra
 from lmcal.utils.budget import tau_too_long
-from lmcal.utils.device import apply_precision_policy
+from lmcal.utils.device import TF32, apply_precision_policy, deterministic_cublas, precision_policy
 from lmcal.utils.io import write_json_atomic
 from lmcal.utils.lock import run_lock, sweep_temp_files
 from lmcal.utils.quiet import quiet_third_party
@@ -59,9 +59,11 @@ quiet_third_party()  # once per process, before Lightning says anything
 def train(cfg: DictConfig) -> dict:
     """Fit (or resume), evaluate the best checkpoint on valid and test, write metrics.json. Settings are checked
     first (one device only), then the run folder is locked for this process, and the temporary files that killed
-    runs left there are swept."""
+    runs left there are swept. cuBLAS's deterministic workspace and the TF32 flags (the `tf32` key) are set first,
+    before any CUDA work."""
+    deterministic_cublas(cfg.trainer.get("deterministic"))
     check_settings(cfg)
-    apply_precision_policy()  # TF32 off, set explicitly (lmcal.utils.device)
+    apply_precision_policy(cfg.get("tf32", TF32))
     out = Path(cfg.paths.output_dir)
     with run_lock(out, "training"):
         sweep_temp_files(out)  # (a checkpoint half written when a run was killed: it holds the lock now)
@@ -111,6 +113,12 @@ def _analysis_plan(cfg: DictConfig, dm) -> tuple[list[str], dict, str | None]:
     return stages, settings, base_ckpt
 
 
+def run_precision(cfg: DictConfig) -> dict:
+    """What metrics.json records of the arithmetic: Lightning's trainer.precision (32-true; bf16-mixed autocasts the
+    matmuls and the LSTM to bfloat16, the weights, checkpoints and final scores stay float32) and the TF32 flags."""
+    return {"trainer": str(cfg.trainer.get("precision", "32-true")), **precision_policy()}
+
+
 def _callbacks(cfg: DictConfig, out: Path, resume: str | None, stages: list[str], settings: dict,
                base_ckpt: str | None) -> tuple[list, MetricsCallback, StagesCallback]:
     """Checkpoints (best.ckpt; last.ckpt after every epoch, the one a rerun resumes from: its own callback, since
@@ -122,7 +130,7 @@ def _callbacks(cfg: DictConfig, out: Path, resume: str | None, stages: list[str]
     last_cb = ModelCheckpoint(dirpath=ckpt_dir, filename="last", monitor=None, save_top_k=1, every_n_epochs=1,
                               enable_version_counter=False)
     metrics_cb = MetricsCallback(out, extra={"dataset": cfg.data.name, "model": model_name(cfg.model),
-                                             "resumed_from": resume})
+                                             "resumed_from": resume, "precision": run_precision(cfg)})
     stages_cb = StagesCallback(out, stages, settings, model_name(cfg.model), base_ckpt)
     callbacks = [ckpt_cb, last_cb, metrics_cb, stages_cb]  # metrics.json is written before any stage runs
     if cfg.trainer.get("enable_progress_bar", True):

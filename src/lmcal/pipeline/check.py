@@ -39,10 +39,15 @@ from lmcal.pipeline.timing import (
     MEASURED_ON,
     STEP_FIXED_MS,
     STEP_PER_TIME_STEP_MS,
+    TERMS,
     Job,
+    analysis_overheads,
     lstm_epoch_seconds,
+    measured_rates,
     schedule,
     side_by_side_group,
+    term,
+    training_overheads,
 )
 from lmcal.utils.budget import tau_too_long
 from lmcal.utils.settings import CONF_DIR, composed
@@ -207,9 +212,9 @@ def stream_passes(a: dict, m: Model) -> int:
     return 25 + 11 * -(-n // int(a.get("cluster_size", 2000)))
 
 
-def _training_run(st: dict, where: str, t, c: DictConfig, m: Model) -> tuple[str, tuple[float, float, float]]:
+def _training_run(st: dict, where: str, t, c: DictConfig, m: Model) -> tuple[str, tuple[float, float, float, float]]:
     """One training run of a stage (t: its tau, or None) checked against its model: its plan line, and its (seconds
-    alone, busy share, peak bytes)."""
+    of its epochs alone, busy share, peak bytes, seconds beside its epochs with the GPU idle)."""
     if t:
         n = m.corpus.get("train")
         if n and int(t) >= n:
@@ -235,12 +240,14 @@ def _training_run(st: dict, where: str, t, c: DictConfig, m: Model) -> tuple[str
     else:
         seconds, busy = flops / (BATCHED_TFLOPS * 1e12), BUSY["batched"]
         time_text = f"{flops:.3g} FLOP / {BATCHED_TFLOPS:g}e12 = {seconds / 3600:.2f} h"
+    extra, how = training_overheads(epochs, m.corpus.get("test", 0), bptt, 8.0 * m.params)
+    time_text += f", + {how} (the GPU idle)"
     line = (f"{st['name']}{'' if t is None else f' tau={t}'}: {m.kind} ({m.params:,} parameters, "
             f"context {m.context or 'unbounded'}, V {m.vocab:,}), {epochs} epochs x "
             f"{m.corpus.get('train', 0):,} tokens = {tokens:,} tokens, batch {batch}, "
             f"3 x {m.step_flops:.3g} FLOP x tokens = {flops:.3g} FLOP; time alone: {time_text}; peak: "
             + "; ".join(f"{w} {bytes_text(b)}" for w, b in peak))
-    return line, (seconds, busy, sum(b for _, b in peak))
+    return line, (seconds, busy, sum(b for _, b in peak), extra)
 
 
 def _training_stage(st: dict, models: dict, tau_of: dict, lines: list[str]) -> Job:
@@ -261,13 +268,22 @@ def _training_stage(st: dict, models: dict, tau_of: dict, lines: list[str]) -> J
         lines.append(line)
         group.append(run)
     wall, busy = side_by_side_group([g[0] for g in group], [g[1] for g in group], at_once)
+    idle = max(g[3] for g in group) * -(-len(group) // at_once)  # each batch of runs side by side pays it once
     if at_once > 1:
         most = bytes_text(max(g[2] for g in group))
         lines.append(f"{st['name']}: the {len(group)} trainings side by side on the one GPU, {at_once} at once "
                      f"({SIDE_BY_SIDE_LAUNCHER}): peak {at_once} x {most} of the "
                      f"tensors above, plus each process's CUDA context; time-sliced: {wall / 3600:.2f} h "
                      f"against {sum(g[0] for g in group) / 3600:.2f} h one after another")
-    return Job(st["name"], wall, busy, tuple(st["deps"]))
+    return idle_job(st["name"], wall, busy, idle, tuple(st["deps"]))
+
+
+def idle_job(name: str, gpu_seconds: float, busy: float, idle_seconds: float, deps: tuple[str, ...],
+             flops: float = 0.0) -> Job:
+    """A stage's job: `gpu_seconds` keeping the GPU `busy` that share, and `idle_seconds` of start-up, fits and
+    writes that leave it to the stages beside it (the job's busy share is over both)."""
+    total = gpu_seconds + idle_seconds
+    return Job(name, total, busy * gpu_seconds / total if total else 0.0, deps, flops, idle_seconds)
 
 
 def _check_memory_tau(where: str, a: dict, m: Model, mem_tau: int | None) -> None:
@@ -277,9 +293,11 @@ def _check_memory_tau(where: str, a: dict, m: Model, mem_tau: int | None) -> Non
                          "tokens (analysis.memory.score_tokens).")
 
 
-def _analysis_stage(cfg: DictConfig, st: dict, models: dict, tau_of: dict) -> tuple[str, Job | None]:
+def _analysis_stage(cfg: DictConfig, st: dict, models: dict, tau_of: dict,
+                    rates: dict[str, float]) -> tuple[str, Job | None]:
     """An analysis stage composed, range-checked and sized against the model it meets (planned earlier in
-    `models`): its plan line and its job (None where its model is not planned here)."""
+    `models`): its plan line and its job (None where its model is not planned here), its FLOPs at the rate
+    `make gpu-check` measured for its kind where `rates` has one, else at the assumed BATCHED_TFLOPS."""
     entry, overrides = st["cmd"][2], [o for o in st["cmd"][3:] if o != "-m"]
     where = f"Stage '{st['name']}' (python -m {entry}): "
     c = composed(entry, overrides)
@@ -316,14 +334,32 @@ def _analysis_stage(cfg: DictConfig, st: dict, models: dict, tau_of: dict) -> tu
             + f"{steps:.3g} model steps = "
             f"{flops:.3g} FLOP; peak: " + ("; ".join(f"{w} {bytes_text(b)}" for w, b in peak) or "small")
             + (f" (largest {bytes_text(top[1])})" if top else ""))
-    return line, Job(st["name"], flops / (BATCHED_TFLOPS * 1e12), BUSY["batched"], tuple(st["deps"]))
+    rate, heads = rates.get(name, BATCHED_TFLOPS), head_count(name, a)
+    extra = analysis_overheads(name, heads)
+    how = f"start-up, fit{f', {heads} heads' if heads else ''}"
+    line += (f"; time alone: {flops:.3g} FLOP / {rate:.3g}e12{' (measured)' if name in rates else ''} + "
+             f"{extra:.0f} s ({how}) = {flops / (rate * 1e12) + extra:.0f} s")
+    return line, idle_job(st["name"], flops / (rate * 1e12), BUSY["batched"], extra, tuple(st["deps"]), flops)
 
 
-def _plan_tail(cfg: DictConfig, jobs: list[Job]) -> list[str]:
+def head_count(name: str, a: dict) -> int:
+    """The small heads an analysis stage trains: future_entropy's one per K and discount; sequence_calibration's
+    soft-value heads and each twisted row's finite-horizon head."""
+    if name == "future_entropy":
+        ks, ds = a.get("horizon_k") or [], a.get("discount") or []
+        return (len(ks) if isinstance(ks, list) else 1) * (len(ds) if isinstance(ds, list) else 1)
+    if name == "sequence_calibration" and a.get("soft_value"):
+        return 1 + (len(a.get("particles") or []) if a.get("twist") else 0)
+    return 0
+
+
+def _plan_tail(cfg: DictConfig, jobs: list[Job], rates: dict[str, float]) -> list[str]:
     total, _ = schedule(jobs, max(1, int(cfg.get("jobs", 1))))
     alone = {j.name: j.seconds for j in jobs}
-    return ["", f"Wall time on one GPU: an ESTIMATE, {total / 3600:.1f} h (stages one after another: "
-            f"{sum(alone.values()) / 3600:.1f} h). AWD-LSTM trainings at the step measured on {MEASURED_ON}: "
+    measured = (f" FLOP rates measured by make gpu-check ({RATES_FILE}): "
+                + ", ".join(f"{k} {v:.3g} TFLOP/s" for k, v in sorted(rates.items())) + ";") if rates else ""
+    return ["", f"Wall time on one GPU: an ESTIMATE, {hours(total)} (stages one after another: "
+            f"{hours(sum(alone.values()))}).{measured} AWD-LSTM trainings at the step measured on {MEASURED_ON}: "
             f"{STEP_FIXED_MS:g} ms + {STEP_PER_TIME_STEP_MS:g} ms per sequential time step at batch 20 (a PTB epoch of "
             f"the paper model: 13 s; {ANCHOR}); the other stages' FLOPs at an assumed {BATCHED_TFLOPS:g} TFLOP/s "
             f"(TF32 off). Scheduled as make reproduce runs them: jobs={int(cfg.get('jobs', 1))} stages at a time "
@@ -332,28 +368,54 @@ def _plan_tail(cfg: DictConfig, jobs: list[Job]) -> list[str]:
             "for a measured or assumed share of its time: lmcal.pipeline.timing); NVIDIA MPS, which could overlap "
             "their kernels further, is not assumed.",
             "Largest stages (alone): " + ", ".join(f"{n} {t / 3600:.2f} h" for n, t in
-                                                   sorted(alone.items(), key=lambda e: -e[1])[:6])]
+                                                   sorted(alone.items(), key=lambda e: -e[1])[:6]),
+            "Terms beside the steps and FLOPs: " + "; ".join(f"{k} {t.value:g} ({t.source})" for k, t in
+                                                             TERMS.items())]
 
 
-def check(cfg: DictConfig, estimates: dict | None = None) -> str:
+def hours(seconds: float) -> str:
+    """'5.3 h', or '7.5 min' under an hour."""
+    return f"{seconds / 3600:.1f} h" if seconds >= 3600 else f"{seconds / 60:.1f} min"
+
+
+def _rates_file():
+    from lmcal.reporting.docs import DOCS
+
+    return DOCS / "bench" / "gpu_rates.json"
+
+
+RATES_FILE = "docs/bench/gpu_rates.json"  # written by make gpu-check's paper_mini part, copied there from its out
+
+
+def check(cfg: DictConfig, estimates: dict | None = None, rates: dict[str, float] | None = None,
+          terms: dict | None = None) -> str:
     """The plan of profile `cfg` as text, every stage composed and range-checked (lmcal.utils.rules) and every size
     checked against the model it meets; raises LmcalError naming the stage, the keys and the limit otherwise.
-    `estimates`, where given, gets each stage's estimated seconds (the console's ETAs scale them to this machine)."""
+    `estimates`, where given, gets each stage's estimated seconds (the console's ETAs scale them to this machine);
+    `rates` ({stage kind: TFLOP/s}; default: docs/bench/gpu_rates.json's, if there) replace the assumed rate;
+    `terms`, where given, gets each stage's {seconds, flops, idle_seconds}."""
+    rates = measured_rates(_rates_file()) if rates is None else rates
     stages = plan(cfg)
     models: dict[str, Model] = {}  # training stage dir -> its model
     tau_of: dict[str, int] = {}  # a tau-model's training stage dir -> its memory length
     lines, jobs = [], []  # jobs: each stage's time alone on the GPU, its busy share, its deps (pipeline.timing)
     for st in stages:
         if "fn" in st:
-            lines.append(f"{st['name']}: results.json, REPORT.md (in-process)")
+            lines.append(f"{st['name']}: results.json, REPORT.md (in-process); time: {term('report (s)'):g} s")
+            jobs.append(Job(st["name"], term("report (s)"), 0.0, tuple(st["deps"])))
         elif st["cmd"][2] == "lmcal.train":
             jobs.append(_training_stage(st, models, tau_of, lines))
         else:
-            line, job = _analysis_stage(cfg, st, models, tau_of)
+            line, job = _analysis_stage(cfg, st, models, tau_of, rates)
             lines.append(line)
             jobs += [job] if job else []
     for j in jobs if estimates is not None else ():  # the console's ETAs scale them
         estimates[j.name] = estimates.get(j.name, 0.0) + j.seconds
+    if terms is not None:  # make gpu-check's measured rates divide by them
+        wall, spans = schedule(jobs, max(1, int(cfg.get("jobs", 1))))
+        for j in jobs:
+            terms[j.name] = {"seconds": j.seconds, "flops": j.flops, "idle_seconds": j.idle,
+                             "ends_at": spans[j.name][1], "pipeline_seconds": wall}
     head = [f"Plan of the {cfg.profile} profile: {len(stages)} stages, all composed and within their ranges; every "
             "stream fits its model's context.", ""]
-    return "\n".join(head + lines + _plan_tail(cfg, jobs))
+    return "\n".join(head + lines + _plan_tail(cfg, jobs, rates))

@@ -20,21 +20,20 @@ from lmcal.stages.wandb_run import reproduction_group
 from lmcal.utils.settings import CONF_DIR, composed, settings_of
 from lmcal.utils.validate import check_config
 
-PROFILES = ("paper", "paper_full", "cpu", "smoke", "scale", "scale_gpu")  # scale*: lmcal.pipeline.scale_sweep
+PROFILES = ("paper", "paper_full", "paper_mini", "cpu", "smoke", "scale", "scale_gpu")  # scale*: pipeline.scale_sweep
 
 
 def resolve_profile(name: str) -> tuple[str, str | None]:
     """(profile, note): `auto` becomes paper with CUDA, else cpu, with a line saying so."""
     if name == "auto":
-        import torch
+        from lmcal.utils.device import auto_profile
 
-        name = "paper" if torch.cuda.is_available() else "cpu"
-        return name, (f"PROFILE=auto: running the '{name}' profile ({'CUDA found' if name == 'paper' else 'no CUDA'}"
-                      "); choose another with `make reproduce PROFILE=paper|paper_full|cpu|smoke`.")
+        name, why = auto_profile()
+        return name, f"{why}; choose another with `make reproduce PROFILE=paper|paper_mini|paper_full|cpu|smoke`."
     if name not in PROFILES:
-        raise LmcalError(f"Unknown profile {name!r}: use auto, paper (one GPU, about 5 hours), paper_full (the "
-                         "paper's 500 epochs), cpu or smoke; or scale (the scale sweeps on 2 CPU cores) or scale_gpu "
-                         "(on one GPU).")
+        raise LmcalError(f"Unknown profile {name!r}: use auto, paper (one GPU, about 5.3 hours), paper_mini (its "
+                         "rehearsal in minutes), paper_full (the paper's 500 epochs), cpu or smoke; or scale (the "
+                         "scale sweeps on 2 CPU cores) or scale_gpu (on one GPU).")
     return name, None
 
 

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -14,7 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 from lmcal.errors import LmcalError
 from lmcal.pipeline.check import check
 from lmcal.pipeline.plan import plan, stage_settings
-from lmcal.pipeline.schedule import reference_seconds, schedule
+from lmcal.pipeline.schedule import StagesFailed, reference_seconds, schedule
 from lmcal.pipeline.slurm import check_slurm_tools, schedule_slurm
 from lmcal.reporting.results import PAPER_STAGES, stage_record
 from lmcal.stages.registry import check_stages
@@ -88,7 +90,20 @@ def check_quotable(out: Path) -> None:
                          "(no non-ASCII letters, quotes, brackets, commas, = or ~).")
 
 
+@contextmanager
+def exit_when_stages_fail():
+    """Stages that failed once the others finished (StagesFailed) end the process with their table on stderr and
+    exit status 1: the run went wrong, unlike bad input (one paragraph, exit 2), and a rerun resumes it."""
+    try:
+        yield
+    except StagesFailed as e:
+        print(e, file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
+
+
 def reproduce(cfg: DictConfig) -> dict:
+    """The whole pipeline: every check before the output folder is touched, then the stages under its lock; stages
+    that fail end it with their table and exit status 1 once the others have finished (exit_when_stages_fail)."""
     if cfg.get("launcher", "local") not in ("local", "slurm"):
         raise LmcalError(f"launcher={cfg.launcher} is not a launcher: launcher=local runs the stages on this machine "
                          "(jobs=N at once), launcher=slurm submits each as a Slurm job (settings: slurm.<key>=..., "
@@ -129,6 +144,7 @@ def reproduce(cfg: DictConfig) -> dict:
         if cfg.get("launcher", "local") == "slurm":  # each stage a Slurm job (lmcal.pipeline.slurm)
             schedule_slurm(stages, cfg, out, current, ref)
         else:
-            schedule(stages, cfg, out, current, max(1, int(cfg.get("jobs", 1))), ref, estimates)
+            with exit_when_stages_fail():
+                schedule(stages, cfg, out, current, max(1, int(cfg.get("jobs", 1))), ref, estimates)
         print(f"Finished in {time.perf_counter() - t_all:.0f} s: {out / 'REPORT.md'}", flush=True)
     return json.loads((out / "results.json").read_text())

@@ -215,7 +215,7 @@ def reference_note(profile: str, names: list[str]) -> str:
 
 def reproduce_sweeps(cfg: DictConfig) -> dict:
     """`make reproduce` for a sweep profile: checked, then run under the output folder's lock, resumably."""
-    from lmcal.pipeline.reproduce import check_quotable, clear_stage, stale_stages
+    from lmcal.pipeline.reproduce import check_quotable, clear_stage, exit_when_stages_fail, stale_stages
     from lmcal.pipeline.schedule import reference_seconds, schedule
     from lmcal.utils.io import write_text_atomic
     from lmcal.utils.lock import check_output_folder, run_lock, sweep_temp_files
@@ -246,6 +246,7 @@ def reproduce_sweeps(cfg: DictConfig) -> dict:
             print(f"ETAs from the {cfg.profile} reproduction in docs/runs/{cfg.profile} ({machine}).", flush=True)
             ref = {**ref, **cell_reference(ref, [st["name"] for st in stages])}  # a seed's run at its cell's time
         t0 = time.perf_counter()
-        schedule(stages, cfg, out, current, max(1, int(cfg.get("jobs", 1))), ref)
+        with exit_when_stages_fail():  # a failed run: the table, exit 1; the other runs kept
+            schedule(stages, cfg, out, current, max(1, int(cfg.get("jobs", 1))), ref)
         print(f"Finished in {time.perf_counter() - t0:.0f} s: {out / 'REPORT.md'}", flush=True)
     return json.loads((out / "results.json").read_text())

@@ -1,6 +1,6 @@
 """Running a planned pipeline (lmcal.pipeline.plan.plan): each stage its own process with its log in
-<out>/logs/<stage>.log, up to `jobs` at once where they do not depend on each other, its completion recorded in
-<out>/stages/<stage>.json, and a progress line with elapsed times and ETAs from a reference run."""
+<out>/logs/<stage>.log, up to `jobs` at once where they do not depend on each other, its completion (or failure)
+recorded in <out>/stages/<stage>.json, and a progress line with elapsed times and ETAs from a reference run."""
 
 from __future__ import annotations
 
@@ -99,16 +99,66 @@ def launch(stage: dict, out: Path, env: dict | None = None, worker: Worker | Non
     return run
 
 
-def check_finished(stage: dict, run: dict, rc: int) -> None:
-    """One paragraph if the stage's process failed or left out a file that shows it finished."""
+def failure(stage: dict, rc: int) -> str | None:
+    """Why a stage whose process ended with status `rc` failed (its exit status, or the files that show it finished
+    and are not there, with any failed.json it left), or None when it finished."""
     missing = [str(p) for p in stage["done"] if not p.is_file()]
-    if rc or missing:
-        failed = sorted(stage["dir"].rglob("failed.json")) if stage["dir"].is_dir() else []
-        why = f"exit status {rc}" if rc else f"it did not write {', '.join(missing)}"
-        if failed:
-            why += f"; see {', '.join(map(str, failed))}"
+    if not rc and not missing:
+        return None
+    failed = sorted(stage["dir"].rglob("failed.json")) if stage["dir"].is_dir() else []
+    why = f"exit status {rc}" if rc else f"it did not write {', '.join(missing)}"
+    return why + (f"; see {', '.join(map(str, failed))}" if failed else "")
+
+
+def check_finished(stage: dict, run: dict, rc: int) -> None:
+    """One paragraph if the stage's process failed or left out a file that shows it finished (the Slurm launcher,
+    which stops every stage on a failure)."""
+    why = failure(stage, rc)
+    if why:
         raise LmcalError(f"Stage '{stage['name']}' failed ({why}). Its log is {run['log_path']}. Rerun it alone "
                          f"with:\n  {shlex.join(run['cmd'])}\nor rerun the pipeline, which skips the finished stages.")
+
+
+def needed_failures(name: str, by_name: dict[str, dict], failed: dict) -> list[str]:
+    """The failed stages that stage `name` needs the output of, directly or through the stages it depends on."""
+    needs, seen, todo = set(), set(), list(by_name[name]["deps"])
+    while todo:
+        dep = todo.pop()
+        if dep in seen:
+            continue
+        seen.add(dep)
+        if dep in failed:
+            needs.add(dep)
+        elif dep in by_name:
+            todo.extend(by_name[dep]["deps"])
+    return sorted(needs, key=list(by_name).index)
+
+
+def _cell(text: str) -> str:
+    """Text as one cell of a Markdown table: on one line, its pipes escaped."""
+    return " ".join(str(text).split()).replace("|", "\\|")
+
+
+def failure_table(failed: dict[str, dict], not_run: dict[str, list[str]]) -> str:
+    """What failed, one row a stage (why, its log, the command that reruns it alone), then the stages not run
+    because a stage they need failed: the pipeline's last word when it did not finish."""
+    rows = [f"| {n} | {_cell(f['why'])} | {f['log']} | {_cell(f['cmd'])} |" for n, f in failed.items()]
+    rows += [f"| {n} | not run: needs {', '.join(needs)} | | |" for n, needs in not_run.items()]
+    k, m = len(failed), len(not_run)
+    head = (f"{k} stage{'s' if k > 1 else ''} failed" + (f", and {m} that need{'s' if m == 1 else ''} "
+                                                           f"{'it' if k == 1 else 'them'} did not run" if m else "")
+            + "; the other stages finished:")
+    return "\n".join([head, "", "| stage | why | log | rerun it alone |", "|---|---|---|---|", *rows, "",
+                      "Rerun the pipeline (the same command) once fixed: it runs these and skips the finished stages."])
+
+
+class StagesFailed(LmcalError):
+    """Stages that failed, and those not run because they need one: raised once every other stage has finished.
+    `failed` maps each failed stage to its why, log and command; `not_run`, each stage not run to what it needs."""
+
+    def __init__(self, failed: dict[str, dict], not_run: dict[str, list[str]]):
+        super().__init__(failure_table(failed, not_run))
+        self.failed, self.not_run = failed, not_run
 
 
 def finished_file(path: Path) -> bool:
@@ -166,6 +216,8 @@ class _Run:
     running: dict = field(default_factory=dict)
     finished: set = field(default_factory=set)
     ran: set = field(default_factory=set)  # stages that ran in this pipeline: what uses their results runs again
+    failed: dict = field(default_factory=dict)  # name: {"why", "log", "cmd"}, for the table at the end
+    not_run: list = field(default_factory=list)  # stages dropped because a stage they need failed
     number: dict = field(default_factory=dict)  # in the order stages start, so that numbers never jump back
     seconds: dict = field(default_factory=dict)
 
@@ -224,8 +276,45 @@ def _start_ready(r: _Run) -> None:
                          "plan; this is a bug in lmcal.pipeline.plan.plan.")
 
 
+def _done(r: _Run, name: str, run: dict) -> None:
+    """Records a stage that finished."""
+    r.seconds[name] = took = time.perf_counter() - run["t0"]
+    write_json_atomic(r.out / "stages" / f"{name}.json", {"status": "done", "seconds": took,
+                                                          "finished_at": time.time(), **run["rec"]})
+    r.finished.add(name)
+    print(f"[{r.number[name]}/{len(r.stages)}] {name}: done in {took:.0f} s", flush=True)
+
+
+def _failed(r: _Run, stage: dict, run: dict, rc: int, why: str) -> None:
+    """Records a stage that failed (status "failed", its exit status, why and log) and drops the stages that need
+    its output, so that the others go on."""
+    name, log = stage["name"], str(run["log_path"])
+    r.failed[name] = {"why": why, "log": log, "cmd": shlex.join(run["cmd"])}
+    write_json_atomic(r.out / "stages" / f"{name}.json", {
+        "status": "failed", "rc": rc, "why": why, "log": log, "seconds": time.perf_counter() - run["t0"],
+        "finished_at": time.time(), **run["rec"]})
+    print(f"[{r.number[name]}/{len(r.stages)}] {name}: failed ({why}; log: {log})", flush=True)
+    _drop_needing(r, name)
+
+
+def _drop_needing(r: _Run, name: str) -> None:
+    """Takes out of the waiting stages those that need stage `name`'s output, directly or not, each recorded and
+    shown as "not run: needs <the failed stages>" (a rerun runs them: their record is not "done")."""
+    by_name, blocked = {st["name"]: st for st in r.stages}, {name}
+    while grown := [st["name"] for st in r.todo if st["name"] not in blocked and blocked & set(st["deps"])]:
+        blocked.update(grown)  # until no waiting stage needs a blocked one
+    for stage in [st for st in r.todo if st["name"] in blocked]:  # in plan order
+        r.todo.remove(stage)
+        r.not_run.append(stage["name"])
+        needs = needed_failures(stage["name"], by_name, r.failed)
+        write_json_atomic(r.out / "stages" / f"{stage['name']}.json", {
+            "status": "not run", "needs": needs, "dir": str(stage["dir"]), "cmd": stage.get("cmd"),
+            "settings": r.current[stage["name"]]})
+        print(f"{stage['name']}: not run: needs {', '.join(needs)}", flush=True)
+
+
 def _reap(r: _Run, tty: bool) -> None:
-    """Records the stages that have ended (a failed one raises)."""
+    """Records the stages that have ended: done, or failed (what needs a failed one is then not run)."""
     by_name = {st["name"]: st for st in r.stages}
     for name, run in list(r.running.items()):
         rc = run["proc"].poll() if run["proc"] is not None else 0
@@ -234,15 +323,13 @@ def _reap(r: _Run, tty: bool) -> None:
         del r.running[name]
         if run["log"] is not None:
             run["log"].close()
-        if "fn" not in by_name[name]:
-            check_finished(by_name[name], run, rc)
-        r.seconds[name] = took = time.perf_counter() - run["t0"]
-        write_json_atomic(r.out / "stages" / f"{name}.json", {"status": "done", "seconds": took,
-                                                              "finished_at": time.time(), **run["rec"]})
-        r.finished.add(name)
         if tty:
             print("\r\033[K", end="")
-        print(f"[{r.number[name]}/{len(r.stages)}] {name}: done in {took:.0f} s", flush=True)
+        why = None if "fn" in by_name[name] else failure(by_name[name], rc)
+        if why:
+            _failed(r, by_name[name], run, rc, why)
+        else:
+            _done(r, name, run)
 
 
 def _show_progress(r: _Run, basis: dict, reference: bool, tty: bool) -> None:
@@ -265,10 +352,11 @@ def schedule(stages: list[dict], cfg: DictConfig, out: Path, current: dict, jobs
     finished (the report, in this process, once all have). A stage recorded as done is skipped unless a stage it
     depends on ran again. Every stage process gets the same environment whatever runs beside it, apart from its GPU
     (with several, each running stage gets its own: CUDA_VISIBLE_DEVICES) and its threads: cores // jobs
-    (OMP_NUM_THREADS, unless set: lmcal.pipeline.devices.thread_env). On a failure the others are stopped; a rerun
-    resumes. The console numbers the stages in the order they start, and gives each running stage's times left
-    (lmcal.pipeline.eta) from the reference run's stage times `ref`, else the plan check's `estimates`, scaled to
-    this machine as stages finish."""
+    (OMP_NUM_THREADS, unless set: lmcal.pipeline.devices.thread_env). A failed stage stops only the stages that need
+    its output (they are not run, nor the report); the others go on, and at the end StagesFailed lists them all. A
+    rerun resumes. Ctrl-C, SIGTERM or an error in this process stops every stage. The console numbers the stages in
+    the order they start, and gives each running stage's times left (lmcal.pipeline.eta) from the reference run's
+    stage times `ref`, else the plan check's `estimates`, scaled to this machine as stages finish."""
     gpus = visible_gpus() if jobs > 1 else []
     # a warm worker forks the stages on Linux (macOS's system libraries do not survive a fork of a process that
     # loaded them), not where GPUs are handed out (a fork must not follow CUDA's start), not with warm_worker=false
@@ -285,9 +373,12 @@ def schedule(stages: list[dict], cfg: DictConfig, out: Path, current: dict, jobs
             if r.running and (tty or time.perf_counter() - shown >= LINE_EVERY_S):  # a line a minute in a log
                 _show_progress(r, basis, bool(ref), tty)
                 shown = time.perf_counter()
-    except BaseException:  # a failed stage, Ctrl-C or a kill: the others go down with the pipeline
+    except BaseException:  # Ctrl-C, a kill or an error in this process: the stages go down with the pipeline
         stop(r.running)
         raise
     finally:
         if r.worker is not None:
             r.worker.close()
+    if r.failed:
+        by_name = {st["name"]: st for st in stages}
+        raise StagesFailed(r.failed, {n: needed_failures(n, by_name, r.failed) for n in by_name if n in r.not_run})

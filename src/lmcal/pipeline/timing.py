@@ -36,6 +36,64 @@ BATCHED_TFLOPS = 25.0  # assumed: FP32 with TF32 off, 37% of an H100's 67 TFLOP/
 ANCHOR = "the original AWD-LSTM code: 65 s a PTB epoch on a GP100 at batch 20"
 
 
+@dataclass(frozen=True)
+class Term:
+    """One term of the time model: its value and where it comes from ("measured: ..." or "assumed: ...")."""
+
+    value: float
+    source: str
+
+
+# the terms beside the steps and FLOPs: what every stage pays, measured where something measured it
+TERMS = {
+    "stage start-up (s)": Term(8.65, "measured: a stage process's imports, Hydra, checkpoint, corpus and test CE on 2 "
+                                     "CPU cores (docs/bench/stage_startup.md)"),
+    "CUDA context (s)": Term(3.0, "assumed: a process's first CUDA call"),
+    "test scoring at batch 1 (ms a window of bptt)": Term(VALID_MS, "assumed: the measured validation window's "
+                                                                    "time (latency-bound, so batch 1 as batch 10)"),
+    "checkpoint writes (GB/s)": Term(0.5, "assumed: two files an epoch (last and best), weights and optimiser state"),
+    "CPU-side fit (s a fitting stage)": Term(10.0, "assumed: alpha*'s and the bounds' fits and their standard errors"),
+    "head training (s a head)": Term(5.0, "assumed: future_entropy's and sequence_calibration's small heads"),
+    "report (s)": Term(30.0, "assumed: results.json, REPORT.md and the figures"),
+}
+FITTING = ("calibration", "decoders", "future_entropy", "sequence_calibration", "memory")  # CPU-side fits
+
+
+def term(name: str) -> float:
+    return TERMS[name].value
+
+
+def training_overheads(epochs: int, test_tokens: int, bptt: int, checkpoint_bytes: float) -> tuple[float, str]:
+    """(seconds, arithmetic) a training run pays beyond its epochs: its start-up, the final test score at batch 1
+    and the checkpoint writes."""
+    start = term("stage start-up (s)") + term("CUDA context (s)")
+    test = test_tokens / max(1, bptt) * term("test scoring at batch 1 (ms a window of bptt)") / 1000
+    writes = 2 * epochs * checkpoint_bytes / (term("checkpoint writes (GB/s)") * 1e9)
+    total = start + test + writes
+    return total, (f"start-up {start:.0f} s + test at batch 1 {test:.0f} s + checkpoint writes {writes:.0f} s "
+                   f"= {total:.0f} s")
+
+
+def analysis_overheads(stage: str, heads: int) -> float:
+    """Seconds an analysis stage pays beyond its model steps: start-up, its CPU-side fit, its heads' training."""
+    return (term("stage start-up (s)") + term("CUDA context (s)") + term("CPU-side fit (s a fitting stage)")
+            * (stage in FITTING) + term("head training (s a head)") * heads)
+
+
+def measured_rates(path) -> dict[str, float]:
+    """{stage kind: TFLOP/s} measured by `make gpu-check`'s paper_mini part (its gpu_rates.json: each analysis
+    stage's FLOPs over its measured seconds less its overheads); {} without the file or with one not whole."""
+    import json
+    import math
+
+    try:
+        rates = json.loads(open(path).read())["tflops"]
+        return {str(k): float(v) for k, v in rates.items() if isinstance(v, (int, float)) and math.isfinite(v)
+                and v > 0}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return {}
+
+
 def step_ms(sequential_steps: float) -> float:
     """ms of one AWD-LSTM training step whose window runs `sequential_steps` time steps one after another."""
     return STEP_FIXED_MS + STEP_PER_TIME_STEP_MS * sequential_steps
@@ -61,6 +119,8 @@ class Job:
     seconds: float  # alone on the GPU
     busy: float  # the share of that time the GPU is busy with it
     deps: tuple[str, ...] = ()
+    flops: float = 0.0  # an analysis stage's model FLOPs (0: a training or the report) ...
+    idle: float = 0.0  # ... and its seconds with the GPU idle (start-up, fits, writes)
 
 
 def side_by_side_group(seconds: list[float], busy: list[float], at_once: int) -> tuple[float, float]:

@@ -1,31 +1,77 @@
-"""One precision policy for every entry point: TF32 off, so cuDNN's LSTM and the decoder and lookahead matmuls all run
-in full float32 (the lookahead's two paths then agree to float32 rounding, not TF32's 1e-3). Set explicitly once per
-process by `apply_precision_policy` (PyTorch's own defaults differ between matmul and cuDNN), and recorded in
-results.json by `precision_policy`. On a machine without CUDA the flags are set all the same and change nothing.
+"""One precision policy for every entry point: TF32 off by default (the `tf32` key of conf/train.yaml and
+conf/evaluate.yaml), so cuDNN's LSTM and the decoder and lookahead matmuls all run in full float32 (the lookahead's two
+paths then agree to float32 rounding, not TF32's 1e-3). Set explicitly once per process by `apply_precision_policy`
+(PyTorch's own defaults differ between matmul and cuDNN), and recorded by `precision_policy` (metrics.json,
+evaluation.json, results.json). On a machine without CUDA the flags are set all the same and change nothing.
+
+Also here: the cuBLAS workspace that deterministic CUDA runs need (`deterministic_cublas`), the device an analysis runs
+on (`resolve_device`), and the line saying which profile `PROFILE=auto` chose and why (`auto_profile`).
 """
 
 from __future__ import annotations
 
 import itertools
+import os
 
 import torch
 
-TF32 = False  # the policy: full float32 matmuls and convolutions/RNNs on CUDA
+TF32 = False  # the default policy: full float32 matmuls and convolutions/RNNs on CUDA
+CUBLAS_WORKSPACE = ":4096:8"  # cuBLAS's reproducible workspace (8 buffers of 4 MiB): NVIDIA's cuBLAS docs
 
 
-def apply_precision_policy() -> dict:
-    """Sets the TF32 flags of matmuls and cuDNN to the policy; returns precision_policy()."""
-    torch.backends.cuda.matmul.allow_tf32 = TF32
-    torch.backends.cudnn.allow_tf32 = TF32
-    torch.set_float32_matmul_precision("high" if TF32 else "highest")
+def apply_precision_policy(tf32: bool = TF32) -> dict:
+    """Sets the TF32 flags of matmuls and cuDNN to `tf32` (the config's `tf32` key); returns precision_policy().
+    Anything but a bool is refused (a string "false" would otherwise read as true)."""
+    if not isinstance(tf32, bool):
+        from lmcal.errors import LmcalError
+
+        raise LmcalError(f"tf32={tf32!r}: choose tf32=false (full float32 matmuls and cuDNN, the default) or "
+                         "tf32=true (TensorFloat-32 on Ampere and later GPUs: faster, about 1e-3 relative error).")
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+    torch.backends.cudnn.allow_tf32 = tf32
+    torch.set_float32_matmul_precision("high" if tf32 else "highest")
     return precision_policy()
 
 
 def precision_policy() -> dict:
-    """The flags in force, as recorded in results.json."""
+    """The flags in force, as recorded with the results."""
     return {"tf32_matmul": bool(torch.backends.cuda.matmul.allow_tf32),
             "tf32_cudnn": bool(torch.backends.cudnn.allow_tf32),
             "float32_matmul_precision": torch.get_float32_matmul_precision()}
+
+
+def deterministic_cublas(requested=True) -> str | None:
+    """Gives cuBLAS the fixed workspace its deterministic mode needs (CUBLAS_WORKSPACE_CONFIG, unless already set)
+    when deterministic algorithms are requested (`requested`: trainer.deterministic's true or warn); returns the value
+    in force, or None when not requested. cuBLAS reads it when it starts, so this runs before any CUDA work: without
+    it torch warns on every deterministic matmul, and a resumed run need not repeat an uninterrupted one. Harmless
+    without CUDA."""
+    if not requested or str(requested).lower() in ("false", "0", "none"):
+        return None
+    return os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
+
+
+def no_cuda_reason() -> str:
+    """Why torch sees no CUDA device, in a few words: a CPU build, a hidden GPU, or a CUDA build without a GPU or a
+    recent enough driver."""
+    if not torch.version.cuda:
+        return f"no CUDA device: torch {torch.__version__} is a CPU build"
+    hidden = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if hidden is not None and hidden.strip() in ("", "-1"):
+        return f"torch {torch.__version__} is a CUDA build, but CUDA_VISIBLE_DEVICES={hidden!r} hides every GPU"
+    return (f"torch {torch.__version__} is a CUDA build but sees no GPU: driver older than CUDA {torch.version.cuda}, "
+            "or CUDA_VISIBLE_DEVICES empty?")
+
+
+def auto_profile() -> tuple[str, str]:
+    """(profile, line) for `make reproduce PROFILE=auto`: paper where torch sees a CUDA device, else cpu, and one
+    line naming the GPU or saying why there is none, so that a CPU run on a GPU machine (a CPU wheel, an old driver)
+    is seen at once rather than hours later."""
+    if torch.cuda.is_available():
+        n = torch.cuda.device_count()
+        gpu = torch.cuda.get_device_name(0) + (f", {n} visible" if n > 1 else "")
+        return "paper", f"profile=auto: paper (CUDA: {gpu})"
+    return "cpu", f"profile=auto: cpu ({no_cuda_reason()})"
 
 
 def cuda_missing() -> str:
