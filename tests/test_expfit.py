@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from lmcal.core.expfit import (
+    NoFiniteMinimum,
     calibration_objective,
     domain,
     fit_alpha,
@@ -115,8 +116,11 @@ def test_the_bound_raises_or_clamps_with_a_warning(caplog):
     s = torch.zeros(6, 3, dtype=torch.float64)
     s[:, 0] = 1.0  # the statistic is largest at every true next word: CE falls for ever
     rows = [(logw, s, logw[:, 0], s[:, 0])]
-    with pytest.raises(RuntimeError, match="beyond"):
+    with pytest.raises(NoFiniteMinimum, match="beyond") as info:  # a RuntimeError, with the edge it stopped on
         fit_alpha(rows, bound=20.0)
+    e = info.value
+    assert e.at_bound == [20.0] and e.sign == 1.0 and e.slope < 0  # CE(a) = log(1 + 2 e^-a) still falls at 20
+    assert e.ce_at_bound == pytest.approx(math.log1p(2 * math.exp(-20.0)), rel=1e-12)
     with caplog.at_level(logging.WARNING, logger="lmcal"):
         assert fit_alpha(rows, bound=20.0, clamp=True, what="test fit") == 20.0
     assert "test fit: held-out CE keeps falling up to |alpha| = 20.0" in caplog.text

@@ -161,20 +161,67 @@ def newton_minimize(fun, lo: float, hi: float, tol: float = 1e-12, max_iter: int
     return a
 
 
+class NoFiniteMinimum(RuntimeError):
+    """The held-out CE of a tilted family has no minimum inside |parameter| < bound: it still falls at the bound (on
+    degenerate rows, e.g. a statistic largest at every true next word, the infimum is at infinity). A result about the
+    rows, not a fault: the stages record it. Carries
+
+        bound        the bound on each |parameter|,
+        direction    the unit (max-norm) direction the fit was moving in, one float per parameter ([+-1.0] for alpha),
+        at_bound     the parameters on the edge of [-bound, bound]^k along that direction,
+        ce_at_bound  CE there (nats),
+        slope        dCE along `direction` there (negative: CE still falls; a minimum within 1e-6 of the bound can
+                     give a slope of about 0).
+    """
+
+    def __init__(self, what: str, name: str, bound: float, direction: list[float], at_bound: list[float],
+                 ce_at_bound: float, slope: float):
+        self.what, self.bound, self.direction, self.at_bound = what, float(bound), direction, at_bound
+        self.ce_at_bound, self.slope = float(ce_at_bound), float(slope)
+        super().__init__(f"{what}: CE({name}) has its minimum at or beyond |{name}| = {bound}; degenerate rows? (CE "
+                         f"{self.ce_at_bound:.6g} nats at {name} = {_fmt(at_bound)}, slope {self.slope:.3g} along "
+                         f"{_fmt(direction)})")
+
+    @property
+    def sign(self) -> float:
+        """The sign of the last parameter's direction (the alpha of every family here): +1.0 or -1.0 (0.0 flat)."""
+        return math.copysign(1.0, self.direction[-1]) if self.direction[-1] else 0.0
+
+    def record(self) -> dict:
+        """The outcome as JSON keys, the same in every stage that records it."""
+        return {"no_finite_minimum": True, "alpha_bound": self.bound, "fit_direction": list(self.direction),
+                "fit_at_bound": list(self.at_bound), "fit_ce_at_bound_nats": self.ce_at_bound,
+                "fit_ce_slope_at_bound": self.slope}
+
+
+def no_minimum_label(record: dict, name: str = "α", table: bool = False) -> str:
+    """The words shown in place of a fitted number for a fit recorded by NoFiniteMinimum.record; `table`: with its
+    pipes escaped, for a cell of a Markdown table."""
+    text = f"no finite minimum (CE still falls at |{name}| = {record.get('alpha_bound', 100.0):g})"
+    return text.replace("|", "\\|") if table else text
+
+
+def _fmt(xs: list[float]) -> str:
+    return ", ".join(f"{x:g}" for x in xs) if len(xs) > 1 else f"{xs[0]:g}"
+
+
 def fit_alpha(groups: list[Rows], bound: float = 100.0, elements: int | None = None, clamp: bool = False,
               what: str = "fit") -> float:
     """a* minimising CE(a) of the rows `groups` over [-bound, bound] cut to its domain, by Newton from a = 0.
 
-    If the minimum is not inside the bound (a* = +-inf on degenerate rows, or a nearly flat objective), it raises a
-    RuntimeError, or with clamp logs a warning and returns the bound itself: the minimum over [-bound, bound].
+    If the minimum is not inside the bound (a* = +-inf on degenerate rows, or a nearly flat objective), it raises
+    NoFiniteMinimum (a RuntimeError), or with clamp logs a warning and returns the bound itself: the minimum over
+    [-bound, bound].
     """
     lo, hi = domain(groups, bound, elements)
     alpha = newton_minimize(lambda a: objective(groups, a, elements)[1:3], lo, hi)
     if bound - abs(alpha) >= 1e-6:
         return alpha
-    if not clamp:
-        raise RuntimeError(f"{what}: CE(alpha) has its minimum at or beyond |alpha| = {bound}; degenerate rows?")
     alpha = math.copysign(bound, alpha)
+    if not clamp:
+        ce, d1 = objective(groups, alpha, elements)[:2]
+        sign = math.copysign(1.0, alpha)
+        raise NoFiniteMinimum(what, "alpha", bound, [sign], [alpha], ce, sign * d1)
     drop = objective(groups, 0.0, elements)[0] - objective(groups, alpha, elements)[0]
     log.warning(f"{what}: held-out CE keeps falling up to |alpha| = {bound} (the statistic barely varies between "
                 f"words: CE falls by {drop:.2e} nats there); using alpha = {alpha:g}, the minimum over "
@@ -328,7 +375,7 @@ def fit_theta(groups: list[RowsK], k: int, bound: float = 100.0, elements: int |
     1e-4 of what its slope promises (Armijo backtracking); convexity makes this converge from any start. Stops when
     |CE'| <= tol in every coordinate or the Newton decrement is below 1e-14 (then after one last step, which needs no
     new pass) or stops falling at the rows' rounding level. Refuses a statistic that is -inf where P > 0 (theta_j < 0
-    would be undefined there), and a minimum outside |theta_j| < bound.
+    would be undefined there), and raises NoFiniteMinimum where the minimum is outside |theta_j| < bound.
     """
     for logp, _, s_y, *stats in blocks(groups, elements):
         if torch.isneginf(s_y).any() or any((torch.isneginf(s) & ~torch.isneginf(logp)).any() for s in stats):
@@ -361,8 +408,19 @@ def fit_theta(groups: list[RowsK], k: int, bound: float = 100.0, elements: int |
             break
         theta, ce, g, h = new, ce_new, g_new, h_new
     if theta.abs().max().item() >= bound:
-        raise RuntimeError(f"{what}: CE(theta) has its minimum at or beyond |theta| = {bound}; degenerate rows?")
+        raise _beyond(groups, theta, bound, elements, what)
     return theta.tolist()
+
+
+def _beyond(groups: list[RowsK], theta: torch.Tensor, bound: float, elements: int | None,
+            what: str) -> NoFiniteMinimum:
+    """fit_theta's outcome where Newton left the box |theta_j| < bound: the direction it was moving in, its point on
+    the box's edge (theta scaled back along its ray) and CE and its slope there (one more pass)."""
+    top = theta.abs().max().item()
+    direction = theta / top  # [k], max-norm 1
+    at = direction * bound
+    ce, g, _ = objective_k(groups, at.tolist(), elements)
+    return NoFiniteMinimum(what, "theta", bound, direction.tolist(), at.tolist(), ce, (g @ direction).item())
 
 
 def jackknife_stderr(replicates: torch.Tensor) -> float:

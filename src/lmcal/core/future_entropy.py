@@ -347,7 +347,8 @@ def fit_future_calibration(logp: torch.Tensor, g: torch.Tensor, targets: torch.T
     """Fit P_a ∝ P exp(a g) (temperature: P^b exp(a g)) by the cross-entropy of the rows log P [n, V], g [n, V] at
     targets [n] (t-major, `streams` streams), with lmcal.core.expfit's k-statistic fit (float32 rows are reduced in
     float32 with float64 sums: ~1e-7 relative). `start`: an earlier fit to start Newton's method from (the one-
-    parameter fit, for the two-parameter one)."""
+    parameter fit, for the two-parameter one). Raises lmcal.core.expfit.NoFiniteMinimum where CE has no minimum
+    inside |theta| < bound (the stage records it)."""
     n = targets.numel()
     stats = (logp, g) if temperature else (g,)
     rows = [with_targets_k(logp, stats, targets)]

@@ -48,6 +48,7 @@ import torch
 
 from lmcal.core.context import context_rows, full_context_span  # noqa: F401  (lmcal.memory.context_rows: its home before)
 from lmcal.core.expfit import (
+    NoFiniteMinimum,
     block_sums,
     blocks,
     fit_alpha,
@@ -220,7 +221,10 @@ def _jackknife(chunks: Iterable, temperature: bool, rows: dict, theta: list[floa
         reps = []
         for b in range(nb):
             rest = _Passes(lambda b=b: (g for g in groups if g[0] != b))
-            r = _rows_at(rest, _fit(rest, len(theta), bound, elements, theta), elements, per_row=False)
+            try:
+                r = _rows_at(rest, _fit(rest, len(theta), bound, elements, theta), elements, per_row=False)
+            except NoFiniteMinimum:  # the other blocks have no finite minimum: no replicate, no standard error
+                return math.nan
             reps.append((r["ce_limited"] - r["entropy"]).mean())
         return jackknife_stderr(torch.stack(reps))
     terms = [x, rows["grad"], rows["hess"], rows["d_entropy"]]
@@ -238,7 +242,8 @@ def _crossfit(chunks: Iterable, temperature: bool, n: int, cluster_size: int, bo
               start: list[float]) -> float:
     """The bound over all rows, each half of the blocks scored with the parameters fitted on the other half: the
     in-sample optimism removed (nan with fewer than 2 blocks). The halves are the first B // 2 blocks and the other
-    B - B // 2 (with B odd, the last block is in the second half), so every row is scored exactly once."""
+    B - B // 2 (with B odd, the last block is in the second half), so every row is scored exactly once; nan where a
+    half's CE has no finite minimum."""
     nb = -(-n // cluster_size)
     if nb < 2:
         return math.nan
@@ -248,7 +253,11 @@ def _crossfit(chunks: Iterable, temperature: bool, n: int, cluster_size: int, bo
     k = 2 if temperature else 1
     total = 0.0
     for fit_on, score_on in ((halves[0], halves[1]), (halves[1], halves[0])):
-        r = _rows_at(score_on, _fit(fit_on, k, bound, elements, start), elements, per_row=False)
+        try:
+            theta = _fit(fit_on, k, bound, elements, start)
+        except NoFiniteMinimum:
+            return math.nan
+        r = _rows_at(score_on, theta, elements, per_row=False)
         total += (r["ce_limited"] - r["entropy"]).sum().item()
     return total / n
 
@@ -281,6 +290,9 @@ def memory_upper_bound(full_log_probs, limited_log_probs: torch.Tensor | None = 
     another dtype: a list of them); a function is called once per pass (each Newton step, each check) and nothing is
     kept. The reductions run in float64, about `elements` row entries at a time. The two-parameter fit needs P~ > 0
     wherever P^ > 0.
+
+    Raises lmcal.core.expfit.NoFiniteMinimum where the fitted CE has no minimum inside |alpha| < bound (memory_summary
+    records that outcome).
     """
     chunks = _chunks_of(full_log_probs, limited_log_probs, targets)
     if cluster_size < 1:
@@ -356,37 +368,90 @@ def memory_summary(chunks: list[Chunk] | Callable[[], Iterable[Chunk]], *, clust
     """The memory stage's numbers for one tau from kept chunks (log P^ [n, V], log P~ [n, V], targets [n]), or a
     function returning a fresh iterable of them on each call (streamed: see memory_upper_bound): the
     one-parameter bound fitted on these rows with its jackknife standard error and cross-fit, ΔCE, and the
-    two-parameter variant (P^^beta P~^alpha), as the JSON keys of memory.json (nats)."""
+    two-parameter variant (P^^beta P~^alpha), as the JSON keys of memory.json (nats).
+
+    A fit whose CE has no minimum inside |alpha| < bound is a result. The one-parameter fit's: "no_finite_minimum":
+    true, the keys of NoFiniteMinimum.record and "at_alpha_bound" (what stays valid there: _edge) beside the row, and
+    null for every number that needs a fitted alpha* (CE(P||P~), ΔCE and CE(P||P^) need none and stay). The
+    two-parameter fit's: "two_parameter": null and those keys in "two_parameter_no_minimum" (null when fitted)."""
     from lmcal.utils.progress import progress_bar
 
     # passes over the rows: about 25 with the one-step jackknife (a minute each where they are streamed from a large
     # model); with the exact one, 11 more per block, whose count is not known here
     bar = progress_bar(total=25 if jackknife == "onestep" else None, desc="memory fit", unit="pass")
     _PASSES.append(bar)
+    fit = {"cluster_size": cluster_size, "jackknife": jackknife, "bound": bound, "elements": elements}
     try:
-        one = memory_upper_bound(chunks, cluster_size=cluster_size, jackknife=jackknife, bound=bound,
-                                 elements=elements)
-        two = memory_upper_bound(chunks, cluster_size=cluster_size, jackknife=jackknife, bound=bound,
-                                 elements=elements, temperature=True, crossfit=False,
-                                 start=[0.0, one.alpha])  # Newton from the nearby fit
+        one, one_edge = _fit_or_edge(chunks, False, fit)
+        two, two_edge = _fit_or_edge(chunks, True, fit, None if one_edge else [0.0, one.alpha])  # from the nearby fit
     finally:
         _PASSES.remove(bar)
         bar.close()
+    blocks = f"{one.n_blocks} blocks of {cluster_size} positions"
+    how = "redone exactly" if jackknife == "exact" else "redone by one Newton step"
     return {
-        "alpha": one.alpha, "alpha_stderr": one.alpha_stderr, "ce_limited_nats": one.ce_limited,
-        "mi_upper_bound_nats": one.mi_upper_bound, "mi_stderr_nats": one.mi_stderr,
-        "mi_upper_bound_crossfit_nats": one.mi_upper_bound_crossfit,
-        "delta_ce_nats": one.delta_ce, "delta_ce_stderr_nats": one.delta_ce_stderr,
-        "entropy_calibrated_nats": one.entropy_calibrated, "ce_full_nats": one.ce_full,
-        "ce_calibrated_nats": one.ce_calibrated, "ce_full_stderr_nats": one.ce_full_stderr,
-        "two_parameter": {"alpha": two.alpha, "beta": two.beta, "mi_upper_bound_nats": two.mi_upper_bound,
-                          "mi_stderr_nats": two.mi_stderr, "alpha_stderr": two.alpha_stderr,
-                          "beta_stderr": two.beta_stderr, "entropy_calibrated_nats": two.entropy_calibrated,
-                          "ce_calibrated_nats": two.ce_calibrated},
+        **_row_keys(one, one_edge),
+        "two_parameter": None if two_edge else _two_keys(two), "two_parameter_no_minimum": two_edge,
         "test_tokens": one.n_tokens, "blocks": one.n_blocks, "cluster_size": cluster_size,
-        "stderr_method": f"delete-one-block jackknife over {one.n_blocks} blocks of {cluster_size} positions, the fit "
-                         + ("redone exactly" if jackknife == "exact" else "redone by one Newton step") + " per block",
+        "stderr_method": (f"delete-one-block jackknife over {blocks}, the fit {how} per block" if one_edge is None
+                          else f"no fit (no finite minimum); at the edge, batch means over {blocks}"),
     }
+
+
+def _fit_or_edge(chunks, temperature: bool, fit: dict, start: list[float] | None = None):
+    """(the fitted MemoryBound, None), or where CE has no finite minimum inside the bound, (the MemoryBound at the
+    edge's parameters, unfitted, and the outcome's JSON keys: _edge)."""
+    try:
+        b = memory_upper_bound(chunks, temperature=temperature, crossfit=not temperature, start=start, **fit)
+        return b, None
+    except NoFiniteMinimum as e:
+        return _edge(chunks, e, temperature, fit["cluster_size"], fit["elements"])
+
+
+@torch.no_grad()
+def _edge(chunks, e: NoFiniteMinimum, temperature: bool, cluster_size: int,
+          elements: int | None) -> tuple[MemoryBound, dict]:
+    """What stays valid where CE has no finite minimum inside the bound (e): at e.at_bound, the parameters on the edge
+    of the fit's range (not a minimum), the mean KL(P^_theta || P~) over the rows.
+
+    For any P~ that reads only the last tau tokens, E KL(P^_theta || P~) = I_tau(P^_theta) + E KL(D_tau || P~) >=
+    I_tau of that tilted model P^_theta (D_tau its own tau-marginal): an upper bound on the memory of P^_theta at the
+    edge, not of a calibrated model (none has a finite alpha*). Per row E_{P^_theta}[-log P~] = -log P~(y) - CE'_t
+    (CE'_t's alpha component), so KL = CE(P||P~) - H(P^_theta) - CE'_alpha. At a minimum CE'_alpha = 0 and this is
+    the usual bound; here CE(P||P~) - H alone is no bound (it is below the KL wherever CE still falls towards
+    +alpha). Its standard error is by batch means, theta held fixed (the range's edge, not fitted)."""
+    rows = _rows_at(_groups(_chunks_of(chunks, None, None), temperature), e.at_bound, elements)
+    kl = rows["ce_limited"] - rows["entropy"] - rows["grad"][:, -1]  # [N]
+    b = _bound_of(rows, e.at_bound, [math.nan] * len(e.at_bound), math.nan, math.nan, cluster_size, False,
+                  temperature)
+    beta = f", β = {b.beta:g}" if temperature else ""
+    at = {"alpha": b.alpha, "beta": b.beta, "mi_upper_bound_nats": kl.mean().item(),
+          "mi_stderr_nats": _mean_stderr(kl, cluster_size), "entropy_nats": b.entropy_calibrated,
+          "ce_nats": b.ce_calibrated,
+          "what": f"mean KL(P̂_θ‖P̃) at α = {b.alpha:+g}{beta}, on the edge |θ| = {e.bound:g} of the fit's range, "
+                  "not a minimum (CE still falls there): an upper bound on I_τ of that tilted model, not of a "
+                  "calibrated one"}
+    return b, {**e.record(), "at_alpha_bound": at, "no_finite_minimum_reason": str(e)}
+
+
+def _row_keys(one: MemoryBound, edge: dict | None) -> dict:
+    """memory.json's one-parameter keys: every number, or where its fit had no finite minimum (edge), null for those
+    that need alpha* and the outcome's keys beside."""
+    fitted = lambda x: x if edge is None else None
+    return {"alpha": fitted(one.alpha), "alpha_stderr": fitted(one.alpha_stderr), "ce_limited_nats": one.ce_limited,
+            "mi_upper_bound_nats": fitted(one.mi_upper_bound), "mi_stderr_nats": fitted(one.mi_stderr),
+            "mi_upper_bound_crossfit_nats": fitted(one.mi_upper_bound_crossfit),
+            "delta_ce_nats": one.delta_ce, "delta_ce_stderr_nats": one.delta_ce_stderr,
+            "entropy_calibrated_nats": fitted(one.entropy_calibrated), "ce_full_nats": one.ce_full,
+            "ce_calibrated_nats": fitted(one.ce_calibrated), "ce_full_stderr_nats": one.ce_full_stderr,
+            "no_finite_minimum": edge is not None, **(edge or {})}
+
+
+def _two_keys(two: MemoryBound) -> dict:
+    """memory.json's "two_parameter" of a fitted P^^beta P~^alpha."""
+    return {"alpha": two.alpha, "beta": two.beta, "mi_upper_bound_nats": two.mi_upper_bound,
+            "mi_stderr_nats": two.mi_stderr, "alpha_stderr": two.alpha_stderr, "beta_stderr": two.beta_stderr,
+            "entropy_calibrated_nats": two.entropy_calibrated, "ce_calibrated_nats": two.ce_calibrated}
 
 
 @torch.no_grad()

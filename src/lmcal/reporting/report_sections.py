@@ -7,6 +7,7 @@ import math
 from pathlib import Path
 
 from lmcal import paper
+from lmcal.core.expfit import no_minimum_label
 from lmcal.reporting.calibration_limit import calibration_limit, law_name, law_rows, stage_rule
 from lmcal.reporting.claim import shown
 from lmcal.reporting.claims import effect_verdict, memory_flags
@@ -171,9 +172,12 @@ def future_entropy_markdown(r: dict, fe: dict | None) -> list[str]:
 
     ref = (fe or {}).get("reference_test_ce_nats", next((d["test_ce_nats"] for d in rows if d["method"] == "model"),
                                                         None))
-    fit = heads_fit_table(rows, fe.get("unit", "word")) if fe else ""
+    unfitted = (fe or {}).get("no_minimum_rows") or []
+    fit = heads_fit_table(rows + unfitted, fe.get("unit", "word")) if fe else ""
     lines = ["## Calibrating against future entropy (beyond one-step lookahead)", "",
-             future_entropy_table(rows, ref).rstrip("\n"), "",
+             future_entropy_table(rows, ref, unfitted).rstrip("\n"), "",
+             *(["A head whose fit has no finite minimum has no calibrated model: nothing is generated from it, and "
+                "no verdict is drawn."] if unfitted else []),
              "Heads on the frozen model's state predict each next word's discounted future entropy G_K.",
              "P ∝ P̂ exp(α g) and P̂^β exp(α g) are fitted by validation cross-entropy.",
              "Δ test CE is paired with the model word by word; × model is a row's time over the plain model's.", ""]
@@ -226,7 +230,8 @@ def memory_markdown(r: dict) -> list[str]:
     from lmcal.stages.tables import memory_table
 
     lstm = [m | {"corpus": r["dataset"]} for m in r["memory"] if m.get("model") != "transformer"]
-    lines = [memory_table(lstm).split("\n\n")[0], "", *MEMORY_NOTES, "",
+    lines = [mark_no_minimum(memory_table(lstm).split("\n\n")[0], lstm), "", *MEMORY_NOTES, *no_minimum_notes(lstm),
+             "",
              f"![I_tau bound against tau](memory_{r['dataset']}.png)", "", *flags_table(memory_flags(lstm))]
     trans = [m for m in r["memory"] if m.get("model") == "transformer"]
     if not trans:
@@ -242,7 +247,8 @@ def memory_markdown(r: dict) -> list[str]:
     lines += ["", f"The transformer ({r['transformer']['base']['model']}) sees at most its context.",
               "Its bound is the information it draws from between τ and its context back.", "",
               "### The transformer's memory table", "",
-              memory_table([{**m, "corpus": "transformer"} for m in trans]).split("\n\n")[0], "",
+              mark_no_minimum(memory_table([{**m, "corpus": "transformer"} for m in trans]).split("\n\n")[0], trans),
+              *no_minimum_notes(trans), "",
               *flags_table(memory_flags(trans))]
     return lines
 
@@ -253,9 +259,51 @@ MEMORY_NOTES = ["Nats per token. P̃: trained = the τ-model; window = the base 
                 "ΔCE = CE(P‖P̃) − CE(P‖P̂). With temperature: P̂^β·P̃^α fitted jointly, beside β*."]
 
 
+# The memory table's columns that need a fitted alpha*: the one-parameter fit's, then the two-parameter fit's; where a
+# row's fit had no finite minimum the first says so and the others show dashes.
+FITTED_COLUMNS = (("I_tau upper bound", "cross-fitted", "alpha*"), ("with temperature", "beta*, alpha*"))
+
+
+def mark_no_minimum(table: str, rows: list[dict]) -> str:
+    """The memory table (lmcal.stages.tables.memory_table of `rows`, its lines in their order) with the cells that need
+    alpha* replaced, in each row whose fit had no finite minimum, by words that say so: no number, so no verdict."""
+    lines = table.split("\n")
+    head = [c.strip() for c in lines[0].strip().strip("|").split("|")]
+    for i, m in enumerate(rows):
+        parts = [(m, FITTED_COLUMNS[0]), (m.get("two_parameter_no_minimum"), FITTED_COLUMNS[1])]
+        if not any((part or {}).get("no_finite_minimum") for part, _ in parts):
+            continue
+        cells = [c.strip() for c in lines[2 + i].strip().strip("|").split("|")]
+        for part, cols in parts:
+            if (part or {}).get("no_finite_minimum"):
+                cells[head.index(cols[0])] = no_minimum_label(part, table=True)
+                for c in cols[1:]:
+                    cells[head.index(c)] = "–"
+        lines[2 + i] = "| " + " | ".join(cells) + " |"
+    return "\n".join(lines)
+
+
+def no_minimum_notes(rows: list[dict]) -> list[str]:
+    """A line per memory row whose one-parameter fit had no finite minimum: what stays valid at the edge it stopped
+    on, labelled as such (mean KL(P̂_α‖P̃) there bounds the I_τ of that tilted model only; see core.memory._edge)."""
+    out = []
+    for m in rows:
+        at = m.get("at_alpha_bound") if m.get("no_finite_minimum") else None
+        if not at:
+            continue
+        se = f" ± {at['mi_stderr_nats']:.4f}" if at.get("mi_stderr_nats") is not None else ""
+        out.append(f"τ = {m['tau']}, {m.get('limited', 'trained')} P̃: {no_minimum_label(m)}. At the edge α = "
+                   f"{at['alpha']:+g}, not a minimum: mean KL(P̂_α‖P̃) = {at['mi_upper_bound_nats']:.4f}{se} nats, "
+                   "an upper bound on I_τ of that tilted model only; no verdict is drawn from it.")
+    return out
+
+
 def _bound(rows: list[dict], tau: int, limited: str) -> str:
-    """'bound ± se' of the memory row for (tau, limited), or – where the reproduction has none."""
+    """'bound ± se' of the memory row for (tau, limited), words where its fit had no finite minimum, or – where the
+    reproduction has none."""
     m = next((m for m in rows if m["tau"] == tau and m.get("limited", "trained") == limited), None)
+    if m and m.get("no_finite_minimum"):
+        return no_minimum_label(m, table=True)
     return f"{m['mi_upper_bound_nats']:.4f} ± {m['mi_stderr_nats']:.4f}" if m else "–"
 
 

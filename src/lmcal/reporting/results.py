@@ -85,6 +85,11 @@ def _memory_rows(root: Path, taus, windows: bool) -> list[dict]:
             for kind in ("", "window_")[:1 + bool(windows)]]
 
 
+def memory_row(m: dict) -> dict:
+    """results.json's row of one memory.json: MEMORY_KEYS, and the outcome of a fit without a finite minimum."""
+    return {k: m[k] for k in MEMORY_KEYS} | _present(m, *NO_MINIMUM_KEYS)
+
+
 def tail_ppl(curve: list[float]) -> float:
     """exp of the mean entropy over the last tenth of the horizon (REPORT.md's last column of Table 1)."""
     return exp_or_inf(sum(curve[-max(1, len(curve) // 10):]) / max(1, len(curve) // 10))
@@ -101,6 +106,9 @@ MEMORY_KEYS = ("model", "tau", "ce_limited_nats", "mi_upper_bound_nats", "mi_std
                "delta_ce_stderr_nats", "two_parameter", "test_tokens", "cluster_size")
 MARKOV_MEMORY_KEYS = ("tau", "mi_upper_bound_nats", "mi_stderr_nats", "exact_mi_nats", "alpha", "limited",
                       "mi_upper_bound_crossfit_nats", "delta_ce_nats", "two_parameter")
+# a memory row's fit without a finite minimum (lmcal.core.memory.memory_summary): kept where the row has them, so the
+# report shows the outcome in place of a bound
+NO_MINIMUM_KEYS = ("no_finite_minimum", "alpha_bound", "at_alpha_bound", "two_parameter_no_minimum")
 
 
 def _table1_results(cfg: DictConfig, base: dict, er: dict) -> dict:
@@ -132,7 +140,8 @@ def _markov_results(cfg: DictConfig, mk: Path) -> dict:
             "estimated_entropy_rate_nats": mmem[0]["ce_full_nats"],
             "estimated_entropy_rate_stderr_nats": mmem[0]["ce_full_stderr_nats"],
             "test_ce_nats": mbase["test_ce_nats"],
-            "memory": [{k: m[k] for k in MARKOV_MEMORY_KEYS} | _present(m, "ce_limited_nats") for m in mmem],
+            "memory": [{k: m[k] for k in MARKOV_MEMORY_KEYS} | _present(m, "ce_limited_nats", *NO_MINIMUM_KEYS)
+                       for m in mmem],
             "oracle": markov_oracle(cfg, mk)}
 
 
@@ -159,7 +168,7 @@ def collect_results(cfg: DictConfig, out: Path, names: list[str]) -> dict:
         "table1": [{"model": base["model"], "corpus": cfg.dataset, "test_ppl": er["test_ppl"],
                     "entrate_ppl": er["entrate_ppl"], "horizon": er["horizon"], "unit": er.get("unit", "word")},
                    *tr.pop("table1", [])],
-        "memory": [{k: m[k] for k in MEMORY_KEYS} for m in mem],
+        "memory": [memory_row(m) for m in mem],
         **({"transformer": tr} if tr else {}),
         "markov": _markov_results(cfg, out / "markov"),
         **{n: _unwrap(n, STAGES[n].summary(read_json(ptb / n / "evaluation.json")[n]))

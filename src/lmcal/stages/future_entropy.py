@@ -16,7 +16,7 @@ import torch
 from lmcal.core.calibration import calibrated, fit_lookahead_calibration, fit_temperature, target_log_probs
 from lmcal.core.decoders import make_decoder
 from lmcal.core.entropy_rate import clustered_mean, generation_entropy_curve
-from lmcal.core.expfit import stream_block_sums
+from lmcal.core.expfit import NoFiniteMinimum, no_minimum_label, stream_block_sums
 from lmcal.core.future_entropy import (
     FutureCalibratedLM,
     HeadTraining,
@@ -73,12 +73,14 @@ class FutureEntropyResult(Result):
 
     def table(self) -> str:
         r = self.record
-        fit_table = heads_fit_table(r["rows"], r["unit"])
+        unfitted = r.get("no_minimum_rows") or []
+        fit_table = heads_fit_table(r["rows"] + unfitted, r["unit"])
         fit_table = f"\nThe heads' held-out R² on their rollouts, by generated {r['unit']}:\n\n{fit_table}" \
             if fit_table else ""
         timed = r["timing_prefixes"] * r["samples_per_prefix"]
-        return (future_entropy_table(r["rows"], r["reference_test_ce_nats"]) + f"\nEntropies and cross-entropies in "
-                f"nats per {r['unit']}; ms per generated {r['unit']} on {timed} generations of {r['timing_horizon']}.\n"
+        return (future_entropy_table(r["rows"], r["reference_test_ce_nats"], unfitted)
+                + f"\nEntropies and cross-entropies in nats per {r['unit']}; ms per generated {r['unit']} on {timed} "
+                f"generations of {r['timing_horizon']}.\n"
                 + fit_table)
 
     def figure(self, path: Path) -> Path:
@@ -96,7 +98,7 @@ class FutureEntropyResult(Result):
     def line(self, name: str) -> str:
         r = self.record
         return (f"{name}: {len(r['rows'])} methods in {r['seconds']:.0f} s\n"
-                f"{future_entropy_table(r['rows'], r['reference_test_ce_nats'])}")
+                f"{future_entropy_table(r['rows'], r['reference_test_ce_nats'], r.get('no_minimum_rows'))}")
 
 
 @dataclass
@@ -146,7 +148,8 @@ def _measure(b: _Bench, method: str, params: dict, model, extra: dict | None = N
 def _fit_heads(lm, train_tokens: torch.Tensor, fit_text: torch.Tensor, heads_spec: list, s: FutureEntropyConfig):
     """The heads: rollouts on the training text, one regression per horizon, all from the same rollouts, each head's
     tilt (and, with `temperature`, its two-parameter family) fitted on the validation rows. Returns the rollouts'
-    examples, their steps and stride, the fit's token count and (method, params, head, fit, stats) per fit."""
+    examples, their steps and stride, the fit's token count, (method, params, head, fit, stats) per fit and the
+    rows of fits without a finite minimum (calibrate_head)."""
     t_roll = time.perf_counter()
     steps = int(s.rollout_steps or s.horizon)  # the heads learn from the whole run they are used on
     stride = max(1, math.ceil(steps / s.examples_per_rollout))
@@ -159,26 +162,51 @@ def _fit_heads(lm, train_tokens: torch.Tensor, fit_text: torch.Tensor, heads_spe
     words = None if words is None else words.cpu()  # the heads train and fit on the CPU rows
     training = HeadTraining(hidden=s.hidden, rank=s.rank, epochs=s.epochs, batch_size=s.batch_size, lr=s.lr,
                             weight_decay=s.weight_decay, seed=s.seed)
-    heads = []
-    for j, (k, d) in enumerate(heads_spec):
+    heads, unfitted = [], []
+    for j in range(len(heads_spec)):
         t = time.perf_counter()
         head, stats = train_head(ex, j, lm.vocab_size, words, training)
         stats["train_seconds"] = time.perf_counter() - t
-        g = head_rows(head, feats)  # [n, V]
-        fit = None
-        for two in ([False, True] if s.temperature else [False]):
+        fitted, without = calibrate_head(logp, head_rows(head, feats), y, head, stats, s)
+        heads += fitted
+        unfitted += without
+    return ex, steps, stride, int(y.numel()), heads, unfitted
+
+
+def calibrate_head(logp: torch.Tensor, g: torch.Tensor, y: torch.Tensor, head, stats: dict,
+                   s: FutureEntropyConfig) -> tuple[list, list[dict]]:
+    """A head's tilt P ∝ P exp(a g) fitted on the fit rows log P [n, V], g [n, V], next words y [n] (and, with
+    s.temperature, P^b exp(a g), started from the tilt): (method, params, head, fit, stats) per fit with a finite
+    minimum, and a no_minimum_row per fit without one (a result: recorded, nothing measured)."""
+    k, d = stats["horizon_k"], stats["discount"]
+    fitted, unfitted, fit = [], [], None
+    for two in ([False, True] if s.temperature else [False]):
+        method = "future_entropy_temperature" if two else "future_entropy"
+        what = f"future_entropy: head K={k} discount={d}{' with temperature' if two else ''}"
+        try:
             fit = fit_future_calibration(logp, g, y, temperature=two, streams=s.fit_streams,
                                          cluster_size=s.cluster_size, start=fit)
-            params = {"horizon_k": k, "discount": d, "alpha": fit.alpha, "alpha_stderr": fit.alpha_stderr}
-            if two:
-                params.update(beta=fit.beta, beta_stderr=fit.beta_stderr)
-            log.info(f"future_entropy: head K={k} discount={d} (held-out R² {stats['r2']:.3f}, rmse "
-                     f"{stats['rmse_nats']:.3f} nats){' with temperature' if two else ''}: alpha* {fit.alpha:.4f} +- "
-                     f"{fit.alpha_stderr:.4f}" + (f", beta* {fit.beta:.4f}" if two else "") + f"; fit CE "
-                     f"{fit.ce_before:.4f} -> {fit.ce_after:.4f}")
-            heads.append(("future_entropy_temperature" if two else "future_entropy", params, head, fit, stats))
-        del g
-    return ex, steps, stride, int(y.numel()), heads
+        except NoFiniteMinimum as e:
+            log.warning(f"{what}: {no_minimum_label(e.record())}; recorded as such, not generated from")
+            unfitted.append(no_minimum_row(method, k, d, e, stats, int(y.numel())))
+            continue
+        params = {"horizon_k": k, "discount": d, "alpha": fit.alpha, "alpha_stderr": fit.alpha_stderr}
+        if two:
+            params.update(beta=fit.beta, beta_stderr=fit.beta_stderr)
+        log.info(f"{what} (held-out R² {stats['r2']:.3f}, rmse {stats['rmse_nats']:.3f} nats): alpha* "
+                 f"{fit.alpha:.4f} +- {fit.alpha_stderr:.4f}" + (f", beta* {fit.beta:.4f}" if two else "")
+                 + f"; fit CE {fit.ce_before:.4f} -> {fit.ce_after:.4f}")
+        fitted.append((method, params, head, fit, stats))
+    return fitted, unfitted
+
+
+def no_minimum_row(method: str, k: int, d: float, e: NoFiniteMinimum, stats: dict, fit_tokens: int) -> dict:
+    """The record of a head's fit whose CE has no minimum inside |theta| < e.bound: no calibrated model exists, so
+    nothing is generated or scored from it (no measured keys, no verdict); kept are NoFiniteMinimum.record's keys
+    (the edge's parameters, theta = [alpha] or [beta - 1, alpha], and CE on the fit rows there, which the family's
+    infimum is below), the head's regression statistics and the reason."""
+    return {"method": method, "params": {"horizon_k": k, "discount": d}, **e.record(), "fit_tokens": fit_tokens,
+            "head": stats, "source": "future_entropy", "no_finite_minimum_reason": str(e)}
 
 
 def _decoders_rows(b: _Bench, decoders: dict) -> list[dict]:
@@ -246,7 +274,7 @@ def compute(target: dict, settings: FutureEntropyConfig) -> FutureEntropyResult:
         log.info("future_entropy: the decoders result has other generation or scoring settings; its rows are left out")
     b = _Bench(lm, prefixes, test, s)
     rows = [_measure(b, "model", {}, lm)]
-    ex, steps, stride, fit_tokens, heads = _fit_heads(lm, target["train"], fit_text, heads_spec, s)
+    ex, steps, stride, fit_tokens, heads, unfitted = _fit_heads(lm, target["train"], fit_text, heads_spec, s)
     head_lms = [FutureCalibratedLM(lm, head.to(getattr(lm, "device", None) or "cpu"), fit.alpha, fit.beta)
                 for _, _, head, fit, _ in heads]  # each head's calibrated model, beside its row
     for (method, params, _, fit, stats), model in zip(heads, head_lms, strict=True):
@@ -272,9 +300,9 @@ def compute(target: dict, settings: FutureEntropyConfig) -> FutureEntropyResult:
         "rollout_examples": int(ex.targets.size(0)), "rollout_model_steps": ex.model_steps, "rollout_steps": steps,
         "examples_per_rollout": len(range(0, steps, stride)), "rollout_seconds": ex.seconds, "fit_tokens": fit_tokens,
         "fit_streams": s.fit_streams, "min_context": s.min_context, "cluster_size": s.cluster_size,
-        "decoders_reused": bool(reuse), "exact_lookahead": do_exact, "timing_prefixes": s.timing_prefixes,
-        "timing_horizon": s.timing_horizon, "timing_repeats": s.timing_repeats, "mix_epsilon": s.mix_epsilon,
-        "best_head": best_head, **gen, "unit": target["unit"], "seconds": time.perf_counter() - t0})
+        "unit": target["unit"], "decoders_reused": bool(reuse), "exact_lookahead": do_exact, "best_head": best_head,
+        "timing_prefixes": s.timing_prefixes, "timing_horizon": s.timing_horizon, "timing_repeats": s.timing_repeats,
+        "mix_epsilon": s.mix_epsilon, "no_minimum_rows": unfitted, **gen, "seconds": time.perf_counter() - t0})
 
 
 def _best_head(rows: list[dict], models: list, test_nats: float | None, b: _Bench) -> dict | None:
@@ -327,10 +355,11 @@ def _suffix(r: dict) -> str:
     return f"_K{p['horizon_k']}_d{p['discount']:g}" if "horizon_k" in p else ""
 
 
-def future_entropy_table(rows: list[dict], ref_ce: float | None) -> str:
+def future_entropy_table(rows: list[dict], ref_ce: float | None, unfitted: list[dict] | None = None) -> str:
     """The future_entropy stage's Markdown table: one line per method, every entropy and cross-entropy in nats; ×
     model is the row's ms / word over the plain model row's, the column beside it (the ratio timed alternately with
-    the plain model is cost_ratio in the JSON)."""
+    the plain model is cost_ratio in the JSON). `unfitted`: heads whose fit had no finite minimum (no_minimum_row),
+    each a line that says so in place of its numbers."""
     lines = ["| method | params | H(t=1) (nats) | H, last tenth (nats) | Δ last tenth vs model (nats) | H(t=T) (nats) "
              "| test CE (nats) | Δ test CE vs model (nats) | zero-prob | ms / word | × model |", "|" + "---|" * 11]
     plain_ms = next((r["ms_per_token"] for r in rows if r["method"] == "model"), rows[0]["ms_per_token"])
@@ -343,6 +372,8 @@ def future_entropy_table(rows: list[dict], ref_ce: float | None) -> str:
                      f"| {math.log(r['tail_ppl']):.3f} | {tail_d} | {math.log(r['entrate_ppl']):.3f} "
                      f"| {format_ce(r['test_ce_nats'])} | {ce_d} | {r['zero_prob_fraction']:.4f} "
                      f"| {r['ms_per_token']:.3f} | {ratio} |")
+    lines += [f"| {r['method']} | {format_params(r['params'])} | {no_minimum_label(r, table=True)} |" + " – |" * 8
+              for r in unfitted or []]
     if ref_ce is not None:
         lines.append(f"\nThe model's test perplexity: {exp_or_inf(ref_ce):.1f}.")
     return "\n".join(lines) + "\n"

@@ -116,20 +116,36 @@ class MemoryResult(Result):
 
     def log_wandb(self, logger, name: str, images: dict[str, Path]) -> None:
         r = self.record
-        wandb_log(logger, scalars={f"{name}/{k}": r[k] for k in (
-            "tau", "alpha", "ce_limited_nats", "mi_upper_bound_nats", "mi_upper_bound_crossfit_nats", "delta_ce_nats",
-            "entropy_calibrated_nats")},
-            tables={f"{name}/table": (MEMORY_COLUMNS, [[r.get(c) for c in MEMORY_COLUMNS]])}, images=images)
+        keys = ("tau", "alpha", "ce_limited_nats", "mi_upper_bound_nats", "mi_upper_bound_crossfit_nats",
+                "delta_ce_nats", "entropy_calibrated_nats")  # null where the fit had no finite minimum: not logged
+        wandb_log(logger, scalars={f"{name}/{k}": r[k] for k in keys if r.get(k) is not None},
+                  tables={f"{name}/table": (MEMORY_COLUMNS, [[r.get(c) for c in MEMORY_COLUMNS]])}, images=images)
 
     def line(self, name: str) -> str:
-        r, two = self.record, self.record["two_parameter"]
+        r = self.record
         passes = r["rows_passes"]
-        return (f"{name} tau={r['tau']} ({r['limited']}): alpha* {r['alpha']:.5f} +- {r['alpha_stderr']:.5f}; "
-                f"CE(P||P~) {r['ce_limited_nats']:.4f}, ΔCE {r['delta_ce_nats']:.4f}; I_tau <= "
-                f"{r['mi_upper_bound_nats']:.4f} +- {r['mi_stderr_nats']:.4f} nats (cross-fit "
-                f"{r['mi_upper_bound_crossfit_nats']:.4f}; with the temperature, beta* {two['beta']:.4f}: "
-                f"{two['mi_upper_bound_nats']:.4f} +- {two['mi_stderr_nats']:.4f}) ({r['seconds']:.0f} s; "
-                f"rows {r['rows']}, {passes} forward pass{'es' if passes > 1 else ''})")
+        ce = f"CE(P||P~) {r['ce_limited_nats']:.4f}, ΔCE {r['delta_ce_nats']:.4f}"
+        if r.get("no_finite_minimum"):
+            at = r["at_alpha_bound"]
+            bound = (f"no finite minimum (CE still falls at |alpha| = {r['alpha_bound']:g}); {ce}; at the edge alpha = "
+                     f"{at['alpha']:+g}, not a minimum, mean KL(P^_alpha||P~) {at['mi_upper_bound_nats']:.4f} nats "
+                     f"bounds that tilted model's I_tau ({_temperature_text(r)})")
+        else:
+            bound = (f"alpha* {r['alpha']:.5f} +- {r['alpha_stderr']:.5f}; {ce}; I_tau <= "
+                     f"{r['mi_upper_bound_nats']:.4f} +- {r['mi_stderr_nats']:.4f} nats (cross-fit "
+                     f"{r['mi_upper_bound_crossfit_nats']:.4f}; {_temperature_text(r)})")
+        return (f"{name} tau={r['tau']} ({r['limited']}): {bound} ({r['seconds']:.0f} s; rows {r['rows']}, "
+                f"{passes} forward pass{'es' if passes > 1 else ''})")
+
+
+def _temperature_text(r: dict) -> str:
+    """The two-parameter variant in the stage's line: its bound, or that its fit had no finite minimum."""
+    if r.get("two_parameter_no_minimum"):
+        return f"with the temperature, no finite minimum (CE still falls at |theta| = " \
+               f"{r['two_parameter_no_minimum']['alpha_bound']:g})"
+    two = r["two_parameter"]
+    return (f"with the temperature, beta* {two['beta']:.4f}: {two['mi_upper_bound_nats']:.4f} +- "
+            f"{two['mi_stderr_nats']:.4f}")
 
 
 def limited_model(full_net, limited_net, limited: str, tau: int | None):
