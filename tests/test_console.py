@@ -143,7 +143,7 @@ def test_the_memory_fit_and_scoring_say_how_far_they_are(caplog, monkeypatch):
     import torch
 
     from lmcal.core.decoders import heldout_cost
-    from lmcal.core.memory import memory_summary
+    from lmcal.core.memory_summary import memory_summary
     from lmcal.data.markov import make_markov_chain
     from lmcal.models.oracles import MarkovOracle
 

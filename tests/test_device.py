@@ -164,8 +164,10 @@ def _dry_install(tmp_path, recorded: str | None, torch_req: str | None) -> str:
     (venv / ".installed").write_text("")
     later = time.time() + 60
     os.utime(venv / ".installed", (later, later))
-    r = subprocess.run(["make", "-n", "install", "VENV=v", *([f"TORCH={torch_req}"] if torch_req else [])],
-                       cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS")}  # under make test
+    r = subprocess.run(["make", "-n", "--no-print-directory", "install", "VENV=v",
+                        *([f"TORCH={torch_req}"] if torch_req else [])],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=60, env=env)
     assert r.returncode == 0, r.stderr
     return r.stdout
 

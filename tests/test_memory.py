@@ -242,7 +242,7 @@ def test_full_context_rows_align_with_limited_rows_and_score_like_evaluate_ce():
 def test_markov_oracle_estimates_match_the_exact_answers():
     """The pipeline's Markov check (`markov_oracle_memory`): entropy rate and I_tau from the exact oracles agree with
     the closed forms within 3 standard errors, on the default corpus (order 2)."""
-    from lmcal.core.memory import markov_oracle_memory
+    from lmcal.core.memory_summary import markov_oracle_memory
     from lmcal.data.markov import markov_corpus
 
     corpus = markov_corpus(n_train=1000, n_valid=50_000, n_test=50_000)

@@ -8,7 +8,8 @@ import math
 import pytest
 import torch
 
-from lmcal.core.memory import memory_summary, memory_upper_bound
+from lmcal.core.memory import memory_upper_bound
+from lmcal.core.memory_summary import memory_summary
 from lmcal.data.markov import make_markov_chain, markov_stationary, sample_markov
 
 

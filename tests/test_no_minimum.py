@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from lmcal.core.expfit import NoFiniteMinimum, fit_alpha, fit_theta, no_minimum_label, with_targets, with_targets_k
-from lmcal.core.memory import memory_summary
+from lmcal.core.memory_summary import memory_summary
 
 EPS, N = 0.01, 600
 

@@ -42,6 +42,8 @@ from lmcal.pipeline.timing import (
     TERMS,
     Job,
     analysis_overheads,
+    hours,
+    idle_job,
     lstm_epoch_seconds,
     measured_rates,
     schedule,
@@ -278,14 +280,6 @@ def _training_stage(st: dict, models: dict, tau_of: dict, lines: list[str]) -> J
     return idle_job(st["name"], wall, busy, idle, tuple(st["deps"]))
 
 
-def idle_job(name: str, gpu_seconds: float, busy: float, idle_seconds: float, deps: tuple[str, ...],
-             flops: float = 0.0) -> Job:
-    """A stage's job: `gpu_seconds` keeping the GPU `busy` that share, and `idle_seconds` of start-up, fits and
-    writes that leave it to the stages beside it (the job's busy share is over both)."""
-    total = gpu_seconds + idle_seconds
-    return Job(name, total, busy * gpu_seconds / total if total else 0.0, deps, flops, idle_seconds)
-
-
 def _check_memory_tau(where: str, a: dict, m: Model, mem_tau: int | None) -> None:
     tau, test = a.get("tau") or mem_tau, score_tokens(a, m)
     if tau and test and int(tau) >= test:
@@ -371,11 +365,6 @@ def _plan_tail(cfg: DictConfig, jobs: list[Job], rates: dict[str, float]) -> lis
                                                    sorted(alone.items(), key=lambda e: -e[1])[:6]),
             "Terms beside the steps and FLOPs: " + "; ".join(f"{k} {t.value:g} ({t.source})" for k, t in
                                                              TERMS.items())]
-
-
-def hours(seconds: float) -> str:
-    """'5.3 h', or '7.5 min' under an hour."""
-    return f"{seconds / 3600:.1f} h" if seconds >= 3600 else f"{seconds / 60:.1f} min"
 
 
 def _rates_file():

@@ -156,3 +156,16 @@ def schedule(jobs: list[Job], slots: int) -> tuple[float, dict[str, tuple[float,
                 done.add(j.name)
                 spans[j.name] = (spans[j.name][0], t)
     return t, spans
+
+
+def idle_job(name: str, gpu_seconds: float, busy: float, idle_seconds: float, deps: tuple[str, ...],
+             flops: float = 0.0) -> Job:
+    """A stage's job: `gpu_seconds` keeping the GPU `busy` that share, and `idle_seconds` of start-up, fits and
+    writes that leave it to the stages beside it (the job's busy share is over both)."""
+    total = gpu_seconds + idle_seconds
+    return Job(name, total, busy * gpu_seconds / total if total else 0.0, deps, flops, idle_seconds)
+
+
+def hours(seconds: float) -> str:
+    """'5.3 h', or '7.5 min' under an hour."""
+    return f"{seconds / 3600:.1f} h" if seconds >= 3600 else f"{seconds / 60:.1f} min"

@@ -285,7 +285,8 @@ def mark_no_minimum(table: str, rows: list[dict]) -> str:
 
 def no_minimum_notes(rows: list[dict]) -> list[str]:
     """A line per memory row whose one-parameter fit had no finite minimum: what stays valid at the edge it stopped
-    on, labelled as such (mean KL(P̂_α‖P̃) there bounds the I_τ of that tilted model only; see core.memory._edge)."""
+    on, labelled as such (mean KL(P̂_α‖P̃) there bounds the I_τ of that tilted model only; see
+    lmcal.core.memory_summary._edge)."""
     out = []
     for m in rows:
         at = m.get("at_alpha_bound") if m.get("no_finite_minimum") else None

@@ -106,8 +106,8 @@ MEMORY_KEYS = ("model", "tau", "ce_limited_nats", "mi_upper_bound_nats", "mi_std
                "delta_ce_stderr_nats", "two_parameter", "test_tokens", "cluster_size")
 MARKOV_MEMORY_KEYS = ("tau", "mi_upper_bound_nats", "mi_stderr_nats", "exact_mi_nats", "alpha", "limited",
                       "mi_upper_bound_crossfit_nats", "delta_ce_nats", "two_parameter")
-# a memory row's fit without a finite minimum (lmcal.core.memory.memory_summary): kept where the row has them, so the
-# report shows the outcome in place of a bound
+# a memory row's fit without a finite minimum (lmcal.core.memory_summary): kept where the row has them, so the report
+# shows the outcome in place of a bound
 NO_MINIMUM_KEYS = ("no_finite_minimum", "alpha_bound", "at_alpha_bound", "two_parameter_no_minimum")
 
 
@@ -282,7 +282,7 @@ def stage_profile(folder: Path) -> dict:
 
 def markov_oracle(cfg: DictConfig, mk: Path) -> dict:
     """The same estimators on the Markov source's exact oracles (same corpus and test text as the trained models)."""
-    from lmcal.core.memory import markov_oracle_memory
+    from lmcal.core.memory_summary import markov_oracle_memory
     from lmcal.models.checkpoint import checkpoint_data, read_checkpoint
 
     dm = checkpoint_data(read_checkpoint(mk / "base" / "checkpoints" / "best.ckpt"))

@@ -15,7 +15,7 @@ import torch
 from lmcal import paper
 from lmcal.core.context import context_rows, full_context_span, zip_rows
 from lmcal.core.lookahead import memory_budget
-from lmcal.core.memory import memory_summary
+from lmcal.core.memory_summary import memory_summary
 from lmcal.errors import LmcalError
 from lmcal.models.awd_lstm import AWDLSTM
 from lmcal.models.step_lm import as_step_lm
