@@ -70,10 +70,10 @@ def test_measured_rates_replace_the_assumed_one(tmp_path):
 
 
 def test_rates_and_table_from_measured_seconds(tmp_path):
-    terms = {"calibration": {"seconds": 100.0, "flops": 2e15, "idle_seconds": 20.0},
-             "transformer_calibration": {"seconds": 50.0, "flops": 1e15, "idle_seconds": 20.0},
-             "memory_tau5": {"seconds": 30.0, "flops": 1e12, "idle_seconds": 25.0},
-             "base": {"seconds": 40.0, "flops": 0.0, "idle_seconds": 19.0}}
+    terms = {"calibration": {"seconds": 100.0, "flops": 2e15, "idle_seconds": 20.0, "kind": "calibration"},
+             "transformer_calibration": {"seconds": 50.0, "flops": 1e15, "idle_seconds": 20.0, "kind": "calibration"},
+             "memory_tau5": {"seconds": 30.0, "flops": 1e12, "idle_seconds": 25.0, "kind": "memory"},
+             "base": {"seconds": 40.0, "flops": 0.0, "idle_seconds": 19.0, "kind": ""}}
     seconds = {"calibration": 60.0, "transformer_calibration": 40.0, "memory_tau5": 20.0, "base": 41.0}
     got = paper_mini.rates(terms, seconds)
     assert got == {"calibration": pytest.approx(3e15 / (40 + 20) / 1e12)}  # memory: within its idle terms

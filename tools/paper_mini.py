@@ -66,21 +66,14 @@ def measured(run: Path) -> dict[str, float]:
     return out
 
 
-def kind(stage: str) -> str:
-    """A stage's analysis kind: memory_tau5 -> memory, transformer_calibration -> calibration."""
-    for k in ("entropy_rate", "calibration", "decoders", "future_entropy", "sequence_calibration", "memory"):
-        if k in stage and "tau_models" not in stage:
-            return k
-    return ""
-
-
 def rates(terms: dict, seconds: dict[str, float]) -> dict[str, float]:
     """{kind: TFLOP/s}: each analysis kind's FLOPs over its stages' measured seconds less their idle terms (a stage
     whose measured time is within its idle terms gives none)."""
     flops, busy = {}, {}
     for name, s in seconds.items():
-        t, k = terms.get(name), kind(name)
-        if not t or not k or not t["flops"] or s <= t["idle_seconds"]:
+        t = terms.get(name)
+        k = t.get("kind") if t else ""
+        if not k or not t["flops"] or s <= t["idle_seconds"]:
             continue
         flops[k] = flops.get(k, 0.0) + t["flops"]
         busy[k] = busy.get(k, 0.0) + s - t["idle_seconds"]

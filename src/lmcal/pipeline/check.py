@@ -333,7 +333,7 @@ def _analysis_stage(cfg: DictConfig, st: dict, models: dict, tau_of: dict,
     how = f"start-up, fit{f', {heads} heads' if heads else ''}"
     line += (f"; time alone: {flops:.3g} FLOP / {rate:.3g}e12{' (measured)' if name in rates else ''} + "
              f"{extra:.0f} s ({how}) = {flops / (rate * 1e12) + extra:.0f} s")
-    return line, idle_job(st["name"], flops / (rate * 1e12), BUSY["batched"], extra, tuple(st["deps"]), flops)
+    return line, idle_job(st["name"], flops / (rate * 1e12), BUSY["batched"], extra, tuple(st["deps"]), flops, name)
 
 
 def head_count(name: str, a: dict) -> int:
@@ -347,8 +347,7 @@ def head_count(name: str, a: dict) -> int:
     return 0
 
 
-def _plan_tail(cfg: DictConfig, jobs: list[Job], rates: dict[str, float]) -> list[str]:
-    total, _ = schedule(jobs, max(1, int(cfg.get("jobs", 1))))
+def _plan_tail(cfg: DictConfig, jobs: list[Job], total: float, rates: dict[str, float]) -> list[str]:
     alone = {j.name: j.seconds for j in jobs}
     measured = (f" FLOP rates measured by make gpu-check ({RATES_FILE}): "
                 + ", ".join(f"{k} {v:.3g} TFLOP/s" for k, v in sorted(rates.items())) + ";") if rates else ""
@@ -367,12 +366,6 @@ def _plan_tail(cfg: DictConfig, jobs: list[Job], rates: dict[str, float]) -> lis
                                                              TERMS.items())]
 
 
-def _rates_file():
-    from lmcal.reporting.docs import DOCS
-
-    return DOCS / "bench" / "gpu_rates.json"
-
-
 RATES_FILE = "docs/bench/gpu_rates.json"  # written by make gpu-check's paper_mini part, copied there from its out
 
 
@@ -383,7 +376,10 @@ def check(cfg: DictConfig, estimates: dict | None = None, rates: dict[str, float
     `estimates`, where given, gets each stage's estimated seconds (the console's ETAs scale them to this machine);
     `rates` ({stage kind: TFLOP/s}; default: docs/bench/gpu_rates.json's, if there) replace the assumed rate;
     `terms`, where given, gets each stage's {seconds, flops, idle_seconds}."""
-    rates = measured_rates(_rates_file()) if rates is None else rates
+    if rates is None:
+        from lmcal.reporting.docs import DOCS
+
+        rates = measured_rates(DOCS.parent / RATES_FILE)
     stages = plan(cfg)
     models: dict[str, Model] = {}  # training stage dir -> its model
     tau_of: dict[str, int] = {}  # a tau-model's training stage dir -> its memory length
@@ -400,11 +396,10 @@ def check(cfg: DictConfig, estimates: dict | None = None, rates: dict[str, float
             jobs += [job] if job else []
     for j in jobs if estimates is not None else ():  # the console's ETAs scale them
         estimates[j.name] = estimates.get(j.name, 0.0) + j.seconds
-    if terms is not None:  # make gpu-check's measured rates divide by them
-        wall, spans = schedule(jobs, max(1, int(cfg.get("jobs", 1))))
-        for j in jobs:
-            terms[j.name] = {"seconds": j.seconds, "flops": j.flops, "idle_seconds": j.idle,
-                             "ends_at": spans[j.name][1], "pipeline_seconds": wall}
+    wall, spans = schedule(jobs, max(1, int(cfg.get("jobs", 1))))
+    for j in jobs if terms is not None else ():  # make gpu-check's measured rates divide by them
+        terms[j.name] = {"seconds": j.seconds, "flops": j.flops, "idle_seconds": j.idle, "kind": j.kind,
+                         "ends_at": spans[j.name][1], "pipeline_seconds": wall}
     head = [f"Plan of the {cfg.profile} profile: {len(stages)} stages, all composed and within their ranges; every "
             "stream fits its model's context.", ""]
-    return "\n".join(head + lines + _plan_tail(cfg, jobs, rates))
+    return "\n".join(head + lines + _plan_tail(cfg, jobs, wall, rates))

@@ -84,15 +84,14 @@ def analysis_overheads(stage: str, heads: int) -> float:
 def measured_rates(path) -> dict[str, float]:
     """{stage kind: TFLOP/s} measured by `make gpu-check`'s paper_mini part (its gpu_rates.json: each analysis
     stage's FLOPs over its measured seconds less its overheads); {} without the file or with one not whole."""
-    import json
     import math
 
-    try:
-        rates = json.loads(open(path).read())["tflops"]
-        return {str(k): float(v) for k, v in rates.items() if isinstance(v, (int, float)) and math.isfinite(v)
-                and v > 0}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+    from lmcal.utils.io import read_record
+
+    rates = (read_record(path, warn=False) or {}).get("tflops")
+    if not isinstance(rates, dict):
         return {}
+    return {str(k): float(v) for k, v in rates.items() if isinstance(v, (int, float)) and math.isfinite(v) and v > 0}
 
 
 def step_ms(sequential_steps: float) -> float:
@@ -121,7 +120,8 @@ class Job:
     busy: float  # the share of that time the GPU is busy with it
     deps: tuple[str, ...] = ()
     flops: float = 0.0  # an analysis stage's model FLOPs (0: a training or the report) ...
-    idle: float = 0.0  # ... and its seconds with the GPU idle (start-up, fits, writes)
+    idle: float = 0.0  # ... and its seconds with the GPU idle (start-up, fits, writes) ...
+    kind: str = ""  # ... and its kind (calibration, memory, ...), which make gpu-check's rates are keyed by
 
 
 def side_by_side_group(seconds: list[float], busy: list[float], at_once: int) -> tuple[float, float]:
@@ -159,11 +159,11 @@ def schedule(jobs: list[Job], slots: int) -> tuple[float, dict[str, tuple[float,
 
 
 def idle_job(name: str, gpu_seconds: float, busy: float, idle_seconds: float, deps: tuple[str, ...],
-             flops: float = 0.0) -> Job:
+             flops: float = 0.0, kind: str = "") -> Job:
     """A stage's job: `gpu_seconds` keeping the GPU `busy` that share, and `idle_seconds` of start-up, fits and
     writes that leave it to the stages beside it (the job's busy share is over both)."""
     total = gpu_seconds + idle_seconds
-    return Job(name, total, busy * gpu_seconds / total if total else 0.0, deps, flops, idle_seconds)
+    return Job(name, total, busy * gpu_seconds / total if total else 0.0, deps, flops, idle_seconds, kind)
 
 
 def hours(seconds: float) -> str:
