@@ -175,3 +175,14 @@ def test_paper_full_is_the_paper_profile_with_the_papers_epochs(tmp_path):
     assert "extends" not in full and full.keys() == paper.keys()
     assert {k for k in full if full[k] != paper[k]} == {"profile", "base", "tau"}
     assert full["base"] == ["experiment=paper"] and "trainer.max_epochs=120" not in full["tau"]
+
+
+def test_tau_models_side_by_side_that_overflow_their_gpu_are_refused_with_settings_that_fit(tmp_path):
+    """Six tau-models on one GPU are sized together (lmcal.pipeline.preflight.check_shared_gpu), not one by one."""
+    cfg = load_profile(["profile=paper", f"out={tmp_path / 'out'}", "check=true",
+                        "tau=[experiment=paper,trainer.max_epochs=120,hydra/launcher=local_parallel,"
+                        "hydra.launcher.n_jobs=6,data.batch_size=4000]"])
+    with pytest.raises(LmcalError, match=r"tau_models tau=\d+.*side by side on one GPU \(6 at once over 1 GPU: 6 on "
+                                         r"one\).*hydra.launcher.n_jobs=3.*data.batch_size=\d+.*profile's tau"):
+        check(cfg)
+    assert not (tmp_path / "out").exists()

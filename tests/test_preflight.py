@@ -232,3 +232,56 @@ def test_evaluate_stopped_by_sigterm_says_it_starts_over(tmp_path):
                                              "analysis starts over; evaluation.json is written once every stage has "
                                              "finished).")
     assert not (tmp_path / "eval" / "evaluation.json").exists()
+
+
+def test_stages_sharing_a_gpu_are_sized_together_with_the_settings_that_fit():
+    """Six tau-models side by side (hydra.launcher.n_jobs=6) each fit an 80 GB GPU alone but not six together: the
+    refusal names the set on one GPU and proposes fewer at once or a smaller batch, each of which fits; spread over
+    three GPUs (two a GPU) they fit as they are."""
+    from lmcal.pipeline.preflight import (
+        CUDA_CONTEXT_BYTES,
+        GpuPeak,
+        check_shared_gpu,
+        held,
+        shared_gpu_problem,
+        sharing,
+    )
+
+    GB = 1e9
+    taus = [GpuPeak(f"tau_models tau={t}", 4 * GB, 0.5 * GB, "data.batch_size", 20) for t in (5, 10, 20, 50, 100, 200)]
+    assert held(taus[:1]) == 14 * GB + CUDA_CONTEXT_BYTES
+    text, fits = shared_gpu_problem(taus, 6, 1, 80 * GB, jobs_key="hydra.launcher.n_jobs")
+    assert text.startswith("tau_models tau=5, tau_models tau=10, tau_models tau=20, tau_models tau=50, tau_models "
+                           "tau=100 and tau_models tau=200, side by side on one GPU (6 at once over 1 GPU: 6 on one), "
+                           "would hold about 87.00 GB at once (14.00 GB + ")
+    assert fits == {"hydra.launcher.n_jobs": 5, "data.batch_size": 17}
+    assert held(sharing(taus, 5, 1)) <= 80 * GB
+    assert shared_gpu_problem([GpuPeak(p.name, p.fixed, p.per_batch, p.batch_key, 17) for p in taus], 6, 1,
+                              80 * GB) is None
+    assert shared_gpu_problem(taus, 6, 3, 80 * GB) is None and shared_gpu_problem(taus, 6, 1, 0) is None
+    with pytest.raises(LmcalError, match=r"6 on one\), would hold about 87.00 GB .* nothing was run. Either setting "
+                                         r"fits: hydra.launcher.n_jobs=5, or data.batch_size=17 \(in the profile's "
+                                         r"tau\)\."):
+        check_shared_gpu(taus, 6, 1, 80 * GB, "in the profile's tau", jobs_key="hydra.launcher.n_jobs")
+    # stages of their own under jobs=2 on one GPU: the two largest; one that does not fit alone says so
+    stages = [GpuPeak("calibration", 50 * GB), GpuPeak("decoders", 40 * GB), GpuPeak("memory_tau5", 1 * GB)]
+    text, fits = shared_gpu_problem(stages, 2, 1, 80 * GB)
+    assert text.startswith("calibration and decoders, side by side") and fits == {"jobs": 1}
+    with pytest.raises(LmcalError, match="Not even the largest fits alone"):
+        check_shared_gpu([GpuPeak("huge", 90 * GB)], 1, 1, 80 * GB, "")
+
+
+def test_a_stage_on_a_shared_gpu_is_sized_against_its_share(monkeypatch):
+    """Where the pipeline runs several processes on the GPU (LMCAL_GPU_SHARERS), a stage's generations are checked
+    against its share of the GPU's memory, not the whole of it."""
+    import lmcal.pipeline.preflight as P
+
+    m = Model("awd_lstm", None, 50_000, 400, 3, 10**7, 1e7, {"test": 80_000})
+    gen = {"num_prefixes": 100, "samples_per_prefix": 100, "prefix_len": 10, "horizon": 10, "max_batch": 10_000}
+    monkeypatch.setattr(P, "device_bytes", lambda device: int(6 * 1e9))  # 4 GB of generations on a 6 GB GPU
+    monkeypatch.delenv("LMCAL_GPU_SHARERS", raising=False)
+    preflight({"entropy_rate": gen}, m, device="cuda:0")
+    monkeypatch.setenv("LMCAL_GPU_SHARERS", "2")
+    with pytest.raises(LmcalError, match=r"more than the 3.0 GB of cuda:0's share \(1 of the 2 processes on it\)"):
+        preflight({"entropy_rate": gen}, m, device="cuda:0")
+    assert P.gpu_sharers("cpu", {"LMCAL_GPU_SHARERS": "2"}) == 1 and P.gpu_sharers("cuda", {}) == 1

@@ -164,3 +164,48 @@ def test_hydras_slurm_launcher_presets_compose(launcher):
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose(config_name="train", overrides=[f"hydra/launcher={launcher}"], return_hydra_config=True)
     assert cfg.hydra.launcher._target_.endswith("SlurmLauncher") and cfg.hydra.launcher.tasks_per_node == 1
+
+
+@pytest.mark.parametrize("override, gpus", [([], 1), (["hydra.launcher.gpus_per_node=4"], 4)])
+def test_the_slurm_gpu_presets_batch_script_asks_for_its_gpus(tmp_path, monkeypatch, override, gpus):
+    """hydra/launcher=slurm_gpu through hydra-submitit-launcher's own launch, up to sbatch (a stand-in that keeps the
+    script it is given and fails, so nothing waits on a job): the script asks for the preset's GPUs, one node's worth
+    per job, with its cores, memory and time, as one array job of the sweep's points."""
+    from hydra import compose, initialize_config_dir
+    from hydra.utils import instantiate
+
+    from lmcal.utils.settings import CONF_DIR
+
+    bin_ = _fake_slurm_bin(tmp_path / "bin")
+    kept = tmp_path / "kept.sh"
+    (bin_ / "sbatch").write_text(f'#!/bin/sh\ncp "$1" {kept}\necho "sbatch: error: no cluster here" >&2\nexit 1\n')
+    monkeypatch.setenv("PATH", f"{bin_}:/usr/bin:/bin")
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("train", overrides=["hydra/launcher=slurm_gpu", "hydra.launcher.partition=gpu",
+                                          f"hydra.sweep.dir={tmp_path / 'sweep'}", *override],
+                      return_hydra_config=True)
+    launcher = instantiate(cfg.hydra.launcher)
+    launcher.config = cfg  # what Hydra's setup gives it; launch reads only the sweep folder from it
+    with pytest.raises(Exception, match="no cluster here|sbatch"):
+        launcher.launch([["model.memory_tau=5"], ["model.memory_tau=10"]], initial_job_idx=0)
+    script = kept.read_text()
+    for line in (f"--gpus-per-node={gpus}", "--ntasks-per-node=1", "--cpus-per-task=8", "--mem=32GB",
+                 "--time=2880", "--partition=gpu", "--array=0-1%2"):  # (its 16 at once, of 2)
+        assert f"#SBATCH {line}\n" in script, (line, script)
+
+
+def test_a_sweep_stage_in_one_slurm_job_spreads_its_jobs_over_the_jobs_gpus(monkeypatch):
+    """The tau-models under local_parallel as one Slurm job of 4 GPUs (slurm.gpus_per_job=4): its six jobs take the
+    allocation's GPUs in turn (Slurm's CUDA_VISIBLE_DEVICES) and share its cores; a plain stage adds nothing."""
+    from lmcal.pipeline import devices as D
+
+    monkeypatch.setattr(SL, "cores_here", lambda: 8)
+    monkeypatch.setattr(D, "cores_here", lambda: 8)
+    tau = [sys.executable, "-m", "lmcal.train", "-m", "hydra/launcher=local_parallel", "hydra.launcher.n_jobs=6",
+           "model.memory_tau=5,10,15,20,25,30"]
+    env = {"CUDA_VISIBLE_DEVICES": "4,5,6,7", "OMP_NUM_THREADS": "8"}  # the executor's default: the job's cores
+    assert SL.sweep_env(tau, env) == {"OMP_NUM_THREADS": "8", "LMCAL_HOST_JOBS": "6",
+                                      "CUDA_VISIBLE_DEVICES": "4,5,6,7", "LMCAL_GPUS": "4,5,6,7",
+                                      "LMCAL_GPU_SHARERS": "2"}
+    assert "LMCAL_HOST_JOBS" not in SL.sweep_env(tau, {**env, "OMP_NUM_THREADS": "2"})  # the user's threads hold
+    assert SL.sweep_env([sys.executable, "-m", "lmcal.train", "model.memory_tau=5"], env) == {}

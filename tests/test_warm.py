@@ -25,11 +25,18 @@ if "sleep" in sys.argv:
 sys.exit(int(sys.argv[1]))
 '''
 
+LOKY_STAGE = '''
+import os
+from joblib import Parallel, delayed
+print("jobs", len(Parallel(n_jobs=2, backend="loky")(delayed(os.getpid)() for _ in range(4))), flush=True)
+'''  # a local_parallel sweep's launcher (hydra-joblib-launcher) in small: loky worker processes, idle 300 s
+
 
 @pytest.fixture(scope="module")
 def worker(tmp_path_factory):
     mods = tmp_path_factory.mktemp("mods")
     (mods / "lmcal_fake_stage.py").write_text(STAGE)
+    (mods / "lmcal_loky_stage.py").write_text(LOKY_STAGE)
     env = {**os.environ, "PYTHONPATH": str(mods), "OMP_NUM_THREADS": "1"}
     w = Worker.start(env)
     yield w, env
@@ -135,3 +142,15 @@ def test_the_scheduler_forks_lmcal_stages_from_one_warm_worker(tmp_path, monkeyp
         logs = {n: (out / "logs" / f"{n}.log").read_text() for n in "abc"}
         assert "plain" in logs["b"] and "evaluate" in logs["a"] and "train" in logs["c"]
         assert all(log.startswith(f"\n$ {sys.executable} -") for log in logs.values())
+
+
+def test_a_warm_stage_with_loky_workers_ends_with_its_jobs(worker, tmp_path):
+    """A forked stage whose jobs ran in loky's processes (hydra/launcher=local_parallel) ends once they are done, as a
+    fresh process does (in seconds): its exit runs threading's exit hooks, loky's among them, which stop the workers
+    that multiprocessing's exit hook would otherwise join until their idle timeout (300 s)."""
+    w, env = worker
+    log = tmp_path / "stage.log"
+    t0 = time.monotonic()
+    p = w.launch([sys.executable, "-m", "lmcal_loky_stage"], env, log)
+    assert p.wait(timeout=20) == 0, log.read_text()
+    assert "jobs 4" in log.read_text() and time.monotonic() - t0 < 20

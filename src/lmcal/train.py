@@ -28,6 +28,7 @@ from pytorch_lightning.loggers import WandbLogger
 from lmcal.core.lookahead import set_memory_budget
 from lmcal.errors import LmcalError
 from lmcal.models.checkpoint import base_checkpoint, load_base_net, model_name
+from lmcal.pipeline.devices import apply_job_devices
 from lmcal.pipeline.preflight import preflight
 from lmcal.pipeline.sizes import model_of
 from lmcal.stages.registry import STAGES, check_plan, check_stages, summary
@@ -188,6 +189,7 @@ def main(cfg: DictConfig) -> float | None:
     in its own directory and returns, so the other jobs still run."""
     hc = HydraConfig.get()
     sweep = hc.mode == RunMode.MULTIRUN
+    apply_job_devices(hc.job.num if sweep else 0)  # a side-by-side job's GPU and threads, before CUDA starts
     if sweep:  # a rerun of the job: an earlier failure is no longer its status
         (Path(hc.runtime.output_dir) / "failed.json").unlink(missing_ok=True)
     try:

@@ -20,7 +20,9 @@ from omegaconf import DictConfig, OmegaConf
 from lmcal.core.lookahead import CUDA_MAX_CHUNK, LOGIT_ROWS
 from lmcal.errors import LmcalError
 from lmcal.models.hf import shared_candidate_bytes
+from lmcal.pipeline.devices import SIDE_BY_SIDE, launcher_jobs
 from lmcal.pipeline.plan import plan
+from lmcal.pipeline.preflight import GpuPeak, check_shared_gpu
 from lmcal.pipeline.sizes import (
     GB,
     Model,
@@ -52,11 +54,10 @@ from lmcal.pipeline.timing import (
     training_overheads,
 )
 from lmcal.utils.budget import tau_too_long
-from lmcal.utils.settings import CONF_DIR, composed
+from lmcal.utils.settings import composed
 from lmcal.utils.validate import check_config
 
 GPU_FREE_GB = 80.0  # the free memory of one H100-class GPU, for the memory budgets' null (half of it)
-SIDE_BY_SIDE_LAUNCHER = "hydra/launcher=local_parallel"  # a sweep's jobs as parallel local processes (joblib)
 
 def candidates(rule: dict, m: Model) -> int:
     """Lookahead steps a position takes under a candidate rule (lmcal.core.lookahead_law): top-k, k + the tail draws;
@@ -177,11 +178,7 @@ def side_by_side(cmd: list[str], n: int) -> int:
     """How many of a training sweep's `n` jobs run at once on the one GPU: hydra.launcher.n_jobs (its preset's default
     where not given) under hydra/launcher=local_parallel, else 1 (the basic launcher runs them one after another; a
     Slurm launcher spreads them over GPUs the one-GPU estimate does not have)."""
-    if SIDE_BY_SIDE_LAUNCHER not in cmd:
-        return 1
-    given = [o.split("=", 1)[1] for o in cmd if o.startswith("hydra.launcher.n_jobs=")]
-    default = OmegaConf.load(CONF_DIR / "hydra" / "launcher" / "local_parallel.yaml").n_jobs
-    return max(1, min(n, int(given[-1] if given else default)))
+    return max(1, min(n, launcher_jobs(cmd)))
 
 
 def _memory_rows(a: dict, m: Model, budget_gb: float | None) -> tuple[str, float]:
@@ -214,9 +211,9 @@ def stream_passes(a: dict, m: Model) -> int:
     return 25 + 11 * -(-n // int(a.get("cluster_size", 2000)))
 
 
-def _training_run(st: dict, where: str, t, c: DictConfig, m: Model) -> tuple[str, tuple[float, float, float, float]]:
+def _training_run(st: dict, where: str, t, c: DictConfig, m: Model) -> tuple[str, tuple]:
     """One training run of a stage (t: its tau, or None) checked against its model: its plan line, and its (seconds
-    of its epochs alone, busy share, peak bytes, seconds beside its epochs with the GPU idle)."""
+    of its epochs alone, busy share, GpuPeak, seconds beside its epochs with the GPU idle)."""
     if t:
         n = m.corpus.get("train")
         if n and int(t) >= n:
@@ -249,7 +246,9 @@ def _training_run(st: dict, where: str, t, c: DictConfig, m: Model) -> tuple[str
             f"{m.corpus.get('train', 0):,} tokens = {tokens:,} tokens, batch {batch}, "
             f"3 x {m.step_flops:.3g} FLOP x tokens = {flops:.3g} FLOP; time alone: {time_text}; peak: "
             + "; ".join(f"{w} {bytes_text(b)}" for w, b in peak))
-    return line, (seconds, busy, sum(b for _, b in peak), extra)
+    name = st["name"] + ("" if t is None else f" tau={t}")
+    gpu = GpuPeak(name, 16.0 * m.params, 2 * 4.0 * bptt * m.vocab, "data.batch_size", batch)  # as `peak` above
+    return line, (seconds, busy, gpu, extra)
 
 
 def _training_stage(st: dict, models: dict, tau_of: dict, lines: list[str]) -> Job:
@@ -272,9 +271,12 @@ def _training_stage(st: dict, models: dict, tau_of: dict, lines: list[str]) -> J
     wall, busy = side_by_side_group([g[0] for g in group], [g[1] for g in group], at_once)
     idle = max(g[3] for g in group) * -(-len(group) // at_once)  # each batch of runs side by side pays it once
     if at_once > 1:
-        most = bytes_text(max(g[2] for g in group))
+        key = st["name"].removesuffix("tau_models").replace("_", ".") + "tau"  # tau_models: tau, markov_...: markov.tau
+        check_shared_gpu([g[2] for g in group], at_once, 1, GPU_FREE_GB * GB, f"in the profile's {key}",
+                         jobs_key="hydra.launcher.n_jobs")
+        most = bytes_text(max(g[2].bytes for g in group))
         lines.append(f"{st['name']}: the {len(group)} trainings side by side on the one GPU, {at_once} at once "
-                     f"({SIDE_BY_SIDE_LAUNCHER}): peak {at_once} x {most} of the "
+                     f"({SIDE_BY_SIDE}): peak {at_once} x {most} of the "
                      f"tensors above, plus each process's CUDA context; time-sliced: {wall / 3600:.2f} h "
                      f"against {sum(g[0] for g in group) / 3600:.2f} h one after another")
     return idle_job(st["name"], wall, busy, idle, tuple(st["deps"]))

@@ -1,16 +1,24 @@
 """The preflight of `train` and `evaluate`: before any work, in seconds, every stage's sizes against the model it will
 meet: its context (the plan check's own arithmetic, lmcal.pipeline.check.size_problems), its vocabulary, and the
-memory of the device it runs on. What does not fit is refused in one paragraph naming the stage, the key, its value
-and the limit, with settings that fit. `make reproduce` runs the plan check (lmcal.pipeline.check.check), which uses
-the same arithmetic for every stage of its profile.
+memory of the device it runs on (its share, where the pipeline runs several processes on one GPU). What does not fit
+is refused in one paragraph naming the stage, the key, its value and the limit, with settings that fit. `make
+reproduce` runs the plan check (lmcal.pipeline.check.check), which uses the same arithmetic for every stage of its
+profile, and sizes the stages that will share a GPU together (check_shared_gpu: a sweep's jobs side by side, or
+stages at once under jobs=N).
 """
 
 from __future__ import annotations
 
+import os
+from dataclasses import dataclass
+
 from omegaconf import OmegaConf
 
-from lmcal.pipeline.sizes import GB, Model, model_of, size_problems, size_refusal
+from lmcal.errors import LmcalError
+from lmcal.pipeline.sizes import GB, Model, bytes_text, model_of, setting, size_problems, size_refusal
 from lmcal.utils.budget import memory_bytes
+
+CUDA_CONTEXT_BYTES = 0.5 * GB  # what a process holds on a GPU before its first tensor: CUDA context, cuBLAS workspace
 
 
 def checkpoint_model(hp: dict, vocab: int, corpus: dict[str, int]) -> Model:
@@ -38,6 +46,16 @@ def device_bytes(device: str) -> int:
 
         return int(torch.cuda.get_device_properties(torch.device(device)).total_memory)
     return memory_bytes()
+
+
+def gpu_sharers(device: str, env: dict | None = None) -> int:
+    """How many processes the pipeline runs on the GPU `device` is (LMCAL_GPU_SHARERS, lmcal.pipeline.devices), 1 on
+    the CPU or where it is not set."""
+    env = os.environ if env is None else env
+    try:
+        return max(1, int(env.get("LMCAL_GPU_SHARERS", "1"))) if str(device).startswith("cuda") else 1
+    except ValueError:
+        return 1
 
 
 def held_bytes(name: str, a: dict, m: Model, value_bytes: int = 4) -> tuple[float, float, str]:
@@ -70,7 +88,9 @@ def preflight(settings: dict[str, dict], m: Model, memory_tau: int | None = None
         problems.append(("Scoring the model's test cross-entropy", f"would read windows longer than its context of "
                          f"{m.context} ({m.context_key}): model.context = {score_context:,} tokens.",
                          {"model.context": m.context}))
-    memory = device_bytes(device)
+    sharers = gpu_sharers(device)
+    memory = device_bytes(device) // sharers  # the stages beside it on the GPU hold theirs
+    of = f"{device}'s share (1 of the {sharers} processes on it)" if sharers > 1 else device
     for name, a in settings.items():
         text, fits = size_problems(name, a, m, memory_tau)
         per_row, rows, what = held_bytes(name, {**a, **fits}, m, value_bytes)
@@ -78,7 +98,7 @@ def preflight(settings: dict[str, dict], m: Model, memory_tau: int | None = None
             fits["max_batch"] = max(1, int(0.5 * memory // per_row))
             text += (" It " if text else "") + (
                 f"would hold about {per_row * rows / GB:,.1f} GB at once in its generations ({what}), more than the "
-                f"{memory / GB:,.1f} GB of {device}.")
+                f"{memory / GB:,.1f} GB of {of}.")
         rows = a.get("rows", "auto")  # kept on the CPU (auto and device too, for a model there), or on the GPU
         where = "cpu" if rows == "cpu" or (rows in ("auto", "device") and not str(device).startswith("cuda")) \
             else device if rows == "device" else None
@@ -91,7 +111,7 @@ def preflight(settings: dict[str, dict], m: Model, memory_tau: int | None = None
                 text += (" It " if text else "") + (
                     f"would keep rows 2 x [N, V] = 2 x [{n:,}, {m.vocab:,}] {a.get('store_dtype', 'float32')} "
                     f"(analysis.memory.rows={rows}): {kept / GB:,.1f} GB, more than the {limit / GB:,.1f} GB of "
-                    f"{'this machine' if where == 'cpu' else device}.")
+                    f"{'this machine' if where == 'cpu' else of}.")
         if text:
             problems.append((f"Stage '{name}'", text, {f"analysis.{name}.{k}": v for k, v in fits.items()}))
     if text_vocab and text_vocab > m.vocab:
@@ -101,3 +121,84 @@ def preflight(settings: dict[str, dict], m: Model, memory_tau: int | None = None
         fix = how if any(f for _, _, f in problems) else (
             "Read the text with the model's own tokenizer (the one saved beside it) or the corpus it was trained on.")
         raise size_refusal(problems, fix)
+
+
+@dataclass(frozen=True)
+class GpuPeak:
+    """A stage's (or a sweep job's) peak on its GPU: `fixed` bytes (parameters, optimiser state), and `per_batch`
+    bytes for each unit of its batch setting `batch_key`, now `batch` (its logits and their gradient)."""
+    name: str
+    fixed: float
+    per_batch: float = 0.0
+    batch_key: str | None = None
+    batch: int = 0
+
+    @property
+    def bytes(self) -> float:
+        return self.fixed + self.per_batch * self.batch
+
+
+def sharing(peaks: list[GpuPeak], jobs: int, gpus: int = 1) -> list[GpuPeak]:
+    """The set that bounds what one GPU holds when `jobs` of `peaks` run at once, spread over `gpus` one each in turn
+    (lmcal.pipeline.devices): ceil(jobs / gpus) of them share a GPU, at worst the largest that many."""
+    k = -(-min(max(1, jobs), len(peaks)) // max(1, gpus))
+    return sorted(peaks, key=lambda p: -p.bytes)[:k]
+
+
+def held(group: list[GpuPeak], context: float = CUDA_CONTEXT_BYTES) -> float:
+    """Bytes a GPU holds with `group` on it: their peaks, and each process's CUDA context."""
+    return sum(p.bytes + context for p in group)
+
+
+def fitting_jobs(peaks: list[GpuPeak], gpus: int, memory: float, context: float = CUDA_CONTEXT_BYTES) -> int:
+    """The most of `peaks` at once whose sets sharing a GPU fit `memory` (0: the largest does not fit alone)."""
+    return next((j for j in range(len(peaks), 0, -1) if held(sharing(peaks, j, gpus), context) <= memory), 0)
+
+
+def fitting_batch(group: list[GpuPeak], memory: float, context: float = CUDA_CONTEXT_BYTES) -> tuple[str, int] | None:
+    """(key, value) of the largest batch of the set's first batch setting with which the set fits `memory`, every
+    member of that setting (a sweep's jobs share theirs) at that batch; None where none does or none has one."""
+    key = next((p.batch_key for p in group if p.batch_key and p.per_batch), None)
+    if key is None:
+        return None
+    scaled = [p for p in group if p.batch_key == key]
+    rest = held(group, context) - sum(p.per_batch * p.batch for p in scaled)
+    batch = int((memory - rest) // sum(p.per_batch for p in scaled))
+    return (key, batch) if batch >= 1 else None
+
+
+def shared_gpu_problem(peaks: list[GpuPeak], jobs: int, gpus: int, memory: float, jobs_key: str = "jobs",
+                       where: str = "one GPU", context: float = CUDA_CONTEXT_BYTES) -> tuple[str, dict] | None:
+    """What does not fit where `jobs` of `peaks` run at once over `gpus` GPUs of `memory` bytes each: (the sentence
+    naming the set that shares a GPU and what it holds, {setting: value} of each alternative that fits: fewer at
+    once under `jobs_key`, or a smaller batch); None where it fits or memory is not known."""
+    group = sharing(peaks, jobs, gpus)
+    total = held(group, context)
+    if not memory or total <= memory or not group:
+        return None
+    names = ", ".join(p.name for p in group[:-1]) + (" and " if len(group) > 1 else "") + group[-1].name
+    text = (f"{names}, side by side on {where} ({min(jobs, len(peaks))} at once over {gpus} GPU"
+            f"{'s' if gpus > 1 else ''}: {len(group)} on one), would hold about {bytes_text(total)} at once ("
+            + " + ".join(bytes_text(p.bytes) for p in group)
+            + f", and {bytes_text(context)} of CUDA context each), more than its {bytes_text(memory)}.")
+    fits = {}
+    at_once = fitting_jobs(peaks, gpus, memory, context)
+    if 0 < at_once < min(jobs, len(peaks)):
+        fits[jobs_key] = at_once
+    batch = fitting_batch(group, memory, context)
+    if batch:
+        fits[batch[0]] = batch[1]
+    return text, fits
+
+
+def check_shared_gpu(peaks: list[GpuPeak], jobs: int, gpus: int, memory: float, how: str, **kw) -> None:
+    """Refuses, in one paragraph, a set of stages that would not fit the GPU they share (shared_gpu_problem), with
+    each setting that fits on its own; `how`: where the settings go (e.g. "in the profile's tau")."""
+    problem = shared_gpu_problem(peaks, jobs, gpus, memory, **kw)
+    if problem is None:
+        return
+    text, fits = problem
+    fix = (f"{'Either setting fits' if len(fits) > 1 else 'A setting that fits'}: "
+           + ", or ".join(setting(k, v) for k, v in fits.items()) + f" ({how})." if fits else
+           "Not even the largest fits alone: it needs a smaller model or a device with more memory.")
+    raise LmcalError(f"{text} They would fail when they got there; nothing was run. {fix}")

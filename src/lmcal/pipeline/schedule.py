@@ -16,7 +16,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from lmcal.errors import LmcalError
-from lmcal.pipeline.devices import device_env, free_slot, thread_env, visible_gpus
+from lmcal.pipeline.devices import device_env, free_slot, sweep_jobs, thread_env, visible_gpus
 from lmcal.pipeline.eta import plan_left, scaled, stage_line, step_eta
 from lmcal.pipeline.signals import end_groups, stage_process_options
 from lmcal.pipeline.warm import Worker, takes
@@ -256,8 +256,8 @@ def _start(r: _Run, stage: dict) -> None:
         stage["fn"](r.cfg, r.out)
         r.running[name] = {"t0": t0, "proc": None, "log": None, "rec": rec}
         return
-    slot = free_slot(r.running)
-    env = {**thread_env(r.jobs), **device_env(slot, r.gpus, r.jobs)}
+    slot, sweep = free_slot(r.running), sweep_jobs(stage_command(stage))  # sweep: its own jobs side by side
+    env = {**thread_env(r.jobs, sweep=sweep), **device_env(slot, r.gpus, r.jobs, sweep=sweep)}
     if r.warm and r.worker is None and takes(stage_command(stage)):
         r.worker = Worker.start(stage_env(thread_env(r.jobs)))
     r.running[name] = launch(stage, r.out, env, r.worker) | {"rec": rec, "slot": slot}
@@ -357,7 +357,7 @@ def schedule(stages: list[dict], cfg: DictConfig, out: Path, current: dict, jobs
     rerun resumes. Ctrl-C, SIGTERM or an error in this process stops every stage. The console numbers the stages in
     the order they start, and gives each running stage's times left (lmcal.pipeline.eta) from the reference run's
     stage times `ref`, else the plan check's `estimates`, scaled to this machine as stages finish."""
-    gpus = visible_gpus() if jobs > 1 else []
+    gpus = visible_gpus() if jobs > 1 or any(sweep_jobs(stage_command(st)) > 1 for st in stages) else []
     # a warm worker forks the stages on Linux (macOS's system libraries do not survive a fork of a process that
     # loaded them), not where GPUs are handed out (a fork must not follow CUDA's start), not with warm_worker=false
     warm = (sys.platform == "linux" and cfg is not None and bool(cfg.get("warm_worker", False))

@@ -19,6 +19,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from lmcal.errors import LmcalError
+from lmcal.pipeline.devices import cores_here, device_env, sweep_jobs, thread_env, visible_gpus
 from lmcal.pipeline.schedule import check_finished, done_before, inputs_seen, progress_line, stage_command
 from lmcal.reporting.results import stage_record
 from lmcal.utils.io import write_json_atomic
@@ -32,19 +33,32 @@ def slurm_defaults() -> DictConfig:
     return OmegaConf.load(CONF_DIR / "reproduce" / "launcher" / "slurm.yaml")
 
 
+def sweep_env(cmd: list[str], env: dict) -> dict[str, str]:
+    """What a job's stage adds to its environment where it is a sweep of local processes (the tau-models under
+    local_parallel): its jobs spread over the job's GPUs and its cores (lmcal.pipeline.devices); {} otherwise. An
+    OMP_NUM_THREADS of the job's whole cores (the executor's default) is the stage's share, not a user's setting."""
+    sweep = sweep_jobs(cmd)
+    if sweep < 2:
+        return {}
+    threads = {k: v for k, v in env.items() if not (k == "OMP_NUM_THREADS" and v == str(cores_here()))}
+    return {**thread_env(1, env=threads, sweep=sweep), **device_env(0, visible_gpus(env), 1, sweep=sweep)}
+
+
 def run_stage(stage: dict, log_path: str) -> int:
     """What each Slurm job runs: the stage's command with its output appended to logs/<stage>.log, as the local
     launcher does. The command is made when the job starts, so that a requeued tau-models job trains only the taus
-    without results. A failure raises, so that submitit records it and the job ends FAILED."""
+    without results. A sweep of local processes gets the job's GPUs, one a process in turn (sweep_env). A failure
+    raises, so that submitit records it and the job ends FAILED."""
     cmd = stage_command(stage)
     if not cmd:
         return 0
+    env = {**os.environ, "HYDRA_FULL_ERROR": "1"}
+    env.update(sweep_env(cmd, env))
     with open(log_path, "a") as log:
         log.write(f"\n$ {shlex.join(cmd)}   # Slurm job {os.environ.get('SLURM_JOB_ID')}, restart "
                   f"{os.environ.get('SLURM_RESTART_COUNT', '0')}, on {os.uname().nodename}\n")
         log.flush()
-        rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT,
-                            env={**os.environ, "HYDRA_FULL_ERROR": "1"}).returncode
+        rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env).returncode
     if rc:
         raise RuntimeError(f"{shlex.join(cmd)} exited with status {rc}; see {log_path}")
     return rc

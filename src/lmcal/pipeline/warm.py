@@ -113,6 +113,20 @@ class Worker:
             self.proc.wait()
 
 
+def _exit_hooks() -> None:
+    """What a normal interpreter exit runs before it ends, in its order: threading's exit hooks and the join of the
+    non-daemon threads (threading._shutdown), then the atexit hooks (W&B's, logging's, multiprocessing's). Without
+    the first, loky's hook, which stops its workers, never runs, and multiprocessing's atexit hook then joins those
+    workers until their idle timeout (300 s): a stage with a local_parallel (joblib) sweep stayed minutes after its
+    jobs had ended."""
+    import threading
+
+    try:
+        threading._shutdown()
+    finally:
+        atexit._run_exitfuncs()
+
+
 def _child(argv: list[str], env: dict, log: str) -> None:
     """In the forked child: becomes the stage's process (`python -m argv...`) and never returns."""
     code = 1
@@ -148,7 +162,7 @@ def _child(argv: list[str], env: dict, log: str) -> None:
     except BaseException:
         traceback.print_exc()
     try:
-        atexit._run_exitfuncs()  # W&B's and logging's exit hooks, as at a normal interpreter exit
+        _exit_hooks()
     finally:
         for f in (sys.stdout, sys.stderr):
             try:
