@@ -14,7 +14,8 @@ from lmcal.errors import LmcalError
 from lmcal.models.awd_lstm import AWDLSTM
 from lmcal.models.transformer import GPTLM
 from lmcal.pipeline.check import check, side_by_side, stream_passes
-from lmcal.pipeline.plan import load_profile
+from lmcal.pipeline.plan import load_profile, plan
+from lmcal.pipeline.plan_text import WIDTH, paragraph_of
 from lmcal.pipeline.sizes import model_of, stream_sizes
 from lmcal.pipeline.timing import Job, lstm_epoch_seconds, schedule, side_by_side_group
 from lmcal.utils.settings import CONF_DIR
@@ -34,15 +35,18 @@ def test_every_profile_passes_the_plan_check(profile, tmp_path):
     cfg = load_profile([f"profile={profile}", f"out={tmp_path / 'out'}", "check=true"])
     text = check(cfg)
     assert text.startswith(f"Plan of the {profile} profile")
+    assert max(len(ln) for ln in text.splitlines()) <= WIDTH  # a terminal shows each line whole
+    table = text.split("\n\n")[1].splitlines()  # one stage a line, with its estimate
+    assert table[0].split() == ["stage", "alone", "start-end", "what"] and len(table) == 1 + len(plan(cfg))
     for name in ("base", "tau_models", "entropy_rate", "report"):
         assert f"\n{name}" in text
-    wall = next(ln for ln in text.splitlines() if ln.startswith("Wall time"))
+    wall = paragraph_of(text, "Wall time")
     assert "ESTIMATE" in wall and "TFLOP/s" in wall and "measured on" in wall and "not assumed." in wall
     assert _estimate_hours(text) <= _estimate_hours(wall.replace("stages one after another: ", "an ESTIMATE, ", 1)
                                                     .split("(", 1)[1])
     assert not (tmp_path / "out").exists()  # the check writes nothing
     if profile == "paper":  # its transformer's streams fit its context of 512 (they did not: 1,000 and 8,243)
-        line = next(ln for ln in text.splitlines() if ln.startswith("transformer_calibration:"))
+        line = paragraph_of(text, "transformer_calibration:")
         assert "fit_tokens / fit_streams = 20,000 / 40 -> 500" in line
         assert "score_tokens / score_streams = 82,430 / 200 -> 412" in line
         assert "prefix_len + horizon = 100 + 400 -> 500" in line
@@ -113,19 +117,18 @@ def test_the_paper_profile_is_timed_at_the_measured_step_and_scheduled_as_it_run
     text = check(load_profile(["profile=paper", f"out={tmp_path / 'p'}", "check=true"]))
     full = check(load_profile(["profile=paper_full", f"out={tmp_path / 'f'}", "check=true"]))
     assert 4.5 <= _estimate_hours(text) <= 5.6 < 10 <= _estimate_hours(full)
-    base = next(ln for ln in text.splitlines() if ln.startswith("base:"))
+    base = paragraph_of(text, "base:")
     epoch, _ = lstm_epoch_seconds(929_589, 73_760, 20, 70, None)
     assert "300 epochs" in base and "batch 20" in base and f"= {300 * epoch / 3600:.2f} h" in base
     assert 12 < epoch < 15  # the measured 13 s, against the anchor's 65 s on a GP100
-    tau5 = next(ln for ln in text.splitlines() if ln.startswith("tau_models tau=5:"))
-    assert "x 5 sequential steps" in tau5 and "x 30 sequential steps" in next(
-        ln for ln in text.splitlines() if ln.startswith("tau_models tau=30:"))
+    tau5 = paragraph_of(text, "tau_models tau=5:")
+    assert "x 5 sequential steps" in tau5 and "x 30 sequential steps" in paragraph_of(text, "tau_models tau=30:")
     assert "tau_models: the 6 trainings side by side on the one GPU, 6 at once" in text and "time-sliced" in text
     serial = _estimate_hours("an ESTIMATE, " + text.split("stages one after another: ", 1)[1])
     assert _estimate_hours(text) < serial  # the tau-models beside the base model
-    cal = next(ln for ln in text.splitlines() if ln.startswith("calibration:"))
+    cal = paragraph_of(text, "calibration:")
     assert "fit statistics 2 x [fit positions, candidates] = 2 x [20,000, 10,000] (CPU memory) 1.60 GB" in cal
-    assert "500 epochs" in next(ln for ln in full.splitlines() if ln.startswith("base:"))
+    assert "500 epochs" in paragraph_of(full, "base:")
     assert "MPS" in text and "is not assumed" in text
 
 
@@ -156,7 +159,7 @@ def test_streamed_memory_rows_cost_a_forward_of_both_models_per_pass_of_the_fit(
     def line(rows):
         cfg = load_profile(["profile=smoke", f"out={tmp_path / rows}", "check=true",
                             f"analysis=[analysis=smoke,analysis.memory.rows={rows}]"])
-        return next(ln for ln in check(cfg).splitlines() if ln.startswith("memory_tau2:"))
+        return paragraph_of(check(cfg), "memory_tau2:")
 
     kept, streamed = line("cpu"), line("stream")
     steps = float(re.search(r"; ~([\d.e+]+) model steps", kept).group(1))

@@ -22,6 +22,7 @@ from lmcal.errors import LmcalError
 from lmcal.models.hf import shared_candidate_bytes
 from lmcal.pipeline.devices import SIDE_BY_SIDE, launcher_jobs
 from lmcal.pipeline.plan import plan
+from lmcal.pipeline.plan_text import details_section, stage_table, wrap
 from lmcal.pipeline.preflight import GpuPeak, check_shared_gpu
 from lmcal.pipeline.sizes import (
     GB,
@@ -353,7 +354,7 @@ def _plan_tail(cfg: DictConfig, jobs: list[Job], total: float, rates: dict[str, 
     alone = {j.name: j.seconds for j in jobs}
     measured = (f" FLOP rates measured by make gpu-check ({RATES_FILE}): "
                 + ", ".join(f"{k} {v:.3g} TFLOP/s" for k, v in sorted(rates.items())) + ";") if rates else ""
-    return ["", f"Wall time on one GPU: an ESTIMATE, {hours(total)} (stages one after another: "
+    return [f"Wall time on one GPU: an ESTIMATE, {hours(total)} (stages one after another: "
             f"{hours(sum(alone.values()))}).{measured} AWD-LSTM trainings at the step measured on {MEASURED_ON}: "
             f"{STEP_FIXED_MS:g} ms + {STEP_PER_TIME_STEP_MS:g} ms per sequential time step at batch 20 (a PTB epoch of "
             f"the paper model: 13 s; {ANCHOR}); the other stages' FLOPs at an assumed {BATCHED_TFLOPS:g} TFLOP/s "
@@ -402,6 +403,9 @@ def check(cfg: DictConfig, estimates: dict | None = None, rates: dict[str, float
     for j in jobs if terms is not None else ():  # make gpu-check's measured rates divide by them
         terms[j.name] = {"seconds": j.seconds, "flops": j.flops, "idle_seconds": j.idle, "kind": j.kind,
                          "ends_at": spans[j.name][1], "pipeline_seconds": wall}
-    head = [f"Plan of the {cfg.profile} profile: {len(stages)} stages, all composed and within their ranges; every "
-            "stream fits its model's context.", ""]
-    return "\n".join(head + lines + _plan_tail(cfg, jobs, wall, rates))
+    head = wrap(f"Plan of the {cfg.profile} profile: {len(stages)} stages, all composed and within their ranges; "
+                "every stream fits its model's context.")
+    runs = [tuple(ln.split(": ", 1)) for ln in lines]  # (stage, or stage and tau; its arithmetic)
+    details = {j.name: [t for n, t in runs if n.split(" ")[0] == j.name] for j in jobs}
+    tail = [ln for p in _plan_tail(cfg, jobs, wall, rates) for ln in wrap(p)]
+    return "\n".join(head + [""] + stage_table(jobs, spans, details) + [""] + tail + [""] + details_section(runs))
