@@ -25,6 +25,8 @@ help: ## list the targets
 	@echo "  variables: TORCH='$(TORCH)' PROFILE=$(PROFILE) (auto|paper|paper_mini|paper_full|cpu|smoke|scale|scale_gpu) LMCAL_DATA_ROOT=<folder holding ptb/>"
 	@echo "             ARGS='out=DIR taus=[5,10] ...' (reproduce: overrides of conf/reproduce/<profile>.yaml)"
 	@echo "             FORCE=1 (reproduce: redo the stages whose settings changed, and those downstream)"
+	@echo "  commands (in .venv/bin): lmcal-train lmcal-evaluate lmcal-reproduce lmcal-report lmcal-docs (python -m lmcal.<name>);"
+	@echo "             shell completion: eval \"\$$(.venv/bin/lmcal-train -sc install=bash)\""
 
 $(STAMP): pyproject.toml $(if $(TORCH_CHANGED),torch-changed)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)

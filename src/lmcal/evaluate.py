@@ -41,7 +41,7 @@ from lmcal.utils.device import TF32, apply_precision_policy, deterministic_cubla
 from lmcal.utils.io import write_json_atomic
 from lmcal.utils.lock import run_lock, sweep_temp_files
 from lmcal.utils.quiet import quiet_third_party
-from lmcal.utils.settings import CONF_DIR  # noqa: F401  (it registers the configs' lmcal_root resolver)
+from lmcal.utils.settings import CONF_DIR  # (importing it registers the configs' lmcal_root resolver)
 from lmcal.utils.validate import check_config
 
 log = logging.getLogger("lmcal")
@@ -151,13 +151,18 @@ def check_sizes(cfg: DictConfig, settings: dict[str, dict], *, hp: dict | None =
                   text_vocab=vocab)
 
 
-@hydra.main(version_base="1.3", config_path="../../conf", config_name="evaluate")
+@hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="evaluate")  # absolute: lmcal-evaluate too
 def main(cfg: DictConfig) -> None:
     with boundary():
         OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)  # every interpolation, before any work
         evaluate(cfg)
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """`lmcal-evaluate`: python -m lmcal.evaluate as a command."""
     run_hydra(main, "rerun the same command to run the stages again (an analysis starts over; evaluation.json is "
                     "written once every stage has finished)")
+
+
+if __name__ == "__main__":
+    cli()

@@ -51,7 +51,7 @@ from lmcal.utils.device import TF32, apply_precision_policy, deterministic_cubla
 from lmcal.utils.io import write_json_atomic
 from lmcal.utils.lock import run_lock, sweep_temp_files
 from lmcal.utils.quiet import quiet_third_party
-from lmcal.utils.settings import CONF_DIR  # noqa: F401  (the tests' and benches' import)
+from lmcal.utils.settings import CONF_DIR
 
 log = logging.getLogger("lmcal")
 quiet_third_party()  # once per process, before Lightning says anything
@@ -183,7 +183,7 @@ def _train(cfg: DictConfig, out: Path) -> dict:
         finish_logger(logger)
 
 
-@hydra.main(version_base="1.3", config_path="../../conf", config_name="train")
+@hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="train")  # absolute: lmcal-train too
 def main(cfg: DictConfig) -> float | None:
     """One run, or one job of a sweep. In a sweep a failing job records why in `failed.json`
     in its own directory and returns, so the other jobs still run."""
@@ -210,5 +210,10 @@ def main(cfg: DictConfig) -> float | None:
         fail(message)
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """`lmcal-train`: python -m lmcal.train as a command."""
     run_hydra(main)
+
+
+if __name__ == "__main__":
+    cli()
