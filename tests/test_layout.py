@@ -21,7 +21,7 @@ LAYERS = {
     "stages": {"core", "models", "data", "errors", "utils", "paper"},
     "training": {"stages", "core", "models", "data", "errors", "utils"},
     "reporting": {"stages", "core", "models", "data", "errors", "utils", "paper"},
-    "pipeline": {"reporting", "stages", "core", "models", "data", "errors", "utils", "paper"},
+    "pipeline": {"training", "reporting", "stages", "core", "models", "data", "errors", "utils", "paper"},
 }
 ENTRY_POINTS = {"train", "evaluate", "reproduce", "report", "docs"}
 

@@ -36,6 +36,7 @@ from lmcal.stages.wandb_run import (
     wandb_log,
     wandb_run,
 )
+from lmcal.training.known_keys import check_known_keys
 from lmcal.utils.boundary import boundary, run_hydra
 from lmcal.utils.device import TF32, apply_precision_policy, deterministic_cublas, precision_policy, resolve_device
 from lmcal.utils.io import write_json_atomic
@@ -52,6 +53,7 @@ def check_settings(cfg: DictConfig) -> dict[str, dict]:
     """Every check the settings alone allow (no model or file is read): ranges and sizes, the device, what to analyse,
     the stages and their settings, W&B's mode; returns the stages' settings. `python -m lmcal.evaluate` runs it
     before Hydra writes anything (lmcal.utils.precheck), evaluate() again."""
+    check_known_keys(cfg, "lmcal.evaluate")
     check_config(cfg)
     resolve_device(cfg.get("device"))
     hf = cfg.get("model") is not None

@@ -54,6 +54,7 @@ from lmcal.pipeline.timing import (
     term,
     training_overheads,
 )
+from lmcal.training.known_keys import check_known_keys
 from lmcal.utils.budget import tau_too_long
 from lmcal.utils.settings import composed
 from lmcal.utils.validate import check_config
@@ -261,6 +262,7 @@ def _training_stage(st: dict, models: dict, tau_of: dict, lines: list[str]) -> J
     at_once, group = side_by_side(st["cmd"], len(taus)), []  # group: (seconds, busy, peak bytes) per run
     for t in taus:
         c = composed(entry, overrides + ([f"model.memory_tau={t}"] if t else []))
+        check_known_keys(c, entry)  # every key read by something, as the run will check
         check_config(c, where=where)  # every setting in its range (lmcal.utils.rules), as the run will
         m = model_of(c)
         models[str(st["taus"][t] if t else st["dir"])] = m
@@ -298,6 +300,7 @@ def _analysis_stage(cfg: DictConfig, st: dict, models: dict, tau_of: dict,
     entry, overrides = st["cmd"][2], [o for o in st["cmd"][3:] if o != "-m"]
     where = f"Stage '{st['name']}' (python -m {entry}): "
     c = composed(entry, overrides)
+    check_known_keys(c, entry)
     check_config(c, where=where)
     ckpt = next(o.split("=", 1)[1] for o in overrides if o.startswith("ckpt="))
     m = next((mm for d, mm in models.items() if ckpt.startswith(d + os.sep)), None)  # tau_1 is not tau_10

@@ -13,6 +13,7 @@ from lmcal.errors import LmcalError
 from lmcal.stages.registry import STAGES, stage_kinds
 from lmcal.stages.stage import KINDS
 from lmcal.stages.wandb_run import check_online
+from lmcal.training.known_keys import check_known_keys
 from lmcal.utils.device import cuda_missing
 from lmcal.utils.validate import check_config
 
@@ -73,6 +74,7 @@ def check_settings(cfg: DictConfig) -> None:
     """Every check the settings alone allow (no file is read): ranges and sizes, a network this command trains, one
     device, the accelerator, W&B's mode. `python -m lmcal.train` runs it before Hydra writes anything
     (lmcal.utils.precheck), train() again."""
+    check_known_keys(cfg, "lmcal.train")
     check_config(cfg)
     if not str((cfg.get("model") or {}).get("_target_") or "").endswith(TRAINABLE):
         raise LmcalError("python -m lmcal.train trains AWD-LSTMs (model=awd_lstm or awd_lstm_small) and transformers "

@@ -1,0 +1,99 @@
+"""Every key of a run's settings checked against the schema that reads it, before any work: a key that nothing reads
+(a typo, `+optim.lrr=3`) is refused in one paragraph naming it and the nearest known keys, instead of a TypeError
+after the data has loaded, or a setting silently ignored.
+
+The schemas: the entry point's own config file (its top-level keys and config groups), the optimiser's OptimConfig,
+the data's DataConfig, the network's constructor (AWDLSTM, GPTLM), Lightning's Trainer, and each analysis stage's
+settings (lmcal.stages.registry)."""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+from dataclasses import fields
+
+from omegaconf import DictConfig, OmegaConf
+
+from lmcal.errors import LmcalError
+from lmcal.stages.registry import STAGES, settings_keys
+from lmcal.utils.settings import CONF_DIR
+
+
+def top_keys(entry: str) -> set[str]:
+    """The top-level keys of `entry`'s config (conf/train.yaml or conf/evaluate.yaml): its own keys, its config
+    groups and hydra."""
+    conf = OmegaConf.load(CONF_DIR / f"{entry.rsplit('.', 1)[-1]}.yaml")
+    groups = {next(iter(d)) for d in conf.get("defaults", []) if isinstance(d, DictConfig)}
+    return (set(conf) - {"defaults"}) | groups | {"hydra"}
+
+
+def analysis_keys() -> set[str]:
+    """The keys of `analysis`: each registered stage's settings, and the keys conf/analysis/default.yaml gives them
+    all."""
+    conf = OmegaConf.load(CONF_DIR / "analysis" / "default.yaml")
+    return set(STAGES) | (set(conf) - {"defaults"} - set(STAGES))
+
+
+def network_keys(target: str) -> set[str] | None:
+    """The settings the network `target` (model._target_) takes: its constructor's parameters; None for a model this
+    check does not know (a Hugging Face one, read by its own loader)."""
+    from lmcal.models.awd_lstm import AWDLSTM
+    from lmcal.models.transformer import GPTLM
+
+    cls = {"AWDLSTM": AWDLSTM, "GPTLM": GPTLM}.get(str(target).rsplit(".", 1)[-1])
+    if cls is None:
+        return None
+    return {p for p in inspect.signature(cls.__init__).parameters if p != "self"} | {"_target_"}
+
+
+def section_keys(cfg: DictConfig) -> dict[str, set[str] | None]:
+    """{section: its known keys} for the sections of `cfg` that have a schema (None: not checked here)."""
+    import pytorch_lightning as pl
+
+    from lmcal.data.batching import DataConfig
+    from lmcal.training.module import OptimConfig
+
+    trainer = set(inspect.signature(pl.Trainer.__init__).parameters) - {"self"}
+    model = cfg.get("model")
+    return {
+        "optim": {f.name for f in fields(OptimConfig)},
+        "data": {f.name for f in fields(DataConfig)} | {"_target_"},
+        "trainer": trainer | {"_target_"},
+        "model": network_keys(model.get("_target_")) if isinstance(model, DictConfig) else None,
+        "memory": {"base_ckpt", "base_runs"},
+        **{f"analysis.{n}": set(settings_keys(stage)) for n, stage in STAGES.items()},
+    }
+
+
+def unknown_keys(cfg: DictConfig, entry: str) -> list[tuple[str, list[str]]]:
+    """[(the full key nothing reads, the nearest known keys)] of `cfg` for entry point `entry`."""
+    out = []
+
+    def compare(prefix: str, given, known: set[str]) -> None:
+        for k in given:
+            if k not in known:
+                near = difflib.get_close_matches(str(k), sorted(known), n=3, cutoff=0.6)
+                out.append((f"{prefix}{k}", [f"{prefix}{n}" for n in near]))
+
+    compare("", cfg, top_keys(entry))
+    if isinstance(cfg.get("analysis"), DictConfig):
+        compare("analysis.", cfg.analysis, analysis_keys())
+    for section, known in section_keys(cfg).items():
+        node = OmegaConf.select(cfg, section)
+        if known is not None and isinstance(node, DictConfig):
+            compare(f"{section}.", node, known)
+    return out
+
+
+def check_known_keys(cfg: DictConfig, entry: str = "lmcal.train") -> None:
+    """Refuses, in one paragraph, settings that no part of `entry` reads (unknown_keys), naming each and the nearest
+    known keys."""
+    bad = unknown_keys(cfg, entry)
+    if not bad:
+        return
+    named = "; ".join(f"{k}" + (f" (did you mean {' or '.join(near)}?)" if near else "") for k, near in bad)
+    raise LmcalError(f"Unknown setting{'s' if len(bad) > 1 else ''}: {named}. No part of python -m {entry} reads "
+                     f"{'them' if len(bad) > 1 else 'it'}, so it would be ignored or fail after the data had loaded; "
+                     "nothing was run or written. Fix the name (python -m "
+                     f"{entry} --cfg job lists every setting; the analysis stages' settings and defaults are their "
+                     "dataclasses in lmcal.stages.configs), or remove it.")
