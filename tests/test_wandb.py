@@ -208,3 +208,44 @@ def test_a_training_and_the_analyses_of_its_checkpoint_as_a_dashboard_reads_them
     assert an["summary"]["calibration/alpha"] == pytest.approx(json.loads(
         (tmp_path / "eval" / "evaluation.json").read_text())["calibration"]["alpha"])
     assert "| stage | metric | value | ± se |" in an["output"]  # the table evaluate ends with, in the Logs tab
+
+
+def test_a_tau_model_uses_its_base_checkpoints_artifact(tmp_path, monkeypatch, data_overrides):
+    """The lineage from a base model to the tau-model warm-started from it and compared with it (memory stage): the
+    tau run's inputs are the base run's output artifact, the same name and version (digest)."""
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    base = train(_train_cfg(tmp_path / "base", ["logger=wandb", *data_overrides]))
+    train(_train_cfg(tmp_path / "tau", ["logger=wandb", "model.memory_tau=2", f"init_ckpt={base['best_ckpt']}",
+                                        f"memory.base_ckpt={base['best_ckpt']}", *data_overrides]))
+    (b,) = runs_under(tmp_path / "base")
+    (t,) = runs_under(tmp_path / "tau")
+    (made,) = [a for a in b["artifacts"] if not a["used"]]
+    (used,) = [a for a in t["artifacts"] if a["used"]]  # one input: the warm start and the base are one file
+    assert (used["name"], used["digest"]) == (made["name"], made["digest"])
+    (own,) = [a for a in t["artifacts"] if not a["used"]]
+    assert own["name"] != made["name"] and own["name"].startswith("checkpoint-awd-lstm-32-64-3-tau2-")
+
+
+def test_the_report_run_uses_the_stage_runs_artifacts(tmp_path, monkeypatch, data_overrides):
+    """The lineage's last step: the report's run (lmcal.reporting.report_wandb) takes each training's checkpoint and
+    each analysis's evaluation.json as inputs, the versions the stage runs logged."""
+    from lmcal.reporting.report_wandb import use_inputs
+    from lmcal.stages.wandb_run import log_files, open_run
+
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    out = tmp_path / "out"
+    train(_train_cfg(out / "ptb" / "base", ["logger=wandb", *data_overrides]))
+    ev = out / "ptb" / "entropy_rate"
+    ev.mkdir(parents=True)
+    (ev / "evaluation.json").write_text(json.dumps({"artifact": "evaluation-awd-lstm-32-64-3-ptb", "x": 1.0}))
+    node = {"_target_": "pytorch_lightning.loggers.WandbLogger", "project": "lmcal", "offline": True}
+    stage = open_run(init_args(node, ev, job_type="entropy_rate"))
+    log_files(stage, "evaluation-awd-lstm-32-64-3-ptb", "evaluation", [ev / "evaluation.json"])
+    stage.finish()
+    report = open_run(init_args(node, tmp_path / "report", job_type="report"))
+    use_inputs(report, out)
+    report.finish()
+    made = {a["name"]: a["digest"] for r in runs_under(out) for a in r["artifacts"] if not a["used"]}
+    (rep,) = runs_under(tmp_path / "report")
+    used = {a["name"]: a["digest"] for a in rep["artifacts"] if a["used"]}
+    assert len(made) == 2 and used == made  # both stage outputs, the same versions

@@ -101,11 +101,12 @@ def _evaluate(cfg: DictConfig, out: Path, settings: dict[str, dict]) -> dict:
                        config=OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False),
                        versions=versions(),  # what ran it: command, date, machine, commit, TF32 flags
                        provenance={**provenance(), "precision": precision_policy()})
+        artifact = f"evaluation-{slug(target['name'])}-{slug(target.get('dataset', target['corpus']))}"
+        results["artifact"] = artifact  # its W&B artifact's name: the report's run uses it (report_wandb)
         write_json_atomic(out / "evaluation.json", results)
         wandb_log(logger, summary={f"{st}/{k}": v for st, k, v, _ in rows},
                   tables={"results": (["stage", "metric", "value", "stderr"], [list(r) for r in rows])})
-        log_files(logger, f"evaluation-{slug(target['name'])}-{slug(target.get('dataset', target['corpus']))}",
-                  "evaluation", [out / "evaluation.json"])
+        log_files(logger, artifact, "evaluation", [out / "evaluation.json"])
         print(f"\n{target['name']} on {target['corpus']} ({'per model token' if hf else 'per word'}; ± one standard "
               f"error):\n\n{results_markdown(rows)}\nResults, config, versions and commit: {out / 'evaluation.json'}",
               flush=True)

@@ -25,10 +25,10 @@ log = logging.getLogger("lmcal")
 
 
 def model_name(model_cfg) -> str:
-    """A network's name in tables and logs, from its config node (conf/model)."""
+    """A network's name in tables and logs, from its config node (conf/model, or a checkpoint's plain mapping)."""
     if model_cfg.get("_target_", "").endswith("AWDLSTM"):
-        tau = f", tau={model_cfg.memory_tau}" if model_cfg.get("memory_tau") else ""
-        return f"AWD-LSTM {model_cfg.emb_size}/{model_cfg.hidden_size}/{model_cfg.num_layers}{tau}"
+        tau = f", tau={model_cfg['memory_tau']}" if model_cfg.get("memory_tau") else ""
+        return f"AWD-LSTM {model_cfg['emb_size']}/{model_cfg['hidden_size']}/{model_cfg['num_layers']}{tau}"
     if model_cfg.get("_target_", "").endswith("GPTLM"):
         return (f"Transformer {model_cfg.get('n_layer')}x{model_cfg.get('n_embd')}, "
                 f"context {model_cfg.get('n_positions')}")
@@ -195,6 +195,13 @@ def load_net(ckpt_path: str | Path, map_location="cpu"):
                          "diverged, or a damaged file. It was not used; use another checkpoint (the run's best.ckpt "
                          "is kept from before a divergence).")
     return net.eval(), ckpt
+
+
+def checkpoint_names(path: str | Path) -> tuple[str, str]:
+    """(the network's name, as model_name gives it; its corpus's name) of a training checkpoint, read safely
+    (read_checkpoint): what names its W&B artifact (lmcal.stages.wandb_run.checkpoint_artifact)."""
+    hp = read_checkpoint(path)["hyper_parameters"]
+    return model_name(hp["net"]), str((hp.get("data_cfg") or {}).get("name", ""))
 
 
 def base_checkpoint(memory: dict | None, corpus: str | None) -> str | None:

@@ -8,8 +8,18 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from lmcal.stages.wandb_run import init_args, log_files, open_run, reproduction_group, slug
-from lmcal.utils.io import strict_json
+from lmcal.models.checkpoint import checkpoint_names
+from lmcal.stages.wandb_run import (
+    files_artifact,
+    init_args,
+    log_files,
+    open_run,
+    reproduction_group,
+    slug,
+    use_artifact,
+    use_checkpoint,
+)
+from lmcal.utils.io import read_record, strict_json
 
 
 def numbers(obj, prefix: str = "") -> list[tuple[str, float]]:
@@ -20,6 +30,18 @@ def numbers(obj, prefix: str = "") -> list[tuple[str, float]]:
         return [(prefix, obj)]
     items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list) else []
     return [kv for k, v in items for kv in numbers(v, f"{prefix}/{k}" if prefix else str(k))]
+
+
+def use_inputs(run, out: Path) -> None:
+    """The stage runs' outputs the report is made from, as its inputs (the lineage graph's last step): each training's
+    checkpoint artifact and each analysis's evaluation artifact (its name as evaluation.json records it), built
+    again from the same files, so the same versions."""
+    for ckpt in sorted(p for p in out.rglob("best.ckpt") if p.parent.name == "checkpoints"):
+        use_checkpoint(run, ckpt, *checkpoint_names(ckpt))
+    for ev in sorted(out.rglob("evaluation.json")):
+        name = (read_record(ev) or {}).get("artifact")
+        if isinstance(name, str) and name == slug(name):  # one W&B name, as evaluate wrote it
+            use_artifact(run, files_artifact(name, "evaluation", [ev]))
 
 
 def log_report(cfg: DictConfig, results: dict, out: Path) -> None:
@@ -44,6 +66,7 @@ def log_report(cfg: DictConfig, results: dict, out: Path) -> None:
         cols = ["method", "params", "entrate_ppl", "test_ce_nats", "zero_prob_fraction", "test_ce_mixed_nats"]
         run.log({"decoders": wandb.Table(columns=cols, data=[[json.dumps(d[c]) if c == "params" else d[c]
                                                               for c in cols] for d in results["decoders"]])})
+        use_inputs(run, out)
         log_files(run, f"report-{slug(out.name)}", "report", [out / "results.json", out / "REPORT.md",
                                                                 *sorted(out.glob("figure*.png")),
                                                                 *sorted(out.glob("memory_*.png"))])

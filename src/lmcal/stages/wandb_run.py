@@ -277,24 +277,32 @@ def use_checkpoint(logger, path: str | Path, model: str, dataset: str) -> None:
     analyses of its checkpoint. wandb refuses use_artifact offline, so an offline run records the use as
     use_artifact does for a new artifact (the artifact, to be used once committed), which `wandb sync` uploads."""
     run = _run_of(logger)
-    if run is None or not Path(path).is_file():
-        return
-    art = checkpoint_artifact(path, model, dataset)
+    if run is not None and Path(path).is_file():
+        use_artifact(run, checkpoint_artifact(path, model, dataset))
+
+
+def use_artifact(run, art) -> None:
+    """`art` as an input of `run`; offline as use_artifact records a new artifact (to be used once committed)."""
     if run.offline:
         run._log_artifact(art, aliases=[], is_user_created=True, use_after_commit=True)
     else:
         run.use_artifact(art)
 
 
-def log_files(logger, name: str, kind: str, files: list[str | Path]) -> None:
-    """Result files (results.json, REPORT.md, evaluation.json) as one artifact of the run, uploaded on sync."""
-    run = _run_of(logger)
-    if run is None:
-        return
+def files_artifact(name: str, kind: str, files: list[str | Path]):
+    """Result files (results.json, REPORT.md, evaluation.json) as one artifact: its digest is theirs, so a run that
+    builds it again from the same files names the same version."""
     import wandb
 
     art = wandb.Artifact(name, type=kind)
     for f in files:
         if Path(f).is_file():
             art.add_file(str(f), name=Path(f).name)
-    run.log_artifact(art)
+    return art
+
+
+def log_files(logger, name: str, kind: str, files: list[str | Path]) -> None:
+    """Result files as one artifact of the run (files_artifact), uploaded on sync."""
+    run = _run_of(logger)
+    if run is not None:
+        run.log_artifact(files_artifact(name, kind, files))
