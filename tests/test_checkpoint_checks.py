@@ -114,3 +114,19 @@ def test_resuming_a_checkpoint_without_its_optimiser_settings_grouped_is_refused
     grouped = _ckpt(tmp_path / "grouped.ckpt",
                     edit=lambda c: c["hyper_parameters"].update(optim=OptimConfig().as_dict()))
     check_resume(str(grouped), NET, 60)
+
+
+def test_a_memory_base_is_matched_by_its_whole_data_settings_not_its_corpus_name(tmp_path):
+    """A base trained on another chain of the same name (another seed), or forged to the name with another
+    vocabulary, is refused; the base of the same source loads."""
+    from lmcal.models.checkpoint import load_base_net
+
+    base = str(_ckpt(tmp_path / "base.ckpt"))
+    kw = SYNTHETIC["corpus_kwargs"]
+    assert load_base_net(base, "cpu", "synthetic", kw, 60) is not None
+    with pytest.raises(LmcalError, match=r"another synthetic: its data.corpus_kwargs.seed=None \(this model: 7\)"):
+        load_base_net(base, "cpu", "synthetic", {**kw, "seed": 7}, 60)
+    with pytest.raises(LmcalError, match="vocabulary of 60 words, this model 61"):
+        load_base_net(base, "cpu", "synthetic", kw, 61)
+    with pytest.raises(LmcalError, match="was trained on synthetic, this model on markov"):
+        load_base_net(base, "cpu", "markov", kw, 60)

@@ -217,8 +217,11 @@ def base_checkpoint(memory: dict | None, corpus: str | None) -> str | None:
     return str(Path(path) / "checkpoints" / "best.ckpt") if Path(path).is_dir() else str(path)
 
 
-def load_base_net(path: str | Path | None, device, corpus: str | None = None):
-    """The full-context base model for the memory stage, with a clear error when it is missing or mismatched."""
+def load_base_net(path: str | Path | None, device, corpus: str | None = None, corpus_kwargs: dict | None = None,
+                  vocab_size: int | None = None):
+    """The full-context base model for the memory stage, with a clear error when it is missing or mismatched: its
+    corpus, where given its generator's settings (`corpus_kwargs`: a Markov chain of another seed is another source)
+    and its vocabulary must be this model's."""
     if not path:
         raise LmcalError("The memory stage needs the full-context base model: pass memory.base_ckpt=PATH (a "
                          "checkpoint of the same corpus trained with model.memory_tau=null), or, for a sweep over "
@@ -233,6 +236,17 @@ def load_base_net(path: str | Path | None, device, corpus: str | None = None):
     base_corpus = (ckpt["hyper_parameters"].get("data_cfg") or {}).get("name")
     if corpus and base_corpus and base_corpus != corpus:
         raise LmcalError(f"memory.base_ckpt={path} was trained on {base_corpus}, this model on {corpus}.")
+    theirs = dict((ckpt["hyper_parameters"].get("data_cfg") or {}).get("corpus_kwargs") or {})
+    if corpus_kwargs is not None and theirs != dict(corpus_kwargs):
+        differ = sorted(k for k in set(theirs) | set(corpus_kwargs) if theirs.get(k) != corpus_kwargs.get(k))
+        raise LmcalError(f"memory.base_ckpt={path} was trained on another {corpus or 'corpus'}: its "
+                         + ", ".join(f"data.corpus_kwargs.{k}={theirs.get(k)!r} (this model: {corpus_kwargs.get(k)!r})"
+                                     for k in differ)
+                         + ". The bound compares two models of one source; train the base on this model's data "
+                         "settings, or point at the base that was.")
+    if vocab_size is not None and ckpt["hyper_parameters"]["vocab_size"] != vocab_size:
+        raise LmcalError(f"memory.base_ckpt={path} has a vocabulary of {ckpt['hyper_parameters']['vocab_size']:,} "
+                         f"words, this model {vocab_size:,}: not a model of the same corpus.")
     return net.to(device)
 
 

@@ -122,7 +122,8 @@ def checkpoint_target(cfg: DictConfig, settings: dict[str, dict] | None = None, 
             base = base_checkpoint(OmegaConf.to_container(cfg.memory, resolve=True) if cfg.get("memory") else None,
                                    dm.name)
             target["base_ckpt"] = str(Path(base).resolve()) if base else None
-            target["base"] = load_base_net(base, net.decoder.weight.device, dm.name)
+            target["base"] = load_base_net(base, net.decoder.weight.device, dm.name, dm.corpus_kwargs,
+                                           dm.vocab_size)
             # the splits as the base model has them: a tau-model may have been validated on a prefix only
             _, _, dm = load_checkpoint_and_data(base, cfg.get("data_root"), cfg.get("device"))
         else:  # limited=window (check_stages allowed it): the model is its own base

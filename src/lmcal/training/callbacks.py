@@ -138,7 +138,8 @@ class StagesCallback(pl.Callback):
                   "test_ce": s["test_ce"], "bptt": dm.bptt, "ckpt": s["path"]}
         if "memory" in self.stages:  # a full model (limited=window) is its own base
             mtau = (self.settings.get("memory") or {}).get("tau") or tau
-            target.update(base=load_base_net(self.base_ckpt, module.device, dm.name) if tau else net,
+            target.update(base=load_base_net(self.base_ckpt, module.device, dm.name, dm.corpus_kwargs,
+                                                      dm.vocab_size) if tau else net,
                           base_ckpt=str(self.base_ckpt) if tau else s["path"],
                           exact_mi=markov_exact_mi(dm.prepare().info, mtau) if dm.name == "markov" and mtau else None)
         self.results = run_stages(self.stages, target, self.settings, self.out_dir, trainer.logger)
