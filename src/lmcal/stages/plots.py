@@ -49,9 +49,21 @@ def entropy_curve_figure(curves: dict[str, tuple[np.ndarray, np.ndarray]], path:
         (line,) = ax.plot(t, mean, label=f"{label} (the same curve as {hides}, drawn over it)" if hides else label,
                           lw=1.4, ls="--" if hides else "-")
         ax.fill_between(t, mean - 1.96 * se, mean + 1.96 * se, color=line.get_color(), alpha=0.2, lw=0)
+    lo, hi = curve_range(curves)
     for i, (label, value) in enumerate((reference_nats or {}).items()):  # dotted black first, then other dashes
-        ax.axhline(value, ls=(":", "--", "-.", (0, (1, 4)))[i % 4], color=("k", "0.35", "0.55", "k")[i % 4], lw=1.2,
-                   label=label)
+        style = {"ls": (":", "--", "-.", (0, (1, 4)))[i % 4], "color": ("k", "0.35", "0.55", "k")[i % 4]}
+        if lo <= value <= hi:
+            ax.axhline(value, lw=1.2, label=label, **style)
+        else:  # far off the curves' range: a mark at the edge it lies beyond, its value in the legend
+            up = value > hi
+            ax.plot([], [], marker="^" if up else "v", ms=7, color=style["color"], ls="",
+                    label=f"{label}: {value:.2f} nats, {'above' if up else 'below'} the axis")
+            ax.annotate("", xy=(0.03 + 0.03 * i, 1.0 if up else 0.0), xycoords="axes fraction",
+                        xytext=(0.03 + 0.03 * i, 0.93 if up else 0.07),
+                        arrowprops={"arrowstyle": "-|>", "color": style["color"], "lw": 1.2})
+    ax.set_ylim(lo, hi)  # the curves the figure is about fill it
+    if len(curves) >= 4:  # close curves told apart: each named at its end
+        end_labels(ax, {k: np.asarray(m, dtype=float) for k, (m, _) in curves.items()})
     ax.set_xlabel("" if difference is not None else "t (generated words)")  # shared: said under the lower panel
     ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))  # t is a count: no t = 2.5
     ax.set_xlim(0.5, horizon + 0.5)  # both panels: t = 1..horizon
@@ -70,6 +82,31 @@ def entropy_curve_figure(curves: dict[str, tuple[np.ndarray, np.ndarray]], path:
     elif tail_differences:
         _tail_difference_axes(axes[1, 0], tail_differences)
     return _save(fig, path)
+
+
+def curve_range(curves: dict[str, tuple], pad: float = 0.08) -> tuple[float, float]:
+    """The y-range of the curves with their ±1.96 se bands, padded by `pad` of its span on each side."""
+    ends = [(np.nanmin(np.asarray(m, float) - 1.96 * np.asarray(e, float)),
+             np.nanmax(np.asarray(m, float) + 1.96 * np.asarray(e, float))) for m, e in curves.values() if len(m)]
+    lo, hi = (min(a for a, _ in ends), max(b for _, b in ends)) if ends else (0.0, 1.0)
+    span = hi - lo if hi > lo else max(abs(hi), 1.0) * 0.1
+    return lo - pad * span, hi + pad * span
+
+
+def end_labels(ax, curves: dict[str, np.ndarray], gap: float = 0.05) -> None:
+    """Each curve's label at its last point, right of the axes, moved apart where ends are closer than `gap` of the
+    axes' height (from the top down), with a thin leader to the point: curves that end close stay named."""
+    to_axes = ax.transData + ax.transAxes.inverted()
+    ends = {k: float(v[np.isfinite(v)][-1]) for k, v in curves.items() if np.isfinite(v).any()}
+    ys = {k: to_axes.transform((1.0, y))[1] for k, y in ends.items()}
+    placed: list[float] = []
+    for k in sorted(ys, key=lambda k: -ys[k]):
+        y = min([ys[k]] + [p - gap for p in placed if p - ys[k] < gap])
+        placed.append(y)
+        color = next((ln.get_color() for ln in ax.get_lines() if ln.get_label().startswith(k)), "0.3")
+        ax.annotate(textwrap.shorten(k, 34, placeholder="…"), xy=(len(curves[k]), ends[k]), xycoords="data",
+                    xytext=(1.02, y), textcoords="axes fraction", fontsize=6.5, va="center", color=color,
+                    arrowprops={"arrowstyle": "-", "lw": 0.4, "color": color}, annotation_clip=False)
 
 
 def wrapped(title: str, width_in: float, fontsize: float = 10) -> str:
