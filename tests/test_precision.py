@@ -125,3 +125,13 @@ def test_bf16_mixed_training_through_the_cli(tmp_path, data_overrides, flags):
     net, _ = load_net(m["best_ckpt"])
     ce, n = evaluate_ce(net, dm.tokens("test"), dm.test_batch_size, dm.bptt)
     assert n == m["test_tokens"] and ce == pytest.approx(m["test_ce_nats"], rel=1e-6, abs=0)
+
+
+@pytest.mark.parametrize("value", ["16-mixed", "bf16-true", "16-true", "64-true"])
+def test_an_untested_precision_is_refused_naming_the_ones_that_train(value):
+    from lmcal.training.run_checks import check_settings
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("train", overrides=["experiment=smoke", "logger=none", f"trainer.precision={value}"])
+    with pytest.raises(LmcalError, match=rf"trainer.precision={value} is not a precision .*=32-true or bf16-mixed"):
+        check_settings(cfg)
