@@ -392,3 +392,11 @@ def test_topk_coverage_is_the_calibrated_models_own_mass_and_a_count_of_true_wor
     assert 0 < cov["mass_outside_topk"] < 1
     exact = topk_coverage(calibrated(lm, -0.3), text)
     assert (exact["mass_outside_topk"], exact["true_word_outside_topk"]) == (0.0, 0.0)
+
+
+def test_an_alpha_at_the_search_bound_is_labelled_so_not_a_minimum():
+    from lmcal.core.calibration import CalibrationFit
+
+    z = torch.zeros(1, 1)
+    fit = CalibrationFit(100.0, 1.0, 0.5, 1, 0.1, None, 0.0, z, z, z[:, 0], z[:, 0].long(), bound=100.0)
+    assert fit.at_bound and not CalibrationFit(3.0, 1.0, 0.5, 1, 0.1, None, 0.0, z, z, z[:, 0], z[:, 0].long()).at_bound

@@ -133,6 +133,12 @@ class CalibrationFit:
     cover: float | None = None
     cover_max: int | None = None
     candidates_mean: float = 0.0  # own-tilt candidates per position, on average (V in exact mode)
+    bound: float = 100.0  # |alpha| the fit searched within; alpha at it is no finite minimum (at_bound)
+
+    @property
+    def at_bound(self) -> bool:
+        """Whether a* is the search's bound: held-out CE still fell there, so a* is the bound, not a minimum."""
+        return self.bound - abs(self.alpha) < 1e-6
 
     @property
     def stats(self) -> tuple:
@@ -246,7 +252,7 @@ def fit_lookahead_calibration(lm, tokens: torch.Tensor, rule: Rule | None = None
     alpha, ce_before, ce_after, stderr, n = _fit_law(stats, rule.draws, bound, tokens.size(1), cluster_size)
     return CalibrationFit(alpha, ce_before, ce_after, n, stderr, rule.topk, epsilon, *stats,
                           tail_samples=rule.draws, min_context=min_context, cluster_size=cluster_size, seed=seed,
-                          cover=rule.cover, cover_max=rule.cover_max, candidates_mean=size)
+                          cover=rule.cover, cover_max=rule.cover_max, candidates_mean=size, bound=bound)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -88,7 +88,10 @@ class CalibrationResult(Result):
 
     def line(self, name: str) -> str:
         r = self.record
-        return (f"{name}: alpha* {r['alpha']:.4f} +- {r['alpha_stderr']:.4f}; test ppl {r['test_ppl_before']:.2f} -> "
+        bound = (f" (the bound: CE still falls at |alpha| = {r.get('alpha_bound', 100.0):g}, no finite minimum)"
+                 if r.get("alpha_at_bound") else "")
+        return (f"{name}: alpha* {r['alpha']:.4f} +- {r['alpha_stderr']:.4f}{bound}; test ppl "
+                f"{r['test_ppl_before']:.2f} -> "
                 f"{r['test_ppl_after']:.2f}; EntRate {r['entrate_ppl_before']:.1f} -> {r['entrate_ppl_after']:.1f}; "
                 f"last tenth {r['tail_ppl_before']:.1f} -> {r['tail_ppl_after']:.1f} (paired difference "
                 f"{r['tail_diff_nats']:+.4f} +- {r['tail_diff_stderr_nats']:.4f} nats; {r['seconds']:.0f} s)")
@@ -153,6 +156,7 @@ def _record(target: dict, s: CalibrationConfig, rule: Rule, fit, scored: dict, p
     diff_curve, diff_se = paired_difference_curve(curves["after"], curves["before"])
     return {
         "model": target["name"], "corpus": target["corpus"], "alpha": fit.alpha, "alpha_stderr": fit.alpha_stderr,
+        "alpha_at_bound": fit.at_bound, "alpha_bound": fit.bound,
         "fit_ce_before_nats": fit.ce_before, "fit_ce_after_nats": fit.ce_after, "fit_tokens": fit.n_tokens,
         "fit_streams": s.fit_streams, "min_context": s.min_context, "cluster_size": fit.cluster_size,
         "test_ce_before_nats": ce_before, "test_ce_after_nats": ce_after,
