@@ -86,7 +86,7 @@ def test_log_lines_give_the_time_left_and_a_minute_never_passes_silently(caplog,
         bar.update(98)  # t = 63: the rest, 1 s after the last line: none
         bar.close()  # t = 200: the end
     lines = [r.getMessage() for r in caplog.records]
-    assert lines[0] == "scoring: 2% (2/100 it, 62 s, 0.0 it/s, about 50m38s left)"  # 98 more at 2 per 62 s
+    assert lines[0] == "scoring: 2% (2/100 it, 62 s, 0.0 it/s, about 40m30s-1h03m left)"  # 98 more at 2 per 62 s
     assert lines[1:] == ["scoring: 100% (100/100 it, 200 s, 0.5 it/s)"] # done: no time left
 
 
@@ -182,3 +182,55 @@ def test_a_training_in_a_log_says_the_time_left_in_the_epoch_and_in_all(caplog, 
                      "left in all (3 epochs at most)",
                      "training: epoch 1/3, 2/10 batches (20%), 1m10s in; about 4m40s left in the epoch, about 16m20s "
                      "left in all (3 epochs at most)"]
+
+
+def _timed_loop(monkeypatch, durations, total):
+    """LineProgress over steps of the given durations (a fake clock): its lines, and the true seconds left at each."""
+    import logging
+
+    import lmcal.utils.progress as P
+
+    now = [0.0]
+    monkeypatch.setattr(P.time, "perf_counter", lambda: now[0])
+    lines = []
+    handler = logging.Handler()
+    handler.emit = lambda rec: lines.append((rec.getMessage(), sum(durations) - now[0]))
+    P.log.addHandler(handler)
+    level = P.log.level
+    P.log.setLevel(logging.INFO)
+    try:
+        bar = P.LineProgress(total=total, desc="memory fit", unit="pass")
+        for d in durations:
+            now[0] += d
+            bar.update()
+        bar.close()
+    finally:
+        P.log.removeHandler(handler)
+        P.log.setLevel(level)
+    return lines
+
+
+@pytest.mark.parametrize("slower_from", [None, 30])
+def test_the_time_left_holds_for_a_loop_whose_steps_vary(monkeypatch, slower_from):
+    """Steps of 10 s +-30% (seeded): the true time left lies within the range every line gives; where the machine
+    gets a third busier from step 30 on, within the range of every line after that (one before cannot know)."""
+    import random
+
+    from lmcal.pipeline.eta import seconds
+
+    rng = random.Random(0)
+    durations = [10.0 * rng.uniform(0.7, 1.3) * (1.33 if slower_from and i >= slower_from else 1.0)
+                 for i in range(60)]
+    lines = _timed_loop(monkeypatch, durations, 60)
+    ranges = [(m, true) for m, true in lines if " left)" in m
+              and int(m.split("(")[1].split("/")[0]) > (slower_from or 0)]
+    assert len(ranges) >= 4
+    for m, true in ranges:
+        low, high = m.split("about ")[1].split(" left")[0].split("-")
+        assert seconds(low) - 1 <= true <= seconds(high) + 1, m
+
+
+def test_no_percentage_past_100_when_a_loop_needs_more_steps_than_planned(monkeypatch):
+    lines = _timed_loop(monkeypatch, [10.0] * 27, 25)
+    assert not any("%" in m and int(m.split("%")[0].split()[-1]) > 100 for m, _ in lines)
+    assert lines[-1][0].startswith("memory fit: 27 pass, past the 25 planned")

@@ -14,7 +14,8 @@ from lmcal.utils.progress import clock
 
 # the progress lines of lmcal.utils.progress.LineProgress and lmcal.training.callbacks.TrainingProgress
 _WHEN = r"^\[(?P<when>\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)[^\]]*\]\[[^\]]*\]\[\w+\]"  # Hydra's log line head
-_STEP = re.compile(_WHEN + r" - (?P<what>[\w ]+): (?P<pct>\d+)% \([^\n]*?about (?P<left>\w+) left\)", re.M)
+_STEP = re.compile(_WHEN + r" - (?P<what>[\w ]+): (?P<pct>\d+)% \([^\n]*?about (?:\w+-)?(?P<left>\w+) left\)",
+                   re.M)  # (a range "about 1m10s-1m50s left": its upper end)
 _TRAINING = re.compile(_WHEN + r" - training: epoch (?P<epoch>\S+), [^\n]*?about (?P<in_epoch>\w+) left in the "
                        r"epoch(?:, about (?P<left>\w+) left in all)?", re.M)
 

@@ -59,12 +59,29 @@ class LineProgress:
         self.closed = True
 
     def _line(self, now: float) -> None:
+        recent = (self.n - self.last_n) / max(now - self.last_t, 1e-9)  # the rate since the last line
         self.last_t, self.last_n = now, self.n
         if self.quiet:
             return
+        rate = self.n / max(now - self.t0, 1e-9)
+        if self.total and self.n > self.total:  # more steps than planned (a fit that needed another pass)
+            log.info(f"{self.desc}: {self.n:,} {self.unit}, past the {self.total:,} planned ({now - self.t0:.0f} s, "
+                     f"{rate:,.1f} {self.unit}/s)")
+            return
         of = f"/{self.total:,}" if self.total else ""
         pct = f" {100 * self.n / self.total:.0f}%" if self.total else ""
-        rate = self.n / max(now - self.t0, 1e-9)
-        left = f", about {clock((self.total - self.n) / rate)} left" if self.total and self.n < self.total else ""
+        left = f", {time_left(self.total - self.n, rate, recent)}" if self.total and self.n < self.total else ""
         log.info(f"{self.desc}:{pct} ({self.n:,}{of} {self.unit}, {now - self.t0:.0f} s, {rate:,.1f} {self.unit}/s"
                  f"{left})")
+
+
+MARGIN = 1.25  # the time left as a range: a quarter either side of the two rates
+
+
+def time_left(steps: float, rate: float, recent: float) -> str:
+    """'about 1m10s-1m50s left': the steps left from the faster of the rate since the start and the recent rate, a
+    MARGIN faster still, to the slower one, a MARGIN slower (steps that vary, or a machine that got busier, end
+    within it)."""
+    fast, slow = max(rate, recent, 1e-9), max(min(rate, recent), 1e-9)
+    low, high = steps / (MARGIN * fast), MARGIN * steps / slow
+    return f"about {clock(low)}-{clock(high)} left" if clock(low) != clock(high) else f"about {clock(low)} left"
