@@ -33,12 +33,12 @@ rule's law keeps of exact lookahead's, the fits (CE(alpha), CE'(alpha), alpha*),
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
 import sys
 import time
 
 import torch
+from bench_args import count, count_or_zero, positive, read_shaped  # bench/ is on sys.path when run as a script
 
 from lmcal.core.calibration import calibrated, fit_lookahead_calibration, lookahead_statistics
 from lmcal.core.lookahead_law import make_rule
@@ -56,7 +56,11 @@ from lmcal.stages.rows import timed_generation
 from lmcal.stages.targets import load_checkpoint_and_data
 from lmcal.utils.boundary import boundary
 from lmcal.utils.profiling import matmul_flops
+from lmcal.utils.records import Maybe, Range
 
+# what the bench reads of a calibration stage's calibration.json (each may be absent: the option's default)
+CALIBRATION = {"alpha?": Maybe(float), "num_prefixes?": Range(1, integer=True), "prefix_len?": Range(1, integer=True),
+               "horizon?": Range(1, integer=True), "seed?": Range(0, integer=True)}
 ALPHAS = (-0.2, -0.1, -0.05, 0.0, 0.05, 0.1, 0.2)
 
 
@@ -77,39 +81,41 @@ def run():
     ap.add_argument("--ckpt", required=True)
     ap.add_argument("--data-root")
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--positions", type=int, default=1000, help="scored positions (a multiple of --streams)")
-    ap.add_argument("--streams", type=int, default=10)
-    ap.add_argument("--min-context", type=int, default=100)
-    ap.add_argument("--cluster-size", type=int, default=100, help="positions per block of the standard error")
-    ap.add_argument("--topk", type=int, nargs="+", default=[16, 64])
-    ap.add_argument("--tail-samples", type=int, nargs="+", default=[16])
-    ap.add_argument("--seeds", type=int, default=1, help="fits of each top-k + tail setting, other draws each")
-    ap.add_argument("--exact-budget", type=float, default=900.0, help="seconds exact mode may take, projected")
+    ap.add_argument("--positions", type=count, default=1000, help="scored positions (a multiple of --streams)")
+    ap.add_argument("--streams", type=count, default=10)
+    ap.add_argument("--min-context", type=count_or_zero, default=100)
+    ap.add_argument("--cluster-size", type=count, default=100, help="positions per block of the standard error")
+    ap.add_argument("--topk", type=count, nargs="+", default=[16, 64])
+    ap.add_argument("--tail-samples", type=count, nargs="+", default=[16])
+    ap.add_argument("--seeds", type=count, default=1, help="fits of each top-k + tail setting, other draws each")
+    ap.add_argument("--exact-budget", type=positive, default=900.0, help="seconds exact mode may take, projected")
     ap.add_argument("--skip-exact", action="store_true", help="time the approximate modes only")
-    ap.add_argument("--reference", type=int, nargs=2, metavar=("K", "M"),
+    ap.add_argument("--reference", type=count, nargs=2, metavar=("K", "M"),
                     help="when exact mode is skipped, compare against top-K + M tail (M large) instead")
-    ap.add_argument("--threads", type=int, help="torch threads (default: torch's); 1 on a machine shared with "
+    ap.add_argument("--threads", type=count, help="torch threads (default: torch's); 1 on a machine shared with "
                     "other work, where idle threads spin")
     ap.add_argument("--progress", action="store_true")
     ap.add_argument("--calibration", help="a calibration stage's calibration.json: its alpha*, prefixes, horizon, seed")
     ap.add_argument("--alpha", type=float, help="alpha* of the approximation table and the timing (without "
                     "--calibration; default: the first fit's)")
     ap.add_argument("--rules", nargs="+", default=["top-16", "top-256", "cover-0.95"])
-    ap.add_argument("--multiples", type=float, nargs="+", default=[1, 3, 10])
-    ap.add_argument("--approximation", type=int, nargs=2, default=[30, 10], metavar=("G", "S"),
+    ap.add_argument("--multiples", type=positive, nargs="+", default=[1, 3, 10])
+    ap.add_argument("--approximation", type=count_or_zero, nargs=2, default=[30, 10], metavar=("G", "S"),
                     help="generations and positions each of the approximation table (0 0: skipped)")
-    ap.add_argument("--horizon", type=int, default=200, help="generated words (without --calibration)")
+    ap.add_argument("--horizon", type=count, default=200, help="generated words (without --calibration)")
     ap.add_argument("--skip-fits", action="store_true", help="only the approximation table (and --timing)")
     ap.add_argument("--timing", action="store_true", help="ms per generated word of each rule (a quiet machine)")
-    ap.add_argument("--timing-prefixes", type=int, default=20)
-    ap.add_argument("--timing-horizon", type=int, default=30)
-    ap.add_argument("--timing-repeats", type=int, default=3)
+    ap.add_argument("--timing-prefixes", type=count, default=20)
+    ap.add_argument("--timing-horizon", type=count, default=30)
+    ap.add_argument("--timing-repeats", type=count, default=3)
     ap.add_argument("--out", help="write the Markdown tables here")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.set_grad_enabled(False)
     rules = [rule_from_text(r) for r in args.rules]
+    settings = read_shaped(args.calibration, CALIBRATION, "a calibration stage's calibration.json") \
+        if args.calibration else {}  # before the checkpoint loads and the fits run
     net, _, dm = load_checkpoint_and_data(args.ckpt, args.data_root, args.device)
     lm = as_step_lm(net)
     per_stream = -(-args.positions // args.streams)
@@ -131,7 +137,6 @@ def run():
     fits = {}
     if not args.skip_fits:
         fits = compare_fits(lm, tokens, n, t0, args, emit)
-    settings = json.loads(open(args.calibration).read()) if args.calibration else {}
     alpha = settings.get("alpha", args.alpha)
     if alpha is None and fits:
         alpha = next(iter(fits.values()))[0].alpha

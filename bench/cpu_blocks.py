@@ -21,6 +21,7 @@ import subprocess
 import sys
 
 import torch
+from bench_args import count  # bench/ is on sys.path when run as a script
 
 from lmcal.core import decoders as D
 from lmcal.core.memory import memory_summary
@@ -30,9 +31,9 @@ from lmcal.utils.profiling import best_of, matmul_flops
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rows", type=int, default=10_000)
-    ap.add_argument("--batch", type=int, default=500)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--rows", type=count, default=10_000)
+    ap.add_argument("--batch", type=count, default=500)
+    ap.add_argument("--repeats", type=count, default=3)
     add_out_option(ap, "cpu_blocks")
     args = ap.parse_args(argv)
     emit, lines = tee()

@@ -20,6 +20,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from bench_args import count  # bench/ is on sys.path when run as a script
+
 from lmcal.reporting.docs import save_bench
 from lmcal.stages.future_entropy import future_entropy_table
 from lmcal.utils.profiling import machine_line
@@ -29,7 +31,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ckpt", required=True, help="a checkpoint of python -m lmcal.train (its base model)")
     ap.add_argument("--decoders-json", default=None, help="the decoders stage's decoders.json (same settings)")
-    ap.add_argument("--horizon-k", type=int, nargs="+", default=[1, 5, 20, 100])
+    ap.add_argument("--horizon-k", type=count, nargs="+", default=[1, 5, 20, 100])
     ap.add_argument("--discount", type=float, nargs="+", default=[1.0, 0.95])
     ap.add_argument("--analysis", default="cpu", help="the conf/analysis preset (default cpu)")
     ap.add_argument("--out", default=None, help="save the table for `make docs` (e.g. docs/bench/future_entropy.md)")

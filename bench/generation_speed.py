@@ -13,6 +13,7 @@ import argparse
 import time
 
 import torch
+from bench_args import count  # bench/ is on sys.path when run as a script
 from train_throughput import build  # bench/ is on sys.path when run as a script
 
 from lmcal.core.entropy_rate import generation_entropy_curve
@@ -31,11 +32,11 @@ def generated_per_s(lm, prefixes, horizon, samples, max_batch) -> float:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", nargs="+", default=["awd_lstm_small", "awd_lstm"])
-    ap.add_argument("--generations", type=int, default=500, help="batched: 100 prefixes x this/100 samples")
-    ap.add_argument("--serial-generations", type=int, default=4, help="timed one at a time (batch 1)")
-    ap.add_argument("--horizon", type=int, default=50)
-    ap.add_argument("--prefix-len", type=int, default=20)
-    ap.add_argument("--vocab", type=int, default=10_000)
+    ap.add_argument("--generations", type=count, default=500, help="batched: 100 prefixes x this/100 samples")
+    ap.add_argument("--serial-generations", type=count, default=4, help="timed one at a time (batch 1)")
+    ap.add_argument("--horizon", type=count, default=50)
+    ap.add_argument("--prefix-len", type=count, default=20)
+    ap.add_argument("--vocab", type=count, default=10_000)
     add_out_option(ap, "generation_speed")
     args = ap.parse_args()
     emit, lines = tee()

@@ -23,6 +23,7 @@ import argparse
 import time
 
 import torch
+from bench_args import count, count_or_zero  # bench/ is on sys.path when run as a script
 from generation_speed import generated_per_s  # bench/ is on sys.path when run as a script
 
 from lmcal.models.hf import HFCausalLM
@@ -85,15 +86,15 @@ def step_profile(lm, prefixes: torch.Tensor, emit) -> None:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 32, 64, 128])
-    ap.add_argument("--horizon", type=int, default=64)
-    ap.add_argument("--prefix-len", type=int, default=32)
-    ap.add_argument("--reference", type=int, nargs="*", default=[64],
+    ap.add_argument("--batches", type=count, nargs="+", default=[1, 16, 32, 64, 128])
+    ap.add_argument("--horizon", type=count, default=64)
+    ap.add_argument("--prefix-len", type=count, default=32)
+    ap.add_argument("--reference", type=count, nargs="*", default=[64],
                     help="batch sizes also run with transformers' growing cache")
-    ap.add_argument("--threads", type=int, default=None,
+    ap.add_argument("--threads", type=count, default=None,
                     help="torch threads (default: torch's choice); on a machine busy with other work, fewer threads "
                          "than cores avoid threads that wait on each other")
-    ap.add_argument("--profile-batch", type=int, default=64, help="profile one step at this batch (0: none)")
+    ap.add_argument("--profile-batch", type=count_or_zero, default=64, help="profile one step at this batch (0: none)")
     add_out_option(ap, "hf_generation")
     args = ap.parse_args()
     emit, lines = tee()

@@ -23,6 +23,7 @@ import argparse
 import time
 
 import torch
+from bench_args import count  # bench/ is on sys.path when run as a script
 from train_throughput import build  # bench/ is on sys.path when run as a script
 
 from lmcal.core import calibration
@@ -78,11 +79,11 @@ def timed(fn, *args, **kwargs) -> float:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--generations", type=int, default=500, help="100 prefixes x generations/100 samples")
-    ap.add_argument("--horizon", type=int, default=50)
-    ap.add_argument("--positions", type=int, default=2, help="exact lookahead: positions (V candidates each)")
-    ap.add_argument("--rows", type=int, default=2000, help="tau-context scoring: positions of the test stream")
-    ap.add_argument("--vocab", type=int, default=10_000)
+    ap.add_argument("--generations", type=count, default=500, help="100 prefixes x generations/100 samples")
+    ap.add_argument("--horizon", type=count, default=50)
+    ap.add_argument("--positions", type=count, default=2, help="exact lookahead: positions (V candidates each)")
+    ap.add_argument("--rows", type=count, default=2000, help="tau-context scoring: positions of the test stream")
+    ap.add_argument("--vocab", type=count, default=10_000)
     add_out_option(ap, "hot_loops")
     args = ap.parse_args()
     emit, lines = tee()

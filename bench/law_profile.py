@@ -18,6 +18,8 @@ import math
 import shlex
 import sys
 
+from bench_args import count  # bench/ is on sys.path when run as a script
+
 from lmcal.core.sequence_exact import (
     exact_alpha,
     finite_state_lm,
@@ -42,7 +44,7 @@ def models() -> tuple:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--horizons", type=int, nargs="+", default=[50, 100, 200], help="T: the words read (L = 2 T)")
+    ap.add_argument("--horizons", type=count, nargs="+", default=[50, 100, 200], help="T: the words read (L = 2 T)")
     add_out_option(ap, "law_profile")
     args = ap.parse_args(argv)
     emit, lines = tee()

@@ -29,6 +29,7 @@ import threading
 import time
 
 import torch
+from bench_args import count, positive  # bench/ is on sys.path when run as a script
 
 from lmcal.reporting.docs import add_out_option, save_bench, tee
 from lmcal.utils.profiling import machine_line
@@ -108,11 +109,11 @@ def one(version: str, layers: int, rows: int, prefix: int, repeats: int, budget_
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--layers", type=int, default=12)
-    ap.add_argument("--rows", type=int, default=4)
-    ap.add_argument("--prefix", type=int, default=128)
-    ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--budget-gb", type=float, default=2.0)
+    ap.add_argument("--layers", type=count, default=12)
+    ap.add_argument("--rows", type=count, default=4)
+    ap.add_argument("--prefix", type=count, default=128)
+    ap.add_argument("--repeats", type=count, default=2)
+    ap.add_argument("--budget-gb", type=positive, default=2.0)
     ap.add_argument("--versions", default=",".join(VERSIONS),
                     help="which versions, comma-separated; the entropies are compared with the first's (before "
                          "needs memory for 512 growing forks: about 38 GB after 512 tokens)")

@@ -17,6 +17,7 @@ import argparse
 from types import SimpleNamespace
 
 import torch
+from bench_args import count  # bench/ is on sys.path when run as a script
 
 from lmcal.core.lookahead import candidate_entropies
 from lmcal.models.awd_lstm import AWDLSTM
@@ -31,7 +32,7 @@ V, K = 10_000, 32
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", nargs="+", default=["cpu", "paper"], choices=sorted(SIZES))
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=count, default=3)
     add_out_option(ap, "lookahead_step")
     args = ap.parse_args(argv)
     emit, lines = tee()

@@ -25,6 +25,7 @@ import time
 
 import numpy as np
 import torch
+from bench_args import count, count_or_zero  # bench/ is on sys.path when run as a script
 
 from lmcal.core.context import context_rows
 from lmcal.core.memory import memory_summary
@@ -46,12 +47,12 @@ def t_coverage(dof: int, z: float) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--runs", type=int, default=100, help="independent test streams")
-    ap.add_argument("--tokens", type=int, nargs="+", default=[20_000],
+    ap.add_argument("--runs", type=count, default=100, help="independent test streams")
+    ap.add_argument("--tokens", type=count, nargs="+", default=[20_000],
                     help="tokens per stream (20000: the Markov corpus's test split); several: one table row each")
-    ap.add_argument("--block", type=int, default=2000, help="positions per jackknife block (analysis.memory)")
-    ap.add_argument("--taus", type=int, nargs="+", default=[1, 2, 3])
-    ap.add_argument("--seed", type=int, default=1000, help="stream r of length n uses seed [seed, n, r]")
+    ap.add_argument("--block", type=count, default=2000, help="positions per jackknife block (analysis.memory)")
+    ap.add_argument("--taus", type=count, nargs="+", default=[1, 2, 3])
+    ap.add_argument("--seed", type=count_or_zero, default=1000, help="stream r of length n uses seed [seed, n, r]")
     ap.add_argument("--out", help="write the Markdown table here")
     args = ap.parse_args()
 

@@ -21,6 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench_args import count, share  # bench/ is on sys.path when run as a script
 from hydra import compose, initialize_config_dir
 from omegaconf import open_dict
 
@@ -100,8 +101,8 @@ def job_seconds(p: dict, epochs: int, train_tokens: int, valid_tokens: int, test
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--profile", default="scale", help="a sweep profile of make reproduce (scale, scale_gpu)")
-    ap.add_argument("--slice", type=int, default=20_000, help="training tokens of each timed training")
-    ap.add_argument("--fraction", type=float, default=0.2, help="share of the analysis' sizes each timed run has")
+    ap.add_argument("--slice", type=count, default=20_000, help="training tokens of each timed training")
+    ap.add_argument("--fraction", type=share, default=0.2, help="share of the analysis' sizes each timed run has")
     ap.add_argument("--sweeps", nargs="+", default=None, help="time these of the profile's sweeps only")
     add_out_option(ap, "scale_sweep")
     args = ap.parse_args(argv)

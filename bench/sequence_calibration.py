@@ -23,13 +23,18 @@ import subprocess
 import sys
 from pathlib import Path
 
+from bench_args import check_shaped, read_shaped  # bench/ is on sys.path when run as a script
+
+from lmcal.errors import LmcalError
 from lmcal.reporting.claims import sequence_goal_claims
 from lmcal.reporting.claims_table import claim_row, claims_table
 from lmcal.reporting.docs import add_out_option, save_bench, tee
 from lmcal.reporting.seed_pairs import seed_spread, spread_table, with_spread
 from lmcal.stages.sequence_table import study_table
+from lmcal.utils.boundary import boundary
 from lmcal.utils.io import write_text_atomic
 from lmcal.utils.profiling import machine_line
+from lmcal.utils.records import Maybe, Of
 
 STAGE = "sequence_calibration"
 
@@ -98,7 +103,33 @@ def page(results: list[dict], seeds: list[str]) -> tuple[str, str]:
     return "\n".join(body), f"Algorithm 1's goal rows against the test perplexity, every error counted: {verdicts}."
 
 
+# what the page reads of each run's sequence_calibration.json (lmcal.utils.records' specs), and of each SMC row
+RESULT = {"rows": Of(dict, 1), "reference_test_ppl": float, "law_horizon": int, "fit_prefixes": int,
+          "smc_prefixes": int, "particles": list, "seconds": float, "goal?": Maybe(dict), "twisted_check?": Maybe(dict)}
+SMC_ROW = {"params": {"particles": int, "alpha": float, "alpha_stderr": float}, "tail_ppl": float,
+           "tail_ppl_stderr": float, "ess_per_particle": float, "log_z_mean": float, "test_ce_nats": float,
+           "test_ce_bias_nats": float, "ms_per_token": float, "cost_ratio": float,
+           "fit": {"ce_minus_entropy_rate_nats": float, "ce_minus_entropy_rate_stderr_nats": float, "settled": bool}}
+
+
+def read_result(path: Path) -> dict:
+    """A run's sequence_calibration.json, whole (RESULT, and SMC_ROW for each SMC row); LmcalError naming the file and
+    the key otherwise."""
+    what = f"a whole {STAGE} result"
+    r = read_shaped(path, RESULT, what)
+    for i, row in enumerate(r["rows"]):
+        check_shaped(row, {"method": str}, f"{path} (rows[{i}])", what)
+        if row["method"] == "smc":
+            check_shaped(row, SMC_ROW, f"{path} (rows[{i}])", what)
+    return r
+
+
 def main(argv: list[str] | None = None) -> None:
+    with boundary():  # a file of the wrong shape: one line naming it and the key, exit 2
+        run(argv)
+
+
+def run(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ckpt", action="append", default=[], help="a checkpoint (give two: two training seeds)")
     ap.add_argument("--work", default="outputs/bench/sequence_calibration", help="where the stage runs go")
@@ -113,10 +144,15 @@ def main(argv: list[str] | None = None) -> None:
         folders = [run_stage(c, Path(args.work) / f"run_{i}", args.set, args.device) for i, c in enumerate(args.ckpt)]
     else:
         ap.error("give two --ckpt (two training seeds) or --runs DIR_A DIR_B")
-    results = [json.loads((f / f"{STAGE}.json").read_text()) for f in folders]
+    results = [read_result(f / f"{STAGE}.json") for f in folders]
     seeds = [_seed(f) for f in folders]
     emit, lines = tee()
-    body, result = page(results, seeds)
+    try:
+        body, result = page(results, seeds)
+    except (KeyError, TypeError, ValueError) as e:  # deeper than RESULT and SMC_ROW look
+        raise LmcalError(f"{' or '.join(str(f / f'{STAGE}.json') for f in folders)} is not a whole {STAGE} "
+                         f"result: the page needs {type(e).__name__} {e} of it. Give the files that stage wrote, or "
+                         "rerun the stage.") from None
     emit(machine_line("cpu"))
     emit(body)
     command = (f"python bench/sequence_calibration.py --ckpt <seed {seeds[0]}>/checkpoints/best.ckpt --ckpt <seed "

@@ -20,6 +20,7 @@ import time
 from dataclasses import replace
 
 import torch
+from bench_args import count  # bench/ is on sys.path when run as a script
 
 from lmcal.core.sequence_exact import (
     exact_alpha,
@@ -42,8 +43,8 @@ T, L = 100, 200
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--particles", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
-    ap.add_argument("--prefixes", type=int, default=200)
+    ap.add_argument("--particles", type=count, nargs="+", default=[1, 2, 4, 8, 16, 32])
+    ap.add_argument("--prefixes", type=count, default=200)
     add_out_option(ap, "smc_convergence")
     args = ap.parse_args(argv)
     emit, lines = tee()

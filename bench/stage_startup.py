@@ -27,6 +27,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench_args import count  # bench/ is on sys.path when run as a script
+
 from lmcal.pipeline.warm import Worker
 from lmcal.reporting.docs import add_out_option, save_bench, tee
 from lmcal.utils.profiling import matmul_flops
@@ -84,7 +86,7 @@ def pipeline_rows(tmp: Path, env: dict, emit) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ckpt", help="a checkpoint of python -m lmcal.train (default: train a smoke model first)")
-    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--reps", type=count, default=5)
     ap.add_argument("--pipeline", action="store_true", help="also the smoke reproduction, warm against fresh")
     add_out_option(ap, "stage_startup")
     args = ap.parse_args()

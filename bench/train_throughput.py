@@ -28,6 +28,7 @@ import time
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from bench_args import count, count_or_zero  # bench/ is on sys.path when run as a script
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
@@ -168,13 +169,13 @@ def lightning_throughput(net: AWDLSTM, steps: int, batch: int, bptt: int, device
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", nargs="+", default=["small", "paper"], choices=sorted(CONFIGS))
-    ap.add_argument("--steps", type=int, default=0, help="timed steps per repetition (0: 60 small, 20 paper)")
-    ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--vocab", type=int, default=10_000)
-    ap.add_argument("--taus", type=int, nargs="*", default=[5, 30],
+    ap.add_argument("--steps", type=count_or_zero, default=0, help="timed steps per repetition (0: 60 small, 20 paper)")
+    ap.add_argument("--reps", type=count, default=3)
+    ap.add_argument("--vocab", type=count, default=10_000)
+    ap.add_argument("--taus", type=count, nargs="*", default=[5, 30],
                     help="also time limited-memory training at these tau (window bptt rounded to a multiple)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--lightning", type=int, nargs="*", default=[20, 1], metavar="N",
+    ap.add_argument("--lightning", type=count, nargs="*", default=[20, 1], metavar="N",
                     help="also the step through lmcal's Lightning module and Trainer, reading the device every N steps "
                          "(trainer.log_every_n_steps), against the bare loop of the same network (ours + AR/TAR); "
                          "none: skip")

@@ -70,7 +70,11 @@ def test_drift_branches():
     flat = _curve(4.0, 4.05, 0.03, 0.04)  # rises 0.05 ± 0.05
     c = C.drift("Calibration", before, flat, 2, (-0.55, 0.05))
     assert c.verdict == "flattens" and c.sentence.startswith("Calibration flattens the drift: from t = 1 to the last "
-                                                             "tenth the entropy rises +0.050 ± 0.050 nats")
+                                                             "tenth the entropy changes by +0.050 ± 0.050 nats "
+                                                             "with calibration (no drift shown)")
+    fall = _curve(4.0, 3.9, 0.03, 0.04)  # a fall is stated as the change it is, not as a negative rise
+    assert "changes by -0.100 ± 0.050 nats with calibration (a fall)" in C.drift("Calibration", before, fall, 2,
+                                                                                 (-0.7, 0.05)).sentence
     c = C.drift("Calibration", before, risen, 2, (-0.117, 0.046))  # issue 33: 0.46 against 0.57 still rises
     assert c.verdict == "less_drift" and c.sentence.startswith("Calibration lowers the drift but does not flatten it")
     assert C.drift("Calibration", before, risen, 2, (-0.05, 0.046)).verdict == "still_rises"
@@ -313,3 +317,14 @@ def test_an_smc_goal_rows_verdict_counts_alpha_s_error_and_says_what_it_leaves_o
     assert "Not counted: α*'s error; the run-to-run spread" in bare.sentence
     assert both.numbers["se"] == pytest.approx(math.sqrt(0.02 ** 2 + 0.01 ** 2 + 0.06 ** 2))
     assert "Not counted" not in both.sentence
+
+
+def test_a_model_far_from_the_papers_is_not_compared_with_it():
+    from lmcal.reporting.claim import comparability, shown
+
+    assert comparability({"profile": "cpu", "base": {"test_ppl": 115.8}}) is None
+    assert "more than 3 times the paper's 58.3" in comparability({"profile": "x", "base": {"test_ppl": 948.1}})
+    assert comparability({"profile": "smoke", "base": {"test_ppl": 60.0}}).startswith("a smoke run")
+    c = C.not_comparable(C.against_paper("Calibration", -0.01, 0.01), "a smoke run")
+    assert c.verdict == "not_comparable" and shown(c.verdict) == "not comparable"
+    assert c.sentence.endswith("Not comparable with the paper: a smoke run.")

@@ -19,7 +19,9 @@ def _fake_run(folder):
             "machine": "test cpu, 2 cores, no GPU, torch x", "commit": "abc1234",
             # what the report stage adds (a snapshot of a real reproduction was refused for them)
             "matmul_gflop_per_s": 115.6, "precision": {"tf32_matmul": False, "float32_matmul_precision": "highest"}}
-    (folder / "results.json").write_text(json.dumps({"profile": "smoke", "provenance": prov}))
+    # a whole reproduction's results (every key RESULTS.md reads), as this run's
+    whole = json.loads((ROOT / "tests" / "fixtures" / "cpu_results_2026-11-24.json").read_text())
+    (folder / "results.json").write_text(json.dumps({**whole, "profile": "smoke", "provenance": prov}))
     (folder / "REPORT.md").write_text("# lmcal reproduction\n\n## Entropy\n\n| a | b |\n|---|---|\n| 1.5 | 2 |\n\n"
                                       "![Figure 2](figure2_entropy_rate.png)\n\n| stage | folder |\n|---|---|\n"
                                       "| base | [ptb/base](ptb/base) |\n")

@@ -183,11 +183,14 @@ def test_hf_candidates_sharing_their_rows_past_on_cuda_match_the_cpus_forks():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the no-CUDA half of make gpu-check")
 def test_gpu_check_without_cuda_says_it_needs_cuda_and_fails(tmp_path):
+    """The note goes beside the report, never over an earlier GPU run's REPORT.md (issue 77)."""
     report = tmp_path / "REPORT.md"
+    report.write_text("## GPU check\n\nan earlier GPU run's results\n")
     r = subprocess.run([sys.executable, "tools/gpu_check.py", "--out", str(report)],
                        cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and "Traceback" not in r.stderr
-    assert "Not run: this check needs CUDA." in report.read_text() and "needs CUDA" in r.stderr
+    assert "Not run: this check needs CUDA." in (tmp_path / "REPORT.no-cuda.md").read_text()
+    assert "needs CUDA" in r.stderr and report.read_text() == "## GPU check\n\nan earlier GPU run's results\n"
 
 
 def test_gpu_check_keeps_to_its_budget_and_reports_every_part(tmp_path):

@@ -384,7 +384,8 @@ def test_a_snapshots_profile_name_stays_inside_docs_runs(tmp_path):
 
     run_dir, docs = tmp_path / "run", tmp_path / "docs"
     run_dir.mkdir()
-    (run_dir / "results.json").write_text(json.dumps({"profile": "../../../escaped"}))
+    whole = json.loads((Path(__file__).parent / "fixtures" / "cpu_results_2026-11-24.json").read_text())
+    (run_dir / "results.json").write_text(json.dumps({**whole, "profile": "../../../escaped"}))
     (run_dir / "REPORT.md").write_text("# r\n")
     dest = snapshot(run_dir, docs)
     assert dest == docs / "runs" / "escaped" and (dest / "REPORT.md").is_file()

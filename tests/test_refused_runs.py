@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
+import lmcal.stages  # noqa: F401  (registers the analysis stages' schemas, which composing the configs needs)
 from lmcal.errors import LmcalError
 from lmcal.utils.lock import LOCK_NAME, PACKAGE, check_output_folder, live_holder, run_lock
 from lmcal.utils.settings import CONF_DIR
@@ -177,7 +178,8 @@ def test_a_snapshot_that_does_not_render_changes_nothing(tmp_path):
     (docs / "runs" / "cpu" / "REPORT.md").write_text("# the real one\n")
     (docs / "bench").mkdir()
     fake.mkdir()
-    (fake / "results.json").write_text(json.dumps({"profile": "cpu", "provenance": ["not", "a", "mapping"]}))
+    whole = json.loads((PROJECT / "tests" / "fixtures" / "cpu_results_2026-11-24.json").read_text())
+    (fake / "results.json").write_text(json.dumps({**whole, "profile": "cpu", "provenance": ["not", "a", "mapping"]}))
     (fake / "REPORT.md").write_text("# fake\n")
     before = {p: p.read_bytes() for p in docs.rglob("*") if p.is_file()}
     r = run("lmcal.docs", ["--snapshot", str(fake), "--docs", str(docs)], tmp_path)
@@ -196,7 +198,7 @@ def test_report_refuses_to_write_into_a_folder_a_live_run_holds(tmp_path):
         assert sorted(p.name for p in held.rglob("*")) == [LOCK_NAME, "metrics.json", "run1"]
         r = run("lmcal.report", [str(held), "--out", str(tmp_path / "elsewhere"), "--wandb", "disabled"], tmp_path)
         assert r.returncode == 0, r.stderr[-2000:]
-        assert "may be partial" in r.stderr and (tmp_path / "elsewhere" / "runs.md").is_file()
+        assert "may be partial" in r.stderr and (tmp_path / "elsewhere" / "report_runs.md").is_file()
 
 
 # -- the plan check refuses what the run would ----------------------------------------------------------------------

@@ -205,8 +205,8 @@ def test_each_range_rule_rejects_a_bad_value_before_a_wandb_folder_exists(patter
         data_overrides = ["data=powerlaw" if pattern.endswith("tail_exponent") else "data=markov"]
     transformer = pattern in ("model.n_positions", "model.n_embd", "model.n_layer", "model.n_head",
                               "model.attn_dropout", "model.embd_dropout")
-    overrides = ["experiment=smoke", "logger=wandb", *(["model=hf"] if hf else []),
-                 *(["model=transformer_small"] if transformer else []), f"{key}={_hydra(value)}", *data_overrides]
+    overrides = ["experiment=ptb_transformer_small" if transformer else "experiment=smoke", "logger=wandb",
+                 *(["model=hf"] if hf else []), f"{key}={_hydra(value)}", *data_overrides]
     if key.startswith("analysis.") and not _fits_schema(key, value):  # the stage's schema refuses it at compose
         with pytest.raises(ConfigCompositionException, match=rf"{key.replace('.', '[.]')}="):
             _cfg("train", tmp_path, overrides)

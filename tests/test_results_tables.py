@@ -49,6 +49,21 @@ def test_runs_md_sorts_numbers_as_numbers_and_shows_what_the_user_chose(tmp_path
     assert saved[1]["shown"] == ["experiment=smoke", "model.memory_tau=5"] and "logger=wandb" in saved[1]["overrides"]
 
 
+def test_a_sweep_whose_jobs_ran_the_memory_stage_shows_its_bound(tmp_path):
+    sweep = tmp_path / "sweep"
+    for tau, bound in ((2, 0.1234), (4, 0.2345)):
+        d = _job(sweep, f"tau_{tau}", [f"model.memory_tau={tau}", "analysis.stages=[memory]"], tau=tau,
+                 metrics={"val_ppl": 50.0, "test_ppl": 55.0})
+        (d / "memory.json").write_text(json.dumps({"tau": tau, "mi_upper_bound_nats": bound, "mi_stderr_nats": 0.01}))
+    _job(sweep, "tau_8", ["model.memory_tau=8"], tau=8, metrics={"val_ppl": 50.0, "test_ppl": 55.0})
+    runs_report([sweep], sweep, jobs=True)
+    lines = (sweep / "runs.md").read_text().splitlines()
+    head = next(ln for ln in lines if ln.startswith("| run |"))
+    assert "| memory bound I_τ (nats) | ± |" in head
+    assert any("| 2 | 50.00 | 55.00 | 0.1234 | 0.0100 |" in ln for ln in lines)
+    assert any("| 8 | 50.00 | 55.00 | - | - |" in ln for ln in lines)  # a job without the stage
+
+
 def test_the_results_table_pairs_each_number_with_its_standard_error():
     results = {
         "entropy_rate": {"test_ppl": 150.0, "entrate_ppl": 170.0, "tail_nats": 5.1, "tail_stderr_nats": 0.02},

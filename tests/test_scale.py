@@ -463,7 +463,7 @@ def test_an_earlier_reports_fits_are_read_with_their_df_and_without_the_runs_the
 
 def test_a_file_that_is_not_a_record_is_one_paragraph(tmp_path):
     (tmp_path / RECORD).write_text("{}")
-    with pytest.raises(LmcalError, match="is not a scale record .*it lacks model"):
+    with pytest.raises(LmcalError, match="is not a scale record: it lacks the key model"):
         collect_scale([tmp_path])
 
 

@@ -372,7 +372,8 @@ def test_report_tabulates_the_training_runs_of_any_folders(tmp_path):
     r = subprocess.run([sys.executable, "-m", "lmcal.report", str(tmp_path / "runs"), "--out", str(tmp_path / "rep"),
                         "--wandb", "disabled"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
-    lines = (tmp_path / "rep" / "runs.md").read_text().splitlines()
+    lines = (tmp_path / "rep" / "report_runs.md").read_text().splitlines()
+    assert f"lmcal.report wrote report_runs.json, report_runs.md in {tmp_path / 'rep'}" in r.stdout
     assert lines[0] == "All runs: data=ptb"  # the overrides every run shares, once
     assert lines[2] == "| run | dataset | τ | val ppl | test ppl | wall time | status | folder |"
     assert lines[4] == f"| model.memory_tau=5 | ptb | 5 | 101.23 | 99.50 | - | ok | {tmp_path / 'runs' / 'a'} |"

@@ -9,8 +9,8 @@ It runs with the Python that starts it (`PY=` in make) and its torch: it install
 one line first (which torch, CUDA build and GPU it found, and which Python). lmcal itself is read from src/ (no
 install needed). What that Python lacks of lmcal's pure-Python dependencies (Hydra, OmegaConf and its ANTLR runtime)
 can travel as wheels fetched beforehand on a machine with a registry (`make gpu-wheels`: Python 3.12, into .whl/); the
-check installs them from there alone (`pip install --no-index`) into outputs/gpu-check/site. Without CUDA it writes the
-report saying so and exits 1.
+check installs them from there alone (`pip install --no-index`) into outputs/gpu-check/site. Without CUDA it writes a
+note saying so beside the report (REPORT.no-cuda.md: an earlier GPU run's REPORT.md is kept) and exits 1.
 
 The parts, each a subprocess with its own timeout, within a total budget (--budget-min, default 18 minutes); the report
 (REPORT.md, and results.json beside it) is rewritten after each part, so a part that fails or runs out of time leaves
@@ -79,6 +79,17 @@ def no_cuda_report() -> str:
             "Run `make gpu-check PY=python3` on a machine with an NVIDIA GPU whose Python has a CUDA build of torch "
             "(or `make install TORCH=\"torch==2.13.0 --index-url https://download.pytorch.org/whl/cu126\"`, then "
             "`make gpu-check`).\n")
+
+
+def write_note(out: Path, kind: str, text: str) -> Path:
+    """A check that did not run says so beside the report (REPORT.<kind>.md), never over it: an earlier GPU run's
+    REPORT.md and results.json stay as they were."""
+    note = out.with_name(f"{out.stem}.{kind}{out.suffix or '.md'}")
+    note.parent.mkdir(parents=True, exist_ok=True)
+    tmp = note.with_name(f".{note.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    tmp.replace(note)
+    return note
 
 
 def with_dependencies(site: Path) -> list[str]:
@@ -392,18 +403,17 @@ def main(argv: list[str] | None = None) -> int:
     line = banner()
     print(line, flush=True)
     if not torch.cuda.is_available() and not (args.compare_devices or args.dry_run):
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(no_cuda_report())
-        print(no_cuda_report(), file=sys.stderr)
+        note = write_note(out, "no-cuda", no_cuda_report())
+        print(f"{no_cuda_report()}(written to {note}; {out}, an earlier GPU run's report, is left as it was)",
+              file=sys.stderr)
         return 1
     missing = with_dependencies(out.parent / "site")
     if missing:
         text = (f"## GPU check\n\n{line}\n\n**Not run: this Python lacks {', '.join(missing)}.** Fetch their wheels "
                 "on a machine with a package registry (`make gpu-wheels`: Python 3.12, into .whl/), bring .whl/ with "
                 "the checkout, and rerun; the check installs them from there alone.\n")
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(text)
-        print(text, file=sys.stderr)
+        note = write_note(out, "no-dependencies", text)
+        print(f"{text}(written to {note})", file=sys.stderr)
         return 2
     if args.compare_devices and not torch.cuda.is_available():
         devices = args.compare_devices.split(",")

@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from lmcal.reporting.docs import DOCS, check_snapshot, render, rerender, snapshot
+from lmcal.reporting.docs import DOCS, check_docs, render, rerender, snapshot
 from lmcal.utils.boundary import boundary
 from lmcal.utils.io import write_text_atomic
 
@@ -31,8 +31,8 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     docs = Path(args.docs)
     with boundary():
-        for run in args.snapshot:  # every snapshot checked before any is copied
-            check_snapshot(Path(run))
+        # everything read checked before anything is copied or written: a refusal leaves the docs folder as it was
+        check_docs(docs, [Path(r) for r in args.snapshot], [Path(f) for f in args.rerender])
         for run in args.snapshot:
             print(f"snapshot {run} -> {snapshot(run, docs)}")
         for folder in args.rerender:

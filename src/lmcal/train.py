@@ -27,12 +27,13 @@ from pytorch_lightning.loggers import WandbLogger
 
 from lmcal.core.lookahead import set_memory_budget
 from lmcal.errors import LmcalError
-from lmcal.models.checkpoint import base_checkpoint, load_base_net, model_name
+from lmcal.models.checkpoint import base_checkpoint, checkpoint_names, load_base_net, model_name
 from lmcal.pipeline.devices import apply_job_devices
 from lmcal.pipeline.preflight import preflight
 from lmcal.pipeline.sizes import model_of
+from lmcal.pipeline.slurm import check_sweep_launcher
 from lmcal.stages.registry import STAGES, check_plan, check_stages, summary
-from lmcal.stages.wandb_run import log_checkpoint
+from lmcal.stages.wandb_run import log_checkpoint, use_checkpoint
 from lmcal.training.callbacks import (
     EpochEntropyRateCallback,
     MetricsCallback,
@@ -42,7 +43,8 @@ from lmcal.training.callbacks import (
 )
 from lmcal.training.checkpoint_io import AtomicCheckpointIO, check_resume, init_from
 from lmcal.training.module import LMModule
-from lmcal.training.run_checks import TRAINABLE, applicable_stages, check_settings, device_count  # noqa: F401
+from lmcal.training.run_checks import TRAINABLE, applicable_stages, device_count  # noqa: F401
+from lmcal.training.run_checks import check_settings as check_run_settings
 from lmcal.training.scale_run import record_training
 from lmcal.training.wandb_logger import finish_logger, make_logger
 from lmcal.utils.boundary import explain, fail, run_hydra
@@ -55,6 +57,14 @@ from lmcal.utils.settings import CONF_DIR
 
 log = logging.getLogger("lmcal")
 quiet_third_party()  # once per process, before Lightning says anything
+
+
+def check_settings(cfg: DictConfig) -> None:
+    """Every check the settings alone allow (lmcal.training.run_checks), and a Slurm launcher's tools on this machine
+    (`-m hydra/launcher=slurm_cpu`: lmcal.pipeline.slurm.check_sweep_launcher): what lmcal.utils.precheck runs for
+    each job before Hydra writes anything."""
+    check_run_settings(cfg)
+    check_sweep_launcher()
 
 
 def train(cfg: DictConfig) -> dict:
@@ -110,7 +120,7 @@ def _analysis_plan(cfg: DictConfig, dm) -> tuple[list[str], dict, str | None]:
     base_ckpt = base_checkpoint(OmegaConf.to_container(cfg.memory, resolve=True) if cfg.get("memory") else None,
                                 cfg.data.name)
     if "memory" in stages and tau:  # (a full model's memory stage, limited=window, is its own base)
-        load_base_net(base_ckpt, "cpu", cfg.data.name)  # fail now, not after training
+        load_base_net(base_ckpt, "cpu", cfg.data.name, dm.corpus_kwargs, dm.vocab_size)  # now, not after
     return stages, settings, base_ckpt
 
 
@@ -163,6 +173,9 @@ def _train(cfg: DictConfig, out: Path) -> dict:
     try:
         if logger and not isinstance(logger, WandbLogger):  # W&B got the config when its run opened
             logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
+        if isinstance(logger, WandbLogger):  # the checkpoints it reads (warm start, memory base) as its inputs
+            for path in {p for p in (None if resume else cfg.get("init_ckpt"), base_ckpt) if p}:
+                use_checkpoint(logger, path, *checkpoint_names(path))
         bar = bool(cfg.trainer.get("enable_progress_bar", True)) and sys.stderr.isatty()  # else TrainingProgress
         trainer: pl.Trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=logger, default_root_dir=str(out),
                                           plugins=[AtomicCheckpointIO()], enable_progress_bar=bar)

@@ -21,6 +21,10 @@ from lmcal.data.corpora import Corpus
 from lmcal.data.markov import entropy_np, markov_entropy_rate, markov_stationary, sample_markov
 from lmcal.errors import DataError
 
+MAX_TAIL_EXPONENT = 8.0  # past it nearly all of a row's mass is on one word: the chain hardly mixes, and the power
+# iteration for its stationary law takes minutes, then fails (the range of data.corpus_kwargs.tail_exponent in
+# lmcal.utils.rules, checked before any work)
+
 
 def zipf_law(vocab_size: int, tail_exponent: float) -> np.ndarray:
     """p_r = r^-s / sum_{j<=V} j^-s for ranks r = 1..V [V], float64."""
@@ -31,9 +35,11 @@ def zipf_law(vocab_size: int, tail_exponent: float) -> np.ndarray:
 def make_powerlaw_chain(vocab_size: int = 256, order: int = 1, tail_exponent: float = 1.1, seed: int = 0) -> np.ndarray:
     """The table [V**order, V] float64 of P(w | context) (contexts encoded as lmcal.data.markov encodes them): row c
     is zipf_law(V, s) over a random permutation of the words, a function of the arguments only."""
-    if order < 1 or vocab_size < 2 or not tail_exponent > 0:
-        raise DataError(f"The power-law source needs order >= 1, vocab_size >= 2 and tail_exponent > 0; got "
-                        f"order={order}, vocab_size={vocab_size}, tail_exponent={tail_exponent}.")
+    if order < 1 or vocab_size < 2 or not 0 < tail_exponent <= MAX_TAIL_EXPONENT:
+        raise DataError(f"The power-law source needs data.corpus_kwargs.order >= 1, vocab_size >= 2 and tail_exponent "
+                        f"> 0, at most {MAX_TAIL_EXPONENT:g}; got order={order}, vocab_size={vocab_size}, "
+                        f"tail_exponent={tail_exponent}. Nothing was run. Set data.corpus_kwargs.tail_exponent=2 for a "
+                        "light tail (1.1: a heavy one).")
     rng = np.random.default_rng(seed)
     n_ctx = vocab_size ** order
     ranks = np.argsort(rng.random((n_ctx, vocab_size)), axis=1)  # [n_ctx, V]: the word of rank r, r = 0..V-1
@@ -47,7 +53,12 @@ def powerlaw_corpus(vocab_size: int = 256, order: int = 1, tail_exponent: float 
     """Three independent stationary samples (seeds [seed, 1..3]) of `make_powerlaw_chain(...)`, with the exact
     entropy rate (the stationary chain's) in `info`."""
     probs = make_powerlaw_chain(vocab_size, order, tail_exponent, seed)
-    pi = markov_stationary(probs, vocab_size, order)
+    try:
+        pi = markov_stationary(probs, vocab_size, order)
+    except DataError as e:
+        raise DataError(f"The power-law source with data.corpus_kwargs.tail_exponent={tail_exponent:g} and order="
+                        f"{order} has no stationary law that power iteration finds ({e}). Lower the tail exponent "
+                        "(2: a light tail) or the order.") from None
     h = markov_entropy_rate(probs, vocab_size, order, pi)
     splits = [torch.from_numpy(sample_markov(probs, vocab_size, order, n, np.random.default_rng([seed, i]), pi))
               for i, n in enumerate((n_train, n_valid, n_test), 1)]

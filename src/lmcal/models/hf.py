@@ -5,6 +5,7 @@ that do not copy the past, and the lookahead's shared past) are lmcal.models.hf_
 from __future__ import annotations
 
 import inspect
+import json
 import re
 from pathlib import Path
 
@@ -251,6 +252,61 @@ def import_transformers():
     return transformers
 
 
+# a config's sizes, each a positive integer at most this (far past any causal LM: the largest have ~200 layers,
+# widths ~3e4, vocabularies ~3e5, contexts ~1e7); null is allowed where transformers reads it as "the default"
+HF_SIZES = {"n_layer": 10**4, "num_hidden_layers": 10**4, "n_embd": 10**6, "hidden_size": 10**6, "d_model": 10**6,
+            "n_head": 10**5, "num_attention_heads": 10**5, "num_key_value_heads": 10**5, "vocab_size": 10**8,
+            "n_positions": 10**8, "max_position_embeddings": 10**8, "n_ctx": 10**8, "n_inner": 10**7,
+            "intermediate_size": 10**7}
+HF_NULLABLE = ("n_inner", "num_key_value_heads", "intermediate_size")
+
+
+def hf_config_problems(config: dict, transformers) -> list[str]:
+    """What in a Hugging Face config (config.json, or tokenizer_config.json, as a dict) would build something other
+    than a built-in transformers class of sane size: its own code (auto_map, or a tokenizer_class transformers does
+    not have: it would load as some built-in class instead, silently), or a size that is not a positive integer
+    within HF_SIZES."""
+    found = []
+    if config.get("auto_map"):
+        m = config["auto_map"]
+        named = ", ".join(f"{k}: {v}" for k, v in m.items()) if isinstance(m, dict) else str(m)
+        found.append(f"auto_map names the folder's own code ({named[:120]})")
+    tok = config.get("tokenizer_class")
+    if tok is not None and not (isinstance(tok, str) and tok.isidentifier()
+                                and (hasattr(transformers, tok) or hasattr(transformers, tok + "Fast"))):
+        found.append(f"tokenizer_class={str(tok)[:60]!r} is no tokenizer of transformers (its own code)")
+    for key, most in HF_SIZES.items():
+        v = config.get(key, 1)
+        if v is None and key in HF_NULLABLE:
+            continue
+        if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= most:
+            found.append(f"{key}={str(v)[:40]} (must be an integer in [1, {most:,}])")
+    return found
+
+
+def check_hf_config(config: dict, what: str, transformers) -> None:
+    """Refuses, in one paragraph, a config whose problems (hf_config_problems) would run code not in transformers or
+    build a model of no sane size; `what`: the file, in words. Nothing is built or run before it."""
+    if found := hf_config_problems(config, transformers):
+        raise LmcalError(f"{what}: " + "; ".join(found) + ". Models are loaded with trust_remote_code=False: no "
+                         "code from a folder or the hub runs, so a model or tokenizer that names its own is refused "
+                         "rather than loaded as some built-in class, and a size outside its range is refused before "
+                         "anything is built. Nothing was loaded. Save the model with a built-in transformers class "
+                         "(model.save_pretrained(folder), tokenizer.save_pretrained(folder)), or fix the value.")
+
+
+def _check_folder(path: Path, transformers) -> None:
+    """A local folder's config.json and tokenizer_config.json, read as JSON, checked before transformers reads them
+    (check_hf_config); a file that does not parse is left to transformers' own message."""
+    for name in ("config.json", "tokenizer_config.json"):
+        try:
+            raw = json.loads((path / name).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        if isinstance(raw, dict):
+            check_hf_config(raw, f"{path / name}", transformers)
+
+
 def _hf_source(name_or_path) -> tuple[str, dict, str, str]:
     """(what to hand from_pretrained, its keywords for reading without running code, the source in words, how to
     supply a model) of a local folder or hub id, each refused in one paragraph where it cannot hold a model."""
@@ -273,6 +329,8 @@ def _hf_source(name_or_path) -> tuple[str, dict, str, str]:
         raise LmcalError(f"{path} holds a model but no tokenizer files (none of {', '.join(TOKENIZER_FILES)}), so "
                          "it could not read text. Save the tokenizer beside the model: "
                          "tokenizer.save_pretrained(folder).")
+    if local:
+        _check_folder(path, import_transformers())
     return str(path) if local else name, where, source, how
 
 
@@ -292,8 +350,10 @@ def load_hf_tokenizer(name_or_path):
     the model is loaded (seconds). Refused as load_hf_model refuses."""
     transformers = import_transformers()
     target, where, source, how = _hf_source(name_or_path)
-    return _loaded(lambda: (transformers.AutoTokenizer.from_pretrained(target, **where),
-                            transformers.AutoConfig.from_pretrained(target, **where)), source, how)
+    tokenizer, config = _loaded(lambda: (transformers.AutoTokenizer.from_pretrained(target, **where),
+                                         transformers.AutoConfig.from_pretrained(target, **where)), source, how)
+    check_hf_config(config.to_dict(), f"The config of {source}", transformers)  # (a hub model's, as read)
+    return tokenizer, config
 
 
 def load_hf_model(name_or_path, device="cpu", dtype=None, device_map=None, tokenizer=None) -> HFCausalLM:
@@ -327,7 +387,10 @@ def load_hf_model(name_or_path, device="cpu", dtype=None, device_map=None, token
                              "Install it (pip install accelerate, or the optional extra: pip install -e '.[hf]'), "
                              "or set model.device_map=null to load the model on one device.") from None
         kwargs["device_map"] = device_map
+    config = _loaded(lambda: transformers.AutoConfig.from_pretrained(target, **where), source, how)
+    check_hf_config(config.to_dict(), f"The config of {source}", transformers)  # before anything is built
     tokenizer, model = _loaded(lambda: (tokenizer or transformers.AutoTokenizer.from_pretrained(target, **where),
-                                        transformers.AutoModelForCausalLM.from_pretrained(target, **kwargs)),
+                                        transformers.AutoModelForCausalLM.from_pretrained(target, config=config,
+                                                                                          **kwargs)),
                                source, how)
     return HFCausalLM(model, tokenizer, None if device_map is not None else device)

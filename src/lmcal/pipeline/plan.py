@@ -17,6 +17,8 @@ from lmcal.reporting.report_md import report
 from lmcal.reporting.results import PAPER_STAGES
 from lmcal.stages.registry import STAGES
 from lmcal.stages.wandb_run import reproduction_group
+from lmcal.utils.rules import PROFILE_RULES, RULES
+from lmcal.utils.safe_paths import check_name
 from lmcal.utils.settings import CONF_DIR, composed, settings_of
 from lmcal.utils.validate import check_config
 
@@ -72,13 +74,33 @@ def load_profile(argv: list[str]) -> DictConfig:
                          "and the command line also takes profile=, force=true (FORCE=1) and force_size=true.")
     cfg = OmegaConf.merge(profile, cli)
     cfg.profile = name
+    OmegaConf.to_container(cfg, resolve=True)  # every interpolation now: one that fails is an error before any work
+    check_profile(cfg)  # (force=maybe refused before it is read as true)
     cfg.force = bool(cfg.get("force", False))
     if cfg.get("out") is None:
         cfg.out = f"outputs/reproduce/{name}"
-    OmegaConf.to_container(cfg, resolve=True)  # every interpolation now: one that fails is an error before any work
     if note:
         print(note, flush=True)
     return cfg
+
+
+def check_names(cfg: DictConfig) -> None:
+    """Every setting of the profile that becomes a folder's name under out (the dataset, the stages, the sweeps) is
+    one plain name (lmcal.utils.safe_paths): nothing is planned, written or removed outside out."""
+    named = [("dataset", cfg.dataset)] if "dataset" in cfg else []
+    named += [(f"stages[{i}]", v) for i, v in enumerate(cfg.get("stages") or [])]
+    if cfg.get("transformer"):
+        named += [(f"transformer.stages[{i}]", v) for i, v in enumerate(cfg.transformer.get("stages") or [])]
+    named += [(f"sweeps.{k} (a sweep's name)", k) for k in (cfg.get("sweeps") or {})]
+    for setting, value in named:
+        check_name(value, setting)
+
+
+def check_profile(cfg: DictConfig) -> None:
+    """The profile's own values, before any work (check=true and a real run alike): its names (check_names), then
+    the ranges of its settings (lmcal.utils.rules: jobs, taus, bootstrap, estimate_for, warm_worker, force, ...)."""
+    check_names(cfg)
+    check_config(cfg, where=f"The {cfg.get('profile', 'reproduce')} profile: ", rules=RULES | PROFILE_RULES)
 
 
 def logger_overrides(cfg: DictConfig) -> list[str]:
@@ -167,6 +189,7 @@ def _transformer_stages(tr, dataset: str, out: Path, py: list[str], lg: list[str
 
 def plan(cfg: DictConfig) -> list[dict]:
     """The stages in order: name, command (argv) or in-process function, and the files that show it finished."""
+    check_names(cfg)
     out = Path(cfg.out).resolve()
     py = [sys.executable, "-m"]
     lg = logger_overrides(cfg)

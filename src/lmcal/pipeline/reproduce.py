@@ -5,6 +5,7 @@ under the output folder's lock.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 import time
@@ -21,8 +22,9 @@ from lmcal.pipeline.slurm import check_slurm_tools, schedule_slurm
 from lmcal.reporting.results import PAPER_STAGES, stage_record
 from lmcal.stages.registry import check_stages
 from lmcal.stages.wandb_run import check_online
-from lmcal.utils.io import write_text_atomic
+from lmcal.utils.io import read_record, write_text_atomic
 from lmcal.utils.lock import check_output_folder, run_lock, sweep_temp_files
+from lmcal.utils.safe_paths import check_no_links
 from lmcal.utils.settings import differences
 from lmcal.utils.validate import check_config
 
@@ -63,14 +65,44 @@ def stale_stages(stages: list[dict], current: dict, out: Path, force: bool) -> d
     return redo
 
 
-def clear_stage(stage: dict, taus: set[str] | None, out: Path) -> None:
-    """Removes what a stage wrote (for the tau-models, only the given taus), so that it runs again from scratch."""
-    (out / "stages" / f"{stage['name']}.json").unlink(missing_ok=True)
-    dirs = [stage["taus"][int(t)] for t in taus] if taus else [] if "fn" in stage else [stage["dir"]]
-    for d in dirs:
-        if d.is_dir() and d.resolve() != out:
+def clear_stages(stages: list[dict], redo: dict[str, list[str] | None], out: Path) -> None:
+    """Removes what the stages to redo (stale_stages: {name: taus or None}) wrote, so that they run again from scratch
+    (for the tau-models, only the given taus): every folder is checked first (removable), and one that is not lmcal's
+    to remove refuses the lot before anything is removed."""
+    todo = []
+    for name, taus in redo.items():
+        stage = next(st for st in stages if st["name"] == name)
+        dirs = [stage["taus"][int(t)] for t in taus] if taus else [] if "fn" in stage else [stage["dir"]]
+        dirs = [d for d in dirs if d.exists() or d.is_symlink()]
+        for d in dirs:
+            removable(d, stage, out / "stages" / f"{name}.json", out)
+        todo.append((stage, dirs))
+    for stage, dirs in todo:
+        (out / "stages" / f"{stage['name']}.json").unlink(missing_ok=True)
+        for d in dirs:
             print(f"{stage['name']}: removing {d} to redo it (FORCE)", flush=True)
             shutil.rmtree(d)
+
+
+def removable(d: Path, stage: dict, record: Path, out: Path) -> None:
+    """Refuses (LmcalError) to remove `d` for FORCE unless it is a folder strictly inside `out` (no .., no link on the
+    way) and the stage's record (<out>/stages/<stage>.json) names it, or the folder it lies in, as the stage's own
+    (compared under `out`, so that a moved reproduction's records still count)."""
+    norm, real = Path(os.path.normpath(d)), Path(d).resolve()
+    own = Path(os.path.normpath(stage["dir"]))
+    if not norm.is_relative_to(out) or norm == out or real != norm or d.is_symlink() or not d.is_dir():
+        why = (f"it resolves to {real}, which is not a folder strictly inside the output folder {out}"
+               if real != norm or not norm.is_relative_to(out) or norm == out else "it is not a plain folder")
+    else:
+        rec = read_record(record, warn=False) or {}
+        was = Path(os.path.normpath(str(rec.get("dir", "")))).parts
+        rel = own.relative_to(out).parts if own.is_relative_to(out) and own != out else ()
+        ok = bool(rel) and tuple(was[-len(rel):]) == rel and norm.is_relative_to(own)
+        why = None if ok else f"lmcal's record of that stage ({record}) does not say the stage made it"
+    if why:
+        raise LmcalError(f"FORCE would remove {d} to redo the stage {stage['name']}, but {why}. lmcal removes only "
+                         "what its own stages made inside out. Nothing was removed or run. Move that folder away "
+                         "yourself if it is to go, or give another out=DIR for a separate reproduction.")
 
 
 def check_quotable(out: Path) -> None:
@@ -123,6 +155,7 @@ def reproduce(cfg: DictConfig) -> dict:
     out = Path(cfg.out).resolve()
     check_quotable(out)  # before the check, which composes every stage's command with paths under out
     check_output_folder(out)
+    check_no_links(out, "output folder")  # (logs/, stages/, the stages' folders: nothing written through a link)
     estimates: dict[str, float] = {}
     check(cfg, estimates)  # every stage composed and sized against its model, before the folder is touched
     with run_lock(out, "reproduction"):
@@ -132,8 +165,7 @@ def reproduce(cfg: DictConfig) -> dict:
             for st in stages:
                 st.get("cmd", []).append("force_size=true")
         current = {st["name"]: stage_settings(st, cfg) for st in stages}  # every stage checked before any runs
-        for name, taus in stale_stages(stages, current, out, bool(cfg.get("force"))).items():
-            clear_stage(next(st for st in stages if st["name"] == name), taus, out)
+        clear_stages(stages, stale_stages(stages, current, out, bool(cfg.get("force"))), out)
         profile = OmegaConf.masked_copy(cfg, [k for k in cfg if k != "force"])
         write_text_atomic(out / "profile.yaml", OmegaConf.to_yaml(profile))
         ref, ref_machine = reference_seconds(cfg.profile)

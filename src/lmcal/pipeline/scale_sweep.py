@@ -30,6 +30,7 @@ from lmcal.pipeline.sizes import model_of, stream_sizes
 from lmcal.pipeline.timing import BATCHED_TFLOPS, MEASURED_ON, lstm_epoch_seconds
 from lmcal.stages.scale_record import RECORD
 from lmcal.stages.wandb_run import reproduction_group, sweep_suffix
+from lmcal.utils.safe_paths import check_name
 from lmcal.utils.settings import CONF_DIR, composed
 from lmcal.utils.validate import check_config
 
@@ -86,7 +87,9 @@ def plan_sweeps(cfg: DictConfig) -> list[dict]:
     for name, overrides in cfg.sweeps.items():
         if overrides is None:
             continue
+        check_name(name, f"sweeps.{name} (a sweep's name)")
         for fixed, values in grid(list(overrides)):
+            check_name(job_folder(values), f"the job folder of sweep {name} ({values})")
             d = out / name / job_folder(values)
             stages.append({"name": f"{name}_{job_folder(values)}", "dir": d, "done": [d / "metrics.json", d / RECORD],
                            "deps": [], "sweep": name,
@@ -215,10 +218,11 @@ def reference_note(profile: str, names: list[str]) -> str:
 
 def reproduce_sweeps(cfg: DictConfig) -> dict:
     """`make reproduce` for a sweep profile: checked, then run under the output folder's lock, resumably."""
-    from lmcal.pipeline.reproduce import check_quotable, clear_stage, exit_when_stages_fail, stale_stages
+    from lmcal.pipeline.reproduce import check_quotable, clear_stages, exit_when_stages_fail, stale_stages
     from lmcal.pipeline.schedule import reference_seconds, schedule
     from lmcal.utils.io import write_text_atomic
     from lmcal.utils.lock import check_output_folder, run_lock, sweep_temp_files
+    from lmcal.utils.safe_paths import check_no_links
 
     if cfg.get("launcher", "local") != "local":
         raise LmcalError(f"launcher={cfg.launcher}: the {cfg.profile} profile runs its jobs on this machine (jobs=N "
@@ -227,6 +231,7 @@ def reproduce_sweeps(cfg: DictConfig) -> dict:
     out = Path(cfg.out).resolve()
     check_quotable(out)
     check_output_folder(out)
+    check_no_links(out, "output folder")
     print(check_sweeps(cfg).splitlines()[0], flush=True)  # every job composed and sized before the folder is touched
     with run_lock(out, "reproduction"):
         sweep_temp_files(out)
@@ -237,8 +242,7 @@ def reproduce_sweeps(cfg: DictConfig) -> dict:
         current = {st["name"]: stage_settings(st, cfg) if "cmd" in st else
                    {"sweeps": OmegaConf.to_container(cfg.sweeps), "bootstrap": cfg.get("bootstrap", 2000)}
                    for st in stages}
-        for name, taus in stale_stages(stages, current, out, bool(cfg.get("force"))).items():
-            clear_stage(next(st for st in stages if st["name"] == name), taus, out)
+        clear_stages(stages, stale_stages(stages, current, out, bool(cfg.get("force"))), out)
         write_text_atomic(out / "profile.yaml", OmegaConf.to_yaml(OmegaConf.masked_copy(cfg, [k for k in cfg
                                                                                               if k != "force"])))
         ref, machine = reference_seconds(cfg.profile)

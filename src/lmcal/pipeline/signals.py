@@ -45,9 +45,19 @@ def stage_process_options() -> dict:
     return {"start_new_session": True, **({"preexec_fn": _die_with_parent} if _PRCTL is not None else {})}
 
 
+ORPHAN_GRACE_S = 3.0  # a stage's grace once the pipeline's parent is gone: nobody waits for a tidy stop
+ORPHAN_EXIT_S = 10.0  # and the pipeline's own, after which it ends itself (its stages die with it: PDEATHSIG)
+ORPHANED = threading.Event()  # set by watch_parent once the process that started the pipeline has ended
+_GROUPS: set[int] = set()  # the stage process groups end_groups is ending (the last resort SIGKILLs them)
+
+
 def end_groups(procs: list[subprocess.Popen], grace: float = 20.0) -> None:
-    """SIGTERM to each running stage's process group, then SIGKILL to what is left after `grace` seconds; returns
-    once every stage process has exited."""
+    """SIGTERM to each running stage's process group, then SIGKILL to what is left after `grace` seconds
+    (ORPHAN_GRACE_S at most once the pipeline's parent has gone: watch_parent); returns once every stage process has
+    exited."""
+    if ORPHANED.is_set():
+        grace = min(grace, ORPHAN_GRACE_S)
+    _GROUPS.update(p.pid for p in procs)
     for p in procs:
         if p.poll() is None:
             with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -76,18 +86,44 @@ def gone(pid: int) -> bool:
         return False
 
 
-def watch_parent(pid: int, every: float = 1.0) -> threading.Thread:
+def last_resort() -> None:
+    """A pipeline that has not ended ORPHAN_EXIT_S after its parent went (its main thread stuck in a call that a
+    signal does not interrupt): SIGKILL to the stage groups it knows, then it ends at once, exit 143 as for SIGTERM
+    (a lock it leaves names a dead process: the next run takes it over)."""
+    print(f"lmcal: the pipeline did not stop within {ORPHAN_EXIT_S:g} s: ending it and its stages now.",
+          file=sys.stderr, flush=True)
+    for group in _GROUPS | set(child_pids()):  # (a stage leads its own group: stage_process_options)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(group, signal.SIGKILL)
+    os._exit(128 + signal.SIGTERM)
+
+
+def child_pids(pid: int | None = None) -> list[int]:
+    """The processes whose parent is `pid` (default: this one), from /proc (Linux; elsewhere none)."""
+    pid, found = os.getpid() if pid is None else pid, []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(stat.parent.name))
+    return found
+
+
+def watch_parent(pid: int, every: float = 1.0, exit_after: float = ORPHAN_EXIT_S) -> threading.Thread:
     """Watches process `pid` (the `make` that started this pipeline: $LMCAL_WATCH_PID, which the Makefile sets) from a
     daemon thread; once it has ended, or this process's own parent has, this process stops itself with SIGTERM, as on
-    Ctrl-C: its stages ended, its temporary files and lock removed, one line on how to resume."""
+    Ctrl-C: its stages ended (each within ORPHAN_GRACE_S, then killed), its temporary files and lock removed, one line
+    on how to resume. If it has not ended `exit_after` seconds later, it ends at once (last_resort)."""
     parent = os.getppid()
 
     def watch():
         while not (gone(pid) or os.getppid() != parent):
             time.sleep(every)
+        ORPHANED.set()  # the stages get ORPHAN_GRACE_S, not their usual grace
         print(f"lmcal: the process that started this pipeline (make, process {pid}) has ended: stopping the "
               "pipeline and its stages.", file=sys.stderr, flush=True)
         os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(exit_after)  # (a daemon thread: a pipeline that has stopped by then has ended it)
+        last_resort()
 
     t = threading.Thread(target=watch, name="lmcal-watch-parent", daemon=True)
     t.start()

@@ -9,12 +9,15 @@ from dataclasses import dataclass, field
 from omegaconf import DictConfig
 
 from lmcal.errors import LmcalError
+from lmcal.pipeline.timing import BATCHED_TFLOPS
+from lmcal.utils.budget import MAX_TOKEN_STEPS
 
 # Tokens of each split (PTB with its <eos>; the Markov source's come from its config). A corpus not listed is
 # checked only where a stage names its token counts.
 CORPUS_TOKENS = {"ptb": {"train": 929_589, "valid": 73_760, "test": 82_430}}
 PTB_VOCAB = 10_000
 GB = 1e9
+GOAL_TEXT = "would measure its goal rows again"  # (count_problems' words: a stage that would run on, not fail)
 
 
 @dataclass
@@ -164,7 +167,36 @@ def size_problems(name: str, a: dict, m: Model, memory_tau: int | None = None) -
             f" fit streams of fit_tokens / fit_streams = {fit_tokens(a, m):,} / {a['fit_streams']} = {short:,} "
             f"tokens, not longer than min_context = {a['min_context']} (the tokens each reads before its positions "
             "count): nothing to fit.")
-    return text, (fitting_settings(name, a, m, memory_tau) if text else {})
+    fits = fitting_settings(name, a, m, memory_tau) if text else {}
+    counted, fewer = count_problems(name, a, m)
+    return (f"{text} It {counted}" if text and counted else text or counted), {**fits, **fewer}
+
+
+def goal_steps_per_prefix(a: dict) -> int:
+    """Model steps the sequence_calibration stage's goal rows take per fresh prefix (goal_prefixes): its
+    samples_per_prefix generations by the fewest-particle SMC row, each generated and its last tenth read by two nested
+    runs (2 x 3 runs), over prefix_len + law_horizon words, as lmcal.pipeline.check.model_steps counts them."""
+    window = a["prefix_len"] + (a.get("law_horizon") or 2 * a["horizon"])
+    smc = bool(a.get("untwisted", True)) or bool(a.get("twist") and a.get("soft_value"))
+    fewest = min((int(k) for k in (a.get("particles") or []) if smc), default=1)
+    return 6 * fewest * a["samples_per_prefix"] * window
+
+
+def count_problems(name: str, a: dict, m: Model) -> tuple[str, dict]:
+    """What of stage `name`'s counts would take more model steps than one stage may (MAX_TOKEN_STEPS, the bound of
+    lmcal.utils.budget): a sentence with the estimate (steps, and hours at the assumed BATCHED_TFLOPS), and
+    {key: the largest value that fits}; ("", {}) when it fits. The goal rows' goal_prefixes: the one count that the
+    generation settings' caps do not bound."""
+    if name != "sequence_calibration" or not a.get("goal_prefixes"):
+        return "", {}
+    n, per = int(a["goal_prefixes"]), goal_steps_per_prefix(a)
+    if n * per <= MAX_TOKEN_STEPS:
+        return "", {}
+    hours = n * per * m.step_flops / (BATCHED_TFLOPS * 1e12) / 3600
+    return (f"{GOAL_TEXT} on goal_prefixes = {n:,} fresh prefixes, {per:,} model steps each "
+            f"(2 x 3 runs x the fewest particles x samples_per_prefix x (prefix_len + law_horizon)): {n * per:.3g} "
+            f"steps, about {hours:,.1f} h at an assumed {BATCHED_TFLOPS:g} TFLOP/s, more than the "
+            f"{MAX_TOKEN_STEPS:.0e} steps one stage may take.", {"goal_prefixes": max(1, MAX_TOKEN_STEPS // per)})
 
 
 def setting(key: str, v) -> str:  # key=value as a Hydra override
@@ -176,9 +208,10 @@ def size_refusal(problems: list[tuple[str, str, dict]], how: str) -> LmcalError:
     fits = [setting(k, v) for _, _, f in problems for k, v in f.items()]
     head = "A setting that fits" if len(fits) == 1 else "Settings that fit"
     fix = f"{head}: {' '.join(fits)} ({how})." if fits else how
+    outcome = "run for hours" if all(t.startswith(GOAL_TEXT) and " It " not in t for _, t, _ in problems) else "fail"
     return LmcalError(" ".join(f"{subject} {text}" for subject, text, _ in problems)
-                      + f" {'It' if len(problems) == 1 else 'Each'} would fail when it got there, after the stages "
-                      f"before it had run; nothing was run. {fix}")
+                      + f" {'It' if len(problems) == 1 else 'Each'} would {outcome} when it got there; nothing was "
+                      f"run. {fix}")
 
 
 def score_tokens(a: dict, m: Model) -> int:

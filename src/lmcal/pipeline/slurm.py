@@ -16,6 +16,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from lmcal.errors import LmcalError
@@ -64,16 +66,34 @@ def run_stage(stage: dict, log_path: str) -> int:
     return rc
 
 
-def check_slurm_tools() -> None:
+def check_slurm_tools(what: str = "launcher=slurm submits each stage as a Slurm job",
+                      run: str = "`make reproduce ARGS='launcher=slurm ...'`",
+                      here: str = "launcher=local to run the stages here") -> None:
     """launcher=slurm needs Slurm's commands on this machine: sbatch (submitit submits with it and checks for srun),
-    squeue and scancel (the jobs' states, and cancelling them). Refused in one paragraph before any folder is made."""
+    squeue and scancel (the jobs' states, and cancelling them). Refused in one paragraph before any folder is made;
+    `what`, `run` and `here`: the launcher, the command to run on the cluster, the setting that runs it here."""
     missing = [t for t in ("sbatch", "srun", "squeue", "scancel") if shutil.which(t) is None]
     if missing:
-        raise LmcalError(f"launcher=slurm submits each stage as a Slurm job, but Slurm's {', '.join(missing)} "
-                         f"{'is' if len(missing) == 1 else 'are'} not on this machine's PATH "
-                         f"({os.environ.get('PATH', '')}). Nothing was submitted or made. Run `make reproduce "
-                         "ARGS='launcher=slurm ...'` on a node of the cluster (a login node, where sbatch works), or "
-                         "launcher=local to run the stages here.")
+        raise LmcalError(f"{what}, but Slurm's {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not on "
+                         f"this machine's PATH ({os.environ.get('PATH', '')}). Nothing was submitted or made. Run "
+                         f"{run} on a node of the cluster (a login node, where sbatch works), or {here}.")
+
+
+def check_sweep_launcher() -> None:
+    """`python -m lmcal.train -m hydra/launcher=slurm_cpu` (or slurm_gpu, any submitit Slurm launcher): Slurm's tools
+    on this machine (check_slurm_tools), checked with the sweep's settings before Hydra writes multirun.yaml or any
+    job's folder (lmcal.utils.precheck calls the entry point's check_settings with each job's config). Nothing
+    outside a Hydra multirun under a Slurm launcher, nor inside a Slurm job (the job's own run of the settings)."""
+    if not HydraConfig.initialized() or os.environ.get("SLURM_JOB_ID"):
+        return
+    hc = HydraConfig.get()
+    target = str((hc.get("launcher") or {}).get("_target_") or "")
+    if hc.mode != RunMode.MULTIRUN or "submitit" not in target or not target.endswith("SlurmLauncher"):
+        return
+    name = hc.runtime.choices.get("hydra/launcher") or "slurm_cpu"
+    check_slurm_tools(f"hydra/launcher={name} submits each job of the sweep as a Slurm job", "the same command",
+                      "hydra/launcher=basic (one job after another) or hydra/launcher=local_parallel to run the jobs "
+                      "here")
 
 
 def executor(s: DictConfig, folder: Path):

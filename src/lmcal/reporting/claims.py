@@ -27,7 +27,7 @@ import math
 
 from lmcal import paper
 from lmcal.reporting.calibration_limit import calibration_limit, headline, law_text, stage_row, stage_rule
-from lmcal.reporting.claim import Claim, Z, paper_calibration_nats
+from lmcal.reporting.claim import Claim, Z, comparability, paper_calibration_nats
 from lmcal.reporting.claim import finite as _finite
 
 
@@ -117,8 +117,9 @@ def drift(name: str, before: tuple[list[float], list[float]], after: tuple[list[
     d, se = reduction
     down, up = d < -z * se, r1 > z * s1
     v = ("flattens" if down else "not_shown") if not up else ("less_drift" if down else "still_rises")
-    nums = (f"from t = 1 to the last tenth the entropy rises {r1:+.3f} ± {s1:.3f} nats with {name.lower()}, against "
-            f"{r0:+.3f} ± {s0:.3f} without; the paired change of that rise is {d:+.3f} ± {se:.3f}")
+    nums = (f"from t = 1 to the last tenth the entropy changes by {r1:+.3f} ± {s1:.3f} nats with {name.lower()} "
+            f"({'a rise' if r1 > z * s1 else 'a fall' if r1 < -z * s1 else 'no drift shown'}), against "
+            f"{r0:+.3f} ± {s0:.3f} without; the paired change of that change is {d:+.3f} ± {se:.3f}")
     sentence = {
         "flattens": f"{name} flattens the drift: {nums}.",
         "less_drift": f"{name} lowers the drift but does not flatten it: {nums}, and the rise left is beyond {z:g} "
@@ -361,7 +362,17 @@ def results_claims(r: dict) -> list[Claim]:
     out += heads_claims(fe)
     out += sequence_goal_claims({"goal": r.get("sequence_calibration_goal"),
                                  "twisted_check": r.get("sequence_calibration_twisted_check")})
-    return out + memory_flags(r.get("memory", []))
+    out += memory_flags(r.get("memory", []))
+    why = comparability(r)
+    return [not_comparable(c, why) if why and c.key in AGAINST_PAPER else c for c in out]
+
+
+AGAINST_PAPER = {"calibration_vs_paper"}  # the claims that test a number against the paper's
+
+
+def not_comparable(c: Claim, why: str) -> Claim:
+    """Claim `c` against the paper, for a model that is not comparable with it: its numbers kept, no verdict."""
+    return Claim(c.key, "not_comparable", f"{c.sentence} Not comparable with the paper: {why}.", c.numbers)
 
 
 def claims_markdown(claims: list[Claim]) -> list[str]:

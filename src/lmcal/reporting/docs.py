@@ -5,7 +5,6 @@ date, machine, commit), saved benchmark tables, snapshots of reproductions, and 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import re
@@ -18,9 +17,46 @@ from lmcal.reporting.claim import Z, shown
 from lmcal.reporting.claims import within
 from lmcal.reporting.claims_table import claim_rows, claims_table
 from lmcal.reporting.provenance import ROOT, machine, provenance, provenance_line, versions  # noqa: F401
+from lmcal.utils import records
 from lmcal.utils.io import file_name, inside, temp_path, write_text_atomic
+from lmcal.utils.records import POSITIVE, Each, Maybe, Of
 
 DOCS = ROOT / "docs"
+
+# What RESULTS.md and REPORT.md read from a results.json, of its type (lmcal.utils.records): a reproduction's (make
+# reproduce's report stage writes every one of these keys) or a scale sweep's (python -m lmcal.report).
+NUM = Maybe(float)
+REPRODUCTION = {"profile": str, "dataset": str, "base": dict, "calibration": dict, "decoders": Of(dict),
+                "entropy_rate": {"test_ppl": NUM, "tail_nats?": NUM, "tail_stderr_nats?": NUM},
+                "table1": Of(dict, 1), "markov": dict, "stages": Each(dict), "provenance?": Maybe(dict),
+                "memory": Of({"tau": int, "mi_upper_bound_nats": NUM, "mi_stderr_nats?": NUM, "model?": str,
+                              "limited?": str})}
+SWEEP = {"profile": str, "groups": Of({"label": str, "fits": Each(dict), "trends?": dict}, 1), "stages?": Each(dict),
+         "runs": Of({"params": NUM, "train_tokens": NUM}, 1), "provenance?": Maybe(dict)}
+BENCH = {"label": str, "tail_nats": float, "test_ppl": POSITIVE, "tail_stderr_nats?": NUM,
+         "tail_alpha_stderr_nats?": NUM, "run_to_run_stderr_nats?": NUM}
+FIGURE = re.compile(r"!\[[^\]]*\]\(([^)/]+\.png)\)")  # a figure REPORT.md shows from its own folder
+
+
+def read_results(path: Path, fix: str) -> dict:
+    """The results.json at `path`, whole: a reproduction's or a scale sweep's (lmcal.utils.records's one check);
+    one paragraph naming the file, the key and `fix` otherwise."""
+    what = "a reproduction's results"
+    r = records.read(path, {"profile": str}, what, fix)
+    return records.check(r, SWEEP if "groups" in r else REPRODUCTION, path, what, fix)
+
+
+def read_report(folder: Path, fix: str) -> str:
+    """folder/REPORT.md, UTF-8 text of at most lmcal.utils.records.MAX_BYTES; one paragraph otherwise."""
+    path = folder / "REPORT.md"
+    with open(path, "rb") as f:
+        data = f.read(records.MAX_BYTES + 1)
+    try:
+        if len(data) > records.MAX_BYTES:
+            raise ValueError(f"it is over {records.MAX_BYTES / 2**20:g} MiB")
+        return data.decode("utf-8")
+    except ValueError as e:  # (UnicodeDecodeError too)
+        raise LmcalError(f"{path} is not a reproduction's report ({' '.join(str(e).split())[:120]}). {fix}") from None
 
 
 def add_out_option(ap: argparse.ArgumentParser, name: str) -> None:
@@ -73,19 +109,24 @@ def snapshot(run: str | Path, docs: Path = DOCS) -> Path:
     return dest
 
 
-def check_snapshot(run: Path) -> str:
+SNAPSHOT_FIX = ("Rerun its report stage (make reproduce in that folder) before taking a snapshot; nothing was copied "
+                "or changed.")
+
+
+def check_snapshot(run: Path, fix: str = SNAPSHOT_FIX) -> str:
     """The profile of the finished reproduction in `run`, once its results.json and REPORT.md are known to render
-    (every key RESULTS.md reads there, of its type); LmcalError otherwise, naming the file and what is wrong."""
+    (every key RESULTS.md reads there, of its type; every figure REPORT.md shows beside it); LmcalError otherwise,
+    naming the file and what is wrong."""
     if not (run / "results.json").is_file() or not (run / "REPORT.md").is_file():
         raise LmcalError(f"{run} holds no finished reproduction (results.json and REPORT.md are written by its last "
                          f"stage): run `make reproduce` to the end first, or pass the folder it wrote to.")
+    r = read_results(run / "results.json", fix)
+    missing = [f for f in dict.fromkeys(FIGURE.findall(read_report(run, fix))) if not (run / f).is_file()]
+    if missing:
+        raise LmcalError(f"{run / 'REPORT.md'} shows figures its folder lacks ({', '.join(missing[:4])}): a snapshot "
+                         f"of it would have broken images. {fix}")
     try:
-        r = json.loads((run / "results.json").read_text())
-        if not isinstance(r, dict):
-            raise TypeError(f"it holds a JSON {type(r).__name__}, not an object")
-        profile = r.get("profile") or run.name
-        if not isinstance(profile, str):
-            raise TypeError(f"its profile is a {type(profile).__name__}")
+        profile = r["profile"]
         # what provenance_line reads must be text; the report stage adds numbers of its own (matmul_gflop_per_s,
         # precision) that nothing here reads
         prov = r.get("provenance") or {}
@@ -98,9 +139,24 @@ def check_snapshot(run: Path) -> str:
         paper_rows(r)
     except (ValueError, TypeError, KeyError, AttributeError, IndexError) as e:
         raise LmcalError(f"{run / 'results.json'} is not a reproduction's results ({type(e).__name__}: "
-                         f"{str(e).strip(chr(39))[:200]}); nothing was copied or changed. Rerun its report stage "
-                         "(make reproduce in that folder) before taking a snapshot.") from None
+                         f"{str(e).strip(chr(39))[:200]}). {fix}") from None
     return profile
+
+
+def check_docs(docs: Path, runs: list[Path], rerendered: list[Path]) -> None:
+    """Everything `python -m lmcal.docs` will read, checked before it changes anything in `docs`: each reproduction
+    to snapshot, each snapshot to write REPORT.md for again, and each snapshot already in docs/runs/ that the new ones
+    do not replace (RESULTS.md renders them all), and the benchmark summaries."""
+    replaced = {file_name(check_snapshot(run), run / "results.json", "profile") for run in runs}
+    fix = "Nothing was written. Snapshot that reproduction again (make docs RUNS=...), or remove that folder."
+    for folder in rerendered:
+        read_results(Path(folder) / "results.json", fix)
+    for folder in sorted(f for f in (docs / "runs").glob("*/") if not f.name.startswith(".")):
+        if folder.name not in replaced:
+            check_snapshot(folder, fix)
+    for f in sorted((docs / "bench").glob("*.json")):
+        records.read(f, BENCH, "a benchmark's summary", "Write it again (bench/<name>.py --out ...), or remove it; "
+                     "nothing was written.")
 
 
 def rerender(folder: str | Path) -> Path:
@@ -108,7 +164,7 @@ def rerender(folder: str | Path) -> Path:
     sections that need them are left out; a reproduction's folder gives them all). The profile's settings
     (conf/reproduce/<profile>.yaml) name its stages and how its τ-models were trained."""
     folder = Path(folder)
-    r = json.loads((folder / "results.json").read_text())
+    r = read_results(folder / "results.json", "Nothing was written. Snapshot that reproduction again.")
     if "groups" in r:  # the scale sweep
         from lmcal.reporting.scale_text import report_markdown as scale_markdown
 
@@ -133,7 +189,7 @@ def _report_body(folder: Path, rel: str, provenance: str = "") -> str:
     """A snapshot's REPORT.md as a section of RESULTS.md: without its title and its provenance line where that is the
     section's own (the section's heading and line stand for them), headings one level down, figures pointing into the
     snapshot, links into the run's folders (not copied) turned into plain text."""
-    text = re.sub(r"\A# [^\n]*\n+", "", (folder / "REPORT.md").read_text())
+    text = re.sub(r"\A# [^\n]*\n+", "", read_report(folder, "Nothing was written."))
     if provenance and text.startswith(provenance):
         text = text[len(provenance):].lstrip("\n")
     text = re.sub(r"^(#+) ", lambda m: "#" + m.group(1) + " ", text, flags=re.M)
@@ -143,7 +199,8 @@ def _report_body(folder: Path, rel: str, provenance: str = "") -> str:
 
 def run_section(folder: Path, rel: str) -> list[str]:
     """RESULTS.md's section of the snapshot (or finished reproduction) in `folder`; `rel`: its figures' folder."""
-    r = json.loads((folder / "results.json").read_text())
+    r = read_results(folder / "results.json", "RESULTS.md was not written. Snapshot that reproduction again (make "
+                     "docs RUNS=...), or remove its folder.")
     prov = r.get("provenance") or {}
     line = provenance_line(prov) if prov else "*Provenance not recorded by this run.*"
     return [f"## Reproduction, profile `{r.get('profile', folder.name)}`", "", line, "",
@@ -164,7 +221,8 @@ def bench_rows(docs: Path) -> list[tuple[str, ...]]:
     (α*'s, carried into the level) and run_to_run_stderr_nats (the spread between training seeds)."""
     rows = []
     for f in sorted((docs / "bench").glob("*.json")):
-        s = json.loads(f.read_text())
+        s = records.read(f, BENCH, "a benchmark's summary", "Write it again (bench/<name>.py --out ...), or remove "
+                         "it; nothing was written.")
         errors = [s.get(k) for k in ("tail_stderr_nats", "tail_alpha_stderr_nats", "run_to_run_stderr_nats")]
         se = math.sqrt(sum(x * x for x in errors if isinstance(x, (int, float))))
         level = math.exp(s["tail_nats"])
@@ -200,7 +258,9 @@ def render(docs: Path = DOCS) -> str:
     sections, rows = [], []
     for folder in runs:
         try:
-            rows += paper_rows(json.loads((folder / "results.json").read_text()), f"runs/{folder.name}/")
+            rows += paper_rows(read_results(folder / "results.json", "RESULTS.md was not written. Snapshot that "
+                                            "reproduction again (make docs RUNS=...), or remove its folder."),
+                               f"runs/{folder.name}/")
             sections += run_section(folder, f"runs/{folder.name}")
         except (ValueError, TypeError, KeyError, AttributeError, IndexError) as e:
             raise LmcalError(f"{folder / 'results.json'} is not a reproduction's results ({type(e).__name__}: "

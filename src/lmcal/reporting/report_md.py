@@ -12,6 +12,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from lmcal import paper
+from lmcal.reporting.claim import comparability
 from lmcal.reporting.claims_table import claim_rows, claims_table
 from lmcal.reporting.provenance import provenance
 from lmcal.reporting.report_sections import (
@@ -23,11 +24,11 @@ from lmcal.reporting.report_sections import (
     stage_folder,
     table1_markdown,
 )
-from lmcal.reporting.results import OPERATIONS, PAPER_STAGES, collect_results
+from lmcal.reporting.results import OPERATIONS, PAPER_STAGES, collect_results, read_json
 from lmcal.reporting.samples_md import calibration_samples_markdown
 from lmcal.reporting.setup_text import memory_lines, setup_lines
 from lmcal.utils.device import precision_policy
-from lmcal.utils.io import copy_atomic, read_json, write_json_atomic, write_text_atomic
+from lmcal.utils.io import copy_atomic, write_json_atomic, write_text_atomic
 
 
 def profile_markdown(stages: dict, peak_flops: float) -> list[str]:
@@ -110,7 +111,10 @@ def report_markdown(cfg: DictConfig, r: dict, out: Path) -> str:
     """REPORT.md from results.json `r`: the claims table, the setup table, then each section's tables; the stages'
     own json under `out` adds what results.json does not keep (the generations as words, the heads' R²)."""
     b, fe_path = r["base"], out / r["dataset"] / "future_entropy" / "future_entropy.json"
+    why = comparability(r)
     lines = [f"# lmcal reproduction: profile `{r.get('profile', cfg.profile)}`", "",
+             *([f"**Not comparable with the paper:** {why}. Its numbers are this model's; its verdicts against the "
+                "paper's figures are labelled \"not comparable\".", ""] if why else []),
              f"Base model: {b['model']}, {b['params']:,} parameters, {b['epochs']} epochs.",
              f"Validation perplexity {b['val_ppl']:.1f}, test {b['test_ppl']:.1f}; the paper's: "
              f"{paper.AWD_LSTM_PTB_VAL_TEST[0]} / {paper.AWD_LSTM_PTB_VAL_TEST[1]}, after 500 epochs.", "",

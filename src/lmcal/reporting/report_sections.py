@@ -12,9 +12,8 @@ from lmcal.reporting.calibration_limit import calibration_limit, law_name, law_r
 from lmcal.reporting.claim import shown
 from lmcal.reporting.claims import effect_verdict, memory_flags
 from lmcal.reporting.claims_table import flags_table
-from lmcal.reporting.results import tail_ppl
+from lmcal.reporting.results import read_json, stage_record, tail_ppl
 from lmcal.reporting.setup_text import tail_level
-from lmcal.utils.io import read_json
 from lmcal.utils.numbers import exp_or_inf, format_ce, format_params
 
 
@@ -338,12 +337,12 @@ def markov_memory_markdown(mk: dict) -> list[str]:
 
 def stage_folder(out: Path, name: str) -> str:
     """A link to a stage's run folder, from its record, or a dash where the snapshot keeps no records."""
-    rec = out / "stages" / f"{name}.json"
-    if not rec.is_file():
+    record = stage_record(out / "stages" / f"{name}.json", warn=False)
+    if not record or "dir" not in record:  # (none, or one that is not whole)
         return "–"
     import os
 
-    rel = os.path.relpath(read_json(rec)["dir"], out)
+    rel = os.path.relpath(record["dir"], out)
     return f"[{rel}]({rel})"
 
 

@@ -9,12 +9,14 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from lmcal.stages.registry import STAGES
-from lmcal.utils.io import read_json, read_record
+from lmcal.utils import records
 from lmcal.utils.numbers import exp_or_inf
+from lmcal.utils.records import Each, Maybe, Of, problem, unsound
 
 PAPER_STAGES = ("entropy_rate", "calibration", "decoders")  # the full model's stages every report has
 
 NUM = (int, float, type(None))  # a number, or null where strict JSON wrote a non-finite one beside its reason
+CURVE, ERRORS = Of(float, 1), Of(Maybe(float), 1)  # a curve (one value a step), its standard errors (null: unknown)
 _CAL_SCALARS = ("alpha", "alpha_stderr", "test_ppl_before", "test_ppl_after", "entrate_ppl_before",
                 "entrate_ppl_after", "topk", "tail_samples", "min_context", "fit_tokens", "test_tokens", "tail_steps",
                 "tail_ppl_before", "tail_ppl_after", "tail_diff_nats", "tail_diff_stderr_nats")
@@ -28,10 +30,11 @@ _MEMORY = ("ce_limited_nats", "mi_upper_bound_nats", "mi_stderr_nats", "alpha", 
 NEEDS: dict[str, dict[str, tuple | type]] = {
     "metrics.json": {"model": str, "val_ppl": NUM, "test_ppl": NUM, "test_ce_nats": NUM, "epochs": int,
                      "params": int, "markov_order": NUM, "true_entropy_rate_nats": NUM},
-    "entropy_rate.json": {"horizon": int, "num_generations": int, "curve_nats": list, "stderr_nats": list,
+    "entropy_rate.json": {"horizon": int, "num_generations": int, "curve_nats": CURVE, "stderr_nats": ERRORS,
                           "entrate_ppl": NUM, "test_ppl": NUM},
-    "calibration.json": {**dict.fromkeys(_CAL_SCALARS, NUM), **dict.fromkeys(_CAL_LISTS, list)},
-    "decoders.json": {"rows": list},
+    "calibration.json": {**dict.fromkeys(_CAL_SCALARS, NUM),
+                         **{k: ERRORS if "stderr" in k else CURVE for k in _CAL_LISTS}},
+    "decoders.json": {"rows": Of(dict, 1)},
     "memory.json": {"tau": int, "limited": str, "two_parameter": object, **dict.fromkeys(_MEMORY, NUM)},
 }
 DECODER_ROW = ("method", "params", "entrate_ppl", "test_ce_nats", "zero_prob_fraction", "test_ce_kept_nats",
@@ -41,10 +44,13 @@ DECODER_ROW = ("method", "params", "entrate_ppl", "test_ce_nats", "zero_prob_fra
 
 def not_whole(path: Path, r: dict) -> str | None:
     """Why the result `r`, read from `path`, lacks what its readers need (a key, or a key's type), or None. An
-    evaluation.json in a stage's folder must hold that stage's results."""
+    evaluation.json in a stage's folder must hold that stage's results. Any record: nothing nested deeper, no number
+    other than finite ones (lmcal.utils.records.unsound)."""
+    if why := unsound(r):
+        return why
     needs = NEEDS.get(path.name, {})
     missing = [k for k in needs if k not in r]
-    wrong = [f"{k} is a {type(r[k]).__name__}" for k, t in needs.items() if k in r and not isinstance(r[k], t)]
+    wrong = [why for k, t in needs.items() if k in r and (why := problem(r[k], t, k))]
     if path.name == "decoders.json" and isinstance(r.get("rows"), list):
         wrong += [f"row {i} lacks {', '.join(k for k in DECODER_ROW if k not in row)}" if isinstance(row, dict)
                   else f"row {i} is a {type(row).__name__}" for i, row in enumerate(r["rows"])
@@ -59,24 +65,47 @@ def not_whole(path: Path, r: dict) -> str | None:
 
 
 
-RECORD = {"status": str, "settings": dict, "dir": str, "cmd": (list, type(None)), "seconds": (int, float)}
+# a stage's record (lmcal.utils.records's spec)
+RECORD = {"status": str, "settings": dict, "dir?": str, "cmd?": Maybe(list), "seconds?": float,
+          "started_at?": Maybe((float, str)), "finished_at?": Maybe((float, str)), "matmul_gflop_per_s?": NUM}
 
 
 def stage_record(path: Path, warn: bool = True) -> dict | None:
     """A stage's record (<out>/stages/<stage>.json), or None when there is none or it is not whole (it does not
-    parse, lacks its status or settings, or holds a key of another type: "not done", with a warning naming it where
-    `warn`)."""
-    r = read_record(path, warn)
-    if r is None:
+    parse, nests too deeply, holds NaN, lacks its status or settings, or holds a key of another type: "not done",
+    with a warning naming it where `warn`)."""
+    path = Path(path)
+    if not path.is_file():
         return None
-    wrong = [f"{k} is a {type(r[k]).__name__}" for k, t in RECORD.items() if k in r and not isinstance(r[k], t)]
-    missing = [k for k in ("status", "settings") if k not in r]
-    if missing or wrong:
-        if warn:
-            print(f"warning: {path} is not whole ({'; '.join(wrong) or 'it lacks ' + ' and '.join(missing)}); taking "
-                  "its stage as not done, so it runs again.", file=sys.stderr, flush=True)
-        return None
-    return r
+    try:
+        r, why = records.load(path, dict)
+    except OSError as e:
+        r, why = None, " ".join(str(e).split())[:120]
+    kind = "does not parse"
+    if why is None and (why := problem(r, RECORD)):
+        kind = "is not whole"
+    if why is None:
+        return r
+    if warn:
+        print(f"warning: {path} {kind} ({why}); taking its stage as not done, so it runs again.", file=sys.stderr,
+              flush=True)
+    return None
+
+
+def read_result(path: Path, spec=None):
+    """A stage's result file, whole (its NEEDS, or `spec`, and lmcal.utils.records's check); one paragraph naming
+    the file and the key otherwise."""
+    return records.read(path, spec or NEEDS.get(Path(path).name, dict), "a whole stage result",
+                        "Delete it and rerun the reproduction (make reproduce runs that stage again); nothing was "
+                        "written.")
+
+
+def read_json(path: Path):
+    """A result under a reproduction's folder: an evaluation.json holding its stage's results, or any other."""
+    path = Path(path)
+    stage = path.parent.name
+    spec = {stage: dict} if path.name == "evaluation.json" and stage in STAGES else None
+    return read_result(path, spec)
 
 
 def _memory_rows(root: Path, taus, windows: bool) -> list[dict]:
@@ -181,9 +210,12 @@ def collect_results(cfg: DictConfig, out: Path, names: list[str]) -> dict:
 SETTINGS = ("num_prefixes", "samples_per_prefix", "prefix_len", "horizon", "seed")  # a generation stage's setup
 
 
+DOSE_ROWS = {"rows": Of(dict), "device?": str, "rules?": Of(str, 1), "own_fit?": Maybe(dict)}
+
+
 def dose_row_files(folder: Path) -> list[tuple[Path, dict]]:
     """The rows other runs added beside a calibration stage's JSON: each dose_rows_*.json in its folder, by name."""
-    return [(p, read_json(p)) for p in sorted(folder.glob("dose_rows_*.json"))]
+    return [(p, read_result(p, DOSE_ROWS)) for p in sorted(folder.glob("dose_rows_*.json"))]
 
 
 def calibration_dose(cal: dict, found: list[tuple[Path, dict]]) -> dict:
@@ -254,6 +286,8 @@ def transformer_results(cfg: DictConfig, root: Path) -> dict:
     return out
 
 
+# a stage's result with its time profile (lmcal.utils.profiling): what stage_profile reads
+PROFILED = {"profile": {"seconds": float, "spans": Each({"seconds": float, "gflop?": float})}}
 OPERATIONS = ("forward", "select", "lookahead", "sampling", "entropy", "scoring", "fit", "io")
 
 
@@ -262,21 +296,22 @@ def stage_profile(folder: Path) -> dict:
     its evaluation.json; lmcal.utils.profiling), a training stage's {"tokens_per_s", "train_seconds"}, or {}."""
     from lmcal.utils.profiling import by_operation
 
-    try:
-        ev = read_json(folder / "evaluation.json")
-    except (OSError, ValueError):
-        try:  # a training stage: its measured training speed
-            m = read_json(folder / "metrics.json")
-        except (OSError, ValueError):
+    if not (folder / "evaluation.json").is_file():
+        if not (folder / "metrics.json").is_file():
             return {}
-        return {k: m[k] for k in ("tokens_per_s", "train_seconds") if m.get(k) is not None}
+        m = read_result(folder / "metrics.json", {"tokens_per_s?": NUM, "train_seconds?": NUM})
+        return {k: m[k] for k in ("tokens_per_s", "train_seconds") if m.get(k) is not None}  # a training stage
+    ev = read_result(folder / "evaluation.json", dict)
+    for k, v in ev.items():  # (a stage's result with a profile: the profile whole)
+        if isinstance(v, dict) and "profile" in v:
+            records.check({k: v}, {k: PROFILED}, folder / "evaluation.json", "a whole stage result")
     prof = next((v["profile"] for v in ev.values() if isinstance(v, dict) and "profile" in v), None)
     if not prof:
         return {}
     ops = by_operation(prof["spans"])
     shown = {k: ops.get(k, 0.0) for k in OPERATIONS}
     shown["other"] = max(0.0, prof["seconds"] - sum(shown.values()))
-    gflop = sum(v["gflop"] for p, v in prof["spans"].items() if p.rsplit("/", 1)[-1] == "forward")
+    gflop = sum(v.get("gflop", 0.0) for p, v in prof["spans"].items() if p.rsplit("/", 1)[-1] == "forward")
     return {"profile": shown, "analysis_seconds": prof["seconds"], "forward_gflop": gflop}
 
 

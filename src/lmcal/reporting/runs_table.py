@@ -13,18 +13,26 @@ from pathlib import Path
 
 from hydra.experimental.callback import Callback
 
+from lmcal.utils import records
 from lmcal.utils.io import write_text_atomic
 from lmcal.utils.progress import clock
+from lmcal.utils.records import Maybe
 
 log = logging.getLogger("lmcal")
 
+# what the table reads from a run's files (lmcal.utils.records: another type, NaN or Infinity is refused naming the
+# key; null where a perplexity was not finite)
+METRICS = {"dataset?": Maybe(str), "memory_tau?": Maybe(int), "val_ppl?": Maybe(float), "test_ppl?": Maybe(float),
+           "wall_seconds?": Maybe(records.Range(0))}
+FAILED = {"error?": object}
+MEMORY = {"mi_upper_bound_nats?": Maybe(float), "mi_stderr_nats?": Maybe(float)}  # a run's memory stage (memory.json)
 
-def _read(path: Path) -> dict | None:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
+
+def _read(path: Path, spec: dict) -> dict | None:
+    """The record in `path`, whole, or None where there is none; one paragraph naming the file and key otherwise."""
+    if not path.is_file():
         return None
-    return data if isinstance(data, dict) else None
+    return records.read(path, spec, "a training run's record", "Delete it or rerun that run; nothing was written.")
 
 
 # overrides that say where a run logs and writes, not what it trains: the pipeline's own (make reproduce passes
@@ -68,7 +76,7 @@ def find_runs(dirs: list[str | Path], jobs: bool = False) -> list[Path]:
 def run_row(run: Path) -> dict:
     """One run: overrides (all, and the user's), dataset, tau, val/test perplexity, wall time, status (ok, failed:
     why, or no result) and folder. Dataset and tau from metrics.json, else from the job's composed config."""
-    metrics, failed = _read(run / "metrics.json"), _read(run / "failed.json")
+    metrics, failed = _read(run / "metrics.json", METRICS), _read(run / "failed.json", FAILED)
     status = ("failed: " + " ".join(str(failed.get("error", "")).split()) if failed is not None
               else "ok" if metrics is not None else "no result (still running, or killed)")
     m, cfg = metrics or {}, _yaml(run / ".hydra" / "config.yaml") or {}
@@ -77,7 +85,15 @@ def run_row(run: Path) -> dict:
     return {"overrides": overrides, "shown": users_overrides(overrides), "dataset": m.get("dataset", data.get("name")),
             "memory_tau": m.get("memory_tau", model.get("memory_tau")), "val_ppl": m.get("val_ppl"),
             "test_ppl": m.get("test_ppl"), "wall_seconds": m.get("wall_seconds"), "status": status,
-            "folder": str(run)}
+            "folder": str(run), **memory_bound(run)}
+
+
+def memory_bound(run: Path) -> dict:
+    """The memory bound a run's memory stage wrote (memory.json): {mi_upper_bound_nats, mi_stderr_nats}, or {}."""
+    mem = _read(run / "memory.json", MEMORY)
+    if not mem or mem.get("mi_upper_bound_nats") is None:
+        return {}
+    return {"mi_upper_bound_nats": mem["mi_upper_bound_nats"], "mi_stderr_nats": mem.get("mi_stderr_nats")}
 
 
 def _natural(text: str) -> list:
@@ -103,25 +119,41 @@ def runs_markdown(rows: list[dict]) -> str:
     shown = [r.get("shown", r["overrides"]) for r in rows]
     common = set.intersection(*map(set, shown)) if len(rows) > 1 else set()
     lines = [f"All runs: {' '.join(o for o in shown[0] if o in common)}", ""] if common else []
-    lines += ["| run | dataset | τ | val ppl | test ppl | wall time | status | folder |",
-              "|---|---|--:|--:|--:|--:|---|---|"]
+    bound = any("mi_upper_bound_nats" in r for r in rows)  # a sweep whose jobs ran the memory stage: its result
+
+    def mi(r) -> str:
+        if "mi_upper_bound_nats" not in r:
+            return "- | - | "
+        se = r.get("mi_stderr_nats")
+        return f"{r['mi_upper_bound_nats']:.4f} | {'-' if se is None else f'{se:.4f}'} | "
+
+    lines += ["| run | dataset | τ | val ppl | test ppl | " + ("memory bound I_τ (nats) | ± | " if bound else "")
+              + "wall time | status | folder |", "|---|---|--:|--:|--:|" + ("--:|--:|" if bound else "")
+              + "--:|---|---|"]
     lines += [f"| {cell(' '.join(o for o in mine if o not in common) or '-')} | {cell(r.get('dataset') or '-')} | "
               f"{'-' if r.get('memory_tau') is None else r['memory_tau']} | {ppl(r['val_ppl'])} | "
-              f"{ppl(r['test_ppl'])} | "
+              f"{ppl(r['test_ppl'])} | {mi(r) if bound else ''}"
               f"{clock(r['wall_seconds']) if r.get('wall_seconds') is not None else '-'} | {cell(r['status'])} | "
               f"{cell(r['folder'])} |" for r, mine in zip(rows, shown, strict=True)]
     return "\n".join(lines) + "\n"
 
 
-def runs_report(dirs: list[str | Path], out: str | Path | None = None, jobs: bool = False) -> list[dict]:
-    """The table of the training runs under `dirs` (`find_runs`), printed, and written to `out`/runs.{md,json} when
-    given."""
-    rows = sort_rows([run_row(r) for r in find_runs(dirs, jobs)])
+def collect_runs(dirs: list[str | Path], jobs: bool = False) -> list[dict]:
+    """The rows of the training runs under `dirs` (`find_runs`), sorted; every record read and checked."""
+    return sort_rows([run_row(r) for r in find_runs(dirs, jobs)])
+
+
+def runs_report(dirs: list[str | Path], out: str | Path | None = None, jobs: bool = False,
+                rows: list[dict] | None = None, name: str = "runs") -> list[dict]:
+    """The table of the training runs under `dirs` (`collect_runs`; `rows`: what it returned, read before anything was
+    written), printed, and written to `out`/<name>.{md,json} when given (a sweep's own: runs; lmcal.report's:
+    report_runs, so that it never replaces a sweep's table)."""
+    rows = collect_runs(dirs, jobs) if rows is None else rows
     if rows:
         print(runs_markdown(rows), end="", flush=True)
         if out is not None:
-            write_text_atomic(Path(out) / "runs.md", runs_markdown(rows))
-            write_text_atomic(Path(out) / "runs.json", json.dumps(rows, indent=1) + "\n")
+            write_text_atomic(Path(out) / f"{name}.md", runs_markdown(rows))
+            write_text_atomic(Path(out) / f"{name}.json", json.dumps(rows, indent=1) + "\n")
     return rows
 
 

@@ -10,7 +10,7 @@ import math
 from pathlib import Path
 
 from lmcal.errors import LmcalError
-from lmcal.utils.io import read_json
+from lmcal.reporting.results import read_json
 
 log = logging.getLogger("lmcal")
 

@@ -9,7 +9,6 @@ docs/runs/scale; logged to W&B as one report run per group, with the table and t
 
 from __future__ import annotations
 
-import json
 import logging
 import shlex
 from collections import Counter
@@ -22,28 +21,34 @@ from lmcal.core.scaling import MIN_SPREAD, fit_power_law, signed_trend, weighted
 from lmcal.errors import LmcalError
 from lmcal.reporting.scale_text import AXES, METHODS, report_markdown, results_json, run_label, scale_table
 from lmcal.stages.scale_record import RECORD
+from lmcal.utils import records
 from lmcal.utils.io import inside, write_json_atomic, write_text_atomic
+from lmcal.utils.records import POSITIVE, Maybe, Of, Range
 
 log = logging.getLogger("lmcal")
 
-NEEDED = ("model", "family", "corpus", "unit", "params", "train_tokens", "test_ce_nats", "tail_nats",
-          "tail_stderr_nats", "gap_nats", "gap_stderr_nats", "tail_nats_per_prefix", "effects")
+# what the table, the fits and the figure read from a scale.json, of its type (lmcal.utils.records): sizes above 0
+# (their logarithms are taken), a last tenth per prefix to fit (at least one), null where an error is not known
+NUM = Maybe(float)
+EFFECT = Maybe({"tail_diff_nats": float, "tail_diff_stderr_nats": NUM, "test_ce_nats": float})
+COUNT = Range(1, integer=True)
+SCALE = {"model": str, "family": str, "corpus": str, "unit": str, "params": Maybe(POSITIVE),
+         "train_tokens": Maybe(POSITIVE), "data_tokens?": Maybe(POSITIVE), "tail_exponent?": NUM,
+         "test_ce_nats": POSITIVE, "test_ce_stderr_nats?": NUM, "tail_nats": float, "tail_stderr_nats": NUM,
+         "gap_nats": float, "gap_stderr_nats": NUM, "tail_nats_per_prefix": Of(float, 1),
+         "effects": {"model?": Maybe({"test_ce_nats": NUM}), "fitted_temperature?": EFFECT, "calibration?": EFFECT},
+         "num_prefixes": COUNT, "samples_per_prefix": COUNT, "prefix_len": Range(0, integer=True),
+         "horizon": COUNT, "wandb_group?": Maybe(str)}
+FIX = "Delete it or rerun that run's analysis (stages=[entropy_rate,...]); nothing was written."
 
 
 def collect_scale(dirs: list[str | Path]) -> list[dict]:
     """Every scale.json under `dirs`, with its path, its run's wall time (metrics.json's, or the stages' of
-    evaluation.json) and training seed; a file that is not a record is one paragraph naming it."""
+    evaluation.json) and training seed; a file that is not a whole record is one paragraph naming it and the key."""
     rows = []
     for d in map(Path, dirs):
         for path in sorted(d.rglob(RECORD)):
-            try:
-                r = json.loads(path.read_text())
-                missing = [k for k in NEEDED if k not in r] if isinstance(r, dict) else list(NEEDED)
-                if missing:
-                    raise KeyError(f"it lacks {', '.join(missing)}")
-            except (ValueError, KeyError, TypeError) as e:
-                raise LmcalError(f"{path} is not a scale record ({str(e).strip(chr(39))}); delete it or rerun that "
-                                 "run's analysis (stages=[entropy_rate,...]).") from None
+            r = records.read(path, SCALE, "a scale record", FIX)
             r["path"] = str(path)
             r["wall_seconds"] = run_seconds(path.parent)
             r["train_seed"] = run_seed(path.parent)
@@ -55,14 +60,16 @@ def run_seconds(run: Path) -> float | None:
     """A run folder's wall time: metrics.json's wall_seconds (training and stages), else the sum of its stages'
     times in evaluation.json."""
     for name in ("metrics.json", "evaluation.json"):
-        try:
-            m = json.loads((run / name).read_text())
-        except (OSError, ValueError):
+        if not (run / name).is_file():
             continue
-        if name == "metrics.json" and isinstance(m.get("wall_seconds"), (int, float)):
+        m = records.read(run / name, {"wall_seconds?": NUM} if name == "metrics.json" else dict,
+                         "a run's record", FIX)
+        if name == "metrics.json" and m.get("wall_seconds") is not None:
             return float(m["wall_seconds"])
         if name == "evaluation.json":
-            s = [v["profile"]["seconds"] for v in m.values() if isinstance(v, dict) and "profile" in v]
+            profiled = {k: v for k, v in m.items() if isinstance(v, dict) and "profile" in v}
+            records.check(profiled, records.Each({"profile": {"seconds": float}}), run / name, "a run's record", FIX)
+            s = [v["profile"]["seconds"] for v in profiled.values()]
             return float(sum(s)) if s else None
     return None
 
@@ -277,12 +284,17 @@ def sweep_commands(rows: list[dict]) -> list[str]:
 
 
 def scale_report(dirs: list[str | Path], out: str | Path, n_boot: int = 2000, seed: int = 0, profile: str = "scale",
-                 command: str | None = None, extra: dict | None = None) -> dict:
-    """Collects the records under `dirs`, fits each group (corpus, tail exponent, family, unit) and writes scale.md,
-    scale.png, scale_report.json, results.json and REPORT.md into `out`; returns the report ({} without records).
-    `profile` names the snapshot (docs/runs/<profile>), `command` what ran the sweep (None: rebuilt from its jobs'
-    overrides, then this process's own), `extra` more keys of results.json."""
-    rows = collect_scale(dirs)
+                 command: str | None = None, extra: dict | None = None, rows: list[dict] | None = None) -> dict:
+    """Collects the records under `dirs` (`rows`: collect_scale's, read and checked before anything was written),
+    fits each group (corpus, tail exponent, family, unit) and writes scale.md, scale.png, scale_report.json,
+    results.json and REPORT.md into `out`; returns the report ({} without records). `profile` names the snapshot
+    (docs/runs/<profile>), `command` what ran the sweep (None: rebuilt from its jobs' overrides, then this process's
+    own), `extra` more keys of results.json. `n_boot`: the bootstrap's replicates, at least 1."""
+    if isinstance(n_boot, bool) or not isinstance(n_boot, int) or n_boot < 1:
+        raise LmcalError(f"The bootstrap takes a whole number of replicates, at least 1 (it was given {n_boot!r}): "
+                         "pass --bootstrap N with N >= 1 (the default, 2000, is the report's own). Nothing was "
+                         "written.")
+    rows = collect_scale(dirs) if rows is None else rows
     if not rows:
         return {}
     out = Path(out)

@@ -14,17 +14,24 @@ from lmcal.errors import LmcalError
 from lmcal.stages.plots import decoders_tradeoff_figure, memory_figure
 from lmcal.stages.tables import decoders_table, memory_table
 from lmcal.stages.wandb_run import init_args, open_run
+from lmcal.utils import records
 from lmcal.utils.io import file_name, inside, write_json_atomic, write_text_atomic
+from lmcal.utils.records import Maybe, Of, Range
 
-# what the tables and figures read from each result (a file missing one is refused, naming the keys)
-MEMORY_KEYS = ("corpus", "tau", "model", "ce_limited_nats", "mi_upper_bound_nats", "mi_stderr_nats", "alpha",
-               "alpha_stderr", "entropy_calibrated_nats", "test_tokens", "cluster_size")
-DECODER_KEYS = ("method", "params", "entrate_ppl", "test_ce_nats", "zero_prob_fraction", "test_ce_mixed_nats",
-                "test_ce_kept_nats", "entropy_t1_nats", "entropy_last_nats", "stderr_nats")
-
-
-def _missing(r, keys) -> list[str]:
-    return [k for k in keys if k not in r] if isinstance(r, dict) else list(keys)
+# what the tables and figures read from each result, of its type (lmcal.utils.records: a file that lacks one, or
+# holds another type, NaN or Infinity, is refused naming the key); null where a fit had no finite value
+NUM = Maybe(float)
+MEMORY = {"corpus": str, "tau": Range(1, integer=True), "model": str, "ce_limited_nats": float,
+          "mi_upper_bound_nats": NUM, "mi_stderr_nats": NUM, "alpha": NUM, "alpha_stderr": NUM,
+          "entropy_calibrated_nats": NUM, "test_tokens": Range(0, integer=True), "cluster_size": Range(1, integer=True),
+          "limited?": str, "exact_mi_nats?": NUM, "mi_upper_bound_crossfit_nats?": NUM, "delta_ce_nats?": NUM,
+          "delta_ce_stderr_nats?": NUM,
+          "two_parameter?": Maybe({"beta": float, "alpha": float, "mi_upper_bound_nats?": NUM, "mi_stderr_nats?": NUM})}
+DECODER_ROW = {"method": str, "params": dict, "entrate_ppl": float, "test_ce_nats": NUM, "zero_prob_fraction": float,
+               "test_ce_mixed_nats": float, "test_ce_kept_nats": NUM, "entropy_t1_nats": float,
+               "entropy_last_nats": float, "stderr_nats": Of(NUM, 1), "tail_diff_nats?": NUM,
+               "tail_diff_stderr_nats?": NUM}
+DECODERS = {"corpus": str, "rows": Of(DECODER_ROW, 1), "model?": Maybe(str), "reference_test_ce_nats?": NUM}
 
 log = logging.getLogger("lmcal")
 
@@ -44,27 +51,28 @@ def results_under(d: Path, name: str) -> list[Path]:
             if not (p.parent.name == "stages" and (p.parent.parent / "profile.yaml").is_file())]
 
 
+def model_of(r: dict) -> str:
+    """The model a memory row bounds: its name without its tau (a trained tau-model's "X, tau=5" is model X)."""
+    return str(r["model"]).split(", tau=")[0]
+
+
 def collect_memory(dirs: list[str | Path]) -> dict[str, list[dict]]:
-    """corpus -> memory.json results sorted by tau, then P~ (trained before window); of two results for one (corpus,
-    tau, P~) the newest file wins."""
-    found: dict[tuple[str, int, str], tuple[float, dict]] = {}
+    """corpus -> memory.json results sorted by model, tau, then P~ (trained before window); of two results for one
+    (corpus, model, tau, P~) the newest file wins: rows of two models (a reproduction's AWD-LSTM and transformer
+    windows) never replace each other."""
+    found: dict[tuple[str, str, int, str], tuple[float, dict]] = {}
     for d in dirs:
         d = Path(d)
         if not d.is_dir():
             raise LmcalError(f"{d} is not a folder; pass the sweep (or run) folders that hold memory.json files.")
         for path in results_under(d, "memory.json"):
-            try:
-                r = json.loads(path.read_text())
-                if missing := _missing(r, MEMORY_KEYS):
-                    raise KeyError(f"it lacks {', '.join(missing)}")
-                key = (str(r["corpus"]), int(r["tau"]), r.get("limited", "trained"))
-            except (ValueError, KeyError, TypeError) as e:  # (JSONDecodeError and UnicodeDecodeError are ValueErrors)
-                raise LmcalError(f"{path} is not a memory-stage result ({str(e).strip(chr(39))}); delete it or "
-                                 "rerun that stage.") from None
+            r = records.read(path, MEMORY, "a memory-stage result", "Delete it or rerun that stage; nothing was "
+                             "written.")
+            key = (r["corpus"], model_of(r), r["tau"], r.get("limited", "trained"))
             r["path"] = str(path)
             mtime = path.stat().st_mtime
             if key in found:
-                log.warning(f"two results for {key[0]} tau={key[1]} ({key[2]} P~): keeping the newer of "
+                log.warning(f"two results for {key[1]} on {key[0]} tau={key[2]} ({key[3]} P~): keeping the newer of "
                             f"{found[key][1]['path']} and {path}")
             if key not in found or mtime >= found[key][0]:
                 found[key] = (mtime, r)
@@ -83,17 +91,9 @@ def collect_decoders(dirs: list[str | Path]) -> dict[str, list[dict]]:
     found: dict[tuple, tuple[float, dict]] = {}
     for d in dirs:
         for path in results_under(d, "decoders.json"):
-            try:
-                res = json.loads(path.read_text())
-                rows, corpus = res["rows"], str(res["corpus"])
-                bad = [f"row {i} lacks {', '.join(m)}" for i, r in enumerate(rows) if (m := _missing(r, DECODER_KEYS))]
-                if bad or not all(isinstance(r["params"], dict) for r in rows):
-                    raise KeyError("; ".join(bad[:3]) or "a row's params is not a mapping")
-                if not all(isinstance(r["stderr_nats"], list) and r["stderr_nats"] for r in rows):
-                    raise TypeError("a row's stderr_nats is not a list (one standard error per generated position)")
-            except (ValueError, KeyError, TypeError) as e:
-                raise LmcalError(f"{path} is not a decoders-stage result ({str(e).strip(chr(39))}); delete it or "
-                                 "rerun that stage.") from None
+            res = records.read(path, DECODERS, "a decoders-stage result", "Delete it or rerun that stage; nothing "
+                               "was written.")
+            rows, corpus = res["rows"], res["corpus"]
             mtime = path.stat().st_mtime
             ref = res.get("reference_test_ce_nats")
             model = (str(res.get("model") or "model"), round(ref, 6) if isinstance(ref, (int, float)) else None)
@@ -115,12 +115,13 @@ def collect_decoders(dirs: list[str | Path]) -> dict[str, list[dict]]:
     return by_corpus
 
 
-def decoders_report(dirs: list[str | Path], out: str | Path) -> dict:
-    """Writes decoders_<corpus>.md and .png for the decoder rows under `dirs` (see collect_decoders)."""
+def decoders_report(dirs: list[str | Path], out: str | Path, found: dict[str, list[dict]] | None = None) -> dict:
+    """Writes decoders_<corpus>.md and .png for the decoder rows under `dirs` (see collect_decoders; `found`: what it
+    returned, when the records were read and checked before anything was written)."""
 
     out = Path(out)
     report = {}
-    for corpus, rows in collect_decoders(dirs).items():
+    for corpus, rows in (collect_decoders(dirs) if found is None else found).items():
         out.mkdir(parents=True, exist_ok=True)
         table = decoders_table(rows)
         name = _file_name(corpus, rows)
@@ -136,12 +137,48 @@ def decoders_report(dirs: list[str | Path], out: str | Path) -> dict:
     return report
 
 
+def memory_series(corpus: str, rows: list[dict], oracles: list[dict]) -> dict:
+    """The memory figure's series of one corpus: ours per model and P~ (trained first), the estimators on exact
+    oracles, the source's exact I_tau, and the paper's (PTB)."""
+    series = {}
+    models = list(dict.fromkeys(map(model_of, rows)))
+    for model in models:
+        for lim in dict.fromkeys(r.get("limited", "trained") for r in rows if model_of(r) == model):
+            mine = [r for r in rows if model_of(r) == model and r.get("limited", "trained") == lim]
+            label = f"ours ({model}, {lim} P̃)" if len(models) > 1 else f"ours ({lim} P̃)"
+            series[label] = ([r["tau"] for r in mine], [r["mi_upper_bound_nats"] for r in mine],
+                             [r["mi_stderr_nats"] for r in mine])
+    orc = sorted(oracles, key=lambda r: r["tau"])
+    if orc:  # the estimators on the exact P^ and P~_tau: they must land on the exact I_tau (the check)
+        series["the estimators on exact oracles (their check)"] = (
+            [r["tau"] for r in orc], [r["mi_upper_bound_nats"] for r in orc], [r["mi_stderr_nats"] for r in orc])
+    exact = sorted({r["tau"]: r["exact_mi_nats"] for r in rows if r.get("exact_mi_nats") is not None}.items())
+    if exact:  # the Markov source: the exact I_tau beside its bounds, as its table gives it
+        series["exact I_tau of the source (what the oracles' bound must equal; the LSTM's bound is on the "
+               "LSTM's own I_tau)"] = ([t for t, _ in exact], [v for _, v in exact], None)
+    if corpus == "ptb":
+        taus = sorted(paper.MEMORY_PTB)
+        shared = sorted(set(taus) & {r["tau"] for r in rows})
+        note = "" if shared else f"; tau = {taus[0]}-{taus[-1]}: none of this run's"
+        series[f"paper (AWD-LSTM, 500 epochs{note})"] = (taus, [paper.MEMORY_PTB[t][1] for t in taus], None)
+    return series
+
+
+def memory_tables(rows: list[dict]) -> str:
+    """The memory table of one corpus; with rows of several models, one table a model under its name."""
+    models = list(dict.fromkeys(map(model_of, rows)))
+    if len(models) == 1:
+        return memory_table(rows)
+    return "\n".join(f"## {m}\n\n{memory_table([r for r in rows if model_of(r) == m])}" for m in models)
+
+
 def memory_report(dirs: list[str | Path], out: str | Path | None = None, wandb_mode: str = "offline",
-                  project: str = "lmcal", group: str | None = None, oracles: dict[str, list[dict]] | None = None
-                  ) -> dict:
-    """Collects the tau results under `dirs` and writes the tables, figures and `memory_report.json` into `out`.
-    `oracles`: {corpus: rows} of the same estimators on exact oracles (a reproduction's Markov check), drawn beside."""
-    by_corpus = collect_memory(dirs)
+                  project: str = "lmcal", group: str | None = None, oracles: dict[str, list[dict]] | None = None,
+                  found: dict[str, list[dict]] | None = None) -> dict:
+    """Collects the tau results under `dirs` (`found`: collect_memory's, read and checked already) and writes the
+    tables, figures and `memory_report.json` into `out`. `oracles`: {corpus: rows} of the same estimators on exact
+    oracles (a reproduction's Markov check), drawn beside."""
+    by_corpus = collect_memory(dirs) if found is None else found
     if not by_corpus:
         raise LmcalError(f"No memory.json under {', '.join(map(str, dirs))}: run the tau models with "
                          "analysis.stages=[memory] memory.base_ckpt=PATH, or `python -m lmcal.evaluate "
@@ -150,35 +187,18 @@ def memory_report(dirs: list[str | Path], out: str | Path | None = None, wandb_m
     out.mkdir(parents=True, exist_ok=True)
     report = {}
     for corpus, rows in by_corpus.items():
-        table = memory_table(rows)
-        series = {}
-        for lim in dict.fromkeys(r.get("limited", "trained") for r in rows):  # trained first
-            mine = [r for r in rows if r.get("limited", "trained") == lim]
-            series[f"ours ({lim} P̃)"] = ([r["tau"] for r in mine], [r["mi_upper_bound_nats"] for r in mine],
-                                         [r["mi_stderr_nats"] for r in mine])
-        orc = sorted((oracles or {}).get(corpus, []), key=lambda r: r["tau"])
-        if orc:  # the estimators on the exact P^ and P~_tau: they must land on the exact I_tau (the check)
-            series["the estimators on exact oracles (their check)"] = (
-                [r["tau"] for r in orc], [r["mi_upper_bound_nats"] for r in orc], [r["mi_stderr_nats"] for r in orc])
-        exact = sorted({r["tau"]: r["exact_mi_nats"] for r in rows if r.get("exact_mi_nats") is not None}.items())
-        if exact:  # the Markov source: the exact I_tau beside its bounds, as its table gives it
-            series["exact I_tau of the source (what the oracles' bound must equal; the LSTM's bound is on the "
-                   "LSTM's own I_tau)"] = ([t for t, _ in exact], [v for _, v in exact], None)
-        if corpus == "ptb":
-            taus = sorted(paper.MEMORY_PTB)
-            shared = sorted(set(taus) & {r["tau"] for r in rows})
-            note = "" if shared else f"; tau = {taus[0]}-{taus[-1]}: none of this run's"
-            series[f"paper (AWD-LSTM, 500 epochs{note})"] = (taus, [paper.MEMORY_PTB[t][1] for t in taus], None)
+        table = memory_tables(rows)
         name = _file_name(corpus, rows)
-        png = memory_figure(series, inside(out, out / f"memory_{name}.png"),
-                            title=f"{rows[0]['model'].split(', tau=')[0]} on {corpus}: the information the model "
-                                  "draws from beyond tau tokens back (an upper bound)",
+        png = memory_figure(memory_series(corpus, rows, (oracles or {}).get(corpus, [])),
+                            inside(out, out / f"memory_{name}.png"),
+                            title=f"{' and '.join(dict.fromkeys(map(model_of, rows)))} on {corpus}: the information "
+                                  "the model draws from beyond tau tokens back (an upper bound)",
                             ylabel="upper bound on the model's I_tau (nats)")
         write_text_atomic(inside(out, out / f"memory_{name}.md"), f"# Memory bound on {corpus}\n\n{table}\n"
                                                                   f"![I_tau bound against tau](memory_{name}.png)\n")
-        report[corpus] = {"rows": [{k: r[k] for k in ("tau", "ce_limited_nats", "mi_upper_bound_nats",
-                                                      "mi_stderr_nats", "alpha", "alpha_stderr",
-                                                      "entropy_calibrated_nats", "path")}
+        report[corpus] = {"rows": [{"model": model_of(r)} | {k: r[k] for k in (
+                                       "tau", "ce_limited_nats", "mi_upper_bound_nats", "mi_stderr_nats", "alpha",
+                                       "alpha_stderr", "entropy_calibrated_nats", "path")}
                                    | {k: r.get(k, "trained" if k == "limited" else None) for k in (
                                        "limited", "mi_upper_bound_crossfit_nats", "delta_ce_nats",
                                        "two_parameter")} for r in rows],

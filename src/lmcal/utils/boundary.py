@@ -192,9 +192,10 @@ def remove_untouched() -> None:
         except OSError:
             continue
         hydra_files = {"config.yaml", "hydra.yaml", "overrides.yaml"}
-        ours = [e for e in entries if (e.name == ".hydra" and e.is_dir()
-                                       and {f.name for f in e.iterdir()} <= hydra_files)
-                or (e.suffix == ".log" and e.is_file())]
+        ours = [e for e in entries if not e.is_symlink() and (  # (a link, and what it leads to, are not ours)
+            (e.name == ".hydra" and e.is_dir() and all(f.name in hydra_files and not f.is_symlink()
+                                                       for f in e.iterdir()))
+            or (e.suffix == ".log" and e.is_file()))]
         if len(ours) != len(entries) or len([e for e in ours if e.suffix == ".log"]) > 1:
             continue
         for e in ours:

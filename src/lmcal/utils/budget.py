@@ -1,12 +1,13 @@
 """Sizes beyond reason, refused before any work (unless force_size=true): a setting far past any run of the paper
 (generation lengths, generations per point, memory lengths), a network whose training would not fit in this machine's
-memory, a Markov source whose table would not, or generation stages whose work or results would not. Each refusal
-shows the estimate it rests on. (A memory length longer than the text it is read on is refused too, whatever
-force_size says: `tau_too_long`.)
+memory, a generated source (Markov, power law) whose table would not, or generation stages whose work or results
+would not. Each refusal shows the estimate it rests on. (A memory length longer than the text it is read on is
+refused too, whatever force_size says: `tau_too_long`.)
 """
 
 from __future__ import annotations
 
+import math
 import os
 
 # the largest value of each generation setting that is still a plausible run (the paper: 100, 5 and 700 with more than
@@ -71,13 +72,8 @@ def oversized(cfg: dict) -> list[str]:
         if isinstance(tau, int) and not isinstance(tau, bool) and tau > MAX_TAU:
             found.append(f"{key}={tau:,} (at most {MAX_TAU:,}): a tau-limited model reads up to tau tokens again for "
                          "every token it scores, and no corpus here is that long")
-    markov = (cfg.get("data") or {}).get("corpus_kwargs") if isinstance(cfg.get("data"), dict) else None
-    if isinstance(markov, dict) and (cfg.get("data") or {}).get("name") == "markov":
-        v, k = markov.get("vocab_size", 16), markov.get("order", 2)
-        if isinstance(v, int) and isinstance(k, int) and v > 0 and k > 0 and ram and 8 * v ** (k + 1) > ram / 2:
-            found.append(f"data.corpus_kwargs.vocab_size={v:,} and order={k}: the Markov source's table "
-                         f"[V^order, V] holds {v ** (k + 1):.3g} float64 probabilities ({_gb(8 * v ** (k + 1))}), "
-                         f"more than half this machine's {_gb(ram)}")
+    if why := source_table_problem(cfg.get("data"), ram):
+        found.append(why)
     analysis = cfg.get("analysis")
     for name, node in (analysis.items() if isinstance(analysis, dict) else []):
         if not isinstance(node, dict) or not all(isinstance(node.get(k), int) for k in CAPS):
@@ -90,3 +86,30 @@ def oversized(cfg: dict) -> list[str]:
                          f"+ horizon) = {steps:.3g} model steps (the paper's settings: 4e+05; at most "
                          f"{MAX_TOKEN_STEPS:.0e}), with about {_gb(results)} of per-step results")
     return found
+
+
+TABLE_BYTES_PER_ENTRY = 64  # measured peak of lmcal.data.markov / powerlaw per [V^order, V] entry: the float64 table,
+# the random draws and ranks that build it, the stationary iteration's product, the sampler's CDF and its Python lists
+SOURCE_DEFAULTS = {"markov": (16, 2), "powerlaw": (256, 1)}  # (vocab_size, order) of conf/data/<name>.yaml
+
+
+def source_table_problem(data, ram: int) -> str | None:
+    """Why a generated source's table (data=markov, data=powerlaw: [V^order, V] float64) would not fit in half this
+    machine's memory `ram` while it is built and sampled, naming data.corpus_kwargs.order and the largest that
+    fits; None where it fits (or is not such a source)."""
+    if not isinstance(data, dict) or data.get("name") not in SOURCE_DEFAULTS or not ram:
+        return None
+    ck, (v0, k0) = data.get("corpus_kwargs") or {}, SOURCE_DEFAULTS[data["name"]]
+    v, k = ck.get("vocab_size", v0), ck.get("order", k0)
+    if not all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in (v, k)) or v < 2:
+        return None  # (the ranges' message)
+    room = math.log(ram / 2 / TABLE_BYTES_PER_ENTRY)  # (logarithms: order=10**9 is no number to raise V to)
+    if (k + 1) * math.log(v) <= room:
+        return None
+    fits = int(room / math.log(v)) - 1  # the largest order j with V^(j + 1) entries within half the memory
+    fix = f"data.corpus_kwargs.order={fits} fits" if fits >= 1 else "no order fits this vocabulary: lower vocab_size"
+    entries = math.exp((k + 1) * math.log(v)) if (k + 1) * math.log(v) < 600 else None
+    size = (f"{entries:.3g} entries, about {_gb(TABLE_BYTES_PER_ENTRY * entries)} while it is built and sampled "
+            f"({TABLE_BYTES_PER_ENTRY} bytes an entry)" if entries else "entries beyond any memory")
+    return (f"data.corpus_kwargs.order={k:,} with vocab_size={v:,}: the {data['name']} source's table [V^order, V] "
+            f"has {v:,}^{k + 1:,} = {size}, more than half this machine's {_gb(ram)} ({fix})")

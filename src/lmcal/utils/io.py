@@ -16,6 +16,7 @@ from pathlib import Path
 
 from lmcal.errors import LmcalError
 from lmcal.utils.profiling import timed
+from lmcal.utils.safe_paths import check_not_link
 
 
 def file_name(value, source: str | Path, key: str) -> str:
@@ -47,13 +48,17 @@ def temp_path(path: str | Path) -> Path:
 
 @contextmanager
 def atomic_path(path: str | Path):
-    """Yields a temporary path to write; renamed onto `path` when the block ends, removed if it fails. Files are
-    created by ordinary `open`, so they get the permissions of the user's umask, like any other file."""
+    """Yields a temporary path to write; renamed onto `path` when the block ends, removed if it fails. A `path` that
+    is a symbolic link is refused (lmcal.utils.safe_paths.check_not_link), before and again at the rename; the
+    temporary file is created here, new (O_EXCL, not through a link), with the permissions of the user's umask."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    check_not_link(path)
     tmp = temp_path(path)
+    os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o666))
     try:
         yield tmp
+        check_not_link(path)  # (a link made while the file was written)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -114,7 +119,7 @@ def read_record(path: str | Path, warn: bool = True) -> dict | None:
         return None
     try:
         value = json.loads(path.read_text())
-    except (OSError, ValueError) as e:  # (ValueError: JSONDecodeError, UnicodeDecodeError)
+    except (OSError, ValueError, RecursionError) as e:  # (JSONDecodeError, UnicodeDecodeError; nested too deeply)
         why = " ".join(str(e).split())[:120]
     else:
         if isinstance(value, dict):

@@ -19,6 +19,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from lmcal.errors import LmcalError
+from lmcal.utils.records import Maybe, Range, parse, problem
 
 log = logging.getLogger("lmcal")
 
@@ -29,7 +30,17 @@ HEARTBEAT_S = 30.0  # the holder touches its lock this often
 STALE_S = float(os.environ.get("LMCAL_LOCK_STALE_S", 180))
 
 
+PID_MAX = 2**31 - 1  # a process id is a pid_t: none is larger (nor 0 or below: os.kill reads those as groups)
+LOCK_BYTES = 64 * 1024  # a lock's text is a line; more than this is no lmcal lock
+# what a lock names: its holder (lmcal.utils.records's spec; other keys are free)
+HOLDER = {"pid": Range(1, PID_MAX, integer=True), "host?": Maybe(str), "started?": Maybe(str),
+          "command?": Maybe(str), "what?": Maybe(str), "slurm_job_id?": Maybe((str, int))}
+
+
 def _pid_alive(pid: int) -> bool:
+    """Whether process `pid` runs on this host; False for a number no process can have."""
+    if not isinstance(pid, int) or not 0 < pid <= PID_MAX:
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -143,18 +154,43 @@ def stale(holder: dict, age: float, me: dict) -> str | None:
 WRITING_S = 2.0  # a lock whose body is not yet whole is being written, for at most this long
 
 
+def holder_of(body: str) -> tuple[dict | None, str | None]:
+    """(the holder a lock file's text names: {pid, host, started, command, ...}, None), or (None, why it names none):
+    not JSON, or JSON that is no object with a process id of a process (`[1, 2]`, `null`, `{}`, a pid beyond any
+    process's), read by lmcal.utils.records's one check."""
+    holder, why = parse(body)
+    why = why or problem(holder, HOLDER)
+    return (None, why) if why else (holder, None)
+
+
 def _holder(body: str) -> dict | None:
-    """The holder a lock file's text names ({pid, host, started, command, ...}), or None when it names none: not JSON,
-    or JSON that is no object with a process id (`[1, 2]`, `null`, `{}`)."""
-    try:
-        holder = json.loads(body)
-    except ValueError:
-        return None
-    return holder if isinstance(holder, dict) and isinstance(holder.get("pid"), int) else None
+    return holder_of(body)[0]
 
 
 def _shown(body: str) -> str:
-    return "an empty file" if not body.strip() else f"it holds {body.strip()[:40]!r}"
+    why = holder_of(body)[1]
+    return "an empty file" if not body.strip() else f"it holds {body.strip()[:40]!r}: {why}"
+
+
+def read_lock(lock: Path) -> tuple[str, float]:
+    """(the text of a lock file, at most LOCK_BYTES of it, and its age in seconds); OSError where there is none."""
+    with open(lock, "rb") as f:
+        body = f.read(LOCK_BYTES + 1).decode("utf-8", errors="replace")
+    return body, time.time() - lock.stat().st_mtime
+
+
+def taken_name(lock: Path) -> bool:
+    """Whether a lock's name is taken by something other than a plain file: lmcal never writes that there."""
+    return lock.is_symlink() or (lock.exists() and not lock.is_file())
+
+
+def not_a_file(lock: Path) -> LmcalError:
+    """The paragraph for a lock's name taken by something that is not a file (a folder, a link, a device)."""
+    what = ("a symbolic link" if lock.is_symlink() else "a folder" if lock.is_dir()
+            else "something that is not a file")
+    return LmcalError(f"{lock} is {what} where lmcal's lock file goes (a run keeps its process id there while it "
+                      f"writes {lock.parent}), so no run can take that folder. Nothing was written. Remove it (it is "
+                      f"no lmcal lock: lmcal writes a file there), or give the run another folder.")
 
 
 def live_holder(folder: str | Path, above: bool = True) -> tuple[Path, dict] | None:
@@ -165,8 +201,10 @@ def live_holder(folder: str | Path, above: bool = True) -> tuple[Path, dict] | N
     path = Path(folder).expanduser().resolve()
     for d in (path, *path.parents) if above else (path,):
         lock = d / LOCK_NAME
+        if d == path and taken_name(lock):
+            raise not_a_file(lock)
         try:
-            body, age = lock.read_text(errors="replace"), time.time() - lock.stat().st_mtime
+            body, age = read_lock(lock)
         except OSError:
             continue
         holder = _holder(body)
@@ -178,7 +216,7 @@ def live_holder(folder: str | Path, above: bool = True) -> tuple[Path, dict] | N
 def _heartbeat(lock: Path, pid: int, done: threading.Event) -> None:
     while not done.wait(HEARTBEAT_S):
         try:
-            if (_holder(lock.read_text(errors="replace")) or {}).get("pid") == pid:
+            if (_holder(read_lock(lock)[0]) or {}).get("pid") == pid:
                 os.utime(lock)
         except OSError:
             pass
@@ -203,8 +241,10 @@ def run_lock(folder: str | Path, what: str = "run",
         try:
             fd = os.open(lock, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
         except FileExistsError:
+            if taken_name(lock):
+                raise not_a_file(lock) from None
             try:
-                body, age = lock.read_text(errors="replace"), time.time() - lock.stat().st_mtime
+                body, age = read_lock(lock)
             except OSError:
                 continue
             holder = _holder(body)
@@ -241,7 +281,7 @@ def run_lock(folder: str | Path, what: str = "run",
     finally:
         done.set()
         try:
-            if (_holder(lock.read_text(errors="replace")) or {}).get("pid") == me["pid"]:
+            if (_holder(read_lock(lock)[0]) or {}).get("pid") == me["pid"]:
                 lock.unlink()
         except OSError:
             pass

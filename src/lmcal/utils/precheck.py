@@ -3,7 +3,8 @@
 its `.hydra/` and its log (Hydra calls `on_run_start` and `on_multirun_start` before any of them).
 
 For every job (a multirun's, each expanded as Hydra's basic sweeper will): its run folder (lmcal.utils.lock's folder
-rule: no system folder, home, project or package, however spelt), its required settings (a `~key` deletion is
+rule: no system folder, home, project or package, however spelt; and no symbolic link inside it, nor inside the sweep
+folder, lmcal.utils.safe_paths), its required settings (a `~key` deletion is
 refused, naming the key), every interpolation, the ranges and sizes (lmcal.utils.validate), the entry point's own
 checks (`check_settings` of lmcal.train and lmcal.evaluate) and the W&B mode. The first problem stops the command
 with one paragraph (LmcalError) and nothing anywhere written.
@@ -25,6 +26,7 @@ from lmcal.errors import LmcalError
 from lmcal.utils.boundary import MADE, explain, fail
 from lmcal.utils.lock import check_output_folder, live_holder
 from lmcal.utils.rules import RULES
+from lmcal.utils.safe_paths import check_no_links
 
 # the keys a command line may delete (`~key`): choices of a config group that may be absent
 DELETABLE = {"lmcal.train": ("logger", "experiment"), "lmcal.evaluate": ("logger", "model", "decoder")}
@@ -79,6 +81,7 @@ def check_job(entry: str, config: DictConfig, out: Path, where: str = "") -> Non
     """Every check of one job, before anything of it is written (raises LmcalError)."""
     try:
         check_output_folder(out)
+        check_no_links(out)  # (.hydra, the log, checkpoints/, ...: nothing written through a link in it)
         if held := live_holder(out, above=False):  # (Hydra would rewrite that run's .hydra/ before the lock refused)
             lock, h = held
             raise LmcalError(f"{out} is in use by another lmcal {h.get('what', 'run')}: process {h.get('pid')} on "
@@ -160,6 +163,7 @@ class CheckFirst(Callback):
 
     def _multirun(self, config: DictConfig) -> None:
         check_output_folder(_folder(config.hydra.sweep.dir))
+        check_no_links(_folder(config.hydra.sweep.dir), "sweep folder")  # (its multirun.yaml, runs.md, jobs)
         for overrides, job in sweep_jobs(config):
             before = HydraConfig.instance().cfg
             HydraConfig.instance().set_config(job)

@@ -41,7 +41,8 @@ class Range:
 
     def describe(self) -> str:
         if self.choices is not None:
-            return "one of " + ", ".join("null" if c is None else str(c) for c in self.choices)
+            return "one of " + ", ".join("null" if c is None else str(c).lower() if isinstance(c, bool) else str(c)
+                                         for c in self.choices)
         kind = "an integer" if self.integer else "a number"
         lo, hi = _number(self.lo), _number(self.hi)
         if self.lo is not None and self.hi is not None:
@@ -84,6 +85,9 @@ NONNEG = Range(lo=0)
 PROB_OPEN_HI = Range(lo=0, hi=1, hi_open=True)  # dropouts, epsilons: [0, 1)
 
 
+BOOL = Range(choices=(True, False))  # true or false (a string such as "maybe" is refused)
+
+
 RULES: dict[str, tuple[Range, str]] = {
     "seed": (SEED, "the run's random seed"),
     # data
@@ -102,7 +106,9 @@ RULES: dict[str, tuple[Range, str]] = {
     "data.corpus_kwargs.n_valid": (Range(lo=2, integer=True), "the generated corpus's validation tokens"),
     "data.corpus_kwargs.n_test": (Range(lo=2, integer=True), "the generated corpus's test tokens"),
     "data.corpus_kwargs.seed": (SEED, "the generated corpus's seed"),
-    "data.corpus_kwargs.tail_exponent": (POSITIVE, "the power-law source's tail exponent s (p_r ~ r^-s)"),
+    "data.corpus_kwargs.tail_exponent": (Range(lo=0, hi=8, lo_open=True), "the power-law source's tail exponent s "
+                                         "(p_r ~ r^-s; past 8 nearly all of each row's mass is on one word, and the "
+                                         "source's stationary law does not converge)"),
     # model (AWD-LSTM; the Hugging Face adapter's own keys below)
     "model.emb_size": (COUNT, "embedding size"),
     "model.hidden_size": (COUNT, "LSTM hidden size"),
@@ -198,8 +204,9 @@ RULES: dict[str, tuple[Range, str]] = {
                                             "uniform mass mixed in for a finite held-out cross-entropy"),
     "analysis.sequence_calibration.particles": (None, "SMC particles per generation, one row each"),
     "analysis.sequence_calibration.smc_prefixes": (OPT_COUNT, "prefixes the SMC rows generate from (null: all)"),
-    "analysis.sequence_calibration.goal_prefixes": (OPT_COUNT, "fresh prefixes the goal rows are measured again on "
-                                                               "(null: as many as each row's own)"),
+    "analysis.sequence_calibration.goal_prefixes": (Range(lo=1, hi=10**6, integer=True, optional=True),
+                                                    "fresh prefixes the goal rows are measured again on (null: as "
+                                                    "many as each row's own)"),
     "analysis.sequence_calibration.fit_prefixes": (Range(lo=2, integer=True), "continuations alpha* is fitted on"),
     "analysis.sequence_calibration.tail_particles": (OPT_COUNT, "SMC particles of the last tenth's entropy (null: "
                                                                 "the row's own)"),
@@ -226,10 +233,37 @@ RULES: dict[str, tuple[Range, str]] = {
     "analysis.sequence_calibration.epochs": (COUNT, "regression passes per soft-value round"),
     "analysis.sequence_calibration.batch_size": (COUNT, "examples per step of a head's regression"),
     "analysis.sequence_calibration.lr": (POSITIVE, "a soft-value head's learning rate"),
-    # make reproduce
+    # make reproduce (the profile's own keys; more in PROFILE_RULES)
     "jobs": (COUNT, "stages run side by side"),
     "taus": (None, "the tau-models' memory lengths"),  # a list: each an integer >= 1 (checked below)
     "markov.taus": (None, "the Markov source's tau-models' memory lengths"),
+}
+
+
+# the reproduce profile's other settings (lmcal.pipeline.plan.check_profile checks them with RULES, before any work)
+PROFILE_RULES: dict[str, tuple[Range, str]] = {
+    "transformer.window_taus": (None, "the transformer's window lengths"),
+    "bootstrap": (COUNT, "the scale report's bootstrap replicates"),
+    "estimate_for": (Range(choices=("cpu", "gpu")), "where check=true's wall time is estimated for"),
+    "warm_worker": (BOOL, "stages forked by a warm worker"),
+    "check": (BOOL, "the plan check alone"),
+    "force": (BOOL, "redo the stages whose settings changed (FORCE=1)"),
+    "force_size": (BOOL, "run even sizes beyond reason"),
+    "wandb_offline": (BOOL, "W&B offline"),
+    "wandb_log_model": (BOOL, "checkpoints uploaded to W&B"),
+    "warm_start": (BOOL, "tau-models start from the base model's weights"),
+    "windows": (BOOL, "the memory bound on tau-token windows too"),
+    "markov.warm_start": (BOOL, "the Markov tau-models start from its base model's weights"),
+    "markov.windows": (BOOL, "the Markov memory bound on tau-token windows too"),
+}
+
+
+# settings whose value becomes a folder's or file's name (or a part of one): key -> (most characters, only letters,
+# digits and . _ + -, what the setting is); lmcal.utils.safe_paths.name_problem says what a plain name is
+NAME_RULES: dict[str, tuple[int, bool, str]] = {
+    "task_name": (100, False, "the run's name"),
+    "logger.name_suffix": (64, True, "the end of the W&B run's name"),
+    "dataset": (100, False, "the dataset, the folder of its stages"),
 }
 
 

@@ -11,7 +11,8 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from lmcal.errors import LmcalError
 from lmcal.utils.budget import oversized
-from lmcal.utils.rules import COUNT, RULES, decoder_problems, show_value
+from lmcal.utils.rules import COUNT, NAME_RULES, RULES, decoder_problems, show_value
+from lmcal.utils.safe_paths import name_problem, show
 
 
 def _leaves(node, prefix: str = ""):
@@ -48,11 +49,11 @@ def _matches(pattern: str, key: str) -> bool:
     return len(p) == len(k) and all(a in ("*", b) for a, b in zip(p, k, strict=True))
 
 
-def problems(cfg: DictConfig) -> list[str]:
-    """Every out-of-range setting of `cfg`, as 'key=value (what it is: must be ...)' lines."""
+def problems(cfg: DictConfig, rules: dict | None = None) -> list[str]:
+    """Every out-of-range setting of `cfg`, as 'key=value (what it is: must be ...)' lines (`rules`: RULES's)."""
     found, across = [], []  # (across: rules between keys, after the keys' own)
     for key, value in _leaves(cfg):
-        for pattern, (rule, meaning) in RULES.items():
+        for pattern, (rule, meaning) in (rules or RULES).items():
             if not _matches(pattern, key):
                 continue
             if rule is None:  # a list of memory lengths
@@ -62,6 +63,12 @@ def problems(cfg: DictConfig) -> list[str]:
             elif not rule.ok(value):
                 found.append(f"{key}={show_value(value)} ({meaning}: must be {rule.describe()})")
             break
+        if key in NAME_RULES and value is not None:  # a name that becomes a folder's or file's
+            most, strict, meaning = NAME_RULES[key]
+            if why := name_problem(value, most, strict):
+                kind = " of letters, digits and . _ + -" if strict else ", no / or \\, not . or .."
+                found.append(f"{key}={show(value)} ({meaning}: must be one plain name, at most {most} characters"
+                             f"{kind}: {why})")
         if key == "decoder" and isinstance(value, dict):
             found += decoder_problems(value.get("name"), {k: v for k, v in value.items() if k != "name"}, key)
         if key == "data.corpus_kwargs" and isinstance(value, dict):  # (a Markov row's support within the vocabulary)
@@ -101,9 +108,10 @@ def rule_problems(rules, key: str) -> list[str]:
     return found
 
 
-def check_config(cfg: DictConfig, where: str = "") -> None:
-    """Raise one LmcalError listing every out-of-range setting of `cfg` (`where`: e.g. "stage 'base': ")."""
-    bad = problems(cfg)
+def check_config(cfg: DictConfig, where: str = "", rules: dict | None = None) -> None:
+    """Raise one LmcalError listing every out-of-range setting of `cfg` (`where`: e.g. "stage 'base': "; `rules`:
+    RULES's, or a table of its own such as RULES | PROFILE_RULES)."""
+    bad = problems(cfg, rules)
     if bad:
         s = "s" if len(bad) > 1 else ""
         raise LmcalError(f"{where}Setting{s} out of range: " + "; ".join(bad) + ". Nothing was run. Fix the value"
