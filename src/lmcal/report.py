@@ -34,12 +34,7 @@ import time
 from pathlib import Path
 
 from lmcal.errors import LmcalError
-from lmcal.reporting.runs_table import collect_runs, runs_report
-from lmcal.reporting.scale_report import collect_scale, log_scale_wandb, scale_report
-from lmcal.reporting.tabulate import collect_decoders, collect_memory, decoders_report, memory_report
-from lmcal.stages.wandb_run import check_online
 from lmcal.utils.boundary import boundary
-from lmcal.utils.io import write_json_atomic
 from lmcal.utils.lock import live_holder, run_lock
 
 
@@ -82,6 +77,13 @@ def main(argv: list[str] | None = None) -> None:
                     "cross-check interval (their stated intervals are t-intervals)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    print(f"lmcal.report: reading the records under {', '.join(args.dirs)}...", flush=True)  # before the imports
+    from lmcal.reporting.runs_table import collect_runs, runs_report
+    from lmcal.reporting.scale_report import collect_scale, log_scale_wandb, scale_report
+    from lmcal.reporting.tabulate import collect_decoders, collect_memory, decoders_report, memory_report
+    from lmcal.stages.wandb_run import check_online
+    from lmcal.utils.io import write_json_atomic
+
     with boundary():
         n_boot = replicates(args.bootstrap)
         for d in args.dirs:

@@ -32,12 +32,6 @@ from __future__ import annotations
 import os
 import sys
 
-from lmcal.pipeline.check import check
-from lmcal.pipeline.plan import load_profile
-from lmcal.pipeline.reproduce import reproduce
-from lmcal.pipeline.scale_sweep import check_sweeps, is_sweep_profile, reproduce_sweeps
-from lmcal.pipeline.schedule import clock, progress_line, reference_seconds, schedule  # noqa: F401  (clock, progress_line: public)
-from lmcal.pipeline.signals import watch_parent
 from lmcal.utils.boundary import Stopped, boundary, stop_on_signals
 
 
@@ -50,7 +44,16 @@ def main(argv: list[str] | None = None) -> None:
         with boundary(), stop_on_signals():
             watched = os.environ.get("LMCAL_WATCH_PID", "")
             if watched.isdigit():  # started by `make reproduce`: end with make, not run on as an orphan
+                from lmcal.pipeline.signals import watch_parent
+
                 watch_parent(int(watched))
+            print(f"lmcal reproduce {' '.join(argv)}: composing and checking every stage's settings (seconds)...",
+                  flush=True)  # the first line, before the heavy imports (torch, Hydra, Lightning)
+            from lmcal.pipeline.check import check
+            from lmcal.pipeline.plan import load_profile
+            from lmcal.pipeline.reproduce import reproduce
+            from lmcal.pipeline.scale_sweep import check_sweeps, is_sweep_profile, reproduce_sweeps
+
             cfg = load_profile(argv)
             sweeps = is_sweep_profile(cfg)  # scale, scale_gpu: Hydra grids of trainings (lmcal.pipeline.scale_sweep)
             if cfg.get("check"):  # the plan check alone: composes and sizes every stage, runs nothing
