@@ -530,11 +530,15 @@ def test_the_gpu_sweep_is_checked_by_the_plan_check(tmp_path):
     stages = plan_sweeps(cfg)
     assert len(stages) == 37 and stages[-1]["name"] == "report"  # 2 families x 3 sizes x 2 budgets x 3 seeds
     text = check_sweeps(cfg)
-    assert "awd_lstm_awd_lstm-null-143: awd_lstm, 24,221,600 parameters" in text  # the paper's size at the top
-    assert "transformer_transformer-null-141: transformer, 30,602,240 parameters, context 512" in text
+    assert max(len(ln) for ln in text.splitlines()) <= 120
+    joined = " ".join(ln.strip() for ln in text.splitlines())  # (each run's paragraph wrapped)
+    assert "awd_lstm: model awd_lstm, max_train_tokens null, seed 143: awd_lstm, 24,221,600 parameters" in joined
+    assert "(folder awd_lstm_awd_lstm-null-143)" in joined  # the paper's size at the top
+    assert "transformer: model transformer, max_train_tokens null, seed 141: transformer, 30,602,240 parameters, " \
+           "context 512" in joined
     full = plan_sweeps(load_profile(["profile=scale_gpu", f"out={tmp_path}"]))
     assert len(full) == 67 and "powerlaw_2.0-160000-142" in {st["name"] for st in full}  # all 5 amounts
-    assert "ESTIMATE" in text and "every stream within its model's context" in text
+    assert "ESTIMATE" in text and "every stream within its model's context" in joined
     bad = load_profile(["profile=scale_gpu", f"out={tmp_path}", "sweeps.powerlaw=null", "sweeps.awd_lstm=null",
                         "sweeps.transformer=[experiment=scale_transformer_gpu,analysis.entropy_rate.horizon=500]"])
     with pytest.raises(LmcalError, match=r"transformer_transformer_small-232397-141.*context of 512.*prefix_len \+ "

@@ -26,6 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 from lmcal.errors import LmcalError
 from lmcal.pipeline import check as plan_check
 from lmcal.pipeline.plan import logger_overrides, stage_settings
+from lmcal.pipeline.plan_text import wrap
 from lmcal.pipeline.sizes import model_of, stream_sizes
 from lmcal.pipeline.timing import BATCHED_TFLOPS, MEASURED_ON, lstm_epoch_seconds
 from lmcal.stages.scale_record import RECORD
@@ -92,7 +93,7 @@ def plan_sweeps(cfg: DictConfig) -> list[dict]:
             check_name(job_folder(values), f"the job folder of sweep {name} ({values})")
             d = out / name / job_folder(values)
             stages.append({"name": f"{name}_{job_folder(values)}", "dir": d, "done": [d / "metrics.json", d / RECORD],
-                           "deps": [], "sweep": name,
+                           "deps": [], "sweep": name, "values": dict(values),
                            "cmd": [sys.executable, "-m", "lmcal.train", *fixed,
                                    *[f"{k}={v}" for k, v in values.items()], *lg, *suffix(cfg, values),
                                    f"hydra.run.dir={d}"]})
@@ -170,9 +171,10 @@ def check_sweeps(cfg: DictConfig) -> str:
             peak = max((b for _, b in plan_check.peak_tensors(name, a, m, c.analysis.get("memory_budget_gb"))),
                        default=0.0)
             parts.append(f"{name} {steps:.3g} steps (peak {peak / 1e9:.2f} GB)")
-        lines.append(f"{st['name']}: {m.kind}, {m.params:,} parameters, context {m.context or 'unbounded'}; "
-                     f"{int(c.trainer.max_epochs)} epochs x {m.corpus.get('train', 0):,} tokens = "
-                     f"{t_flops:.3g} training FLOP; " + "; ".join(parts))
+        label = f"{st['sweep']}: " + ", ".join(f"{k.rsplit('.', 1)[-1]} {v}" for k, v in st["values"].items())
+        lines += wrap(f"{label}: {m.kind}, {m.params:,} parameters, context {m.context or 'unbounded'}; "
+                      f"{int(c.trainer.max_epochs)} epochs x {m.corpus.get('train', 0):,} tokens = "
+                      f"{t_flops:.3g} training FLOP; " + "; ".join(parts) + f" (folder {st['name']})")
     seconds = sum(total.values())
     if cfg.get("estimate_for", "gpu") == "gpu":
         when = (f"Wall time on one GPU: an ESTIMATE, runs one after another (AWD-LSTM trainings at the step "
@@ -182,10 +184,10 @@ def check_sweeps(cfg: DictConfig) -> str:
     else:  # small models on a CPU run far from its peak rate: FLOPs say little of the time
         when = (f"Wall time on this machine's CPU: `python bench/scale_sweep.py --profile {cfg.profile}` estimates it "
                 "from short timed pieces of every model in a few minutes.")
-    return "\n".join([f"Plan of the {cfg.profile} profile: {len(stages) - 1} runs in "
-                      f"{sum(o is not None for o in cfg.sweeps.values())} sweep(s) and the report; every run composed "
-                      "and within its ranges, every stream within its model's context.", "", *lines, "",
-                      when + reference_note(cfg.profile, [st["name"] for st in stages[:-1]])])
+    return "\n".join([*wrap(f"Plan of the {cfg.profile} profile: {len(stages) - 1} runs in "
+                            f"{sum(o is not None for o in cfg.sweeps.values())} sweep(s) and the report; every run "
+                            "composed and within its ranges, every stream within its model's context."), "", *lines,
+                      "", *wrap(when + reference_note(cfg.profile, [st["name"] for st in stages[:-1]]))])
 
 
 def cell_reference(ref: dict[str, float], names: list[str]) -> dict[str, float]:
