@@ -326,5 +326,5 @@ def test_a_model_far_from_the_papers_is_not_compared_with_it():
     assert "more than 3 times the paper's 58.3" in comparability({"profile": "x", "base": {"test_ppl": 948.1}})
     assert comparability({"profile": "smoke", "base": {"test_ppl": 60.0}}).startswith("a smoke run")
     c = C.not_comparable(C.against_paper("Calibration", -0.01, 0.01), "a smoke run")
-    assert c.verdict == "not_comparable" and shown(c.verdict) == "not comparable"
+    assert c.verdict == "not_comparable" and shown(c.verdict) == "– (not comparable)"
     assert c.sentence.endswith("Not comparable with the paper: a smoke run.")

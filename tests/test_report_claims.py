@@ -9,12 +9,15 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from lmcal.reporting.claim import comparability
 from lmcal.reporting.claims import (
+    AGAINST_PAPER,
     Z,
     best_head_claims,
     calibration_claims,
     heads_claims,
     memory_flags,
+    not_comparable,
     sequence_goal_claims,
 )
 
@@ -37,6 +40,8 @@ def check_effect_sentences(report: str, res: dict, run: Path | None = None) -> l
     sc_path = run / res["dataset"] / "sequence_calibration" / "sequence_calibration.json" if run else None
     if sc_path and sc_path.is_file():
         claims += sequence_goal_claims(json.loads(sc_path.read_text()))
+    why = comparability(res)  # a model far from the paper's: its claims against the paper are 'not comparable'
+    claims = [not_comparable(c, why) if why and c.key in AGAINST_PAPER else c for c in claims]
     lines = []
     for c in claims:
         row = claim_row(c)
@@ -118,6 +123,15 @@ def test_report_built_from_the_cpu_results_claims_only_what_they_show(tmp_path):
     assert "EntRate is the last step's entropy, which rises with the horizon: 187.6" in report
     assert "202.4" in report
     assert "warm-started from the base model" in report and "One top-16 law fits, scores and generates" in report
+
+
+def test_a_toy_models_report_says_so_first_and_compares_nothing_with_the_paper(tmp_path):
+    res = json.loads((ROOT / "tests" / "fixtures" / "cpu_results_2026-11-24.json").read_text())
+    res["profile"] = "smoke"
+    report = _cpu_report(res, tmp_path)
+    check_effect_sentences(report, res, tmp_path)
+    assert report.split("\n")[2].startswith("**Not comparable with the paper:** a smoke run (a toy model")
+    assert "| – (not comparable) |" in report and "rules out" not in report
 
 
 def test_report_states_which_limit_calibration_meets_with_the_tables_behind_it(tmp_path):

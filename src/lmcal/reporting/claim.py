@@ -60,6 +60,6 @@ def shown(verdict: str, yes: set[str] = YES) -> str:
     """'yes', 'no' or 'undecided', with the verdict word the test gave; 'not comparable' for a model far from the
     paper's (comparability)."""
     if verdict == "not_comparable":
-        return "not comparable"
+        return "– (not comparable)"
     yn = "yes" if verdict in yes else "undecided" if verdict in UNDECIDED else "no"
     return f"{yn} ({verdict.replace('_', ' ')})"
