@@ -9,6 +9,7 @@ settings (lmcal.stages.registry)."""
 from __future__ import annotations
 
 import difflib
+import functools
 import inspect
 from dataclasses import fields
 
@@ -19,12 +20,13 @@ from lmcal.stages.registry import STAGES, settings_keys
 from lmcal.utils.settings import CONF_DIR
 
 
-def top_keys(entry: str) -> set[str]:
+@functools.cache  # (the plan check asks once per stage and tau-model)
+def top_keys(entry: str) -> frozenset[str]:
     """The top-level keys of `entry`'s config (conf/train.yaml or conf/evaluate.yaml): its own keys, its config
     groups and hydra."""
     conf = OmegaConf.load(CONF_DIR / f"{entry.rsplit('.', 1)[-1]}.yaml")
     groups = {next(iter(d)) for d in conf.get("defaults", []) if isinstance(d, DictConfig)}
-    return (set(conf) - {"defaults"}) | groups | {"hydra"}
+    return frozenset((set(conf) - {"defaults"}) | groups | {"hydra"})
 
 
 def analysis_keys() -> set[str]:
@@ -46,19 +48,25 @@ def network_keys(target: str) -> set[str] | None:
     return {p for p in inspect.signature(cls.__init__).parameters if p != "self"} | {"_target_"}
 
 
-def section_keys(cfg: DictConfig) -> dict[str, set[str] | None]:
-    """{section: its known keys} for the sections of `cfg` that have a schema (None: not checked here)."""
+@functools.cache
+def fixed_sections() -> dict[str, frozenset[str]]:
+    """The known keys of the sections whose schema never changes: optim, data, trainer."""
     import pytorch_lightning as pl
 
     from lmcal.data.batching import DataConfig
     from lmcal.training.module import OptimConfig
 
     trainer = set(inspect.signature(pl.Trainer.__init__).parameters) - {"self"}
+    return {"optim": frozenset(f.name for f in fields(OptimConfig)),
+            "data": frozenset({f.name for f in fields(DataConfig)} | {"_target_"}),
+            "trainer": frozenset(trainer | {"_target_"})}
+
+
+def section_keys(cfg: DictConfig) -> dict[str, set[str] | frozenset[str] | None]:
+    """{section: its known keys} for the sections of `cfg` that have a schema (None: not checked here)."""
     model = cfg.get("model")
     return {
-        "optim": {f.name for f in fields(OptimConfig)},
-        "data": {f.name for f in fields(DataConfig)} | {"_target_"},
-        "trainer": trainer | {"_target_"},
+        **fixed_sections(),
         "model": network_keys(model.get("_target_")) if isinstance(model, DictConfig) else None,
         "memory": {"base_ckpt", "base_runs"},
         **{f"analysis.{n}": set(settings_keys(stage)) for n, stage in STAGES.items()},
