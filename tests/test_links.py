@@ -105,6 +105,21 @@ def test_wandbs_own_links_inside_its_folder_are_let_through(tmp_path):
         check_no_links(tmp_path / "run")
 
 
+def test_submitits_own_links_to_its_scripts_are_let_through(tmp_path):
+    """submitit leaves .submission_file_<hex>.sh beside each job's script, a link to it; one of that name leading out
+    of the folder, or to a folder, is refused like any other."""
+    slurm = tmp_path / "out" / "slurm"
+    slurm.mkdir(parents=True)
+    (slurm / "6_submission.sh").write_text("#!/bin/bash\n")
+    (slurm / f".submission_file_{'0a' * 16}.sh").symlink_to(slurm / "6_submission.sh")
+    check_no_links(tmp_path / "out", "output folder")
+    (tmp_path / "elsewhere.sh").write_text("")
+    (slurm / f".submission_file_{'1b' * 16}.sh").symlink_to(tmp_path / "elsewhere.sh")
+    (slurm / f".submission_file_{'2c' * 16}.sh").symlink_to(slurm)
+    assert sorted(links_inside(tmp_path / "out")) == [slurm / f".submission_file_{'1b' * 16}.sh",
+                                                      slurm / f".submission_file_{'2c' * 16}.sh"]
+
+
 def test_the_run_folder_itself_may_be_a_link(tmp_path):
     real = tmp_path / "real"
     (real / "checkpoints").mkdir(parents=True)

@@ -71,6 +71,7 @@ def _bench(folder: Path):
 def _readers():
     """(name, file under the folder, a whole record with H where a number belongs, the read of the folder)."""
     from lmcal.reporting import results, runs_table, scale_report, tabulate
+    from lmcal.stages import stage
 
     return [
         ("memory.json", "memory.json", MEMORY, lambda d: tabulate.collect_memory([d])),
@@ -87,11 +88,15 @@ def _readers():
          results.dose_row_files),
         ("results.json (docs snapshot)", "results.json", _results(), _snapshot),
         ("bench summary", "bench/study.json", {"label": "x", "tail_nats": H, "test_ppl": 60.0}, _bench),
+        ("a stage's result (analysis.<stage>.<use>_json)", "sequence_calibration.json", {"law_horizon": H},
+         lambda d: stage.read_result(str(d / "sequence_calibration.json"), "sequence_calibration", "extend_json")),
     ]
 
 
 READERS = [name for name, *_ in _readers()]
-TEXT_FITS = {"dose rows": {"text"}}  # (the device is a text: that one is no hostile value there)
+# (the device is a text: that one is no hostile value there; a stage's result is any object of sound numbers)
+TEXT_FITS = {"dose rows": {"text"},
+             "a stage's result (analysis.<stage>.<use>_json)": {"text", "list", "object", "bool", "null"}}
 NULL_FITS = {"memory.json": set(), "metrics.json (runs table)": {"null"}, "metrics.json (scale wall time)": {"null"},
              "entropy_rate.json (reproduction)": {"null"}, "results.json (docs snapshot)": {"null"}}
 

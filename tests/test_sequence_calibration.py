@@ -826,9 +826,12 @@ def test_extend_json_is_read_as_data_with_one_clear_error_for_a_bad_file(tmp_pat
     (tmp_path / "bad.json").write_text("{not json")
     (tmp_path / "list.json").write_text("[1, 2]")
     (tmp_path / "bytes.json").write_bytes(b"\xff\xfe\x00")
+    (tmp_path / "nan.json").write_text('{"rows": [], "law_horizon": NaN}')
     for path, why in ((tmp_path / "missing.json", "does not exist: name the JSON a finished run"),
-                      (tmp_path / "bad.json", "is not a JSON file"), (tmp_path / "bytes.json", "is not a JSON file"),
-                      (tmp_path / "list.json", "holds a JSON list, not a stage's result")):
+                      (tmp_path / "bad.json", "is not a stage's result: it does not parse"),
+                      (tmp_path / "bytes.json", "is not a stage's result: it is not UTF-8"),
+                      (tmp_path / "list.json", "is not a stage's result: it is a list"),
+                      (tmp_path / "nan.json", "law_horizon is nan")):
         with pytest.raises(LmcalError, match=f"analysis.sequence_calibration.extend_json=.*{why}"):
             read_result(str(path), "sequence_calibration", "extend_json")
 

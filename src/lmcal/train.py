@@ -52,6 +52,7 @@ from lmcal.utils.budget import tau_too_long
 from lmcal.utils.device import TF32, apply_precision_policy, deterministic_cublas, precision_policy
 from lmcal.utils.io import write_json_atomic
 from lmcal.utils.lock import run_lock, sweep_temp_files
+from lmcal.utils.oom import is_out_of_memory, oom_refusal
 from lmcal.utils.quiet import quiet_third_party
 from lmcal.utils.settings import CONF_DIR
 
@@ -90,6 +91,11 @@ def fit(trainer: pl.Trainer, module, dm, resume: str | None) -> None:
     except SystemExit as e:
         if isinstance(e.__context__, KeyboardInterrupt):
             raise e.__context__ from None
+        raise
+    except Exception as e:
+        if is_out_of_memory(e) and not isinstance(e, LmcalError):  # (a paragraph naming data.batch_size; a stage's
+            # own, during training, names the stage's setting)
+            raise oom_refusal(e, "Training", "data", {"batch_size": dm.batch_size}) from e
         raise
 
 

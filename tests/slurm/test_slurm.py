@@ -60,7 +60,10 @@ def wait_for(path: Path, proc, seconds=900):
     deadline = time.time() + seconds
     while not path.is_file() and proc.poll() is None and time.time() < deadline:
         time.sleep(0.2)
-    assert path.is_file(), f"{path} did not appear (the pipeline exited {proc.poll()})"
+    if not path.is_file():
+        exited = proc.poll() is not None
+        said = "".join(stream.read() or "" for stream in (proc.stdout, proc.stderr) if stream and exited)
+        raise AssertionError(f"{path} did not appear (the pipeline exited {proc.poll()}):\n{said[-4000:]}")
 
 
 def stage_job(out, name) -> str:

@@ -26,6 +26,7 @@ from lmcal.stages import calibration, decoders, entropy_rate, future_entropy, me
 from lmcal.stages.rows import method_label
 from lmcal.stages.stage import KINDS, Stage, publish
 from lmcal.utils import profiling
+from lmcal.utils.oom import is_out_of_memory, oom_refusal
 from lmcal.utils.rules import renamed_note
 
 STAGES: dict[str, Stage] = {s.name: s for s in (entropy_rate.STAGE, calibration.STAGE, decoders.STAGE,
@@ -107,8 +108,13 @@ def run_stage(name: str, target: dict, settings, out_dir: str | Path, logger=Non
               as_name: str | None = None) -> dict:
     """Stage `name` on `target` with `settings` (its dataclass, or a dict of analysis.<name>): its result written
     into out_dir (as `as_name`, the stage's name by default) and logged; returns its record."""
-    st = STAGES[name]
-    result = st.compute({**target, "earlier": earlier or target.get("earlier") or {}}, settings_of(name, settings))
+    st, cfg = STAGES[name], settings_of(name, settings)
+    try:
+        result = st.compute({**target, "earlier": earlier or target.get("earlier") or {}}, cfg)
+    except Exception as e:
+        if is_out_of_memory(e):  # (one paragraph naming the setting that lowers it, not torch's traceback)
+            raise oom_refusal(e, f"Stage '{name}'", f"analysis.{name}", dataclasses.asdict(cfg)) from e
+        raise
     return publish(result, out_dir, as_name or name, logger)
 
 

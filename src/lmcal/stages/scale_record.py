@@ -16,12 +16,15 @@ from pathlib import Path
 import numpy as np
 
 from lmcal.core.scaling import gap, stream_ce
+from lmcal.utils import records
 from lmcal.utils.io import write_json_atomic
 from lmcal.utils.numbers import exp_or_inf
+from lmcal.utils.records import Maybe, Range
 
 log = logging.getLogger("lmcal")
 
 RECORD = "scale.json"
+METRICS = {"train_tokens?": Maybe(Range(0, integer=True)), "epochs?": Maybe(Range(0, integer=True))}  # what it reads
 EFFECT_KEYS = ("tail_diff_nats", "tail_diff_stderr_nats", "test_ce_nats")
 
 
@@ -144,8 +147,6 @@ def record_evaluation(out_dir: str | Path, cfg, target: dict, stages: dict, logg
     metrics.json of the run that trained it (beside its checkpoints/), where there is one."""
     if not stages.get("entropy_rate"):
         return None
-    import json
-
     lm, test_ce = target["lm"], stages["entropy_rate"]["test_ce_nats"]
     if target["kind"] == "hf":
         model = lm.model
@@ -158,7 +159,7 @@ def record_evaluation(out_dir: str | Path, cfg, target: dict, stages: dict, logg
                           name_or_path=str(cfg.model.name_or_path))
     net, ckpt = target["net"], Path(target["ckpt"])
     trained = ckpt.parent.parent / "metrics.json"
-    m = json.loads(trained.read_text()) if trained.is_file() else {}
+    m = records.read(trained, METRICS, "a training's metrics") if trained.is_file() else {}
     info = {}
     if target["corpus"] in ("markov", "powerlaw"):  # a generated source: its tail exponent and exact entropy rate
         from lmcal.models.checkpoint import checkpoint_data, read_checkpoint

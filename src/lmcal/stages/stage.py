@@ -4,7 +4,6 @@ written and logged (`publish`): every stage has the shape compute(target, settin
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -13,6 +12,7 @@ from typing import Any
 
 from lmcal.errors import LmcalError
 from lmcal.stages.wandb_run import wandb_log
+from lmcal.utils import records
 from lmcal.utils.io import write_json_atomic, write_text_atomic
 
 log = logging.getLogger("lmcal")
@@ -114,13 +114,10 @@ def read_result(path: str | None, stage: str, key: str) -> dict | None:
     if not p.is_file():
         raise LmcalError(f"analysis.{stage}.{key}={path} does not exist: name the JSON a finished run of the stage "
                          "wrote, or drop the setting.")
-    try:
-        r = json.loads(p.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise LmcalError(f"analysis.{stage}.{key}={path} is not a JSON file ({e}): name the JSON a finished run of "
-                         "the stage wrote.") from None
-    if not isinstance(r, dict):
-        raise LmcalError(f"analysis.{stage}.{key}={path} holds a JSON {type(r).__name__}, not a stage's result.")
+    r, why = records.load(p, dict)
+    if why:
+        raise LmcalError(f"analysis.{stage}.{key}={path} is not a stage's result: {why}. Name the JSON a finished run "
+                         "of the stage wrote.")
     return r
 
 

@@ -3,7 +3,8 @@ and W&B would write through it, into wherever it points), no file replaced where
 setting gives a folder or file one plain name (no separator, not . or ..), so that nothing lands, or is removed,
 outside its folder.
 
-    check_no_links(folder, what)   refuses a folder that holds a symbolic link (W&B's own links in its wandb/ aside)
+    check_no_links(folder, what)   refuses a folder that holds a symbolic link (W&B's own in its wandb/ folder and
+                                   submitit's own to its submission scripts aside)
     check_not_link(path)           refuses to replace a file that is a symbolic link
     name_problem(value, ...)       why a value is not one plain name, or None
     check_name(value, setting)     refuses a setting whose value is not one plain name
@@ -22,6 +23,8 @@ MAX_NAME = 100  # characters of a name that becomes a folder's or file's name
 # and that run's logs (leading inside wandb/), and in each run's logs/ to its core's log in W&B's cache
 WANDB_LINKS = ("latest-run", "debug.log", "debug-internal.log")
 WANDB_RUN = re.compile(r"(offline-)?run-[0-9]{8}_[0-9]{6}-[a-z0-9]+")
+# the link submitit leaves where it wrote a job's script before submitting it, to the script it moved it to
+SUBMITIT_LINK = re.compile(r"\.submission_file_[0-9a-f]{32}\.sh")
 
 
 def _target(link: Path) -> str:
@@ -44,8 +47,17 @@ def _wandb_own(link: Path, root: Path) -> bool:
     return len(rest) == 3 and bool(WANDB_RUN.fullmatch(rest[0])) and rest[1:] == ("logs", "debug-core.log")
 
 
+def _submitit_own(link: Path, root: Path) -> bool:
+    """Whether `link` is submitit's own (SUBMITIT_LINK), to a plain file inside `root`: writes never go through it."""
+    if not SUBMITIT_LINK.fullmatch(link.name):
+        return False
+    target = link.resolve()
+    return target.is_file() and not target.is_symlink() and target.is_relative_to(root.resolve())
+
+
 def links_inside(folder: str | Path) -> list[Path]:
-    """Every symbolic link inside `folder`, at any depth (links are not followed), but W&B's own (WANDB_LINKS)."""
+    """Every symbolic link inside `folder`, at any depth (links are not followed), but W&B's own (WANDB_LINKS) and
+    submitit's (SUBMITIT_LINK)."""
     folder = Path(folder)
     if not folder.is_dir():
         return []
@@ -53,7 +65,7 @@ def links_inside(folder: str | Path) -> list[Path]:
     for top, dirs, files in os.walk(folder, followlinks=False):
         for name in sorted(dirs) + sorted(files):
             p = Path(top) / name
-            if p.is_symlink() and not _wandb_own(p, folder):
+            if p.is_symlink() and not (_wandb_own(p, folder) or _submitit_own(p, folder)):
                 found.append(p)
     return found
 
