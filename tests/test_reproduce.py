@@ -123,7 +123,7 @@ def test_the_wandb_dashboard_of_the_smoke_reproduction(uninterrupted):
     assert any({"train/lr", "train/grad_norm", "train/tokens_per_s"} <= set(h) for h in base["history"])
     cal = next(r for r in runs if r["job_type"] == "calibration")
     horizon = res["entropy_rate"]["horizon"]
-    assert [h["calibration/curves/t"] for h in cal["history"] if "calibration/curves/after_nats" in h] == \
+    assert [h["calibration/curves/t"] for h in cal["history"] if "calibration/curves/calibration" in h] == \
         list(range(1, horizon + 1))
     dec = next(r for r in runs if r["job_type"] == "decoders")
     assert sum(k.startswith("decoders/curves/") for k in set().union(*dec["history"])) >= 8  # one per decoder

@@ -39,8 +39,8 @@ def test_smoke_run_through_hydra_writes_metrics_and_checkpoints(tmp_path, data_o
     (run,) = runs_under(tmp_path)  # the stages' generation curves are series against t, beside their PNGs
     assert run["job_type"] == "train" and run["summary"]["final/test_ppl"] == pytest.approx(m["test_ppl"])
     horizon = len(json.loads((tmp_path / "entropy_rate.json").read_text())["curve_nats"])
-    for key, series in (("entropy_rate/curves", "entropy_nats"), ("calibration/curves", "before_nats"),
-                        ("calibration/curves", "after_nats")):
+    for key, series in (("entropy_rate/curves", "model"), ("calibration/curves", "model"),
+                        ("calibration/curves", "calibration")):  # (the plain model's curve "model" in every stage)
         assert [h[f"{key}/t"] for h in run["history"] if f"{key}/{series}" in h] == list(range(1, horizon + 1))
     assert any("calibration/figure/_type" in h for h in run["history"])  # the PNG
 

@@ -3,6 +3,7 @@ offline in one process in either order without $WANDB_MODE (the README's `make t
 run files hold the names, job types, groups, tags, series and summaries the dashboard is read by."""
 
 import json
+import re
 import struct
 import time
 from pathlib import Path
@@ -200,13 +201,16 @@ def test_a_training_and_the_analyses_of_its_checkpoint_as_a_dashboard_reads_them
     keys = set().union(*an["history"])
     curves = sorted(k.removeprefix("decoders/curves/") for k in keys if k.startswith("decoders/curves/")
                     and not k.startswith("decoders/curves/chart") and k != "decoders/curves/t")
-    assert curves == ["calibration", "fitted_temperature", "model", "top_p (p=0.9)"]  # no fitted value in a key
+    assert curves == ["calibration", "fitted_temperature", "model", "top_p_p0.9"]  # no fitted value in a key
+    assert all(re.fullmatch(r"[A-Za-z0-9_./-]+", k) for k in keys | set(an["summary"])), keys  # no space, no ()
     assert an["values"]["decoders/fitted_temperature/temperature"] > 0 and "calibration/alpha" in an["values"]
     assert not any(k.startswith("entropy_rate/curve/") for k in keys)  # the curve once: as series only
-    assert [h["entropy_rate/curves/t"] for h in an["history"] if "entropy_rate/curves/entropy_nats" in h] == \
+    assert [h["entropy_rate/curves/t"] for h in an["history"] if "entropy_rate/curves/model" in h] == \
         list(range(1, 21))
     assert an["summary"]["calibration/alpha"] == pytest.approx(json.loads(
         (tmp_path / "eval" / "evaluation.json").read_text())["calibration"]["alpha"])
+    assert an["summary"]["decoders/calibration/entrate_ppl"] > 0  # the stage's number and the table's: one key
+    assert not any(":" in k for k in an["summary"])
     assert "| stage | metric | value | ± se |" in an["output"]  # the table evaluate ends with, in the Logs tab
 
 
@@ -249,3 +253,13 @@ def test_the_report_run_uses_the_stage_runs_artifacts(tmp_path, monkeypatch, dat
     (rep,) = runs_under(tmp_path / "report")
     used = {a["name"]: a["digest"] for a in rep["artifacts"] if a["used"]}
     assert len(made) == 2 and used == made  # both stage outputs, the same versions
+
+
+def test_metric_keys_are_plain_and_readable():
+    from lmcal.stages.wandb_run import metric_key
+
+    assert metric_key("decoders/curves/top_p (p=0.9)") == "decoders/curves/top_p_p0.9"
+    assert metric_key("future_entropy (horizon_k=5, discount=0.95)") == "future_entropy_horizon_k5_discount0.95"
+    assert metric_key("decoders/calibration: entrate_ppl") == "decoders/calibration/entrate_ppl"
+    assert metric_key("calibration/dose/cover 0.95/x10/t") == "calibration/dose/cover_0.95/x10/t"
+    assert metric_key("final/test_ppl") == "final/test_ppl"

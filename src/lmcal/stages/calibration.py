@@ -82,8 +82,8 @@ class CalibrationResult(Result):
                             for k in ("tail_diff_nats", "tail_diff_stderr_nats", "test_ce_diff_nats")})
         wandb_log(logger, scalars=scalars, images=images)
         log_curves(logger, f"{name}/curves", "t", range(1, r["horizon"] + 1),
-                   {"before_nats": r["curve_nats_before"], "after_nats": r["curve_nats"],
-                    "after_minus_before_nats": r["diff_curve_nats"]})
+                   {"model": r["curve_nats_before"], "calibration": r["curve_nats"],  # (the names decoders use)
+                    "calibration_minus_model": r["diff_curve_nats"]})
         log_config(logger, {f"{name}/alpha": r["alpha"], f"{name}/alpha_stderr": r["alpha_stderr"]})
 
     def line(self, name: str) -> str:

@@ -34,7 +34,7 @@ class EntropyRateResult(Result):
         wandb_log(logger, scalars={f"{name}/entrate_ppl": r["entrate_ppl"], f"{name}/test_ppl": r["test_ppl"]},
                   images=images)  # the curve once, as series (below)
         log_curves(logger, f"{name}/curves", "t", range(1, r["horizon"] + 1),
-                   {"entropy_nats": r["curve_nats"], "stderr_nats": r["stderr_nats"]})
+                   {"model": r["curve_nats"], "model_stderr": r["stderr_nats"]})  # (the plain model: "model")
 
     def line(self, name: str) -> str:
         r = self.record

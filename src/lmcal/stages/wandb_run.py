@@ -28,6 +28,14 @@ def slug(text: str) -> str:
     return re.sub(r"[^a-z0-9.]+", "-", str(text).lower().replace("tau=", "tau")).strip("-")
 
 
+def metric_key(key: str) -> str:
+    """A W&B key of letters, digits and _ . - / only, each part of a label kept readable: 'top_p (p=0.9)' ->
+    'top_p_p0.9', 'future_entropy (horizon_k=5, discount=0.95)' -> 'future_entropy_horizon_k5_discount0.95',
+    'calibration: entrate_ppl' -> 'calibration/entrate_ppl'."""
+    key = str(key).replace(": ", "/").replace(" (", "_").replace(", ", "_").replace("=", "").replace(")", "")
+    return "/".join(re.sub(r"[^A-Za-z0-9_.-]+", "_", part).strip("_") for part in key.split("/"))
+
+
 def run_name(job: str, model: str | None = None, dataset: str | None = None) -> str:
     """`<job>-<model>-<dataset>`, one rule for every run: the job (train, tau_model, the stages, memory-window, report),
     the model with its tau (`awd-lstm-400-1150-3-tau5`: a tau-model's, or the window's), then the dataset."""
@@ -212,13 +220,13 @@ def wandb_log(logger, scalars: dict | None = None, images: dict | None = None, t
         return
     import wandb
 
-    payload = dict(scalars or {})
-    payload.update({k: wandb.Image(str(v)) for k, v in (images or {}).items()})
-    payload.update({k: wandb.Table(columns=cols, data=rows) for k, (cols, rows) in (tables or {}).items()})
+    payload = {metric_key(k): v for k, v in (scalars or {}).items()}
+    payload.update({metric_key(k): wandb.Image(str(v)) for k, v in (images or {}).items()})
+    payload.update({metric_key(k): wandb.Table(columns=cols, data=rows) for k, (cols, rows) in (tables or {}).items()})
     if payload:
         run.log(payload)
-    if summary:
-        run.summary.update(summary)
+    if summary:  # (a key the history holds too is one key: the same name, cleaned alike)
+        run.summary.update({metric_key(k): v for k, v in summary.items()})
 
 
 def log_curves(logger, key: str, step_key: str, steps, curves: dict[str, list], legend: dict | None = None) -> None:
@@ -231,15 +239,17 @@ def log_curves(logger, key: str, step_key: str, steps, curves: dict[str, list], 
         return
     import wandb
 
-    steps = [int(s) for s in steps]
-    run.define_metric(f"{key}/{step_key}", hidden=True)
-    for label in curves:
-        run.define_metric(f"{key}/{label}", step_metric=f"{key}/{step_key}")
+    steps, x = [int(s) for s in steps], metric_key(f"{key}/{step_key}")
+    series = {metric_key(f"{key}/{label}"): v for label, v in curves.items()}
+    run.define_metric(x, hidden=True)
+    for name in series:
+        run.define_metric(name, step_metric=x)
     for i, s in enumerate(steps):
-        run.log({f"{key}/{step_key}": s, **{f"{key}/{label}": float(v[i]) for label, v in curves.items()}})
+        run.log({x: s, **{name: float(v[i]) for name, v in series.items()}})
     keys = [(legend or {}).get(label, label) for label in curves]
-    run.log({f"{key}/chart": wandb.plot.line_series(xs=steps, ys=[[float(x) for x in v] for v in curves.values()],
-                                                    keys=keys, title=key, xname=step_key)})
+    ys = [[float(y) for y in v] for v in curves.values()]
+    run.log({metric_key(f"{key}/chart"): wandb.plot.line_series(xs=steps, ys=ys, keys=keys, title=key,
+                                                                 xname=step_key)})
 
 
 def log_config(logger, values: dict) -> None:
