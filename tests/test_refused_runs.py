@@ -96,6 +96,11 @@ def test_a_refused_evaluation_makes_no_folder(tmp_path):
                                f"hydra.run.dir={out}"], tmp_path)
     assert_one_paragraph(r, "analysis.entropy_rate.horizon=0")
     assert not out.exists()
+    (tmp_path / "outputs" / "keep").mkdir(parents=True)
+    r = run("lmcal.evaluate", ["ckpt=/nowhere_41.ckpt", "logger=none"], tmp_path)  # refused after Hydra started
+    assert_one_paragraph(r, "/nowhere_41.ckpt")
+    # the default run folder and the parents made for it are gone (no empty outputs/evaluate/runs); the rest stays
+    assert [p.relative_to(tmp_path).as_posix() for p in sorted(tmp_path.rglob("*"))] == ["outputs", "outputs/keep"]
 
 
 def test_train_into_a_folder_another_run_holds_does_not_touch_it(tmp_path):

@@ -220,14 +220,23 @@ def test_a_tau_model_uses_its_base_checkpoints_artifact(tmp_path, monkeypatch, d
     monkeypatch.delenv("WANDB_MODE", raising=False)
     base = train(_train_cfg(tmp_path / "base", ["logger=wandb", *data_overrides]))
     train(_train_cfg(tmp_path / "tau", ["logger=wandb", "model.memory_tau=2", f"init_ckpt={base['best_ckpt']}",
-                                        f"memory.base_ckpt={base['best_ckpt']}", *data_overrides]))
+                                        f"memory.base_ckpt={base['best_ckpt']}", "analysis.stages=[memory]",
+                                        *data_overrides]))
     (b,) = runs_under(tmp_path / "base")
     (t,) = runs_under(tmp_path / "tau")
     (made,) = [a for a in b["artifacts"] if not a["used"]]
     (used,) = [a for a in t["artifacts"] if a["used"]]  # one input: the warm start and the base are one file
     assert (used["name"], used["digest"]) == (made["name"], made["digest"])
-    (own,) = [a for a in t["artifacts"] if not a["used"]]
+    (own,) = [a for a in t["artifacts"] if not a["used"] and a["name"].startswith("checkpoint-")]
     assert own["name"] != made["name"] and own["name"].startswith("checkpoint-awd-lstm-32-64-3-tau2-")
+    # the memory report over the tau run joins its group (not the report's own default by model and dataset)
+    from lmcal.reporting.tabulate import memory_report
+
+    (mem,) = (tmp_path / "tau").rglob("memory.json")
+    assert json.loads(mem.read_text())["wandb_group"] == t["group"]
+    memory_report([tmp_path / "tau"], tmp_path / "report", wandb_mode="offline")
+    (rep,) = runs_under(tmp_path / "report")
+    assert (rep["job_type"], rep["group"]) == ("report", t["group"])
 
 
 def test_the_report_run_uses_the_stage_runs_artifacts(tmp_path, monkeypatch, data_overrides):

@@ -206,8 +206,15 @@ def memory_report(dirs: list[str | Path], out: str | Path | None = None, wandb_m
         print(f"{corpus}:\n{table}")
     write_json_atomic(inside(out, out / "memory_report.json"), report)
     if wandb_mode != "disabled":
-        _log_wandb(report, out, wandb_mode, project, group)
+        _log_wandb(report, out, wandb_mode, project, group or runs_group(by_corpus))
     return report
+
+
+def runs_group(by_corpus: dict[str, list[dict]]) -> str | None:
+    """The W&B group the reported runs logged to (their records' wandb_group: a sweep's or a reproduction's) where
+    they share one; None where they have none or several (the report's own default, by model and dataset)."""
+    groups = {r.get("wandb_group") for rows in by_corpus.values() for r in rows}
+    return groups.pop() if len(groups) == 1 else None
 
 
 def _log_wandb(report: dict, out: Path, mode: str, project: str, group: str | None) -> None:

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from lmcal.core.scaling import gap, stream_ce
+from lmcal.stages.wandb_run import wandb_group
 from lmcal.utils import records
 from lmcal.utils.io import write_json_atomic
 from lmcal.utils.numbers import exp_or_inf
@@ -100,15 +101,6 @@ def write_scale_record(out_dir: str | Path, stages: dict, **kw) -> dict | None:
              f"{rec['tail_nats']:.4f}, test CE {rec['test_ce_nats']:.4f})" + (f"; {said}" if said else "")
              + f"; {Path(out_dir) / RECORD}")
     return rec
-
-
-def wandb_group(logger) -> str | None:
-    """The W&B group of a run (a W&B run, or Lightning's WandbLogger around one); None for any other logger."""
-    def kind(x):  # by class name, subclasses too (train's logger subclasses WandbLogger): no Lightning import here
-        return {c.__name__ for c in type(x).__mro__}
-
-    run = logger.experiment if "WandbLogger" in kind(logger) else logger
-    return getattr(run, "group", None) if "Run" in kind(run) else None
 
 
 def family_of(model_name: str) -> str:

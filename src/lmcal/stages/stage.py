@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from lmcal.errors import LmcalError
-from lmcal.stages.wandb_run import wandb_log
+from lmcal.stages.wandb_run import wandb_group, wandb_log
 from lmcal.utils import records
 from lmcal.utils.io import write_json_atomic, write_text_atomic
 
@@ -72,7 +72,8 @@ class Result:
 
 def publish(result: Result, out_dir: str | Path, name: str, logger=None) -> dict:
     """Writes a stage's result into out_dir (`<name>.md`, `.png`, its extras, then `<name>.json`, whose presence
-    marks the stage done), logs it to W&B and says what it found; returns its record."""
+    marks the stage done, with the W&B group of a W&B run), logs it to W&B and says what it found; returns its
+    record."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     images = {}
@@ -84,6 +85,8 @@ def publish(result: Result, out_dir: str | Path, name: str, logger=None) -> dict
     if table is not None:
         write_text_atomic(out / f"{name}.md", table)
     record = result.to_json()
+    if (group := wandb_group(logger)) is not None:  # the run's W&B group: a report over these records joins it
+        record["wandb_group"] = group
     write_json_atomic(out / f"{name}.json", record)
     result.log_wandb(logger, name, images)
     first, *more = result.line(name).split("\n", 1)  # the record's path on the first line, any table below it

@@ -50,6 +50,15 @@ def sweep_suffix(values: dict[str, str]) -> str | None:
     return "-".join(p for k, v in values.items() if k.lstrip("+~") not in named and (p := slug(v))) or None
 
 
+def wandb_group(logger) -> str | None:
+    """The W&B group of a run (a W&B run, or Lightning's WandbLogger around one); None for any other logger."""
+    def kind(x):  # by class name, subclasses too (train's logger subclasses WandbLogger): no Lightning import here
+        return {c.__name__ for c in type(x).__mro__}
+
+    run = logger.experiment if "WandbLogger" in kind(logger) else logger
+    return getattr(run, "group", None) if "Run" in kind(run) else None
+
+
 def multirun_member() -> tuple[str | None, str | None]:
     """(W&B group, name suffix) of a Hydra multirun's job: the sweep's group, `multirun-<sweep folder>`, and the
     job's values of the keys the sweep varies (the preset's hydra.sweeper.params and the command line's comma lists,

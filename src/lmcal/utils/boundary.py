@@ -180,13 +180,16 @@ def run_hydra(main, go_on: str = "rerun the same command to resume from the last
         sys.exit(128 + e.signum if isinstance(e, Stopped) else 130)
 
 
-MADE: list[Path] = []  # the run folder this process's Hydra run made (it did not exist): lmcal.utils.precheck
+# (run folder, the first of its parents it made) of this process's Hydra run, where the folder did not exist:
+# lmcal.utils.precheck
+MADE: list[tuple[Path, Path]] = []
 
 
 def remove_untouched() -> None:
     """After a run that stopped with one paragraph (exit 2): its run folder, if this run made it and it holds only
-    what Hydra wrote there (.hydra/ and the job's log), is removed, so that a refused run leaves nothing behind."""
-    for folder in MADE:
+    what Hydra wrote there (.hydra/ and the job's log), is removed, and the parents made for it that are left empty,
+    so that a refused run leaves nothing behind."""
+    for folder, top in MADE:
         try:
             entries = list(folder.iterdir())
         except OSError:
@@ -206,6 +209,9 @@ def remove_untouched() -> None:
             else:
                 e.unlink()
         folder.rmdir()
+        while folder != top and folder.parent.is_dir() and not any(folder.parent.iterdir()):
+            folder = folder.parent
+            folder.rmdir()
     MADE.clear()
 
 

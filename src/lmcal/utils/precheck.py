@@ -158,8 +158,11 @@ class CheckFirst(Callback):
         finally:
             HydraConfig.instance().cfg = before
         check_job(self.entry, config, out)
-        if not out.exists():
-            MADE.append(out)
+        if not out.exists():  # (with the first of its parents that does not exist either: outputs/evaluate/runs)
+            top = out
+            while not top.parent.exists() and top.parent != top:
+                top = top.parent
+            MADE.append((out, top))
 
     def _multirun(self, config: DictConfig) -> None:
         check_output_folder(_folder(config.hydra.sweep.dir))
