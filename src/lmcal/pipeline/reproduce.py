@@ -33,7 +33,7 @@ def stale_stages(stages: list[dict], current: dict, out: Path, force: bool) -> d
     """The stages to redo because their recorded settings differ from `current`, with those downstream of them:
     {name: tau keys to redo, or None for the whole stage}. Without `force`, any such stage is an error listing the
     stages and keys that differ."""
-    changed = {}
+    changed, taus_now = {}, []
     for st in stages:
         rec = out / "stages" / f"{st['name']}.json"
         record = stage_record(rec, warn=False)  # none, or one that is not whole: not done (the schedule warns)
@@ -41,6 +41,7 @@ def stale_stages(stages: list[dict], current: dict, out: Path, force: bool) -> d
             continue
         old, now = record["settings"], current[st["name"]]
         if "taus" in st:
+            taus_now += tau_changes(st["name"], old, now)
             diffs = {t: differences(old[t], now[t]) for t in sorted(old.keys() & now.keys(), key=int)}
             diffs = {t: d for t, d in diffs.items() if d}
             if diffs:
@@ -60,9 +61,19 @@ def stale_stages(stages: list[dict], current: dict, out: Path, force: bool) -> d
             f"{'they' if len(changed) > 1 else 'it'} ran with: {listed}. Nothing was run, and the results there are "
             "as they were. To redo " + ("them" if len(changed) > 1 else "it") +
             (f" and the stages that use their results ({', '.join(downstream)})" if downstream else "") +
-            ", rerun with FORCE=1 (make reproduce ... FORCE=1, or force=true on the command line); or give another "
+            (f" ({'; '.join(taus_now)})" if taus_now else "") + ", rerun with FORCE=1 (make reproduce ... FORCE=1, "
+            "or force=true on the command line); or give another "
             "out=DIR for a separate reproduction.")
     return redo
+
+
+def tau_changes(name: str, old: dict, now: dict) -> list[str]:
+    """What a change of taus does to the tau stage `name` ({tau: settings} recorded and now): the taus it trains
+    anew, and those it no longer reports (their folders are kept)."""
+    added = sorted(now.keys() - old.keys(), key=int)
+    dropped = sorted(old.keys() - now.keys(), key=int)
+    return ([f"{name} trains tau={', '.join(added)} anew"] if added else []) + (
+        [f"tau={', '.join(dropped)} of {name} is kept on disk but no longer reported"] if dropped else [])
 
 
 def clear_stages(stages: list[dict], redo: dict[str, list[str] | None], out: Path) -> None:
