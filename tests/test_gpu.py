@@ -300,3 +300,16 @@ def test_gpu_check_compares_two_cpu_runs_end_to_end(tmp_path):
                       "sequence_calibration", "memory", "cpu"}  # cpu: each run resumed vs straight
     assert sum("resumed training's last weights against the uninterrupted run's" in row[0] for row in rows) == 2
     assert (tmp_path / "devices" / "a" / "evaluate" / "memory.json").is_file()
+
+
+def test_device_comparison_refuses_a_result_that_is_not_whole(tmp_path):
+    from lmcal.errors import LmcalError
+
+    dc = _device_compare()
+    _fake_run(tmp_path / "a"), _fake_run(tmp_path / "b")
+    (tmp_path / "b" / "train" / "metrics.json").write_text('{"val_ce_nats": NaN, "test_ce_nats": 2.7}')
+    with pytest.raises(LmcalError, match=r"b/train/metrics.json is not a result of this comparison's runs"):
+        dc.compare(tmp_path / "a", tmp_path / "b")
+    (tmp_path / "b" / "train" / "metrics.json").write_text('{"val_ce_nats": 2.7, "test_ce_nats": 2.7}')
+    with pytest.raises(LmcalError, match="resumed_from"):
+        dc.compare(tmp_path / "a", tmp_path / "b")

@@ -85,3 +85,13 @@ def test_rates_and_table_from_measured_seconds(tmp_path):
     (tmp_path / "stages" / "calibration.json").write_text(json.dumps({"status": "started"}))
     (tmp_path / "stages" / "broken.json").write_text("{")
     assert paper_mini.measured(tmp_path) == {"base": 12.5}
+
+
+def test_measured_seconds_come_from_whole_done_records_only(tmp_path):
+    st = tmp_path / "stages"
+    st.mkdir()
+    (st / "base.json").write_text(json.dumps({"status": "done", "seconds": 12.5, "settings": {}}))
+    (st / "calibration.json").write_text(json.dumps({"status": "started", "settings": {}}))
+    (st / "memory_tau5.json").write_text('{"status": "done", "seconds": NaN}')  # not whole: not measured
+    (st / "decoders.json").write_text('{"status": "done", "seconds": -3}')
+    assert paper_mini.measured(tmp_path) == {"base": 12.5}

@@ -29,13 +29,17 @@ Tolerances (`TOLERANCE`), by what a quantity is made of; float32 on both devices
 
 from __future__ import annotations
 
-import json
 import math
 import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT / "src") not in sys.path:  # lmcal from src/ where it is not installed (a bare GPU machine)
+    sys.path.insert(0, str(ROOT / "src"))
+from lmcal.utils import records  # noqa: E402
 
 STAGES = ["entropy_rate", "calibration", "decoders", "future_entropy", "sequence_calibration", "memory"]
 SWITCH_EPOCHS, RESUMED_EPOCHS = 3, 4  # the first run stops after the NT-ASGD switch (epoch 2), the rerun resumes
@@ -158,7 +162,7 @@ def resume_rows(folder: Path, device: str) -> list[dict]:
     diff = max((wa[k].double() - wb[k].double()).abs().max().item() for k in wa) if set(wa) == set(wb) else math.inf
     rows = [{"quantity": f"{device}: resumed training's last weights against the uninterrupted run's (largest)",
              "a": "resumed", "b": "uninterrupted", "difference": diff, "tolerance": 0.0, "ok": diff == 0.0}]
-    ma, mb = (json.loads((r / "metrics.json").read_text()) for r in (resumed, straight))
+    ma, mb = (_read(r / "metrics.json", METRICS) for r in (resumed, straight))
     for key in ("val_ce_nats", "test_ce_nats"):
         rows.append({"quantity": f"{device}: resumed training's {key} against the uninterrupted run's",
                      "a": ma[key], "b": mb[key], "difference": abs(ma[key] - mb[key]), "tolerance": 0.0,
@@ -166,11 +170,24 @@ def resume_rows(folder: Path, device: str) -> list[dict]:
     return rows
 
 
+# what the comparisons read of a training's metrics.json
+METRICS = {"val_ce_nats": float, "test_ce_nats": float, "resumed_from": records.Maybe(str),
+           "asgd_epoch": records.Maybe(int),
+           "epochs": int}
+
+
+def _read(path: Path, spec) -> dict:
+    """A record one of the compared runs wrote, read only when whole (lmcal.utils.records): one paragraph naming the
+    file and the key otherwise."""
+    return records.read(path, spec, "a result of this comparison's runs", "Run that device's runs again "
+                        "(tools/device_compare.py); nothing was compared.")
+
+
 def compare(a_dir: Path, b_dir: Path) -> list[dict]:
     """Every compared quantity of two run_device folders: {quantity, a, b, difference, tolerance, ok}. Only the
     quantities named here are read, so wall times, profiles and paths never enter."""
     def load(d: Path, name: str) -> dict:
-        return json.loads((Path(d) / name).read_text())
+        return _read(Path(d) / name, METRICS if name.endswith("metrics.json") else dict)
 
     rows = []
     ta, tb = load(a_dir, "train/metrics.json"), load(b_dir, "train/metrics.json")

@@ -50,9 +50,10 @@ except ImportError:  # a Python without torch at all: say so in one line, as for
     sys.exit(f"gpu-check: this Python ({sys.executable}, {sys.version.split()[0]}) has no torch; run it with a Python "
              "whose torch is a CUDA build (make gpu-check PY=...), or make install first.")
 
+from paper_mini import MARK  # noqa: E402  (tools/, this script's folder; a part's report lines follow MARK)
+
 ROOT = Path(__file__).resolve().parents[1]
 PARTS = ("tests", "mini", "train", "lookahead", "compare")
-MARK = "<!-- gpu-check part -->"  # a part's own lines for the report follow this line of its output
 PART_MAX_S = {"tests": 240, "mini": 540, "train": 240, "lookahead": 150, "compare": 420}
 NEEDS = ("hydra", "omegaconf", "pytorch_lightning", "scipy", "matplotlib", "pytest")  # what the parts import
 # PTB's training split (tokens with the end-of-sentence marks) and validation windows of the paper profile

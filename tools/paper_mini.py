@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-MARK = "<!-- gpu-check part -->"
+MARK = "<!-- gpu-check part -->"  # a part's own lines for the report follow this line of its output (gpu_check.py)
 TINY_LSTM = "model.emb_size=16,model.hidden_size=32,data.max_train_tokens=20000,data.max_eval_tokens=8000"
 TINY = [f"base=[experiment=paper,trainer.max_epochs=1,{TINY_LSTM}]",
         f"tau=[experiment=paper,trainer.max_epochs=1,{TINY_LSTM},hydra/launcher=local_parallel,hydra.launcher.n_jobs=2]",
@@ -55,13 +55,16 @@ def sample_gpu(path: Path) -> subprocess.Popen | None:
 
 def measured(run: Path) -> dict[str, float]:
     """{stage: seconds} of the stages the run finished (its stages/<name>.json records)."""
+    sys.path.insert(0, str(ROOT / "src"))
+    from lmcal.utils import records
+
     out = {}
     for p in sorted((run / "stages").glob("*.json")):
-        try:
-            r = json.loads(p.read_text())
-        except (OSError, ValueError):
+        try:  # (a record that is not whole, or a stage that did not finish: not measured)
+            r, why = records.load(p, {"status": str, "seconds?": records.Range(lo=0.0)})
+        except OSError:
             continue
-        if r.get("status") == "done" and isinstance(r.get("seconds"), (int, float)):
+        if why is None and r["status"] == "done" and "seconds" in r:
             out[p.stem] = float(r["seconds"])
     return out
 
