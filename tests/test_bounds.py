@@ -47,7 +47,8 @@ def test_goal_prefixes_beyond_a_stages_steps_are_refused_with_the_count_that_fit
     assert text.startswith("would measure its goal rows again on goal_prefixes = 500,000") and " h at an" in text
     e = size_refusal([("Stage 'sequence_calibration'", text, {f"analysis.sequence_calibration.{k}": v
                                                               for k, v in fits.items()})], "on the command line")
-    assert "would run for hours when it got there" in str(e)
+    assert "would run for hours when it got there" in str(e) and "add force_size=true" in str(e)
+    assert size_problems("sequence_calibration", a, m, force=True) == ("", {})  # force_size=true: as asked
     assert f"analysis.sequence_calibration.goal_prefixes={MAX_TOKEN_STEPS // per}" in str(e)
     assert count_problems("sequence_calibration", {**a, "goal_prefixes": MAX_TOKEN_STEPS // per}, m) == ("", {})
     assert count_problems("sequence_calibration", {**a, "goal_prefixes": None}, m) == ("", {})
@@ -83,6 +84,9 @@ def test_the_plan_check_refuses_goal_prefixes_past_a_stages_steps(tmp_path):
     assert_one_paragraph(r, "Stage 'sequence_calibration' would measure its goal rows again on goal_prefixes = 500,000",
                          "analysis.sequence_calibration.goal_prefixes=277777")
     assert not out.exists()
+    r = run("lmcal.reproduce", ["profile=cpu", "check=true", f"out={out}", "logger=none", "force_size=true",
+                                "analysis=[analysis=cpu,analysis.sequence_calibration.goal_prefixes=500000]"], tmp_path)
+    assert r.returncode == 0 and "Plan of the cpu profile" in r.stdout, r.stderr[-2000:]  # as the user meant it
 
 
 def test_training_on_a_tail_exponent_out_of_range_writes_nothing(tmp_path):

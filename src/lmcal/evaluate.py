@@ -148,10 +148,10 @@ def check_sizes(cfg: DictConfig, settings: dict[str, dict], *, hp: dict | None =
         m = hf_model(hf_config, corpus or {}, name)
         dtype = str(cfg.model.get("dtype") or "float32")
         preflight(settings, m, device=cfg.device, value_bytes=2 if dtype in ("bfloat16", "float16") else 4,
-                  score_context=cfg.model.get("context"), text_vocab=text_vocab)
+                  score_context=cfg.model.get("context"), text_vocab=text_vocab, force=bool(cfg.get("force_size")))
     else:
         preflight(settings, checkpoint_model(hp, hp["vocab_size"], corpus or {}), memory_tau, device=cfg.device,
-                  text_vocab=vocab)
+                  text_vocab=vocab, force=bool(cfg.get("force_size")))
 
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="evaluate")  # absolute: lmcal-evaluate too

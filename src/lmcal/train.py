@@ -121,7 +121,8 @@ def _analysis_plan(cfg: DictConfig, dm) -> tuple[list[str], dict, str | None]:
     preflight({n: settings[n] for n in STAGES if n in stages or (n == "entropy_rate" and every)},
               model_of(cfg, dm.vocab_size, {s: int(dm.tokens(s).numel()) for s in ("train", "valid", "test")}),
               tau, device="cuda" if str(cfg.trainer.get("accelerator", "auto")) in ("auto", "gpu", "cuda")
-              and torch.cuda.is_available() else "cpu", bptt=int(cfg.data.bptt))  # sizes against the model, now
+              and torch.cuda.is_available() else "cpu", bptt=int(cfg.data.bptt),
+              force=bool(cfg.get("force_size")))  # sizes against the model, now
     set_memory_budget(cfg.analysis.get("memory_budget_gb"))  # the lookahead's chunks (lmcal.core.lookahead)
     base_ckpt = base_checkpoint(OmegaConf.to_container(cfg.memory, resolve=True) if cfg.get("memory") else None,
                                 cfg.data.name)

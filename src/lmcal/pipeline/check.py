@@ -313,7 +313,7 @@ def _analysis_stage(cfg: DictConfig, st: dict, models: dict, tau_of: dict,
         mem_tau = next((t for d, t in tau_of.items() if ckpt.startswith(d + os.sep)), mem_tau)
         _check_memory_tau(where, a, m, mem_tau)
     sizes = stream_sizes(name, a, m, mem_tau)
-    problem, fits = size_problems(name, a, m, mem_tau)
+    problem, fits = size_problems(name, a, m, mem_tau, force=bool(c.get("force_size")))
     if problem:
         part = next((p for p in ("transformer", "markov") if st["name"].startswith(p + "_")), None)
         key = f"{part}.analysis" if part else "analysis"

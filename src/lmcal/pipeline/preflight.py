@@ -75,11 +75,12 @@ def held_bytes(name: str, a: dict, m: Model, value_bytes: int = 4) -> tuple[floa
 
 def preflight(settings: dict[str, dict], m: Model, memory_tau: int | None = None, *, device: str = "cpu",
               value_bytes: int = 4, bptt: int | None = None, score_context: int | None = None,
-              text_vocab: int | None = None, how: str = "on the command line") -> None:
+              text_vocab: int | None = None, how: str = "on the command line", force: bool = False) -> None:
     """Every stage of `settings` ({name: analysis.<name>}) checked against model `m` on `device`: its streams
     against the context, its generations' tensors against the device's memory; with `bptt` the training windows,
     `score_context` a Hugging Face model's test-scoring window (model.context), `text_vocab` the largest token id of
-    the text plus one. Raises one LmcalError listing everything that does not fit, with the settings that do."""
+    the text plus one; force (force_size=true) lets counts beyond one stage's steps through. Raises one LmcalError
+    listing everything that does not fit, with the settings that do."""
     problems = []
     if bptt and m.context and bptt > m.context:
         problems.append(("Training", f"would feed its {m.kind} more tokens than its context of {m.context} "
@@ -92,7 +93,7 @@ def preflight(settings: dict[str, dict], m: Model, memory_tau: int | None = None
     memory = device_bytes(device) // sharers  # the stages beside it on the GPU hold theirs
     of = f"{device}'s share (1 of the {sharers} processes on it)" if sharers > 1 else device
     for name, a in settings.items():
-        text, fits = size_problems(name, a, m, memory_tau)
+        text, fits = size_problems(name, a, m, memory_tau, force)
         per_row, rows, what = held_bytes(name, {**a, **fits}, m, value_bytes)
         if memory and per_row * rows > memory:
             fits["max_batch"] = max(1, int(0.5 * memory // per_row))

@@ -172,9 +172,6 @@ def reproduce(cfg: DictConfig) -> dict:
     with run_lock(out, "reproduction"):
         sweep_temp_files(out)  # half-written files of a run that was killed
         stages = plan(cfg)
-        if cfg.get("force_size"):  # each stage's own size check is told too
-            for st in stages:
-                st.get("cmd", []).append("force_size=true")
         current = {st["name"]: stage_settings(st, cfg) for st in stages}  # every stage checked before any runs
         clear_stages(stages, stale_stages(stages, current, out, bool(cfg.get("force"))), out)
         profile = OmegaConf.masked_copy(cfg, [k for k in cfg if k != "force"])

@@ -25,7 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from lmcal.errors import LmcalError
 from lmcal.pipeline import check as plan_check
-from lmcal.pipeline.plan import logger_overrides, stage_settings
+from lmcal.pipeline.plan import logger_overrides, stage_settings, told_force_size
 from lmcal.pipeline.plan_text import wrap
 from lmcal.pipeline.sizes import model_of, stream_sizes
 from lmcal.pipeline.timing import BATCHED_TFLOPS, MEASURED_ON, lstm_epoch_seconds
@@ -100,7 +100,7 @@ def plan_sweeps(cfg: DictConfig) -> list[dict]:
     names = [st["name"] for st in stages]
     stages.append({"name": "report", "dir": out, "done": [out / "results.json", out / "REPORT.md"], "deps": names,
                    "fn": functools.partial(report_stage, names=names)})
-    return stages
+    return told_force_size(stages, cfg)
 
 
 def suffix(cfg: DictConfig, values: dict[str, str]) -> list[str]:
@@ -238,9 +238,6 @@ def reproduce_sweeps(cfg: DictConfig) -> dict:
     with run_lock(out, "reproduction"):
         sweep_temp_files(out)
         stages = plan_sweeps(cfg)
-        if cfg.get("force_size"):
-            for st in stages:
-                st.get("cmd", []).append("force_size=true")
         current = {st["name"]: stage_settings(st, cfg) if "cmd" in st else
                    {"sweeps": OmegaConf.to_container(cfg.sweeps), "bootstrap": cfg.get("bootstrap", 2000)}
                    for st in stages}

@@ -156,9 +156,11 @@ def short_fit_streams(name: str, a: dict, m: Model) -> int:
     return fit // a["fit_streams"] if fit and fit // a["fit_streams"] <= max(1, a["min_context"]) else 0
 
 
-def size_problems(name: str, a: dict, m: Model, memory_tau: int | None = None) -> tuple[str, dict]:
+def size_problems(name: str, a: dict, m: Model, memory_tau: int | None = None,
+                  force: bool = False) -> tuple[str, dict]:
     """What in stage `name`'s settings `a` does not fit model `m`, as sentences naming the keys, their values and the
-    limit ("" when everything fits), and the settings that fit ({key: value}, fitting_settings)."""
+    limit ("" when everything fits), and the settings that fit ({key: value}, fitting_settings). force (force_size):
+    counts beyond the steps one stage may take (count_problems) pass; what cannot fit the model still does not."""
     bad = [(w, s) for w, s in stream_sizes(name, a, m, memory_tau) if m.context and s > m.context]
     text = (f"would feed its {m.what or m.kind} more tokens than its context of {m.context} ({m.context_key}): "
             + "; ".join(f"{what} = {size:,} tokens" for what, size in bad) + ".") if bad else ""
@@ -168,7 +170,7 @@ def size_problems(name: str, a: dict, m: Model, memory_tau: int | None = None) -
             f"tokens, not longer than min_context = {a['min_context']} (the tokens each reads before its positions "
             "count): nothing to fit.")
     fits = fitting_settings(name, a, m, memory_tau) if text else {}
-    counted, fewer = count_problems(name, a, m)
+    counted, fewer = count_problems(name, a, m) if not force else ("", {})
     return (f"{text} It {counted}" if text and counted else text or counted), {**fits, **fewer}
 
 
@@ -211,7 +213,8 @@ def size_refusal(problems: list[tuple[str, str, dict]], how: str) -> LmcalError:
     outcome = "run for hours" if all(t.startswith(GOAL_TEXT) and " It " not in t for _, t, _ in problems) else "fail"
     return LmcalError(" ".join(f"{subject} {text}" for subject, text, _ in problems)
                       + f" {'It' if len(problems) == 1 else 'Each'} would {outcome} when it got there; nothing was "
-                      f"run. {fix}")
+                      f"run. {fix}" + (" Or, if you mean it, add force_size=true to the command line."
+                                       if outcome == "run for hours" else ""))
 
 
 def score_tokens(a: dict, m: Model) -> int:
