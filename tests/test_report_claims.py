@@ -44,7 +44,7 @@ def check_effect_sentences(report: str, res: dict, run: Path | None = None) -> l
     claims = [not_comparable(c, why) if why and c.key in AGAINST_PAPER else c for c in claims]
     lines = []
     for c in claims:
-        row = claim_row(c)
+        row = claim_row(c, test_tokens=(res.get("calibration") or {}).get("test_tokens"))
         if row is None:  # a memory flag: a row of its flags table
             assert flags_table([c])[2] in report, c.sentence
             continue

@@ -27,7 +27,7 @@ def _fig(name: str, rel: str) -> str:
     return f"[{f.removesuffix('.png')}]({rel}{f})"
 
 
-def claim_row(c: Claim, rel: str = "") -> tuple[str, ...] | None:
+def claim_row(c: Claim, rel: str = "", test_tokens: int | None = None) -> tuple[str, ...] | None:
     """(claim, paper, lmcal, ± se, shown, figure) of one of a reproduction's claims, or None for a claim that is a flag
     rather than a claim of the paper (the memory flags: lmcal.reporting.claims_table.flags_table)."""
     n, p = c.numbers, f"{paper_calibration_nats():+.2f}"
@@ -54,7 +54,8 @@ def claim_row(c: Claim, rel: str = "") -> tuple[str, ...] | None:
         who = {"best_head_within": "The best future-entropy head", "sequence_goal_within": "Algorithm 1's goal row",
                "sequence_twisted_within": "Algorithm 1, fewest twisted particles"}[c.key]
         level = math.exp(n["level_nats"])
-        row = (f"{who}: last tenth within 10% of the test perplexity {_f(n['ref_ppl'], '.1f')}",
+        on = f" (on {test_tokens:,} test tokens)" if test_tokens else ""  # the stages' test stream, not the whole set
+        row = (f"{who}: last tenth within 10% of the test perplexity {_f(n['ref_ppl'], '.1f')}{on}",
                "equal (Algorithm 1)" if c.key.startswith("sequence") else "–", _f(level, ".1f"),
                _f(n["se"], ".1f", level), "sequence" if c.key.startswith("sequence") else "head")
     else:
@@ -70,11 +71,12 @@ def claim_rows(r: dict, rel: str = "") -> list[tuple[str, ...]]:
     if "tail_stderr_nats" in e:
         c = within("", e["tail_nats"], e["tail_stderr_nats"], e["test_ppl"])
         level = math.exp(e["tail_nats"])
-        rows.append(("Generations' entropy rate within 10% of the test perplexity (Table 1)",
+        rows.append(("Generations' entropy rate within 10% of the test perplexity (Table 1; the whole test set)",
                      f"{paper.AWD_LSTM_PTB['entrate_ppl']} vs {paper.AWD_LSTM_PTB['test_ppl']}",
                      f"{_f(level, '.1f')} vs {_f(e['test_ppl'], '.1f')}", _f(e["tail_stderr_nats"], ".1f", level),
                      shown(c.verdict), _fig("table1", rel)))
-    rows += [row for c in results_claims(r) if (row := claim_row(c, rel))]
+    tokens = (r.get("calibration") or {}).get("test_tokens")  # the stages' test stream (each stage scores the same)
+    rows += [row for c in results_claims(r) if (row := claim_row(c, rel, tokens))]
     for m in r.get("memory", []):
         if m.get("model", "awd_lstm") == "awd_lstm" and m.get("limited") == "trained" and m["tau"] in paper.MEMORY_PTB:
             rows.append((f"Memory bound I_τ, τ = {m['tau']} (nats)", f"{paper.MEMORY_PTB[m['tau']][1]:.4f}",

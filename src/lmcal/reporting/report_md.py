@@ -107,6 +107,14 @@ def report(cfg: DictConfig, out: Path, names: list[str]) -> None:
         log_report(cfg, results, out)
 
 
+def stage_tokens_line(cal: dict) -> list[str]:
+    """The analysis stages' own test stream, where its perplexity differs from the whole test set's: one line."""
+    if not cal.get("test_tokens") or not cal.get("test_ppl_before"):
+        return []
+    return [f"The analysis stages score on {cal['test_tokens']:,} test tokens, where the model's test perplexity is "
+            f"{cal['test_ppl_before']:.1f}: the sections below, and the claims that say so, use that figure."]
+
+
 def report_markdown(cfg: DictConfig, r: dict, out: Path) -> str:
     """REPORT.md from results.json `r`: the claims table, the setup table, then each section's tables; the stages'
     own json under `out` adds what results.json does not keep (the generations as words, the heads' R²)."""
@@ -116,8 +124,9 @@ def report_markdown(cfg: DictConfig, r: dict, out: Path) -> str:
              *([f"**Not comparable with the paper:** {why}. Its numbers are this model's; its verdicts against the "
                 "paper's figures are labelled \"not comparable\".", ""] if why else []),
              f"Base model: {b['model']}, {b['params']:,} parameters, {b['epochs']} epochs.",
-             f"Validation perplexity {b['val_ppl']:.1f}, test {b['test_ppl']:.1f}; the paper's: "
-             f"{paper.AWD_LSTM_PTB_VAL_TEST[0]} / {paper.AWD_LSTM_PTB_VAL_TEST[1]}, after 500 epochs.", "",
+             f"Validation perplexity {b['val_ppl']:.1f}, test {b['test_ppl']:.1f} (the whole sets); the paper's: "
+             f"{paper.AWD_LSTM_PTB_VAL_TEST[0]} / {paper.AWD_LSTM_PTB_VAL_TEST[1]}, after 500 epochs.",
+             *stage_tokens_line(r.get("calibration") or {}), "",
              "## Claims", "", *claims_table(claim_rows(r)), "",
              "Nats are changes of the mean entropy over the last tenth of the horizon; ± is one standard error.",
              f"The paper's calibration figure is its -{paper.CALIBRATION_PPL_DROP:g} points from "
