@@ -499,7 +499,7 @@ def _stage(lm, text, out, **settings) -> dict:
                      settings, out)
 
 
-def test_the_stage_writes_its_rows_on_an_oracle(tmp_path):
+def test_the_stage_writes_its_rows_on_an_oracle(tmp_path, monkeypatch):
     """The sequence_calibration stage end to end on the delayed drifting oracle (tiny settings): the plain model, the
     soft-value heads with their own α, SMC at each count untwisted and twisted (each with its own α*, fitted over the
     law's 2 x horizon words, its convergence against the other count, its test CE with log Ẑ's bias), the fitted
@@ -547,7 +547,19 @@ def test_the_stage_writes_its_rows_on_an_oracle(tmp_path):
     assert {"method", "params", "tail_ppl", "tail_ppl_stderr", "test_ce_nats", "ms_per_token", "label",
             "converged"} <= set(rows[0])
     assert {p.name for p in tmp_path.iterdir()} >= {"sequence_calibration.json", "sequence_calibration.md",
-                                                    "sequence_calibration.png"}
+                                                    "sequence_calibration.png", "sequence_calibration_surprisal.png"}
+    # one quantity an axis: the entropy of per-word rows in the figure, SMC's surprisals in the extra figure
+    from lmcal.stages import sequence_calibration as stage_module
+
+    drawn = []
+    monkeypatch.setattr(stage_module, "entropy_curve_figure", lambda curves, path, **kw: drawn.append(list(curves)))
+    result = stage_module.SequenceCalibrationResult(r)
+    result.figure(tmp_path / "x.png"), result.extras(tmp_path, "x")
+    from lmcal.stages.sequence_table import row_label
+
+    smc_labels = {row_label(x) for x in r["rows"] if x["method"] == "smc"}
+    assert set(drawn[0]) == {row_label(x) for x in r["rows"] if x["method"] != "smc"}
+    assert drawn[1][0].startswith("model: its entropy") and set(drawn[1][1:]) <= smc_labels and drawn[1][1:]
     # REPORT.md's verdicts on the goal rows: each against the test perplexity
     from lmcal.reporting.claims import sequence_goal_claims
 

@@ -95,8 +95,10 @@ def report(cfg: DictConfig, out: Path, names: list[str]) -> None:
     if "future_entropy" in cfg.stages:
         copy_atomic(out / cfg.dataset / "future_entropy" / "future_entropy.png", out / "figure_future_entropy.png")
     if "sequence_calibration" in cfg.stages:
-        copy_atomic(out / cfg.dataset / "sequence_calibration" / "sequence_calibration.png",
-                    out / "figure_sequence_calibration.png")
+        for part in ("", "_surprisal"):  # (the surprisal figure: where SMC rows ran)
+            src = out / cfg.dataset / "sequence_calibration" / f"sequence_calibration{part}.png"
+            if src.is_file():
+                copy_atomic(src, out / f"figure_sequence_calibration{part}.png")
     memory_report([out / cfg.dataset / "memory", out / "markov" / "memory"], out, wandb_mode="disabled",
                   oracles={"markov": results["markov"]["oracle"]["memory"]})
     write_json_atomic(out / "results.json", results)

@@ -221,7 +221,10 @@ def sequence_markdown(r: dict, sc: dict | None) -> list[str]:
 
         tables = [p for p in sequence_table(sc).split("\n\n") if p.startswith("|")][1:]
         lines += [t for p in tables for t in ("The convergence study (lmcal.stages.sequence_table):", "", p, "")]
-    return [*lines, "![sequence calibration](figure_sequence_calibration.png)", ""]
+    smc = any(d["method"] == "smc" for d in rows)
+    return [*lines, "![sequence calibration: the entropy of the next word](figure_sequence_calibration.png)", "",
+            *(["![Algorithm 1 by SMC: the surprisal of the words drawn](figure_sequence_calibration_surprisal.png)",
+               ""] if smc else [])]
 
 
 def memory_markdown(r: dict) -> list[str]:

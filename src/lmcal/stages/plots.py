@@ -23,10 +23,12 @@ from lmcal.utils.profiling import timed  # noqa: E402
 def entropy_curve_figure(curves: dict[str, tuple[np.ndarray, np.ndarray]], path: str | Path,
                          reference_nats: dict[str, float] | None = None, title: str = "",
                          legend_outside: bool = False, difference: dict | None = None,
-                         tail_differences: dict[str, tuple[float, float]] | None = None) -> Path:
+                         tail_differences: dict[str, tuple[float, float]] | None = None,
+                         quantity: str = "entropy of the t-th word's distribution") -> Path:
     """One line per curve (label -> (mean, stderr), nats, t = 1..horizon) with a ±1.96 se band,
     and dotted horizontal reference lines (e.g. the model's test cross-entropy). Written atomically.
-    legend_outside: the legend to the right of the axes (for many curves).
+    legend_outside: the legend to the right of the axes (for many curves); quantity: what the curves are (the
+    y-axis's label).
 
     A second panel shows paired differences from the plain model (same prefixes and seeds), when given:
     difference: {"label", "mean" [horizon], "stderr" [horizon], "tail", "tail_stderr", "tail_steps"}, the difference
@@ -67,7 +69,7 @@ def entropy_curve_figure(curves: dict[str, tuple[np.ndarray, np.ndarray]], path:
     ax.set_xlabel("" if difference is not None else "t (generated words)")  # shared: said under the lower panel
     ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))  # t is a count: no t = 2.5
     ax.set_xlim(0.5, horizon + 0.5)  # both panels: t = 1..horizon
-    ax.set_ylabel("entropy of the t-th word's distribution\n(nats; bands ±1.96 se)")
+    ax.set_ylabel(f"{quantity}\n(nats; bands ±1.96 se)")  # one quantity on the axis
     ax.set_title(wrapped(title, 0.7 * width), fontsize=10)  # over the axes, about 70% of the figure's width
     ax.grid(alpha=0.3)
     if legend_outside:  # below the axes, in columns: the curves keep the figure's width

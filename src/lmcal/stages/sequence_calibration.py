@@ -72,19 +72,43 @@ class SequenceCalibrationResult(Result):
     def table(self) -> str:
         return sequence_table(self.record) + "\n"
 
-    def figure(self, path: Path) -> Path:
+    def _shown(self) -> list[dict]:
+        """The rows drawn: every row but SMC's, and SMC's converged rows or its most particles."""
         r = self.record
-        shown = [x for x in r["rows"] if x["method"] != "smc"] + [
+        return [x for x in r["rows"] if x["method"] != "smc"] + [
             x for x in r["rows"] if x["method"] == "smc" and (x.get("converged") or
                                                             x["params"]["particles"] == r["particles"][-1])]
+
+    def figure(self, path: Path) -> Path:
+        """The entropy of each per-word row's next word against t (one quantity on the axis; SMC's rows, whose
+        curves are surprisals, are in the extra figure), and every row's paired last-tenth difference below."""
+        r, shown = self.record, self._shown()
         return entropy_curve_figure(
-            {row_label(x) + (" (surprisal -log P̂ of its words)" if x.get("curve_kind") == "surprisal" else ""):
-             (np.asarray(x["curve_nats"]), np.asarray(x["stderr_nats"])) for x in shown},
+            {row_label(x): (np.asarray(x["curve_nats"]), np.asarray(x["stderr_nats"])) for x in shown
+             if x.get("curve_kind") != "surprisal"},
             path, reference_nats={"test cross-entropy (the test stream)": r["reference_test_ce_nats"]},
-            title=f"{r['model']} on {r['corpus']}: Algorithm 1 (SMC over {r['law_horizon']} words, soft values) and "
-                  "per-word calibration",
+            title=f"{r['model']} on {r['corpus']}: the entropy of the next word under per-word calibration; "
+                  f"below, every row's last tenth (Algorithm 1: SMC over {r['law_horizon']} words)",
             legend_outside=True, tail_differences={row_label(x): (x["tail_diff_nats"], x["tail_diff_stderr_nats"])
                                                    for x in shown[1:]})
+
+    def extras(self, out: Path, name: str) -> dict[str, Path]:
+        """<name>_surprisal.png: the surprisal -log P̂ of the words SMC's rows drew, against t, beside the plain
+        model's entropy (the mean surprisal of its own words) and the test cross-entropy (that of the true words)."""
+        r, shown = self.record, self._shown()
+        smc = [x for x in shown if x.get("curve_kind") == "surprisal"]
+        if not smc:
+            return {}
+        model = next(x for x in r["rows"] if x["method"] == "model")
+        curves = {"model: its entropy (the mean surprisal of its own words)":
+                  (np.asarray(model["curve_nats"]), np.asarray(model["stderr_nats"]))}
+        curves |= {row_label(x): (np.asarray(x["curve_nats"]), np.asarray(x["stderr_nats"])) for x in smc}
+        png = entropy_curve_figure(
+            curves, out / f"{name}_surprisal.png", legend_outside=True,
+            quantity="surprisal -log P̂ of the t-th word drawn",
+            reference_nats={"test cross-entropy (the true words' surprisal)": r["reference_test_ce_nats"]},
+            title=f"{r['model']} on {r['corpus']}: Algorithm 1 by SMC, the surprisal -log P̂ of the words drawn")
+        return {"surprisal": png}
 
     def log_wandb(self, logger, name: str, images: dict[str, Path]) -> None:
         r, rows = self.record, self.record["rows"]
