@@ -380,6 +380,10 @@ def test_report_tabulates_the_training_runs_of_any_folders(tmp_path):
     assert lines[5] == (f"| model.memory_tau=6 | ptb | 6 | - | - | - | failed: tau must be > 0 more "  # the whole error
                         f"| {tmp_path / 'runs' / 'b'} |")
     assert lines[4] in r.stdout
+    (tmp_path / "rep" / "notes.txt").write_text("mine")  # a file of the user's, at once: not called written
+    r = subprocess.run([sys.executable, "-m", "lmcal.report", str(tmp_path / "runs"), "--out", str(tmp_path / "rep"),
+                        "--wandb", "disabled"], capture_output=True, text=True, timeout=300)
+    assert f"lmcal.report wrote report_runs.json, report_runs.md in {tmp_path / 'rep'}" in r.stdout, r.stdout
 
 
 def test_markov_memory_figure_shows_the_exact_value_and_counts_have_integer_ticks(tmp_path, monkeypatch):

@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-import time
 from pathlib import Path
 
 from lmcal.errors import LmcalError
@@ -99,7 +98,7 @@ def main(argv: list[str] | None = None) -> None:
         memory = collect_memory(args.dirs)
         if not (runs or found or scale_rows or memory):
             memory_report(args.dirs, args.out, found={})  # (the paragraph: nothing to report)
-        t0 = time.time()
+        before = _files(out)
         with run_lock(out, "report", advice="--out DIR"):  # (no run starts in it while the tables are written)
             runs_report(args.dirs, out, rows=runs, name="report_runs")  # (a sweep's own runs.md stays as it is)
             decoders = decoders_report(args.dirs, out, found)
@@ -110,9 +109,18 @@ def main(argv: list[str] | None = None) -> None:
                 log_scale_wandb(scale, out, args.wandb, args.project, args.group)
             if memory:
                 memory_report(args.dirs, args.out, args.wandb, args.project, args.group, found=memory)
-        written = sorted(p.name for p in out.iterdir() if p.is_file() and p.stat().st_mtime >= t0 - 1
-                         and not p.name.startswith("."))
+        after = _files(out)
+        written = sorted(name for name, stat in after.items() if before.get(name) != stat)
         print(f"lmcal.report wrote {', '.join(written) or 'nothing'} in {out}", flush=True)
+
+
+def _files(folder: Path) -> dict[str, tuple[int, int, int]]:
+    """{name: (inode, mtime in ns, size)} of the plain files in `folder` (none where it does not exist yet): every
+    file lmcal writes is written whole and renamed into place, so a file written anew has a new inode."""
+    if not folder.is_dir():
+        return {}
+    return {p.name: (s.st_ino, s.st_mtime_ns, s.st_size) for p in folder.iterdir()
+            if not p.name.startswith(".") and p.is_file() and not p.is_symlink() and (s := p.stat())}
 
 
 if __name__ == "__main__":
