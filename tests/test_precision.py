@@ -135,3 +135,22 @@ def test_an_untested_precision_is_refused_naming_the_ones_that_train(value):
         cfg = compose("train", overrides=["experiment=smoke", "logger=none", f"trainer.precision={value}"])
     with pytest.raises(LmcalError, match=rf"trainer.precision={value} is not a precision .*=32-true or bf16-mixed"):
         check_settings(cfg)
+
+
+def test_the_report_records_the_precision_the_stages_ran_with(tmp_path):
+    """results.json's provenance: the TF32 flags each stage recorded (the report's own process runs none)."""
+    import json
+
+    from lmcal.reporting.provenance import stage_precision
+
+    off = {"tf32_matmul": False, "tf32_cudnn": False, "float32_matmul_precision": "highest"}
+    (tmp_path / "ptb" / "base").mkdir(parents=True)
+    (tmp_path / "ptb" / "base" / "metrics.json").write_text(json.dumps({"precision": {"trainer": "32-true", **off}}))
+    (tmp_path / "ptb" / "calibration").mkdir()
+    ev = tmp_path / "ptb" / "calibration" / "evaluation.json"
+    ev.write_text(json.dumps({"provenance": {"precision": off}}))
+    got = stage_precision(tmp_path)
+    assert {k: got[k] for k in off} == off and set(got["by_folder"]) == {"ptb/base", "ptb/calibration"}
+    ev.write_text(json.dumps({"provenance": {"precision": {**off, "tf32_matmul": True}}}))  # one stage with TF32
+    got = stage_precision(tmp_path)
+    assert "tf32_matmul" not in got and got["by_folder"]["ptb/calibration"]["tf32_matmul"] is True

@@ -64,3 +64,23 @@ def versions() -> dict:
 def provenance_line(p: dict) -> str:
     return (f"*Command:* `{p['command']}` · *date:* {p['date']} · *machine:* {p['machine']}"
             + (f" · *commit:* {p['commit']}" if p.get("commit") else ""))
+
+
+TF32_KEYS = ("tf32_matmul", "tf32_cudnn", "float32_matmul_precision")  # lmcal.utils.device.precision_policy's
+
+
+def stage_precision(out: Path) -> dict:
+    """The arithmetic the stages under `out` ran with, as each recorded it (a training's metrics.json "precision",
+    an analysis's evaluation.json provenance): {"by_folder": {folder: its record}} and, where every stage had the
+    same TF32 flags, those flags (the report's own process runs no stage: its flags say nothing)."""
+    from lmcal.utils.io import read_record
+
+    found = {}
+    for name in ("metrics.json", "evaluation.json"):
+        for p in sorted(Path(out).rglob(name)):
+            r = read_record(p, warn=False) or {}
+            v = r.get("precision") if name == "metrics.json" else (r.get("provenance") or {}).get("precision")
+            if isinstance(v, dict):
+                found[p.parent.relative_to(out).as_posix()] = v
+    flags = {tuple(v.get(k) for k in TF32_KEYS) for v in found.values()}
+    return {**(dict(zip(TF32_KEYS, flags.pop(), strict=True)) if len(flags) == 1 else {}), "by_folder": found}

@@ -14,7 +14,7 @@ from omegaconf import DictConfig
 from lmcal import paper
 from lmcal.reporting.claim import comparability
 from lmcal.reporting.claims_table import claim_rows, claims_table
-from lmcal.reporting.provenance import provenance
+from lmcal.reporting.provenance import provenance, stage_precision
 from lmcal.reporting.report_sections import (
     calibration_markdown,
     decoders_markdown,
@@ -27,7 +27,6 @@ from lmcal.reporting.report_sections import (
 from lmcal.reporting.results import OPERATIONS, PAPER_STAGES, collect_results, read_json
 from lmcal.reporting.samples_md import calibration_samples_markdown
 from lmcal.reporting.setup_text import memory_lines, setup_lines
-from lmcal.utils.device import precision_policy
 from lmcal.utils.io import copy_atomic, write_json_atomic, write_text_atomic
 
 
@@ -60,7 +59,7 @@ def report(cfg: DictConfig, out: Path, names: list[str]) -> None:
     from lmcal.utils.profiling import matmul_flops
 
     results["provenance"]["matmul_gflop_per_s"] = matmul_flops(seconds=2.0) / 1e9  # the MFU's denominator
-    results["provenance"]["precision"] = precision_policy()  # TF32 flags every stage ran with (lmcal.utils.device)
+    results["provenance"]["precision"] = stage_precision(out)  # the TF32 flags the stages ran with, as they recorded
     import numpy as np
 
     er, cal, tr = results["entropy_rate"], results["calibration"], results.get("transformer", {})
