@@ -282,7 +282,8 @@ def _training_stage(st: dict, models: dict, tau_of: dict, lines: list[str]) -> J
                      f"({SIDE_BY_SIDE}): peak {at_once} x {most} of the "
                      f"tensors above, plus each process's CUDA context; time-sliced: {wall / 3600:.2f} h "
                      f"against {sum(g[0] for g in group) / 3600:.2f} h one after another")
-    return idle_job(st["name"], wall, busy, idle, tuple(st["deps"]))
+    what = ("" if len(group) == 1 else f"{len(group)} x ") + f"{m.kind}, {m.params / 1e6:.1f}M parameters"
+    return idle_job(st["name"], wall, busy, idle, tuple(st["deps"]), what=what)
 
 
 def _check_memory_tau(where: str, a: dict, m: Model, mem_tau: int | None) -> None:
@@ -339,7 +340,8 @@ def _analysis_stage(cfg: DictConfig, st: dict, models: dict, tau_of: dict,
     how = f"start-up, fit{f', {heads} heads' if heads else ''}"
     line += (f"; time alone: {flops:.3g} FLOP / {rate:.3g}e12{' (measured)' if name in rates else ''} + "
              f"{extra:.0f} s ({how}) = {flops / (rate * 1e12) + extra:.0f} s")
-    return line, idle_job(st["name"], flops / (rate * 1e12), BUSY["batched"], extra, tuple(st["deps"]), flops, name)
+    return line, idle_job(st["name"], flops / (rate * 1e12), BUSY["batched"], extra, tuple(st["deps"]), flops, name,
+                          f"{name} on the {m.kind}")
 
 
 def head_count(name: str, a: dict) -> int:
@@ -393,7 +395,7 @@ def check(cfg: DictConfig, estimates: dict | None = None, rates: dict[str, float
     for st in stages:
         if "fn" in st:
             lines.append(f"{st['name']}: results.json, REPORT.md (in-process); time: {term('report (s)'):g} s")
-            jobs.append(Job(st["name"], term("report (s)"), 0.0, tuple(st["deps"])))
+            jobs.append(Job(st["name"], term("report (s)"), 0.0, tuple(st["deps"]), what="results.json, REPORT.md"))
         elif st["cmd"][2] == "lmcal.train":
             jobs.append(_training_stage(st, models, tau_of, lines))
         else:
@@ -409,6 +411,5 @@ def check(cfg: DictConfig, estimates: dict | None = None, rates: dict[str, float
     head = wrap(f"Plan of the {cfg.profile} profile: {len(stages)} stages, all composed and within their ranges; "
                 "every stream fits its model's context.")
     runs = [tuple(ln.split(": ", 1)) for ln in lines]  # (stage, or stage and tau; its arithmetic)
-    details = {j.name: [t for n, t in runs if n.split(" ")[0] == j.name] for j in jobs}
     tail = [ln for p in _plan_tail(cfg, jobs, wall, rates) for ln in wrap(p)]
-    return "\n".join(head + [""] + stage_table(jobs, spans, details) + [""] + tail + [""] + details_section(runs))
+    return "\n".join(head + [""] + stage_table(jobs, spans) + [""] + tail + [""] + details_section(runs))

@@ -3,7 +3,6 @@ with its estimate and where the schedule places it, then each stage's arithmetic
 
 from __future__ import annotations
 
-import re
 import textwrap
 
 from lmcal.pipeline.timing import Job
@@ -31,29 +30,12 @@ def clock(seconds: float) -> str:
     return f"{minutes // 60}:{minutes % 60:02d}"
 
 
-_TRAINING = re.compile(r"^(\w+) \(([\d,]+) parameters")  # "awd_lstm (24,221,600 parameters, ..."
-_ANALYSIS = re.compile(r"^(\w+ on the \w+)")  # "calibration on the awd_lstm (...)"
-
-
-def summary(details: list[str]) -> str:
-    """What a stage is, from its detail lines (as the stage functions of lmcal.pipeline.check write them): the model
-    and its size for a training (x runs for a sweep), the stage kind and its model for an analysis."""
-    first = details[0] if details else ""
-    if m := _TRAINING.match(first):
-        runs = sum(1 for d in details if _TRAINING.match(d))
-        what = f"{m.group(1)}, {int(m.group(2).replace(',', '')) / 1e6:.1f}M parameters"
-        return f"{runs} x {what}" if runs > 1 else what
-    if m := _ANALYSIS.match(first):
-        return m.group(1)
-    return first.split(";")[0][:60]
-
-
-def stage_table(jobs: list[Job], spans: dict[str, tuple[float, float]], details: dict[str, list[str]]) -> list[str]:
+def stage_table(jobs: list[Job], spans: dict[str, tuple[float, float]]) -> list[str]:
     """One line per stage: its name, its time alone on the GPU, its start and end in the schedule, what it is."""
     name_w = max([len(j.name) for j in jobs] + [5])
     head = f"{'stage':<{name_w}}  {'alone':>8}  {'start-end':>11}  what"
     rows = [f"{j.name:<{name_w}}  {duration(j.seconds):>8}  "
-            f"{clock(spans[j.name][0]) + '-' + clock(spans[j.name][1]):>11}  {summary(details.get(j.name, []))}"
+            f"{clock(spans[j.name][0]) + '-' + clock(spans[j.name][1]):>11}  {j.what}"
             for j in jobs]
     return [head] + [r[:WIDTH] for r in rows]
 

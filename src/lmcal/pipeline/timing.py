@@ -122,6 +122,7 @@ class Job:
     flops: float = 0.0  # an analysis stage's model FLOPs (0: a training or the report) ...
     idle: float = 0.0  # ... and its seconds with the GPU idle (start-up, fits, writes) ...
     kind: str = ""  # ... and its kind (calibration, memory, ...), which make gpu-check's rates are keyed by
+    what: str = ""  # what the stage is, in the plan's table ("awd_lstm, 24.2M parameters"; "memory on the awd_lstm")
 
 
 def side_by_side_group(seconds: list[float], busy: list[float], at_once: int) -> tuple[float, float]:
@@ -159,11 +160,11 @@ def schedule(jobs: list[Job], slots: int) -> tuple[float, dict[str, tuple[float,
 
 
 def idle_job(name: str, gpu_seconds: float, busy: float, idle_seconds: float, deps: tuple[str, ...],
-             flops: float = 0.0, kind: str = "") -> Job:
+             flops: float = 0.0, kind: str = "", what: str = "") -> Job:
     """A stage's job: `gpu_seconds` keeping the GPU `busy` that share, and `idle_seconds` of start-up, fits and
     writes that leave it to the stages beside it (the job's busy share is over both)."""
     total = gpu_seconds + idle_seconds
-    return Job(name, total, busy * gpu_seconds / total if total else 0.0, deps, flops, idle_seconds, kind)
+    return Job(name, total, busy * gpu_seconds / total if total else 0.0, deps, flops, idle_seconds, kind, what)
 
 
 def hours(seconds: float) -> str:
