@@ -439,6 +439,25 @@ def test_a_fit_that_failed_or_an_untested_trend_is_a_row_of_dashes():
         "| lookahead calibration | +5.000 | 0.100 | 3 | 1 | undecided (untested) |"  # df < 2: not stated
 
 
+def test_a_methods_trend_is_not_fitted_where_the_test_ces_span_too_little():
+    """The fits' rule for the effects' trends too: test CEs 6.24-6.55 (PTB's AWD-LSTMs on one budget) are less than a
+    factor of 1.1 apart, so no slope per unit of log test CE is read off them; wider ones give a slope."""
+    from lmcal.reporting.scale_report import effect_trends
+
+    def rows(ces):
+        return [{"test_ce_nats": c, "effects": {m: {"tail_diff_nats": -0.1 * i, "tail_diff_stderr_nats": 0.01}
+                                                for m in ("fitted_temperature", "calibration")}}
+                for i, c in enumerate(ces)]
+
+    flat = effect_trends(rows([6.24, 6.3, 6.4, 6.55]))
+    assert flat and all(t["slope"] is None and "too alike in test_ce_nats" in t["error"] for t in flat.values())
+    g = {"label": "x", "runs": 4, "fits": {}, "trends": flat}
+    assert trend_row(g, "calibration", flat["calibration"]).endswith("| 4 | 2 | undecided (untested) |")
+    assert trend_row(g, "calibration", flat["calibration"]).startswith("| lookahead calibration | not fitted (the runs")
+    wide = effect_trends(rows([2.0, 3.0, 4.0, 5.0]))
+    assert all(math.isfinite(t["slope"]) and "error" not in t for t in wide.values())
+
+
 def test_an_earlier_reports_fits_are_read_with_their_df_and_without_the_runs_they_left_out():
     """docs/runs/scale was fitted by a bootstrap over the runs of positive gap, one seed a cell, with no df: its
     transformer's joint fit (4 runs, 3 coefficients, 1 df) excluded 0 at -2.35 [-3.79, -1.26], and its single fits

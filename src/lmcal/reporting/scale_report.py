@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from lmcal import paper
-from lmcal.core.scaling import MIN_SPREAD, fit_power_law, signed_trend, weighted_trend
+from lmcal.core.scaling import MIN_SPREAD, check_spread, fit_power_law, signed_trend, weighted_trend
 from lmcal.errors import LmcalError
 from lmcal.reporting.scale_text import AXES, METHODS, report_markdown, results_json, run_label, scale_table
 from lmcal.stages.scale_record import RECORD
@@ -184,12 +184,20 @@ def signed_fit(x: dict[str, list[float]], g: np.ndarray, level: float) -> dict:
 
 
 def effect_trends(rows: list[dict]) -> dict:
-    """Each fitted method's paired effect against log test CE, where every run has it and the test CEs differ."""
+    """Each fitted method's paired effect against log test CE, where every run has it and the test CEs differ; not
+    fitted (slope None, with the reason) where they span too little to read a trend off, as the fits' rule."""
     ce = [r["test_ce_nats"] for r in rows]
     trends = {}
+    try:
+        check_spread(np.array(ce)[:, None], ["test_ce_nats"])
+        flat = None
+    except ValueError as e:
+        flat = str(e)
     for m in METHODS:
         eff = [r["effects"].get(m) for r in rows]
-        if all(eff) and len({round(c, 9) for c in ce}) > 1:
+        if all(eff) and flat:
+            trends[m] = {"slope": None, "stderr": None, "runs": len(rows), "df": len(rows) - 2, "error": flat}
+        elif all(eff) and len({round(c, 9) for c in ce}) > 1:
             slope, se = weighted_trend(np.log(ce), [e["tail_diff_nats"] for e in eff],
                                        [e["tail_diff_stderr_nats"] for e in eff])
             trends[m] = {"slope": slope, "stderr": se, "runs": len(rows), "df": len(rows) - 2}

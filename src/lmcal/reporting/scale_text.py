@@ -310,6 +310,9 @@ def signed_row(g: dict, f: dict) -> str | None:
 
 def trend_row(g: dict, m: str, t: dict) -> str:
     """One method's trend with the models' strength as a row, with the claim's verdict."""
+    if t.get("error"):  # the runs' test CEs span too little (the fits' rule)
+        return f"| {METHODS[m]} | not fitted ({t['error']}) | – | {t['runs']} | {t.get('df', t['runs'] - 2)} | " \
+               "undecided (untested) |"
     slope = format(t["slope"], "+.3f") if finite(t["slope"]) else "–"
     se = format(t["stderr"], ".3f") if finite(t["stderr"]) else "–"
     return (f"| {METHODS[m]} | {slope} | {se} | {t['runs']} | {t.get('df', t['runs'] - 2)} | "
