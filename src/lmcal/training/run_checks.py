@@ -14,7 +14,7 @@ from lmcal.stages.registry import STAGES, stage_kinds
 from lmcal.stages.stage import KINDS
 from lmcal.stages.wandb_run import check_online
 from lmcal.training.known_keys import check_known_keys
-from lmcal.utils.device import cuda_missing
+from lmcal.utils.device import cpu_bf16_lstm, cuda_missing
 from lmcal.utils.validate import check_config
 
 log = logging.getLogger("lmcal")
@@ -82,6 +82,20 @@ def check_precision(cfg: DictConfig) -> None:
                          "and scores are checked in full float32 (32-true, the default) and with bfloat16 autocast "
                          "(bf16-mixed, float32 weights). Nothing was run or written. Use trainer.precision=32-true or "
                          "bf16-mixed (and tf32=true for TensorFloat-32 matmuls on a GPU).")
+    if value == "bf16-mixed" and str((cfg.get("model") or {}).get("_target_") or "").endswith("AWDLSTM") \
+            and _on_cpu(cfg) and not cpu_bf16_lstm():
+        raise LmcalError("trainer.precision=bf16-mixed trains the AWD-LSTM's LSTM in bfloat16, which this CPU cannot "
+                         "run: oneDNN has no bfloat16 LSTM without AVX-512 BF16 instructions. Nothing was run or "
+                         "written. Use trainer.precision=32-true here (the default), or bf16-mixed on a GPU "
+                         "(trainer.accelerator=gpu) or a CPU that has them.")
+
+
+def _on_cpu(cfg: DictConfig) -> bool:
+    """Whether the training runs on the CPU: trainer.accelerator=cpu, or auto without CUDA."""
+    import torch
+
+    accelerator = str((cfg.get("trainer") or {}).get("accelerator", "auto"))
+    return accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available())
 
 
 def check_settings(cfg: DictConfig) -> None:

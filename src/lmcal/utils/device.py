@@ -10,6 +10,7 @@ on (`resolve_device`), and the line saying which profile `PROFILE=auto` chose an
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 
@@ -31,6 +32,19 @@ def apply_precision_policy(tf32: bool = TF32) -> dict:
     torch.backends.cudnn.allow_tf32 = tf32
     torch.set_float32_matmul_precision("high" if tf32 else "highest")
     return precision_policy()
+
+
+@functools.cache
+def cpu_bf16_lstm() -> bool:
+    """Whether this CPU runs an LSTM under bfloat16 autocast: oneDNN builds its bfloat16 LSTM only where the CPU has
+    the instructions (AVX-512 and its BF16 extension); on an AVX2-only CPU it raises "could not create a primitive
+    descriptor for the LSTM forward propagation primitive"."""
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            torch.nn.LSTM(2, 2)(torch.zeros(1, 1, 2))
+        return True
+    except RuntimeError:
+        return False
 
 
 def precision_policy() -> dict:
