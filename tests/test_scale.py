@@ -568,7 +568,8 @@ def test_the_gpu_sweep_is_checked_by_the_plan_check(tmp_path):
 def test_the_cpu_sweep_profile_plans_every_job_with_one_wandb_group(tmp_path):
     cfg = load_profile(["profile=scale", f"out={tmp_path / 'scale'}"])
     stages = plan_sweeps(cfg)
-    assert len(stages) == 37 and [s["sweep"] for s in stages[:-1]].count("powerlaw") == 18
+    assert len(stages) == 28 and [s["sweep"] for s in stages[:-1]].count("powerlaw") == 18
+    assert "transformer" not in {s.get("sweep") for s in stages}  # about 90 minutes here; opt in with ARGS
     cmd = stages[0]["cmd"]
     assert cmd[2:6] == ["lmcal.train", "experiment=scale", "model=awd_lstm_xs", "data.max_train_tokens=116199"]
     assert "seed=141" in cmd and "seed=142" in stages[1]["cmd"] and "logger.group=reproduce-scale" in cmd
@@ -586,17 +587,6 @@ def composed_seed(cmd: list[str]) -> int:
     from lmcal.utils.settings import composed
 
     return composed("lmcal.train", [o for o in cmd[3:] if not o.startswith(("hydra.", "logger"))]).seed
-
-
-def test_a_seeds_run_takes_its_cells_time_from_a_snapshot_of_one_seed():
-    """docs/runs/scale ran one seed a cell, its jobs named without one: the plan's estimate and the ETAs take each
-    seed's job at its cell's time."""
-    from lmcal.pipeline.scale_sweep import cell_reference
-
-    ref = {"awd_lstm_awd_lstm_xs-116199": 120.0, "powerlaw_1.1-20000": 60.0, "report": 0.0}
-    names = ["awd_lstm_awd_lstm_xs-116199-141", "awd_lstm_awd_lstm_xs-116199-142", "powerlaw_1.1-20000-141",
-             "powerlaw_1.1-20000", "transformer_transformer_xs-116199-141"]
-    assert cell_reference(ref, names) == {names[0]: 120.0, names[1]: 120.0, names[2]: 60.0, names[3]: 60.0}
 
 
 def test_a_sweep_members_run_name_ends_with_its_swept_values(tmp_path):

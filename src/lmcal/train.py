@@ -17,7 +17,6 @@ from pathlib import Path
 
 import hydra
 import pytorch_lightning as pl
-import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from hydra.utils import instantiate
@@ -43,7 +42,7 @@ from lmcal.training.callbacks import (
 )
 from lmcal.training.checkpoint_io import AtomicCheckpointIO, check_resume, init_from
 from lmcal.training.module import LMModule
-from lmcal.training.run_checks import TRAINABLE, applicable_stages, device_count  # noqa: F401
+from lmcal.training.run_checks import TRAINABLE, applicable_stages, device_count, training_device  # noqa: F401
 from lmcal.training.run_checks import check_settings as check_run_settings
 from lmcal.training.scale_run import record_training
 from lmcal.training.wandb_logger import finish_logger, make_logger
@@ -120,8 +119,7 @@ def _analysis_plan(cfg: DictConfig, dm) -> tuple[list[str], dict, str | None]:
     every = (settings.get("entropy_rate") or {}).get("every_n_epochs")
     preflight({n: settings[n] for n in STAGES if n in stages or (n == "entropy_rate" and every)},
               model_of(cfg, dm.vocab_size, {s: int(dm.tokens(s).numel()) for s in ("train", "valid", "test")}),
-              tau, device="cuda" if str(cfg.trainer.get("accelerator", "auto")) in ("auto", "gpu", "cuda")
-              and torch.cuda.is_available() else "cpu", bptt=int(cfg.data.bptt),
+              tau, device=training_device(cfg.trainer), bptt=int(cfg.data.bptt),
               force=bool(cfg.get("force_size")))  # sizes against the model, now
     set_memory_budget(cfg.analysis.get("memory_budget_gb"))  # the lookahead's chunks (lmcal.core.lookahead)
     base_ckpt = base_checkpoint(OmegaConf.to_container(cfg.memory, resolve=True) if cfg.get("memory") else None,

@@ -190,29 +190,17 @@ def check_sweeps(cfg: DictConfig) -> str:
                       "", *wrap(when + reference_note(cfg.profile, [st["name"] for st in stages[:-1]]))])
 
 
-def cell_reference(ref: dict[str, float], names: list[str]) -> dict[str, float]:
-    """Each stage's time in the reference run: its own, or, where that run had one seed a cell and so no seed in its
-    jobs' names, its cell's (the name less its last swept value, the seed: awd_lstm_awd_lstm_xs-116199-142 at
-    awd_lstm_awd_lstm_xs-116199's)."""
-    out = {}
-    for n in names:
-        cell = re.sub(r"-\d+$", "", n)
-        if n in ref or cell in ref:
-            out[n] = ref[n] if n in ref else ref[cell]
-    return out
-
-
 def reference_note(profile: str, names: list[str]) -> str:
-    """The snapshotted reproduction's time, and these runs' at its times of their cells where it had every cell."""
+    """The snapshotted reproduction's time, and these runs' at its times where it had every one of them."""
     from lmcal.pipeline.schedule import clock, reference_seconds
 
     ref, machine = reference_seconds(profile)
     if not ref:
         return ""
     runs = sum(n != "report" for n in ref)
-    cells = cell_reference(ref, names)
+    cells = {n: ref[n] for n in names if n in ref}
     return (f" The {profile} reproduction snapshotted in docs/runs/{profile} took {clock(sum(ref.values()))} for its "
-            f"{runs} runs on {machine}." + (f" At its times of their cells, these {len(names)} runs would take "
+            f"{runs} runs on {machine}." + (f" At its times, these {len(names)} runs would take "
                                             f"{clock(sum(cells.values()))}: an estimate until measured."
                                             if names and len(cells) == len(names)
                                             and set(names) != set(ref) - {"report"} else ""))
@@ -247,7 +235,6 @@ def reproduce_sweeps(cfg: DictConfig) -> dict:
         ref, machine = reference_seconds(cfg.profile)
         if ref:
             print(f"ETAs from the {cfg.profile} reproduction in docs/runs/{cfg.profile} ({machine}).", flush=True)
-            ref = {**ref, **cell_reference(ref, [st["name"] for st in stages])}  # a seed's run at its cell's time
         t0 = time.perf_counter()
         with exit_when_stages_fail():  # a failed run: the table, exit 1; the other runs kept
             schedule(stages, cfg, out, current, max(1, int(cfg.get("jobs", 1))), ref)

@@ -187,20 +187,18 @@ def effect_trends(rows: list[dict]) -> dict:
     """Each fitted method's paired effect against log test CE, where every run has it and the test CEs differ; not
     fitted (slope None, with the reason) where they span too little to read a trend off, as the fits' rule."""
     ce = [r["test_ce_nats"] for r in rows]
-    trends = {}
+    fitted = [m for m in METHODS if all(r["effects"].get(m) for r in rows)]
     try:
         check_spread(np.array(ce)[:, None], ["test_ce_nats"])
-        flat = None
     except ValueError as e:
-        flat = str(e)
-    for m in METHODS:
-        eff = [r["effects"].get(m) for r in rows]
-        if all(eff) and flat:
-            trends[m] = {"slope": None, "stderr": None, "runs": len(rows), "df": len(rows) - 2, "error": flat}
-        elif all(eff) and len({round(c, 9) for c in ce}) > 1:
-            slope, se = weighted_trend(np.log(ce), [e["tail_diff_nats"] for e in eff],
-                                       [e["tail_diff_stderr_nats"] for e in eff])
-            trends[m] = {"slope": slope, "stderr": se, "runs": len(rows), "df": len(rows) - 2}
+        return {m: {"slope": None, "stderr": None, "runs": len(rows), "df": len(rows) - 2, "error": str(e)}
+                for m in fitted}
+    trends = {}
+    for m in fitted:
+        eff = [r["effects"][m] for r in rows]
+        slope, se = weighted_trend(np.log(ce), [e["tail_diff_nats"] for e in eff],
+                                   [e["tail_diff_stderr_nats"] for e in eff])
+        trends[m] = {"slope": slope, "stderr": se, "runs": len(rows), "df": len(rows) - 2}
     return trends
 
 

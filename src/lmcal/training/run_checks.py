@@ -83,19 +83,20 @@ def check_precision(cfg: DictConfig) -> None:
                          "(bf16-mixed, float32 weights). Nothing was run or written. Use trainer.precision=32-true or "
                          "bf16-mixed (and tf32=true for TensorFloat-32 matmuls on a GPU).")
     if value == "bf16-mixed" and str((cfg.get("model") or {}).get("_target_") or "").endswith("AWDLSTM") \
-            and _on_cpu(cfg) and not cpu_bf16_lstm():
+            and training_device(cfg.get("trainer")) == "cpu" and not cpu_bf16_lstm():
         raise LmcalError("trainer.precision=bf16-mixed trains the AWD-LSTM's LSTM in bfloat16, which this CPU cannot "
                          "run: oneDNN has no bfloat16 LSTM without AVX-512 BF16 instructions. Nothing was run or "
                          "written. Use trainer.precision=32-true here (the default), or bf16-mixed on a GPU "
                          "(trainer.accelerator=gpu) or a CPU that has them.")
 
 
-def _on_cpu(cfg: DictConfig) -> bool:
-    """Whether the training runs on the CPU: trainer.accelerator=cpu, or auto without CUDA."""
+def training_device(trainer_cfg) -> str:
+    """The device `trainer` settings train on, as the stages see it: cuda where the accelerator may be a GPU
+    (auto, gpu, cuda) and CUDA is available, else cpu."""
     import torch
 
-    accelerator = str((cfg.get("trainer") or {}).get("accelerator", "auto"))
-    return accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available())
+    accelerator = str((trainer_cfg or {}).get("accelerator", "auto"))
+    return "cuda" if accelerator in ("auto", "gpu", "cuda") and torch.cuda.is_available() else "cpu"
 
 
 def check_settings(cfg: DictConfig) -> None:
