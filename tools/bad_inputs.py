@@ -3,12 +3,14 @@ Markdown table of the exit code and the first line of lmcal's message (docs/bad_
 
     python tools/bad_inputs.py [--reproduction DIR]     # DIR: a finished `make reproduce PROFILE=smoke out=DIR`
     python tools/bad_inputs.py --only-scenarios --good RUN [--probes WORD,...]   # the scenario probes alone
+    python tools/bad_inputs.py --only-files --good RUN [--probes WORD,...]       # links, names, records, sizes
 
-Three groups of probes: bad settings and broken checkpoints; hostile inputs (hostile_cases: code named by a
+Four groups of probes: bad settings and broken checkpoints; hostile inputs (hostile_cases: code named by a
 checkpoint's settings or a Hugging Face folder, names that would become paths, operating-system errors, sizes beyond
-reason); and scenarios (scenario_cases: refused runs that must write nothing anywhere, records that must be whole to be
+reason); scenarios (scenario_cases: refused runs that must write nothing anywhere, records that must be whole to be
 trusted, checkpoints from elsewhere, required settings, stops: signals during training, `make` killed under a
-reproduction, a training killed while it saved). A scenario sets up its files, runs the real entry point in a
+reproduction, a training killed while it saved); and the probes of links, names, records, sizes and tracebacks
+(bad_inputs_files.file_cases). A scenario sets up its files, runs the real entry point in a
 subprocess, and says what was left on disk; the ones that aim at a system folder use a new folder of their own there
 and remove it (and anything a run made in it) afterwards.
 
@@ -88,8 +90,10 @@ def main() -> None:
     ap.add_argument("--only-new", action="store_true", help="only the hostile probes (hostile_cases)")
     ap.add_argument("--only-scenarios", "--only-41", dest="only_scenarios", action="store_true",
                     help="only the scenario probes (scenario_cases)")
-    ap.add_argument("--probes", help="with --only-scenarios: only the probes whose label holds one of these words "
-                                     "(comma-separated)")
+    ap.add_argument("--only-files", action="store_true",
+                    help="only the probes of links, names, records, sizes and tracebacks (bad_inputs_files)")
+    ap.add_argument("--probes", help="with --only-scenarios or --only-files: only the probes whose label holds one "
+                                     "of these words (comma-separated)")
     ap.add_argument("--good", type=Path, help="a finished `python -m lmcal.train experiment=smoke` run folder on "
                                               "PTB, instead of training one first")
     ap.add_argument("--unguarded", action="store_true",
@@ -104,8 +108,11 @@ def main() -> None:
         assert rc == 0, first
     ckpt = good / "checkpoints" / "best.ckpt"
     rows = []
-    if a.only_scenarios:
-        run_scenarios(tmp, ckpt, a, rows)
+    if a.only_scenarios or a.only_files:
+        if a.only_scenarios:
+            run_scenarios(tmp, ckpt, a, rows)
+        if a.only_files:
+            run_files(tmp, ckpt, a, rows)
         table(rows, a.width)
         print(json.dumps({"tmp": str(tmp)}), file=sys.stderr)
         return
@@ -161,6 +168,7 @@ def main() -> None:
     rows.append(("(the report wrote outside --out)", "", "", "", "", "", "yes" if outside else "no"))
     if not a.only_new:
         run_scenarios(tmp, ckpt, a, rows)
+        run_files(tmp, ckpt, a, rows)
     table(rows, a.width)
     print(json.dumps({"tmp": str(tmp)}), file=sys.stderr)
 
@@ -171,6 +179,18 @@ def run_scenarios(tmp: Path, ckpt: Path, a, rows: list) -> None:
         r = probe()
         rows.append((label, r["rc"], r["tb"], r.get("wandb", "no"), r.get("left", ""), r["seconds"], r["first"]))
         print(f"{label}: exit {r['rc']}", file=sys.stderr, flush=True)
+
+
+def run_files(tmp: Path, ckpt: Path, a, rows: list) -> None:
+    """The probes of links, names, records, sizes and tracebacks (bad_inputs_files.file_cases): a row each."""
+    from bad_inputs_files import file_cases
+
+    words = [w.strip() for w in a.probes.split(",")] if a.probes else None
+    for label, probe in file_cases(tmp, ckpt):
+        if words is None or any(w in label for w in words):
+            r = probe()
+            rows.append((label, r["rc"], r["tb"], r.get("wandb", "no"), r.get("left", ""), r["seconds"], r["first"]))
+            print(f"{label}: exit {r['rc']}", file=sys.stderr, flush=True)
 
 
 def table(rows: list, width: int) -> None:
