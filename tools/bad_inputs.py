@@ -55,13 +55,18 @@ def run(args: list[str], cwd: Path, env: dict | None = None, timeout: float = 90
 
 
 def _run(args: list[str], cwd: Path, env: dict | None = None, timeout: float = 900) -> dict:
-    """The entry point `python -m <args>`: its exit code, first line (lmcal's paragraph, else stderr's last line),
-    whether it printed a traceback, and its wall seconds. `env` values None remove that variable."""
+    """The entry point `python -m <args>` (run_argv)."""
+    return run_argv([sys.executable, "-m", *args], cwd, env, timeout)
+
+
+def run_argv(argv: list[str], cwd: Path, env: dict | None = None, timeout: float = 900) -> dict:
+    """The command `argv`: its exit code, first line (lmcal's paragraph, else stderr's last line), whether it printed
+    a traceback, and its wall seconds. `env` values None remove that variable."""
     env = {**os.environ, "WANDB_MODE": "offline", "PYTHONWARNINGS": "ignore", **(env or {})}
     env = {k: v for k, v in env.items() if v is not None}
     t0 = time.perf_counter()
-    r = subprocess.run([sys.executable, "-m", *args], cwd=cwd, env=env, capture_output=True, text=True,
-                       timeout=timeout, stdin=subprocess.DEVNULL)
+    r = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout,
+                       stdin=subprocess.DEVNULL)
     return {**_summary(r.returncode, r.stderr), "seconds": time.perf_counter() - t0, "stdout": r.stdout}
 
 
@@ -100,6 +105,8 @@ def main() -> None:
                     help="the lmcal under test may lack the hostile probes' checks: skip the probes that would then "
                          "write into / or the sources, or run for hours (out=/, out=src/lmcal, horizon=10^7)")
     a = ap.parse_args()
+    from bad_inputs_files import file_cases  # (it imports this module's helpers)
+
     tmp = Path(tempfile.mkdtemp(prefix="lmcal-bad-"))
     train = ["lmcal.train", "experiment=smoke", "logger=wandb", "trainer.enable_progress_bar=false"]
     good = a.good or tmp / "good"
@@ -110,9 +117,9 @@ def main() -> None:
     rows = []
     if a.only_scenarios or a.only_files:
         if a.only_scenarios:
-            run_scenarios(tmp, ckpt, a, rows)
+            run_probes(scenario_cases(tmp, ckpt, a.reproduction), a.probes, rows)
         if a.only_files:
-            run_files(tmp, ckpt, a, rows)
+            run_probes(file_cases(tmp, ckpt), a.probes, rows)
         table(rows, a.width)
         print(json.dumps({"tmp": str(tmp)}), file=sys.stderr)
         return
@@ -167,26 +174,16 @@ def main() -> None:
     outside = [*tmp.rglob("x.md"), *tmp.rglob("x.png")]
     rows.append(("(the report wrote outside --out)", "", "", "", "", "", "yes" if outside else "no"))
     if not a.only_new:
-        run_scenarios(tmp, ckpt, a, rows)
-        run_files(tmp, ckpt, a, rows)
+        run_probes(scenario_cases(tmp, ckpt, a.reproduction), a.probes, rows)
+        run_probes(file_cases(tmp, ckpt), a.probes, rows)
     table(rows, a.width)
     print(json.dumps({"tmp": str(tmp)}), file=sys.stderr)
 
 
-def run_scenarios(tmp: Path, ckpt: Path, a, rows: list) -> None:
-    """The scenario probes (scenario_cases): a row each."""
-    for label, probe in scenario_cases(tmp, ckpt, a.reproduction, a.probes):
-        r = probe()
-        rows.append((label, r["rc"], r["tb"], r.get("wandb", "no"), r.get("left", ""), r["seconds"], r["first"]))
-        print(f"{label}: exit {r['rc']}", file=sys.stderr, flush=True)
-
-
-def run_files(tmp: Path, ckpt: Path, a, rows: list) -> None:
-    """The probes of links, names, records, sizes and tracebacks (bad_inputs_files.file_cases): a row each."""
-    from bad_inputs_files import file_cases
-
-    words = [w.strip() for w in a.probes.split(",")] if a.probes else None
-    for label, probe in file_cases(tmp, ckpt):
+def run_probes(cases: list[tuple[str, object]], probes: str | None, rows: list) -> None:
+    """Runs each (label, probe) whose label holds one of the comma-separated words `probes` (None: all): a row each."""
+    words = [w.strip() for w in probes.split(",")] if probes else None
+    for label, probe in cases:
         if words is None or any(w in label for w in words):
             r = probe()
             rows.append((label, r["rc"], r["tb"], r.get("wandb", "no"), r.get("left", ""), r["seconds"], r["first"]))
@@ -215,12 +212,15 @@ def _hf_folder(folder: Path, tokenizer: bool = True) -> Path:
     return folder
 
 
+MEMORY = {"tau": 5, "corpus": "ptb", "model": "m", "ce_limited_nats": 5.0, "mi_upper_bound_nats": 0.5,
+          "mi_stderr_nats": 0.01, "alpha": 0.001, "alpha_stderr": 0.002, "entropy_calibrated_nats": 4.5,
+          "test_tokens": 100, "cluster_size": 10}  # a memory stage's whole memory.json
+
+
 def _memory_json(path: Path, corpus: str, drop: tuple = ()) -> Path:
-    r = {"tau": 5, "corpus": corpus, "model": "m", "ce_limited_nats": 5.0, "mi_upper_bound_nats": 0.5,
-         "mi_stderr_nats": 0.01, "alpha": 0.001, "alpha_stderr": 0.002, "entropy_calibrated_nats": 4.5,
-         "test_tokens": 100, "cluster_size": 10}
     path.mkdir(parents=True, exist_ok=True)
-    (path / "memory.json").write_text(json.dumps({k: v for k, v in r.items() if k not in drop}))
+    (path / "memory.json").write_text(json.dumps({k: v for k, v in (MEMORY | {"corpus": corpus}).items()
+                                                  if k not in drop}))
     return path
 
 
@@ -333,13 +333,14 @@ def _hashes(folder: Path) -> dict:
             if p.is_file()}
 
 
-def _snapshot_probe(tmp: Path) -> dict:
-    """lmcal.docs --snapshot of a results.json that parses but has the wrong types, into a copy of docs/."""
-    docs, fake = tmp / "docs_copy", tmp / "FAKE"
+def _snapshot_probe(tmp: Path, name: str = "", results: str | None = None) -> dict:
+    """lmcal.docs --snapshot of a results.json `results` (default: one that parses but has the wrong types), into a
+    copy of docs/."""
+    docs, fake = tmp / f"docs_copy{name}", tmp / f"FAKE{name}"
     shutil.copytree(PROJECT / "docs", docs, dirs_exist_ok=True)
     fake.mkdir(exist_ok=True)
-    (fake / "results.json").write_text(json.dumps({"profile": "cpu", "provenance": ["not", "a", "mapping"],
-                                                   "base": 3}))
+    (fake / "results.json").write_text(results or json.dumps({"profile": "cpu", "provenance": ["not", "a", "mapping"],
+                                                              "base": 3}))
     (fake / "REPORT.md").write_text("# a report\n")
     before = _hashes(docs)
     r = _run(["lmcal.docs", "--snapshot", str(fake), "--docs", str(docs)], tmp)
@@ -494,11 +495,13 @@ def _make_killed(tmp: Path) -> dict:
     return {**r, "rc": "-9 (make)", "first": last, "seconds": time.perf_counter() - t0, "left": left}
 
 
-def _lock_body(tmp: Path, body: str) -> dict:
+def _lock_body(tmp: Path, body: str | None) -> dict:
+    """`train` into a folder whose .lmcal.lock holds `body`, untouched for a minute; None: the lock is a folder."""
     run = tmp / f"lock_{abs(hash(body))}"
     run.mkdir(parents=True, exist_ok=True)
-    (run / ".lmcal.lock").write_text(body)
-    os.utime(run / ".lmcal.lock", (time.time() - 60, time.time() - 60))
+    lock = run / ".lmcal.lock"
+    lock.mkdir() if body is None else lock.write_text(body)
+    os.utime(lock, (time.time() - 60, time.time() - 60))
     r = _pick(_run([*TRAIN, *SHORT, f"hydra.run.dir={run}"], tmp), ".lmcal.lock")
     return {**r, "left": left_in(run)}
 
@@ -513,8 +516,8 @@ def _wandb_online(tmp: Path) -> dict:
     return {**r, "left": left_in(out), "wandb": "yes" if any(out.rglob("wandb")) else "no"}
 
 
-def scenario_cases(tmp: Path, ckpt: Path, reproduction: Path | None, probes: str | None) -> list[tuple[str, object]]:
-    """(label, probe) of the scenario probes; `probes`: comma-separated words, the labels to keep (None: all)."""
+def scenario_cases(tmp: Path, ckpt: Path, reproduction: Path | None) -> list[tuple[str, object]]:
+    """(label, probe) of the scenario probes."""
     link = tmp / "link_to_usr_local"
     if not link.exists():
         link.symlink_to("/usr/local")
@@ -576,8 +579,7 @@ def scenario_cases(tmp: Path, ckpt: Path, reproduction: Path | None, probes: str
     if reproduction:
         all_cases.insert(7, ("`make reproduce` after a stage's calibration.json became `{}` (its report to redo)",
                              lambda: _stage_json_emptied(tmp, reproduction)))
-    words = [w.strip() for w in probes.split(",")] if probes else None
-    return [(label, probe) for label, probe in all_cases if words is None or any(w in label for w in words)]
+    return all_cases
 
 if __name__ == "__main__":
     main()

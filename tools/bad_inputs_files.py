@@ -8,11 +8,8 @@ runs the real entry point in a subprocess, and says what was left."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import bad_inputs as b
@@ -55,20 +52,6 @@ def _dataset_outside(tmp: Path, check: bool) -> dict:
     return {**r, "left": f"kept.txt {'still there' if kept.exists() else 'removed'}; out: {b.left_in(out)}"}
 
 
-def _snapshot(tmp: Path, name: str, results: str) -> dict:
-    """`docs --snapshot FAKE` whose results.json is `results`, into a copy of docs/."""
-    docs, fake = tmp / f"docs_{name}", tmp / f"FAKE_{name}"
-    shutil.copytree(b.PROJECT / "docs", docs, dirs_exist_ok=True)
-    fake.mkdir(exist_ok=True)
-    (fake / "results.json").write_text(results)
-    (fake / "REPORT.md").write_text("# a report\n")
-    before = b._hashes(docs)
-    r = b._run(["lmcal.docs", "--snapshot", str(fake), "--docs", str(docs)], tmp)
-    after = b._hashes(docs)
-    changed = sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k))
-    return {**r, "left": ("changed in docs/: " + ", ".join(changed[:4])) if changed else "docs/ unchanged"}
-
-
 def _report(tmp: Path, name: str, files: dict[str, str], *extra: str) -> dict:
     """`report RUNS --out OUT` over run folders holding `files` {relative path: text}."""
     runs, out = tmp / f"report_{name}", tmp / f"report_{name}_out"
@@ -84,9 +67,7 @@ def _scale_pair(**kw) -> dict[str, str]:
 
 
 def _memory_text(model: str, **raw: str) -> str:
-    rec = {"tau": 2, "corpus": "ptb", "model": model, "limited": "window", "ce_limited_nats": 5.0,
-           "mi_upper_bound_nats": 0.5, "mi_stderr_nats": 0.01, "alpha": 0.001, "alpha_stderr": 0.002,
-           "entropy_calibrated_nats": 4.5, "test_tokens": 100, "cluster_size": 10}
+    rec = b.MEMORY | {"tau": 2, "model": model, "limited": "window"}
     text = json.dumps(rec)
     for key, value in raw.items():
         text = text.replace(f'"{key}": {json.dumps(rec[key])}', f'"{key}": {value}')
@@ -107,11 +88,8 @@ def _gpu_report_kept(tmp: Path) -> dict:
     report = tmp / "gpu-check" / "REPORT.md"
     report.parent.mkdir(exist_ok=True)
     report.write_text("# the H200 run\n")
-    t0 = time.perf_counter()
-    p = subprocess.run([sys.executable, "tools/gpu_check.py", "--out", str(report)], cwd=b.PROJECT,
-                       capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
-    return {**b._summary(p.returncode, p.stderr), "seconds": time.perf_counter() - t0,
-            "left": f"REPORT.md {'kept' if report.read_text() == '# the H200 run' + chr(10) else 'replaced'}; "
+    r = b.run_argv([sys.executable, "tools/gpu_check.py", "--out", str(report)], b.PROJECT, timeout=300)
+    return {**r, "left": f"REPORT.md {'kept' if report.read_text() == '# the H200 run' + chr(10) else 'replaced'}; "
                     f"{b.left_in(report.parent, before={'REPORT.md'})}"}
 
 
@@ -136,15 +114,6 @@ def _hf_edited(tmp: Path, name: str, **config) -> dict:
                                              f"model.name_or_path={folder}"], tmp)
 
 
-def _lock(tmp: Path, name: str, make) -> dict:
-    run = tmp / f"lock_{name}"
-    shutil.rmtree(run, ignore_errors=True)
-    run.mkdir()
-    make(run / ".lmcal.lock")
-    return {**b._pick(b._run([*b.TRAIN, *b.SHORT, f"hydra.run.dir={run}"], tmp), ".lmcal.lock"),
-            "left": b.left_in(run)}
-
-
 def _no_slurm(tmp: Path) -> dict:
     """`train -m hydra/launcher=slurm_cpu` where no Slurm tool is on PATH (an empty folder)."""
     empty, sweep = tmp / "empty_path", tmp / "slurm_sweep"
@@ -156,18 +125,13 @@ def _no_slurm(tmp: Path) -> dict:
 
 def _make(tmp: Path, args: str) -> dict:
     out = tmp / "make_jobs"
-    t0 = time.perf_counter()
-    p = subprocess.run(["make", "-s", "reproduce", "PROFILE=scale", f"ARGS=out={out} {args}"], cwd=b.PROJECT,
-                       capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
-    return {**b._summary(p.returncode, p.stderr), "seconds": time.perf_counter() - t0, "left": b.left_in(out)}
+    r = b.run_argv(["make", "-s", "reproduce", "PROFILE=scale", f"ARGS=out={out} {args}"], b.PROJECT, timeout=600)
+    return {**r, "left": b.left_in(out)}
 
 
 def _bench(tmp: Path, script: str, *args: str) -> dict:
-    t0 = time.perf_counter()
-    p = subprocess.run([sys.executable, str(b.PROJECT / "bench" / script), *args], cwd=tmp, capture_output=True,
-                       text=True, timeout=600, stdin=subprocess.DEVNULL, env={**os.environ, "WANDB_MODE": "disabled"})
-    first = next((line for line in p.stderr.splitlines() if "error" in line), p.stderr.strip()[-200:])
-    return {**b._summary(p.returncode, p.stderr), "first": first, "seconds": time.perf_counter() - t0}
+    return b.run_argv([sys.executable, str(b.PROJECT / "bench" / script), *args], tmp, {"WANDB_MODE": "disabled"},
+                      timeout=600)
 
 
 def _json_file(path: Path, value) -> Path:
@@ -180,11 +144,10 @@ def file_cases(tmp: Path, ckpt: Path) -> list[tuple[str, object]]:
     """(label, probe) of the link, name, record, size and traceback probes."""
     train, scale = [*b.TRAIN, *b.SHORT], ["lmcal.reproduce", "profile=scale", "logger=none", "check=true"]
     metrics = json.dumps({"val_ppl": 2.0, "test_ppl": 2.0})
-    keep = [o for o in train if not o.startswith(("logger=", "analysis.stages="))]  # a key given once
 
-    def into(name, *args):
-        return lambda: b._into(tmp / name, [*(keep if any(o.startswith(("logger=", "analysis.stages="))
-                                                            for o in args) else train), *args], tmp)
+    def into(name, *args):  # each key given once: the probe's value replaces the base's
+        keys = {o.split("=")[0] for o in args}
+        return lambda: b._into(tmp / name, [*(o for o in train if o.split("=")[0] not in keys), *args], tmp)
 
     def plan(*args):
         return lambda: b._run([*scale, f"out={tmp / 'scale_plan'}", *args], tmp)
@@ -197,11 +160,11 @@ def file_cases(tmp: Path, ckpt: Path) -> list[tuple[str, object]]:
         ("`train logger=wandb logger.name_suffix=` 100,000 characters",
          into("suffix", "logger=wandb", "logger.name_suffix=" + "x" * 100_000)),
         ("`docs --snapshot FAKE`: results.json `{\"profile\": \"cpu\"}`",
-         lambda: _snapshot(tmp, "profile_only", json.dumps({"profile": "cpu"}))),
+         lambda: b._snapshot_probe(tmp, "_profile_only", json.dumps({"profile": "cpu"}))),
         ("`docs --snapshot FAKE`: results.json with `stages: 3`",
-         lambda: _snapshot(tmp, "stages_int", json.dumps({"profile": "cpu", "stages": 3}))),
+         lambda: b._snapshot_probe(tmp, "_stages_int", json.dumps({"profile": "cpu", "stages": 3}))),
         ("`docs --snapshot FAKE`: results.json nested 100,000 deep",
-         lambda: _snapshot(tmp, "deep", '{"profile": "cpu", "x": ' + DEEP + "}")),
+         lambda: b._snapshot_probe(tmp, "_deep", '{"profile": "cpu", "x": ' + DEEP + "}")),
         ("`report`: scale.json with NaN", lambda: _report(tmp, "nan", _scale_pair(gap_nats=float("nan")))),
         ("`report`: scale.json with Infinity",
          lambda: _report(tmp, "inf", _scale_pair(tail_nats_per_prefix=[float("inf"), 1.0]))),
@@ -254,7 +217,7 @@ def file_cases(tmp: Path, ckpt: Path) -> list[tuple[str, object]]:
                         *[str(_json_file(tmp / "seq" / n / "sequence_calibration.json", {"rows": []}).parent)
                           for n in ("a", "b")])),
         ("`train` into a folder whose .lmcal.lock holds a pid of 10^30",
-         lambda: _lock(tmp, "huge_pid", lambda p: p.write_text(json.dumps({"pid": 10**30, "host": "h"})))),
-        ("`train` into a folder whose .lmcal.lock is a folder", lambda: _lock(tmp, "folder", lambda p: p.mkdir())),
+         lambda: b._lock_body(tmp, json.dumps({"pid": 10**30, "host": "h"}))),
+        ("`train` into a folder whose .lmcal.lock is a folder", lambda: b._lock_body(tmp, None)),
         ("`train -m hydra/launcher=slurm_cpu` with no Slurm on PATH", lambda: _no_slurm(tmp)),
     ]
