@@ -7,6 +7,9 @@ VENV ?= .venv
 TORCH_DEFAULT := torch==2.13.0
 TORCH ?= $(TORCH_DEFAULT)
 PROFILE ?= auto
+# pytest workers for the test targets (pytest-xdist; a test file stays on one worker, its threads cores // workers)
+TEST_JOBS ?= 2
+PYTEST := $(PY) -m pytest -n $(TEST_JOBS) --dist loadfile
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 # The torch requirement the venv holds (written with the stamp; a venv from before it: the default). Another TORCH
@@ -24,6 +27,7 @@ help: ## list the targets
 	@awk 'BEGIN{FS=":.*## "} /^[a-zA-Z_-]+:.*## /{printf "  make %-10s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
 	@echo "  variables: TORCH='$(TORCH)' PROFILE=$(PROFILE) (auto|paper|paper_mini|paper_full|cpu|smoke|scale|scale_gpu) LMCAL_DATA_ROOT=<folder holding ptb/>"
 	@echo "             ARGS='out=DIR taus=[5,10] ...' (reproduce: overrides of conf/reproduce/<profile>.yaml)"
+	@echo "             TEST_JOBS=2 (test targets: pytest workers; 0 runs the tests in one process)"
 	@echo "             FORCE=1 (reproduce: redo the stages whose settings changed, and those downstream)"
 	@echo "  commands (in .venv/bin): lmcal-train lmcal-evaluate lmcal-reproduce lmcal-report lmcal-docs (python -m lmcal.<name>);"
 	@echo "             shell completion: eval \"\$$(.venv/bin/lmcal-train -sc install=bash)\""
@@ -41,14 +45,14 @@ torch-changed: ;
 
 install: $(STAMP) ## create .venv: pinned torch first, then lmcal with its dependencies
 
-test: $(STAMP) ## the fast tests, about 15 min on 2 cores (real PTB through LMCAL_DATA_ROOT if set; slow tests excluded)
-	$(PY) -m pytest -m "not slow and not slurm"
+test: $(STAMP) ## the fast tests, about 20 min on 2 cores in TEST_JOBS workers (real PTB through LMCAL_DATA_ROOT if set; slow tests excluded)
+	$(PYTEST) -m "not slow and not slurm"
 
 test-slow: $(STAMP) ## the slow tier, and the fast tests that need the real corpus (ptb; LMCAL_DATA_ROOT) (CI: after make test)
-	$(PY) -m pytest -m "(slow or ptb) and not slurm"
+	$(PYTEST) -m "(slow or ptb) and not slurm"
 
 test-all: $(STAMP) ## every test, the slow tier too, but the Slurm tier
-	$(PY) -m pytest -m "not slurm"
+	$(PYTEST) -m "not slurm"
 
 test-slurm: $(STAMP) ## the Slurm tier: a single-node Slurm cluster on loopback (root; apt-get install slurm-wlm munge)
 	$(PY) -m pytest -m slurm tests/slurm -s

@@ -8,7 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from lmcal.data.corpora import PTB_SHA256
+if os.environ.get("PYTEST_XDIST_WORKER") and not os.environ.get("OMP_NUM_THREADS"):
+    # a worker's share of the cores, for it and the entry points it starts (read as torch loads, just below): the
+    # workers side by side would otherwise each spin all the cores' threads and slow one another several-fold
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    os.environ["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // workers))
+
+from lmcal.data.corpora import PTB_SHA256  # noqa: E402
 
 DATA_ROOT = os.environ.get("LMCAL_DATA_ROOT")
 DATA_ROOT = str(Path(DATA_ROOT).resolve()) if DATA_ROOT else None  # subprocesses run in other folders
@@ -29,12 +35,20 @@ def data_overrides() -> list[str]:
     return ["data.name=synthetic", "+data.corpus_kwargs={vocab_size: 60, n_train: 20000, n_valid: 3000, n_test: 3000}"]
 
 
+# the longest files, first: with workers (make test's TEST_JOBS) a file stays on one worker, and one handed out last
+# would keep the others waiting (test_reproduce: the smoke reproduction, several times over)
+FIRST = ("test_reproduce.py", "test_paper_mini.py", "test_check.py")
+
+
 def pytest_collection_modifyitems(config, items):
-    """Tests marked gpu run only where CUDA is present (make gpu-check); elsewhere they are skipped, saying why.
+    """The FIRST files lead; tests marked gpu run only where CUDA is present (make gpu-check), elsewhere they are
+    skipped, saying why.
     (Tests that take `data_overrides` run in make test on whichever corpus is found; they are not marked ptb, so
     make test-slow does not run them a second time.)"""
     import torch
 
+    rank = {name: i for i, name in enumerate(FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(FIRST)))  # stable: the rest keep their order
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA (a gpu test): none on this machine")
