@@ -9,7 +9,7 @@ TORCH ?= $(TORCH_DEFAULT)
 PROFILE ?= auto
 # pytest workers for the test targets (pytest-xdist; a test file stays on one worker, its threads cores // workers)
 TEST_JOBS ?= 2
-PYTEST := $(PY) -m pytest -n $(TEST_JOBS) --dist loadfile
+PYTEST = $(PY) -m pytest -n $(TEST_JOBS) --dist loadfile
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 # The torch requirement the venv holds (written with the stamp; a venv from before it: the default). Another TORCH
