@@ -7,10 +7,10 @@ VENV ?= .venv
 TORCH_DEFAULT := torch==2.13.0
 TORCH ?= $(TORCH_DEFAULT)
 PROFILE ?= auto
+PY := $(VENV)/bin/python
 # pytest workers for the test targets (pytest-xdist; a test file stays on one worker, its threads cores // workers)
 TEST_JOBS ?= 2
-PYTEST = $(PY) -m pytest -n $(TEST_JOBS) --dist loadfile
-PY := $(VENV)/bin/python
+PYTEST := $(PY) -m pytest -n $(TEST_JOBS) --dist loadfile
 STAMP := $(VENV)/.installed
 # The torch requirement the venv holds (written with the stamp; a venv from before it: the default). Another TORCH
 # makes the stamp out of date, and the install swaps torch alone (uninstalled, then installed), keeping the venv.

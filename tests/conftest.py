@@ -8,11 +8,12 @@ from pathlib import Path
 
 import pytest
 
-if os.environ.get("PYTEST_XDIST_WORKER") and not os.environ.get("OMP_NUM_THREADS"):
-    # a worker's share of the cores, for it and the entry points it starts (read as torch loads, just below): the
-    # workers side by side would otherwise each spin all the cores' threads and slow one another several-fold
-    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    os.environ["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // workers))
+from lmcal.pipeline.devices import thread_env  # (loads no torch)
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # a worker's share of the cores, for it and the entry points it starts (read as torch loads, just below), as the
+    # pipeline gives stages side by side; a user's OMP_NUM_THREADS holds
+    os.environ.update(thread_env(int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
 
 from lmcal.data.corpora import PTB_SHA256  # noqa: E402
 
