@@ -98,7 +98,7 @@ def test_the_console_numbers_stages_as_they_start_and_gives_the_times_left(tmp_p
     from omegaconf import OmegaConf
 
     from lmcal.pipeline import schedule as S
-    from lmcal.pipeline.eta import plan_left, scaled, stage_line, step_eta
+    from lmcal.pipeline.eta import floored, plan_left, scaled, stage_line, step_eta
 
     def stage(name, deps=(), seconds=0.0):
         done = tmp_path / name / "done.txt"
@@ -134,6 +134,12 @@ def test_the_console_numbers_stages_as_they_start_and_gives_the_times_left(tmp_p
         "[3/22] c: 25s, about 1m00s left (scoring 40%, about 3s left)"
     assert plan_left(exp, ["c"], {"b": 5.0}, jobs=1) == pytest.approx(85.0 + 40.0)
     assert plan_left(exp, ["d"], {}, jobs=1) is None  # a stage without an expectation: no total
+    # a stage whose own step says 50 min are left is not shown ending in 13 (the reference run's machine was faster)
+    low = floored({"base": 16 * 60.0, "c": 40.0}, {"base": 180.0}, {"base": 3000.0})
+    assert low == {"base": 3180.0, "c": 40.0}
+    assert stage_line("base", 1, 30, 180.0, low["base"], "epoch 1/6, about 50m00s left") == \
+        "[1/30] base: 3m00s, about 50m00s left (epoch 1/6, about 50m00s left)"
+    assert floored({"base": 4000.0}, {"base": 180.0}, {"base": 60.0}) == {"base": 4000.0}  # (a floor, not a cap)
 
 
 def test_the_memory_fit_and_scoring_say_how_far_they_are(caplog, monkeypatch):

@@ -40,3 +40,30 @@ def test_the_first_line_comes_before_the_heavy_imports(tmp_path, module, argv):
                        capture_output=True, text=True, timeout=300)
     heavy = next(ln for ln in r.stderr.splitlines() if ln.startswith("HEAVY"))
     assert heavy == "HEAVY []", r.stderr[-2000:]
+
+
+LIGHT = """
+import sys
+sys.argv = ["lmcal-{name}", *{argv!r}]
+from lmcal.{name} import cli
+try:
+    cli()
+except SystemExit as e:
+    print("EXIT", e.code, "LIGHTNING", "pytorch_lightning" in sys.modules, file=sys.stderr)
+"""
+
+
+@pytest.mark.parametrize("name, argv, code", [
+    ("train", ["--help"], 0),
+    ("evaluate", ["--help"], 0),
+    ("train", ["experiment=smoke", "logger=none", "+optim.lrr=3"], 2),  # a refused setting
+    ("train", ["experiment=smoke", "logger=none", "trainer.precision=64-true"], 2),
+])
+def test_help_and_refusals_of_the_hydra_commands_come_before_lightning(tmp_path, name, argv, code):
+    """`lmcal-train --help` and a refused setting answer before Lightning is imported (lmcal.training.run holds it):
+    seconds, not the quarter of a minute its import takes on 2 cores."""
+    argv = [*argv, f"hydra.run.dir={tmp_path / 'run'}"] if code else argv
+    r = subprocess.run([sys.executable, "-c", LIGHT.format(name=name, argv=argv)], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=300)
+    assert f"EXIT {code} LIGHTNING False" in r.stderr, r.stderr[-2000:]
+    assert not (tmp_path / "run").exists()

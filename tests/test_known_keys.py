@@ -73,3 +73,15 @@ def test_the_plan_check_refuses_an_unknown_key_of_any_stage(tmp_path, setting, k
     with pytest.raises(LmcalError, match=rf"Unknown setting: {key} "):
         check(cfg)
     assert not (tmp_path / "out").exists()
+
+
+def test_the_trainer_keys_read_from_lightnings_source_are_its_signature():
+    """trainer_keys reads Trainer.__init__'s parameters from Lightning's source (no import); they are exactly the
+    signature's."""
+    import inspect
+
+    import pytorch_lightning as pl
+
+    from lmcal.training.known_keys import trainer_keys
+
+    assert trainer_keys() == set(inspect.signature(pl.Trainer.__init__).parameters) - {"self"}

@@ -61,7 +61,7 @@ def test_another_error_of_a_stage_is_left_as_it_is(monkeypatch, tmp_path):
 
 
 def test_training_that_runs_out_names_data_batch_size():
-    from lmcal.train import fit
+    from lmcal.training.run import fit
 
     trainer = SimpleNamespace(fit=lambda *a, **k: _raise_oom())
     with pytest.raises(LmcalError, match=r"^Training ran out of memory .* data\.batch_size=10;"):

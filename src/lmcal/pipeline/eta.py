@@ -29,6 +29,12 @@ def seconds(text: str) -> float:
 def step_eta(log_path: Path, tail_bytes: int = 8192, now: float | None = None) -> str | None:
     """The last progress line of a stage's log as "scoring 40%, about 1m20s left" (a training's: "epoch 3/300, about
     2h10m left"), the time left counted down by the line's age (its time stamp), or None when it has none yet."""
+    found = step_progress(log_path, tail_bytes, now)
+    return found[0] if found else None
+
+
+def step_progress(log_path: Path, tail_bytes: int = 8192, now: float | None = None) -> tuple[str, float] | None:
+    """step_eta's text and the seconds it says are left (0 when finishing), or None."""
     try:
         with open(log_path, "rb") as f:
             f.seek(0, 2)
@@ -43,10 +49,11 @@ def step_eta(log_path: Path, tail_bytes: int = 8192, now: float | None = None) -
     age = max(0.0, (time.time() if now is None else now) - time.mktime(time.strptime(m["when"], "%Y-%m-%d %H:%M:%S")))
     training = "epoch" in m.groupdict()
     left = seconds(m["left"] or m["in_epoch"]) if training else seconds(m["left"])
-    left = f"about {clock(left - age)} left" if left > age else "finishing"
+    text = f"about {clock(left - age)} left" if left > age else "finishing"
     if training:
-        return f"epoch {m['epoch']}, {left}" + ("" if m["left"] or left == "finishing" else " in the epoch")
-    return f"{m['what']} {m['pct']}%, {left}"
+        in_all = bool(m["left"]) or text == "finishing"
+        return f"epoch {m['epoch']}, {text}" + ("" if in_all else " in the epoch"), max(left - age, 0.0)
+    return f"{m['what']} {m['pct']}%, {text}", max(left - age, 0.0)
 
 
 def scaled(basis: dict[str, float], finished: dict[str, float], reference: bool) -> dict[str, float]:
@@ -66,6 +73,17 @@ def scaled(basis: dict[str, float], finished: dict[str, float], reference: bool)
             if slope > 0 and my - slope * mx >= 0:
                 a, b = my - slope * mx, slope
     return {n: a + b * x for n, x in basis.items()}
+
+
+def floored(expected: dict[str, float], elapsed: dict[str, float], step_left: dict[str, float]) -> dict[str, float]:
+    """The expected seconds with each running stage's (elapsed: {name: seconds so far}) raised to at least its elapsed
+    time plus its current step's own measured time left (step_left): a stage ends no sooner than the step it is in,
+    whatever the reference run's times say of this machine."""
+    out = dict(expected)
+    for n, left in step_left.items():
+        if n in out:
+            out[n] = max(out[n], elapsed[n] + left)
+    return out
 
 
 def stage_line(name: str, number: int, total: int, elapsed: float, expected: float | None, step: str | None) -> str:

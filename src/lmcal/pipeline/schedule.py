@@ -17,7 +17,7 @@ from omegaconf import DictConfig
 
 from lmcal.errors import LmcalError
 from lmcal.pipeline.devices import device_env, free_slot, sweep_jobs, thread_env, visible_gpus
-from lmcal.pipeline.eta import plan_left, scaled, stage_line, step_eta
+from lmcal.pipeline.eta import floored, plan_left, scaled, stage_line, step_progress
 from lmcal.pipeline.signals import end_groups, stage_process_options
 from lmcal.pipeline.warm import Worker, takes
 from lmcal.reporting.results import not_whole, stage_record
@@ -335,12 +335,13 @@ def _reap(r: _Run, tty: bool) -> None:
 def _show_progress(r: _Run, basis: dict, reference: bool, tty: bool) -> None:
     """Each running stage's time and time left, and the pipeline's."""
     now = time.perf_counter()
-    expected = scaled(basis, r.seconds, reference=reference)
-    lines = [stage_line(n, r.number[n], len(r.stages), now - run["t0"], expected.get(n),
-                        step_eta(run["log_path"]) if run.get("log_path") else None)
-             for n, run in r.running.items()]
-    left = plan_left(expected, [st["name"] for st in r.todo if "fn" not in st],
-                     {n: now - run["t0"] for n, run in r.running.items()}, r.jobs)
+    elapsed = {n: now - run["t0"] for n, run in r.running.items()}
+    steps = {n: step_progress(run["log_path"]) if run.get("log_path") else None for n, run in r.running.items()}
+    expected = floored(scaled(basis, r.seconds, reference=reference), elapsed,
+                       {n: s[1] for n, s in steps.items() if s})
+    lines = [stage_line(n, r.number[n], len(r.stages), elapsed[n], expected.get(n), steps[n] and steps[n][0])
+             for n in r.running]
+    left = plan_left(expected, [st["name"] for st in r.todo if "fn" not in st], elapsed, r.jobs)
     if left is not None:
         lines[-1] += f"; the pipeline about {clock(left)} left"
     print(f"\r{'; '.join(lines)}\033[K" if tty else "\n".join(lines), end="" if tty else "\n", flush=True)

@@ -29,7 +29,9 @@ from pathlib import Path
 
 from lmcal.pipeline.signals import stage_process_options
 
-ENTRIES = ("lmcal.train", "lmcal.evaluate")  # what the worker imports, and the stage commands it takes
+ENTRIES = ("lmcal.train", "lmcal.evaluate")  # the stage commands the worker takes
+# what it imports: the entry points, and the training run they import only once its settings have passed (Lightning)
+PRELOAD = (*ENTRIES, "lmcal.training.run")
 
 
 def takes(cmd: list[str]) -> bool:
@@ -175,7 +177,7 @@ def _child(argv: list[str], env: dict, log: str) -> None:
 def serve() -> None:
     """The worker: imports the entry points, then forks a child per request read from stdin, until stdin closes
     and its children have exited."""
-    for name in ENTRIES:
+    for name in PRELOAD:
         importlib.import_module(name)
     out, children, buf, open_ = sys.stdout, {}, b"", True
     sel = selectors.DefaultSelector()

@@ -8,15 +8,19 @@ settings (lmcal.stages.registry)."""
 
 from __future__ import annotations
 
+import ast
 import difflib
 import functools
+import importlib.util
 import inspect
 from dataclasses import fields
+from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
 from lmcal.errors import LmcalError
 from lmcal.stages.registry import STAGES, settings_keys
+from lmcal.training.optim import OptimConfig
 from lmcal.utils.settings import CONF_DIR
 
 
@@ -48,18 +52,31 @@ def network_keys(target: str) -> set[str] | None:
     return {p for p in inspect.signature(cls.__init__).parameters if p != "self"} | {"_target_"}
 
 
+def trainer_keys() -> set[str]:
+    """The parameters of Lightning's Trainer, read from its source file rather than by importing Lightning (seconds
+    that a refused setting should not wait for); by its signature where the source is not where Lightning keeps it."""
+    spec = importlib.util.find_spec("pytorch_lightning")
+    path = Path(spec.origin).parent / "trainer" / "trainer.py" if spec and spec.origin else None
+    if path is not None and path.is_file():
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.ClassDef) and node.name == "Trainer":
+                for item in node.body:
+                    if isinstance(item, ast.FunctionDef) and item.name == "__init__":
+                        a = item.args
+                        return {x.arg for x in a.posonlyargs + a.args + a.kwonlyargs} - {"self"}
+    import pytorch_lightning as pl
+
+    return set(inspect.signature(pl.Trainer.__init__).parameters) - {"self"}
+
+
 @functools.cache
 def fixed_sections() -> dict[str, frozenset[str]]:
     """The known keys of the sections whose schema never changes: optim, data, trainer."""
-    import pytorch_lightning as pl
-
     from lmcal.data.batching import DataConfig
-    from lmcal.training.module import OptimConfig
 
-    trainer = set(inspect.signature(pl.Trainer.__init__).parameters) - {"self"}
     return {"optim": frozenset(f.name for f in fields(OptimConfig)),
             "data": frozenset({f.name for f in fields(DataConfig)} | {"_target_"}),
-            "trainer": frozenset(trainer | {"_target_"})}
+            "trainer": frozenset(trainer_keys() | {"_target_"})}
 
 
 def section_keys(cfg: DictConfig) -> dict[str, set[str] | frozenset[str] | None]:
