@@ -127,13 +127,24 @@ def test_the_console_numbers_stages_as_they_start_and_gives_the_times_left(tmp_p
     written = time.mktime(time.strptime("2026-11-26 03:50:00", "%Y-%m-%d %H:%M:%S"))
     assert step_eta(log, now=written + 600) == "epoch 3/300, about 2h00m left"  # ten minutes after the line
     assert step_eta(log, now=written + 9000) == "epoch 3/300, finishing"
-    exp = scaled({"a": 10.0, "b": 20.0, "c": 40.0}, {"a": 25.0, "b": 45.0}, reference=False)  # 5 + 2 x basis
-    assert exp == {"a": pytest.approx(25.0), "b": pytest.approx(45.0), "c": pytest.approx(85.0)}
+    basis = {"a": 10.0, "b": 20.0, "c": 40.0, "d": 80.0}
+    exp = scaled(basis, {"a": 25.0, "b": 45.0, "c": 85.0}, reference=False)  # 5 + 2 x basis, from three stages
+    assert exp == {"a": pytest.approx(25.0), "b": pytest.approx(45.0), "c": pytest.approx(85.0),
+                   "d": pytest.approx(165.0)}
+    # two stages: their ratio, not the line through them (the cpu reproduction's base 967 s -> 2165 s and its
+    # tau-models 274 s -> 1235 s gave a 4-second Markov stage 873 s, and the pipeline 7h33m left)
+    ref = {"base": 967.0, "tau_models": 274.0, "markov_memory_tau1": 4.0}
+    two = scaled(ref, {"base": 2165.0, "tau_models": 1235.0}, reference=True)
+    assert two["markov_memory_tau1"] == pytest.approx(4.0 * 3400.0 / 1241.0)
+    assert scaled(ref, {"base": 2165.0, "tau_models": 1235.0, "markov_memory_tau1": 1.0}, True) == pytest.approx(
+        {n: 3400.0 / 1241.0 * x for n, x in ref.items()}, rel=0.3)  # an intercept above the shortest stage: a ratio
+    assert scaled({"a": 10.0, "b": 20.0}, {"a": 25.0, "b": 45.0}, reference=False) == pytest.approx(
+        {"a": 70.0 / 3, "b": 140.0 / 3})  # (25 + 45) / (10 + 20) x basis
     assert scaled({"a": 10.0}, {}, reference=False) == {} and scaled({"a": 10.0}, {}, reference=True) == {"a": 10.0}
     assert stage_line("c", 3, 22, 25.0, 85.0, "scoring 40%, about 3s left") == \
         "[3/22] c: 25s, about 1m00s left (scoring 40%, about 3s left)"
     assert plan_left(exp, ["c"], {"b": 5.0}, jobs=1) == pytest.approx(85.0 + 40.0)
-    assert plan_left(exp, ["d"], {}, jobs=1) is None  # a stage without an expectation: no total
+    assert plan_left(exp, ["e"], {}, jobs=1) is None  # a stage without an expectation: no total
     # a stage whose own step says 50 min are left is not shown ending in 13 (the reference run's machine was faster)
     low = floored({"base": 16 * 60.0, "c": 40.0}, {"base": 180.0}, {"base": 3000.0})
     assert low == {"base": 3180.0, "c": 40.0}

@@ -1,7 +1,7 @@
 """The console's times while `make reproduce` runs: each running stage's elapsed time, the time its current step has
 left (its log's last progress line: a rate measured in the stage itself), and the time the stage and the pipeline
 have left, from stage times that are scaled to this machine as stages finish: a reference run's (docs/runs/<profile>)
-or else the plan check's estimates (lmcal.pipeline.check), fitted as seconds = a + b x basis on the finished stages.
+or else the plan check's estimates (lmcal.pipeline.check), scaled by the finished stages (`scaled`).
 """
 
 from __future__ import annotations
@@ -57,20 +57,22 @@ def step_progress(log_path: Path, tail_bytes: int = 8192, now: float | None = No
 
 
 def scaled(basis: dict[str, float], finished: dict[str, float], reference: bool) -> dict[str, float]:
-    """Each stage's expected seconds on this machine: a + b x basis[name], a and b fitted (least squares, a >= 0) on
-    the stages that finished in this run (finished: {name: seconds}); with one finished stage b alone; with none, the
-    basis itself where it is a reference run's times (`reference`), else nothing ({}: an estimate for another device
-    says nothing here until a stage has been timed)."""
+    """Each stage's expected seconds on this machine: b x basis[name] with b the finished stages' ratio (finished:
+    {name: seconds}, this run's), or a + b x basis[name] fitted by least squares once three or more have finished,
+    a (the fixed cost of a stage) between 0 and the shortest finished stage's seconds. Two points fit a line exactly
+    and say nothing of it: a training of 36 min and one of 21 min would give every 4-second stage 14 min. With none
+    finished, the basis itself where it is a reference run's times (`reference`), else nothing ({}: an estimate for
+    another device says nothing here until a stage has been timed)."""
     pts = [(basis[n], s) for n, s in finished.items() if n in basis]
     if not pts:
         return dict(basis) if reference else {}
     a, b = 0.0, sum(y for _, y in pts) / max(sum(x for x, _ in pts), 1e-9)
-    if len(pts) >= 2:
+    if len(pts) >= 3:
         mx, my = sum(x for x, _ in pts) / len(pts), sum(y for _, y in pts) / len(pts)
         var = sum((x - mx) ** 2 for x, _ in pts)
         if var > 0:
             slope = sum((x - mx) * (y - my) for x, y in pts) / var
-            if slope > 0 and my - slope * mx >= 0:
+            if slope > 0 and 0 <= my - slope * mx <= min(y for _, y in pts):
                 a, b = my - slope * mx, slope
     return {n: a + b * x for n, x in basis.items()}
 
