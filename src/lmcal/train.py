@@ -19,9 +19,14 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+from lmcal.core.lookahead import set_memory_budget
+from lmcal.models.checkpoint import base_checkpoint, load_base_net
 from lmcal.pipeline.devices import apply_job_devices
+from lmcal.pipeline.preflight import preflight
+from lmcal.pipeline.sizes import model_of
 from lmcal.pipeline.slurm import check_sweep_launcher
-from lmcal.training.run_checks import TRAINABLE, device_count  # noqa: F401
+from lmcal.stages.registry import STAGES, check_plan
+from lmcal.training.run_checks import TRAINABLE, applicable_stages, device_count, training_device  # noqa: F401
 from lmcal.training.run_checks import check_settings as check_run_settings
 from lmcal.utils.boundary import explain, fail, run_hydra
 from lmcal.utils.device import TF32, apply_precision_policy, deterministic_cublas
@@ -55,7 +60,27 @@ def train(cfg: DictConfig) -> dict:
         sweep_temp_files(out)  # (a checkpoint half written when a run was killed: it holds the lock now)
         from lmcal.training.run import run  # (Lightning: imported only for a run that passed its checks)
 
-        return run(cfg, out)
+        return run(cfg, out, _analysis_plan)
+
+
+def _analysis_plan(cfg: DictConfig, dm) -> tuple[list[str], dict, str | None]:
+    """The stages that run after training, their settings, and the memory stage's base checkpoint: every setting
+    and size checked against the model before training (a misspelt stage or key costs nothing)."""
+    tau = cfg.model.get("memory_tau")
+    settings = {n: OmegaConf.to_container(cfg.analysis[n], resolve=True) for n in STAGES if n in cfg.analysis}
+    stages = applicable_stages(list(cfg.analysis.get("stages") or []), "tau" if tau else "full", settings)
+    check_plan(stages, "tau" if tau else "full", settings)
+    every = (settings.get("entropy_rate") or {}).get("every_n_epochs")
+    preflight({n: settings[n] for n in STAGES if n in stages or (n == "entropy_rate" and every)},
+              model_of(cfg, dm.vocab_size, {s: int(dm.tokens(s).numel()) for s in ("train", "valid", "test")}),
+              tau, device=training_device(cfg.trainer), bptt=int(cfg.data.bptt),
+              force=bool(cfg.get("force_size")))  # sizes against the model, now
+    set_memory_budget(cfg.analysis.get("memory_budget_gb"))  # the lookahead's chunks (lmcal.core.lookahead)
+    base_ckpt = base_checkpoint(OmegaConf.to_container(cfg.memory, resolve=True) if cfg.get("memory") else None,
+                                cfg.data.name)
+    if "memory" in stages and tau:  # (a full model's memory stage, limited=window, is its own base)
+        load_base_net(base_ckpt, "cpu", cfg.data.name, dm.corpus_kwargs, dm.vocab_size)  # now, not after
+    return stages, settings, base_ckpt
 
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="train")  # absolute: lmcal-train too

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytorch_lightning as pl
@@ -16,12 +17,9 @@ from omegaconf import DictConfig, OmegaConf
 from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.loggers import WandbLogger
 
-from lmcal.core.lookahead import set_memory_budget
 from lmcal.errors import LmcalError
-from lmcal.models.checkpoint import base_checkpoint, checkpoint_names, load_base_net, model_name
-from lmcal.pipeline.preflight import preflight
-from lmcal.pipeline.sizes import model_of
-from lmcal.stages.registry import STAGES, check_plan, check_stages, summary
+from lmcal.models.checkpoint import checkpoint_names, model_name
+from lmcal.stages.registry import check_stages, summary
 from lmcal.stages.wandb_run import log_checkpoint, use_checkpoint
 from lmcal.training.callbacks import (
     EpochEntropyRateCallback,
@@ -32,7 +30,6 @@ from lmcal.training.callbacks import (
 )
 from lmcal.training.checkpoint_io import AtomicCheckpointIO, check_resume, init_from
 from lmcal.training.module import LMModule
-from lmcal.training.run_checks import applicable_stages, training_device
 from lmcal.training.scale_run import record_training
 from lmcal.training.wandb_logger import finish_logger, make_logger
 from lmcal.utils.budget import tau_too_long
@@ -71,26 +68,6 @@ def _module(cfg: DictConfig, dm) -> LMModule:
                     data_cfg=OmegaConf.to_container(cfg.data, resolve=True), seed=cfg.seed)
 
 
-def _analysis_plan(cfg: DictConfig, dm) -> tuple[list[str], dict, str | None]:
-    """The stages that run after training, their settings, and the memory stage's base checkpoint: every setting
-    and size checked against the model before training (a misspelt stage or key costs nothing)."""
-    tau = cfg.model.get("memory_tau")
-    settings = {n: OmegaConf.to_container(cfg.analysis[n], resolve=True) for n in STAGES if n in cfg.analysis}
-    stages = applicable_stages(list(cfg.analysis.get("stages") or []), "tau" if tau else "full", settings)
-    check_plan(stages, "tau" if tau else "full", settings)
-    every = (settings.get("entropy_rate") or {}).get("every_n_epochs")
-    preflight({n: settings[n] for n in STAGES if n in stages or (n == "entropy_rate" and every)},
-              model_of(cfg, dm.vocab_size, {s: int(dm.tokens(s).numel()) for s in ("train", "valid", "test")}),
-              tau, device=training_device(cfg.trainer), bptt=int(cfg.data.bptt),
-              force=bool(cfg.get("force_size")))  # sizes against the model, now
-    set_memory_budget(cfg.analysis.get("memory_budget_gb"))  # the lookahead's chunks (lmcal.core.lookahead)
-    base_ckpt = base_checkpoint(OmegaConf.to_container(cfg.memory, resolve=True) if cfg.get("memory") else None,
-                                cfg.data.name)
-    if "memory" in stages and tau:  # (a full model's memory stage, limited=window, is its own base)
-        load_base_net(base_ckpt, "cpu", cfg.data.name, dm.corpus_kwargs, dm.vocab_size)  # now, not after
-    return stages, settings, base_ckpt
-
-
 def run_precision(cfg: DictConfig) -> dict:
     """What metrics.json records of the arithmetic: Lightning's trainer.precision (32-true; bf16-mixed autocasts the
     matmuls and the LSTM to bfloat16, the weights, checkpoints and final scores stay float32) and the TF32 flags."""
@@ -121,9 +98,11 @@ def _callbacks(cfg: DictConfig, out: Path, resume: str | None, stages: list[str]
     return callbacks, metrics_cb, stages_cb
 
 
-def run(cfg: DictConfig, out: Path) -> dict:
+def run(cfg: DictConfig, out: Path, analysis_plan: Callable) -> dict:
     """Fit (or resume) into `out`, evaluate the best checkpoint on valid and test, run the stages, write
-    metrics.json; returns its metrics."""
+    metrics.json; returns its metrics. `analysis_plan(cfg, dm)`: the stages after training, their settings and the
+    memory stage's base checkpoint, checked against the data before training (lmcal.train's, which sizes them
+    through lmcal.pipeline)."""
     t_start = time.perf_counter()
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     dm = instantiate(cfg.data)
@@ -134,7 +113,7 @@ def run(cfg: DictConfig, out: Path) -> dict:
     if resume:
         check_resume(resume, OmegaConf.to_container(cfg.model, resolve=True), dm.vocab_size)
         log.info(f"Resuming from {resume}")
-    stages, settings, base_ckpt = _analysis_plan(cfg, dm)
+    stages, settings, base_ckpt = analysis_plan(cfg, dm)
     if cfg.get("init_ckpt") and not resume:
         init_from(module, cfg.init_ckpt)
     callbacks, metrics_cb, stages_cb = _callbacks(cfg, out, resume, stages, settings, base_ckpt)
