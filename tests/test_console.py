@@ -127,6 +127,14 @@ def test_the_console_numbers_stages_as_they_start_and_gives_the_times_left(tmp_p
     written = time.mktime(time.strptime("2026-11-26 03:50:00", "%Y-%m-%d %H:%M:%S"))
     assert step_eta(log, now=written + 600) == "epoch 3/300, about 2h00m left"  # ten minutes after the line
     assert step_eta(log, now=written + 9000) == "epoch 3/300, finishing"
+    with log.open("a") as f:  # a step named with commas, then its last line: the step is done, not "finishing"
+        f.write("[2026-11-26 03:51:00,000][lmcal][INFO] - nested SMC from word 200, 8 particles: 40% (4,800/12,000 "
+                "word, 14 s, 353.4 word/s, about 20s left)\n")
+        f.flush()
+        assert step_eta(log, now=written + 65) == "nested SMC from word 200, 8 particles 40%, about 15s left"
+        f.write("[2026-11-26 03:51:20,000][lmcal][INFO] - nested SMC from word 200, 8 particles: 100% (12,000/12,000 "
+                "word, 34 s, 353.4 word/s)\n")
+    assert step_eta(log, now=written + 120) == "nested SMC from word 200, 8 particles done 40s ago"
     basis = {"a": 10.0, "b": 20.0, "c": 40.0, "d": 80.0}
     exp = scaled(basis, {"a": 25.0, "b": 45.0, "c": 85.0}, reference=False)  # 5 + 2 x basis, from three stages
     assert exp == {"a": pytest.approx(25.0), "b": pytest.approx(45.0), "c": pytest.approx(85.0),

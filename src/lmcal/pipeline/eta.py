@@ -14,8 +14,8 @@ from lmcal.utils.progress import clock
 
 # the progress lines of lmcal.utils.progress.LineProgress and lmcal.training.callbacks.TrainingProgress
 _WHEN = r"^\[(?P<when>\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)[^\]]*\]\[[^\]]*\]\[\w+\]"  # Hydra's log line head
-_STEP = re.compile(_WHEN + r" - (?P<what>[\w ]+): (?P<pct>\d+)% \([^\n]*?about (?:\w+-)?(?P<left>\w+) left\)",
-                   re.M)  # (a range "about 1m10s-1m50s left": its upper end)
+_STEP = re.compile(_WHEN + r" - (?P<what>[^\n:]+): (?P<pct>\d+)% \((?:[^\n]*?about (?:\w+-)?(?P<left>\w+) left)?",
+                   re.M)  # (a range "about 1m10s-1m50s left": its upper end; none on a step's last line, at 100%)
 _TRAINING = re.compile(_WHEN + r" - training: epoch (?P<epoch>\S+), [^\n]*?about (?P<in_epoch>\w+) left in the "
                        r"epoch(?:, about (?P<left>\w+) left in all)?", re.M)
 
@@ -48,6 +48,9 @@ def step_progress(log_path: Path, tail_bytes: int = 8192, now: float | None = No
     m = max(found, key=lambda e: e[0])[1]
     age = max(0.0, (time.time() if now is None else now) - time.mktime(time.strptime(m["when"], "%Y-%m-%d %H:%M:%S")))
     training = "epoch" in m.groupdict()
+    if not training and not m["left"]:  # a step's last line (100%), or one before its rate is known
+        done = m["pct"] == "100"
+        return f"{m['what']} " + (f"done {clock(age)} ago" if done else f"{m['pct']}%"), 0.0
     left = seconds(m["left"] or m["in_epoch"]) if training else seconds(m["left"])
     text = f"about {clock(left - age)} left" if left > age else "finishing"
     if training:
