@@ -51,7 +51,7 @@ def step_progress(log_path: Path, tail_bytes: int = 8192, now: float | None = No
     if not training and not m["left"]:  # a step's last line (100%), or one before its rate is known
         done = m["pct"] == "100"
         return f"{m['what']} " + (f"done {clock(age)} ago" if done else f"{m['pct']}%"), 0.0
-    left = seconds(m["left"] or m["in_epoch"]) if training else seconds(m["left"])
+    left = seconds(m["left"] or m["in_epoch"])  # (a step line here has its own; a training's may be the epoch's)
     text = f"about {clock(left - age)} left" if left > age else "finishing"
     if training:
         in_all = bool(m["left"]) or text == "finishing"
@@ -62,8 +62,8 @@ def step_progress(log_path: Path, tail_bytes: int = 8192, now: float | None = No
 def scaled(basis: dict[str, float], finished: dict[str, float], reference: bool) -> dict[str, float]:
     """Each stage's expected seconds on this machine: b x basis[name] with b the finished stages' ratio (finished:
     {name: seconds}, this run's), or a + b x basis[name] fitted by least squares once three or more have finished,
-    a (the fixed cost of a stage) between 0 and the shortest finished stage's seconds. Two points fit a line exactly
-    and say nothing of it: a training of 36 min and one of 21 min would give every 4-second stage 14 min. With none
+    a (the fixed cost of a stage) between 0 and the shortest finished stage's seconds: two points fit a line exactly
+    and say nothing of it, and an intercept from two long stages swamps every short one. With none
     finished, the basis itself where it is a reference run's times (`reference`), else nothing ({}: an estimate for
     another device says nothing here until a stage has been timed)."""
     pts = [(basis[n], s) for n, s in finished.items() if n in basis]

@@ -1,7 +1,7 @@
 """One training run's work once its settings have passed (lmcal.train checks them, locks the run folder, then calls
-`run`): the data, the module, the stages after training and their sizes, the callbacks, the logger, Lightning's fit
-and the records. Kept apart from the entry point so that `python -m lmcal.train --help` and a refused setting answer
-before Lightning is imported."""
+`run`): the data, the module, the callbacks, the logger, Lightning's fit and the records; the stages after training
+and their sizes come from the entry point's `analysis_plan`. Kept apart from the entry point so that
+`python -m lmcal.train --help` and a refused setting answer before Lightning is imported."""
 
 from __future__ import annotations
 
